@@ -1,0 +1,88 @@
+"""Typed service errors and the handlers that render every error as JSON.
+
+Each error body is {"error": code, "message": text naming the field and the
+numbers, "detail": [...]?}; an expected failure is a 4xx, never a 500.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from service.schemas import MODEL_KINDS
+
+log = logging.getLogger(__name__)
+
+_MAX_ECHO_CHARS = 80
+
+
+class ServiceError(Exception):
+    """An expected failure with its HTTP status and a machine-readable code."""
+
+    def __init__(self, message: str, *, status_code: int = 400, error: str = "bad_request", **extra: Any):
+        super().__init__(message)
+        self.message, self.status_code, self.error, self.extra = message, status_code, error, extra
+
+
+def _field_path(loc: tuple[Any, ...]) -> str:
+    """('body', 'model', 'gpt', 'n_embd') -> 'model.n_embd' (drops the source and union tags)."""
+    parts = [str(p) for i, p in enumerate(loc) if not (i == 0 and p in ("body", "query", "path", "header"))]
+    parts = [p for i, p in enumerate(parts) if not (i > 0 and parts[i - 1] == "model" and p in MODEL_KINDS)]
+    return ".".join(parts) or "body"
+
+
+def _echo(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= _MAX_ECHO_CHARS else text[: _MAX_ECHO_CHARS - 3] + "..."
+
+
+def describe_validation_errors(errors: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
+    """One readable message plus a JSON-safe list of {field, message, type}."""
+    detail, lines = [], []
+    for err in errors:
+        field = _field_path(tuple(err.get("loc", ())))
+        msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+        kind = err.get("type", "value_error")
+        if kind == "json_invalid":  # loc is ("body", character position)
+            position = err["loc"][-1] if len(err.get("loc", ())) > 1 else 0
+            field, msg = "body", f"invalid JSON at character {position} ({err.get('ctx', {}).get('error')})"
+        elif isinstance(err.get("input"), bytes):  # the body was not parsed as JSON
+            msg = "expected a JSON object; send it with Content-Type: application/json"
+        elif kind not in ("missing", "value_error") and "input" in err and not isinstance(err["input"], dict | list):
+            msg = f"{msg} (got {_echo(err['input'])})"
+        lines.append(f"{field}: {msg}")
+        detail.append({"field": field, "message": msg, "type": kind})
+    return "; ".join(lines), detail
+
+
+async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    message, detail = describe_validation_errors(list(exc.errors()))
+    return JSONResponse({"error": "invalid_request", "message": message, "detail": detail}, status_code=422)
+
+
+async def _service_error(_: Request, exc: ServiceError) -> JSONResponse:
+    return JSONResponse({"error": exc.error, "message": exc.message, **exc.extra}, status_code=exc.status_code)
+
+
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    return JSONResponse(
+        {"error": code, "message": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers
+    )
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    return JSONResponse({"error": "internal", "message": "internal server error"}, status_code=500)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(ServiceError, _service_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected_error)

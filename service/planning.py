@@ -1,0 +1,59 @@
+"""Capacity planning: a PlanRequest against the cluster, through the memory model."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from service.cluster import ClusterCapacity
+from service.schemas import PlanPublic, PlanRequest
+from workers import memory
+
+
+def workload_for(request: PlanRequest, *, overhead_bytes: int) -> memory.Workload:
+    """The memory model's view of a request: the formula, or a model's real layout."""
+    if request.model is None:
+        return memory.Workload.from_num_params(
+            request.num_params, precision=request.precision, optimizer=request.optimizer
+        )
+    return memory.Workload.from_model(
+        request.model.to_spec(),
+        precision=request.precision,
+        optimizer=request.optimizer,
+        micro_batch_size=request.micro_batch_size or 1,
+        seq_len=request.seq_len,
+        activation_checkpointing=bool(request.activation_checkpointing),
+        overhead_bytes=overhead_bytes,
+    )
+
+
+def make_plan(request: PlanRequest, *, cluster: ClusterCapacity, overhead_bytes: int) -> memory.Plan:
+    """Plan `request`, filling num_gpus and gpu_memory_gb from the cluster when absent."""
+    gpu_memory_bytes = (
+        cluster.gpu_memory_bytes
+        if request.gpu_memory_gb is None
+        else memory.gpu_memory_bytes_from_gb(request.gpu_memory_gb)
+    )
+    return memory.plan(
+        workload_for(request, overhead_bytes=overhead_bytes),
+        num_gpus=request.num_gpus or cluster.num_gpus,
+        stage=request.stage,
+        gpu_memory_bytes=gpu_memory_bytes,
+    )
+
+
+def plan_public(plan: memory.Plan) -> PlanPublic:
+    """The API's JSON shape of a plan (stage keys are strings, as JSON needs)."""
+    return PlanPublic(
+        num_params=plan.num_params,
+        num_gpus=plan.num_gpus,
+        stage=plan.stage,
+        precision=plan.precision,
+        optimizer=plan.optimizer,
+        per_gpu={**asdict(plan.per_gpu), "total_bytes": plan.per_gpu.total_bytes},
+        gpu_memory_bytes=plan.gpu_memory_bytes,
+        fits=plan.fits,
+        headroom_bytes=plan.headroom_bytes,
+        min_gpus=plan.min_gpus,
+        stages={str(stage): total for stage, total in plan.stages.items()},
+        sweep=[asdict(point) for point in plan.sweep],
+    )

@@ -1,0 +1,157 @@
+"""Request and response bodies of the REST API (and the CLI, which shares them)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+
+from workers import memory
+
+Precision = Literal["fp16", "bf16", "fp32"]
+OptimizerName = Literal["adamw", "adam", "sgd_momentum", "sgd"]
+Stage = Literal[0, 1, 2, 3]
+
+MAX_NUM_GPUS = 1 << 20
+MAX_GPU_MEMORY_GB = 1e6
+
+
+def _not_a_bool(value: object) -> object:
+    # pydantic's lax mode reads true as 1; a count given as a boolean is a mistake
+    if isinstance(value, bool):
+        raise ValueError(f"Input should be a number, not a boolean (got {str(value).lower()})")
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_not_a_bool)]
+Float = Annotated[float, BeforeValidator(_not_a_bool)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class GPTModelSpec(_Body):
+    """A GPT-2-style decoder (tied LM head, biases, pre-LayerNorm)."""
+
+    kind: Literal["gpt"]
+    vocab_size: Int = Field(ge=1, le=10_000_000)
+    n_layer: Int = Field(ge=1, le=100_000)
+    n_head: Int = Field(ge=1, le=100_000)
+    n_embd: Int = Field(ge=1, le=10_000_000)
+    block_size: Int = Field(ge=1, le=100_000_000)
+
+    @field_validator("n_embd")
+    @classmethod
+    def _heads_divide_width(cls, n_embd: int, info) -> int:
+        n_head = info.data.get("n_head")
+        if n_head and n_embd % n_head:
+            raise ValueError(
+                f"n_embd ({n_embd}) must be divisible by n_head ({n_head}): "
+                f"{n_embd} % {n_head} = {n_embd % n_head}"
+            )
+        return n_embd
+
+    def to_spec(self) -> memory.GPTSpec:
+        return memory.GPTSpec(**self.model_dump(exclude={"kind"}))
+
+
+class MLPModelSpec(_Body):
+    """Linear layers of the given widths with ReLU between them."""
+
+    kind: Literal["mlp"]
+    sizes: list[Annotated[Int, Field(ge=1, le=10_000_000)]] = Field(min_length=2, max_length=10_000)
+
+    def to_spec(self) -> memory.MLPSpec:
+        return memory.MLPSpec(sizes=tuple(self.sizes))
+
+
+ModelSpec = Annotated[GPTModelSpec | MLPModelSpec, Field(discriminator="kind")]
+MODEL_KINDS = ("gpt", "mlp")
+
+_MODEL_ONLY_FIELDS = ("micro_batch_size", "seq_len", "activation_checkpointing")
+
+
+class PlanRequest(_Body):
+    """POST /v1/plan: exactly one of num_params or model."""
+
+    num_params: Int | None = Field(None, ge=1, le=memory.MAX_NUM_PARAMS)
+    model: ModelSpec | None = None
+    num_gpus: Int | None = Field(None, ge=1, le=MAX_NUM_GPUS, description="Default: the cluster's GPUs.")
+    gpu_memory_gb: Float | None = Field(
+        None, gt=0, le=MAX_GPU_MEMORY_GB, allow_inf_nan=False, description="GB = 1e9 bytes. Default: the cluster's."
+    )
+    precision: Precision = "fp16"
+    optimizer: OptimizerName = "adamw"
+    stage: Stage = 1
+    micro_batch_size: Int | None = Field(None, ge=1, le=1_000_000, description="Default 1 (model plans only).")
+    seq_len: Int | None = Field(None, ge=1, le=100_000_000, description="Default: block_size (GPT plans only).")
+    activation_checkpointing: bool | None = Field(None, description="Default false (model plans only).")
+
+    @model_validator(mode="after")
+    def _one_source_of_params(self) -> PlanRequest:
+        if (self.num_params is None) == (self.model is None):
+            given = "both" if self.model is not None else "neither"
+            raise ValueError(f"exactly one of num_params or model is required, got {given}")
+        if self.model is None:
+            extra = [f for f in _MODEL_ONLY_FIELDS if getattr(self, f) is not None]
+            if extra:
+                raise ValueError(f"{', '.join(extra)} only apply to a plan for a model, not to num_params")
+            return self
+        if self.seq_len is not None:
+            if not isinstance(self.model, GPTModelSpec):
+                raise ValueError("seq_len only applies to a gpt model")
+            if self.seq_len > self.model.block_size:
+                raise ValueError(f"seq_len ({self.seq_len}) must be <= model.block_size ({self.model.block_size})")
+        num_params = self.model.to_spec().num_params
+        if num_params > memory.MAX_NUM_PARAMS:
+            raise ValueError(
+                f"model has {num_params:,} parameters, above the limit of {memory.MAX_NUM_PARAMS:,}"
+            )
+        return self
+
+
+class BreakdownPublic(BaseModel):
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    padding_bytes: int
+    activations_bytes: int
+    overhead_bytes: int
+    total_bytes: int
+
+
+class SweepPointPublic(BaseModel):
+    num_gpus: int
+    total_bytes: int
+    fits: bool
+
+
+class PlanPublic(BaseModel):
+    """A capacity plan: per-GPU bytes at N, the fit, and how it moves with N and stage."""
+
+    num_params: int
+    num_gpus: int
+    stage: int
+    precision: Precision
+    optimizer: OptimizerName
+    per_gpu: BreakdownPublic
+    gpu_memory_bytes: int
+    fits: bool
+    headroom_bytes: int
+    min_gpus: int | None = Field(description="Smallest N that fits at this stage; null if none does.")
+    stages: dict[str, int] = Field(description="Per-GPU total of each stage 0-3 at this N.")
+    sweep: list[SweepPointPublic] = Field(description="Per-GPU total at this stage for N = 1, 2, 4, ... 1024.")
+
+
+class HealthPublic(BaseModel):
+    status: Literal["ok"]
+    version: str
+
+
+class ErrorPublic(BaseModel):
+    """Every error the API returns."""
+
+    error: str
+    message: str
+    detail: list[dict] | None = None

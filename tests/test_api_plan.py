@@ -1,0 +1,197 @@
+"""POST /v1/plan and GET /healthz through the ASGI app."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+GPT2_XL = {"kind": "gpt", "vocab_size": 50257, "n_layer": 48, "n_head": 25, "n_embd": 1600, "block_size": 1024}
+
+
+def test_seed_example(client):
+    r = client.post("/v1/plan", json={"num_params": 7_500_000_000, "num_gpus": 64, "gpu_memory_gb": 80})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["per_gpu"] == {
+        "params_bytes": 15_000_000_000,
+        "grads_bytes": 15_000_000_000,
+        "optimizer_bytes": 1_406_250_000,
+        "padding_bytes": 0,
+        "activations_bytes": 0,
+        "overhead_bytes": 0,
+        "total_bytes": 31_406_250_000,
+    }
+    assert body["stages"] == {"0": 120_000_000_000, "1": 31_406_250_000, "2": 16_640_625_000, "3": 1_875_000_000}
+    assert body["fits"] is True and body["min_gpus"] == 2
+    assert body["gpu_memory_bytes"] == 80_000_000_000
+    assert body["headroom_bytes"] == 80_000_000_000 - 31_406_250_000
+    assert [p["num_gpus"] for p in body["sweep"]] == [2**i for i in range(11)]
+    assert body["sweep"][0] == {"num_gpus": 1, "total_bytes": 120_000_000_000, "fits": False}
+
+
+def test_defaults_come_from_the_cluster(client):
+    body = client.post("/v1/plan", json={"num_params": 1_000_000_000}).json()
+    assert body["num_gpus"] == 4 and body["gpu_memory_bytes"] == 80_000_000_000
+    assert (body["stage"], body["precision"], body["optimizer"]) == (1, "fp16", "adamw")
+    assert body["per_gpu"]["total_bytes"] == 4 * 10**9 + 12 * 10**9 // 4
+
+
+def test_model_plan_has_activations_overhead_and_padding(client):
+    r = client.post("/v1/plan", json={"model": GPT2_XL, "num_gpus": 8, "micro_batch_size": 2})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["num_params"] == 1_557_611_200
+    per_gpu = body["per_gpu"]
+    assert per_gpu["overhead_bytes"] == 10**9  # ZERO1_GPU_OVERHEAD_GB=1
+    assert per_gpu["activations_bytes"] > 0 and per_gpu["padding_bytes"] > 0
+    assert per_gpu["total_bytes"] == sum(v for k, v in per_gpu.items() if k != "total_bytes")
+    ckpt = client.post(
+        "/v1/plan",
+        json={"model": GPT2_XL, "num_gpus": 8, "micro_batch_size": 2, "activation_checkpointing": True},
+    ).json()
+    assert ckpt["per_gpu"]["activations_bytes"] < per_gpu["activations_bytes"]
+
+
+def test_a_model_that_does_not_fit_says_what_would(client):
+    body = client.post(
+        "/v1/plan", json={"num_params": 7_500_000_000, "num_gpus": 1, "gpu_memory_gb": 24}
+    ).json()
+    assert body["fits"] is False and body["headroom_bytes"] == 24 * 10**9 - 120 * 10**9
+    assert body["min_gpus"] is None  # stage 1 never drops below 4Ψ = 30 GB
+    stage3 = client.post(
+        "/v1/plan", json={"num_params": 7_500_000_000, "num_gpus": 1, "gpu_memory_gb": 24, "stage": 3}
+    ).json()
+    assert stage3["min_gpus"] == 5  # 16 x 7.5e9 / 24e9 = 5
+
+
+def test_healthz(client):
+    r = client.get("/healthz")
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+
+
+def test_openapi_and_docs_are_served(client):
+    assert "/v1/plan" in client.get("/openapi.json").json()["paths"]
+    assert client.get("/docs").status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "numbers"),
+    [
+        ({"num_params": 0}, "num_params", "got 0"),
+        ({"num_params": -5}, "num_params", "got -5"),
+        ({"num_params": 10**15 + 1}, "num_params", "got 1000000000000001"),
+        ({"num_params": 1000, "num_gpus": 0}, "num_gpus", "got 0"),
+        ({"num_params": 1000, "num_gpus": -3}, "num_gpus", "got -3"),
+        ({"num_params": 1000, "model": GPT2_XL}, "body", "got both"),
+        ({}, "body", "got neither"),
+        ({"num_params": 1000, "precision": "fp8"}, "precision", "'fp8'"),
+        ({"num_params": 1000, "optimizer": "lion"}, "optimizer", "'lion'"),
+        ({"num_params": 1000, "stage": 4}, "stage", "got 4"),
+        ({"num_params": 1000, "gpu_memory_gb": -1}, "gpu_memory_gb", "got -1"),
+        ({"num_params": 1000, "gpu_memory_gb": 0}, "gpu_memory_gb", "got 0"),
+        ({"model": {**GPT2_XL, "n_embd": 1601}}, "model.n_embd", "n_embd (1601) must be divisible by n_head (25)"),
+        ({"model": {**GPT2_XL, "n_layer": 0}}, "model.n_layer", "got 0"),
+        ({"model": {"kind": "mlp", "sizes": [10]}}, "model.sizes", "at least 2"),
+        ({"model": {"kind": "rnn"}}, "model", "'rnn'"),
+        ({"model": GPT2_XL, "seq_len": 4096}, "body", "seq_len (4096) must be <= model.block_size (1024)"),
+        ({"num_params": 1000, "micro_batch_size": 4}, "body", "micro_batch_size only apply"),
+        ({"num_param": 1000}, "num_param", "Extra inputs are not permitted"),
+        (
+            {"model": {**GPT2_XL, "n_layer": 100_000, "n_embd": 100_000, "n_head": 1}},
+            "body",
+            "above the limit of 1,000,000,000,000,000",
+        ),
+    ],
+)
+def test_bad_input_is_a_422_naming_the_field(client, body, field, numbers):
+    r = client.post("/v1/plan", json=body)
+    assert r.status_code == 422, r.text
+    err = r.json()
+    assert err["error"] == "invalid_request"
+    assert err["message"].startswith(f"{field}: ") or f"; {field}: " in err["message"]
+    assert numbers in err["message"]
+    assert any(d["field"] == field for d in err["detail"])
+
+
+@pytest.mark.parametrize("raw", ["NaN", "Infinity", "-Infinity", "1e400"])
+def test_non_finite_gpu_memory_is_a_422(client, raw):
+    r = client.post(
+        "/v1/plan",
+        content=f'{{"num_params": 1000, "gpu_memory_gb": {raw}}}',
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 422, r.text
+    assert r.json()["message"].startswith("gpu_memory_gb: ")
+
+
+@pytest.mark.parametrize("content", ["", "{", "[1, 2]", "null", '"text"', "{\"num_params\": }"])
+def test_malformed_bodies_are_422(client, content):
+    r = client.post("/v1/plan", content=content, headers={"content-type": "application/json"})
+    assert r.status_code == 422, r.text
+    assert r.json()["message"]
+
+
+def test_unknown_route_and_method_are_json(client):
+    assert client.get("/v1/nope").json()["error"] == "not_found"
+    r = client.get("/v1/plan")
+    assert r.status_code == 405 and r.json()["error"] == "method_not_allowed"
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+plan_fields = st.sampled_from(
+    ["num_params", "model", "num_gpus", "gpu_memory_gb", "precision", "optimizer", "stage",
+     "micro_batch_size", "seq_len", "activation_checkpointing"]
+)
+model_values = st.fixed_dictionaries(
+    {"kind": st.sampled_from(["gpt", "mlp", "x"])},
+    optional={
+        "vocab_size": st.integers(-2, 10**8),
+        "n_layer": st.integers(-2, 10**6),
+        "n_head": st.integers(-2, 10**4),
+        "n_embd": st.integers(-2, 10**8),
+        "block_size": st.integers(-2, 10**9),
+        "sizes": st.lists(st.integers(-2, 10**8), max_size=5),
+    },
+)
+plan_bodies = st.dictionaries(plan_fields, json_values | model_values | st.integers(-(10**20), 10**20), max_size=6)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=plan_bodies)
+def test_no_body_yields_a_500(client, body):
+    r = client.post(
+        "/v1/plan", content=json.dumps(body, allow_nan=True), headers={"content-type": "application/json"}
+    )
+    assert r.status_code in (200, 422), r.text
+    payload = r.json()
+    if r.status_code == 200:
+        assert payload["per_gpu"]["total_bytes"] == sum(
+            v for k, v in payload["per_gpu"].items() if k != "total_bytes"
+        )
+    else:
+        assert payload["error"] == "invalid_request" and payload["message"]
+
+
+def test_booleans_are_not_counts(client):
+    r = client.post("/v1/plan", json={"num_params": True})
+    assert r.status_code == 422 and r.json()["message"] == (
+        "num_params: Input should be a number, not a boolean (got true)"
+    )
+
+
+def test_a_body_without_json_content_type_is_explained(client):
+    r = client.post("/v1/plan", content='{"num_params": 5}', headers={"content-type": "text/plain"})
+    assert r.status_code == 422
+    assert "Content-Type: application/json" in r.json()["message"]
+
+
+def test_invalid_json_names_the_position(client):
+    r = client.post("/v1/plan", content='{"num_params": }', headers={"content-type": "application/json"})
+    assert r.status_code == 422 and r.json()["message"].startswith("body: invalid JSON at character 15")

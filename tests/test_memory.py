@@ -1,0 +1,226 @@
+"""The ZeRO memory model against the seed's math and DESIGN.md's tables."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from workers import memory
+from workers.memory import GB, GPTSpec, MLPSpec, Workload, breakdown, min_gpus, plan, total_bytes
+
+PSI_7B5 = 7_500_000_000
+
+
+def test_seed_worked_example():
+    """Ψ = 7.5e9, fp16 AdamW: 120 GB for DDP, 31.40625 GB at N = 64, floor 30 GB."""
+    result = plan(Workload.from_num_params(PSI_7B5), num_gpus=64, stage=1, gpu_memory_bytes=80 * GB)
+    assert result.per_gpu.total_bytes == 31_406_250_000
+    assert result.stages == {0: 120 * GB, 1: 31_406_250_000, 2: 16_640_625_000, 3: 1_875_000_000}
+    assert result.fits and result.headroom_bytes == 80 * GB - 31_406_250_000
+    assert result.min_gpus == 2
+    assert (result.per_gpu.params_bytes, result.per_gpu.grads_bytes) == (2 * PSI_7B5, 2 * PSI_7B5)
+    assert result.per_gpu.optimizer_bytes == 12 * PSI_7B5 // 64
+    assert result.per_gpu.padding_bytes == result.per_gpu.activations_bytes == result.per_gpu.overhead_bytes == 0
+
+
+def test_sweep_melts_toward_the_4psi_floor():
+    result = plan(Workload.from_num_params(PSI_7B5), num_gpus=64, stage=1, gpu_memory_bytes=80 * GB)
+    assert [p.num_gpus for p in result.sweep] == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+    totals = [p.total_bytes for p in result.sweep]
+    assert totals[0] == 16 * PSI_7B5  # N = 1: no partition, stage 1 == stage 0
+    assert totals == [4 * PSI_7B5 + 12 * -(-PSI_7B5 // n) for n in memory.SWEEP_NUM_GPUS]
+    assert [p.fits for p in result.sweep] == [False] + [True] * 10
+    assert all(t > 4 * PSI_7B5 for t in totals)
+
+
+@pytest.mark.parametrize(
+    ("precision", "optimizer", "p", "g", "k"),
+    [
+        ("fp16", "adamw", 2, 2, 12),
+        ("bf16", "adam", 2, 2, 12),
+        ("bf16", "sgd_momentum", 2, 2, 8),
+        ("fp16", "sgd", 2, 2, 4),
+        ("fp32", "adamw", 4, 4, 8),
+        ("fp32", "adam", 4, 4, 8),
+        ("fp32", "sgd_momentum", 4, 4, 4),
+        ("fp32", "sgd", 4, 4, 0),
+    ],
+)
+def test_design_tables(precision, optimizer, p, g, k):
+    psi, n = 1_000_000, 8
+    w = Workload.from_num_params(psi, precision=precision, optimizer=optimizer)
+    assert total_bytes(w, num_gpus=n, stage=0) == (p + g + k) * psi
+    assert total_bytes(w, num_gpus=n, stage=1) == (p + g) * psi + k * psi // n
+    assert total_bytes(w, num_gpus=n, stage=2) == p * psi + (g + k) * psi // n
+    assert total_bytes(w, num_gpus=n, stage=3) == (p + g + k) * psi // n
+
+
+def test_shards_hold_whole_elements():
+    """N that does not divide Ψ: every rank holds ⌈Ψ/N⌉ elements of state."""
+    w = Workload.from_num_params(10)
+    assert breakdown(w, num_gpus=3, stage=1).optimizer_bytes == 12 * 4
+    assert breakdown(w, num_gpus=3, stage=3).total_bytes == 16 * 4
+
+
+def test_min_gpus_is_null_when_the_floor_does_not_fit():
+    """Stage 1 never goes below 4Ψ: 30 GB of weights and grads cannot fit in 24 GB."""
+    w = Workload.from_num_params(PSI_7B5)
+    assert min_gpus(w, stage=1, gpu_memory_bytes=24 * GB) is None
+    assert min_gpus(w, stage=2, gpu_memory_bytes=24 * GB) == 12  # 15 GB + 14Ψ/N <= 24 GB
+    assert min_gpus(w, stage=0, gpu_memory_bytes=80 * GB) is None
+    assert min_gpus(w, stage=0, gpu_memory_bytes=120 * GB) == 1
+
+
+# GPT-2 small and XL with a tied LM head, counted the way a nn.Module reports them.
+@pytest.mark.parametrize(
+    ("n_layer", "n_head", "n_embd", "expected"),
+    [(12, 12, 768, 124_439_808), (48, 25, 1600, 1_557_611_200)],
+)
+def test_gpt_param_count_matches_gpt2(n_layer, n_head, n_embd, expected):
+    spec = GPTSpec(vocab_size=50257, n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=1024)
+    assert spec.num_params == expected
+    decay, no_decay = spec.param_groups()
+    assert no_decay == n_layer * 13 * n_embd + 2 * n_embd
+
+
+def test_gpt_spec_rejects_heads_that_do_not_divide_width():
+    with pytest.raises(ValueError, match=r"n_embd \(1601\) must be divisible by n_head \(25\)"):
+        GPTSpec(vocab_size=10, n_layer=1, n_head=25, n_embd=1601, block_size=8)
+
+
+def test_mlp_param_count():
+    assert MLPSpec(sizes=(784, 256, 10)).param_groups() == (784 * 256 + 256 * 10, 256 + 10)
+
+
+def test_model_plan_padding_is_what_flat_aligned_buffers_allocate():
+    """Two buffers (decay, no-decay), each padded to N x 128 elements, fp16 AdamW."""
+    spec = GPTSpec(vocab_size=65, n_layer=2, n_head=2, n_embd=64, block_size=32)
+    decay, no_decay = spec.param_groups()
+    n = 3
+    w = Workload.from_model(spec, precision="fp16", optimizer="adamw")
+    padded = [-(-x // (n * 128)) * (n * 128) for x in (decay, no_decay)]
+    shard = sum(padded) // n
+    b = breakdown(w, num_gpus=n, stage=1)
+    psi = spec.num_params
+    # the rank's state (master, exp_avg, exp_avg_sq) plus the flat fp16 weight and grad buffers
+    assert b.optimizer_bytes + b.params_bytes + b.grads_bytes + b.padding_bytes == 12 * shard + 4 * sum(padded)
+    assert b.optimizer_bytes == 12 * -(-psi // n)
+    assert b.padding_bytes > 0
+    assert memory.shard_numel(w, num_gpus=n) == shard
+
+
+def test_model_plan_min_gpus_is_the_smallest_fitting_n():
+    spec = GPTSpec(vocab_size=50257, n_layer=48, n_head=25, n_embd=1600, block_size=1024)
+    w = Workload.from_model(spec, micro_batch_size=1, overhead_bytes=GB)
+    memory_bytes = 20 * GB
+    found = min_gpus(w, stage=1, gpu_memory_bytes=memory_bytes)
+    assert found is not None and total_bytes(w, num_gpus=found, stage=1) <= memory_bytes
+    assert all(total_bytes(w, num_gpus=n, stage=1) > memory_bytes for n in range(1, found))
+
+
+def test_activation_estimate_follows_its_formula():
+    spec = GPTSpec(vocab_size=100, n_layer=4, n_head=4, n_embd=64, block_size=128)
+    s, b, h, a, v, L = 128, 2, 64, 4, 100, 4
+    block = s * b * (17 * h * 2 + 16 + 4 * a)
+    head = s * b * (2 * h * 2 + 8 + 4 * v)
+    full = spec.activation_bytes(micro_batch_size=b, seq_len=s, bytes_per_element=2, checkpointing=False)
+    ckpt = spec.activation_bytes(micro_batch_size=b, seq_len=s, bytes_per_element=2, checkpointing=True)
+    assert full == L * block + head
+    assert ckpt == L * s * b * h * 2 + block + head
+    assert ckpt < full
+    double = spec.activation_bytes(micro_batch_size=2 * b, seq_len=s, bytes_per_element=2, checkpointing=False)
+    assert double == 2 * full
+
+
+def test_model_plan_adds_activations_and_overhead():
+    spec = GPTSpec(vocab_size=100, n_layer=4, n_head=4, n_embd=64, block_size=128)
+    w = Workload.from_model(spec, micro_batch_size=2, overhead_bytes=123)
+    b = breakdown(w, num_gpus=2, stage=1)
+    assert b.overhead_bytes == 123
+    assert b.activations_bytes == spec.activation_bytes(
+        micro_batch_size=2, seq_len=128, bytes_per_element=2, checkpointing=False
+    )
+    with pytest.raises(ValueError, match=r"seq_len must be in \[1, block_size=128\], got 129"):
+        Workload.from_model(spec, seq_len=129)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_params": 0}, r"num_params must be in \[1, 1e\+15\], got 0"),
+        ({"num_params": 10, "precision": "fp8"}, r"precision must be one of .*got 'fp8'"),
+        ({"num_params": 10, "optimizer": "lion"}, r"optimizer must be one of .*got 'lion'"),
+    ],
+)
+def test_workload_rejects_bad_input(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Workload.from_num_params(**kwargs)
+
+
+def test_breakdown_rejects_bad_n_and_stage():
+    w = Workload.from_num_params(10)
+    with pytest.raises(ValueError, match="num_gpus must be >= 1, got 0"):
+        breakdown(w, num_gpus=0, stage=1)
+    with pytest.raises(ValueError, match=r"stage must be one of \(0, 1, 2, 3\), got 4"):
+        breakdown(w, num_gpus=1, stage=4)
+
+
+# ----------------------------------------------------------------------- properties
+
+workloads = st.builds(
+    Workload.from_num_params,
+    st.integers(min_value=1, max_value=memory.MAX_NUM_PARAMS),
+    precision=st.sampled_from(memory.PRECISIONS),
+    optimizer=st.sampled_from(memory.OPTIMIZERS),
+)
+gpus = st.integers(min_value=1, max_value=1 << 20)
+
+
+@given(w=workloads, n=gpus, stage=st.sampled_from(memory.STAGES))
+def test_monotone_non_increasing_in_n(w, n, stage):
+    assert total_bytes(w, num_gpus=n + 1, stage=stage) <= total_bytes(w, num_gpus=n, stage=stage)
+
+
+@given(w=workloads, n=gpus)
+def test_higher_stages_never_cost_more(w, n):
+    t0, t1, t2, t3 = (total_bytes(w, num_gpus=n, stage=s) for s in memory.STAGES)
+    assert t3 <= t2 <= t1 <= t0
+
+
+@given(w=workloads)
+def test_one_gpu_collapses_every_stage_to_ddp(w):
+    assert len({total_bytes(w, num_gpus=1, stage=s) for s in memory.STAGES}) == 1
+
+
+@given(w=workloads, n=gpus, stage=st.sampled_from(memory.STAGES))
+def test_integer_bytes_never_below_the_formula(w, n, stage):
+    b = breakdown(w, num_gpus=n, stage=stage)
+    values = (b.params_bytes, b.grads_bytes, b.optimizer_bytes, b.padding_bytes, b.total_bytes)
+    assert all(type(v) is int and v >= 0 for v in values)
+    p, g = memory.bytes_per_param(w.precision)
+    k = memory.optimizer_bytes_per_param(w.precision, w.optimizer)
+    sharded = {0: 0, 1: k, 2: g + k, 3: p + g + k}[stage]
+    psi = w.num_params
+    exact_numerator = (p + g + k - sharded) * psi * n + sharded * psi  # formula x N, in integers
+    assert b.total_bytes * n >= exact_numerator
+    assert b.total_bytes * n < exact_numerator + sharded * n + n  # at most one element of rounding
+    if stage == 1:
+        assert b.total_bytes > (p + g) * psi or k == 0  # the floor is never crossed
+
+
+@settings(max_examples=200)
+@given(
+    w=workloads,
+    stage=st.sampled_from(memory.STAGES),
+    memory_bytes=st.integers(min_value=1, max_value=10**17),
+)
+def test_min_gpus_is_the_smallest_n_that_fits(w, stage, memory_bytes):
+    found = min_gpus(w, stage=stage, gpu_memory_bytes=memory_bytes)
+    if found is None:
+        # not even one element per rank fits
+        assert total_bytes(w, num_gpus=w.num_params, stage=stage) > memory_bytes
+    else:
+        assert total_bytes(w, num_gpus=found, stage=stage) <= memory_bytes
+        if found > 1:
+            assert total_bytes(w, num_gpus=found - 1, stage=stage) > memory_bytes

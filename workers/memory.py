@@ -1,0 +1,437 @@
+"""The ZeRO memory model: per-GPU bytes of a data-parallel training job.
+
+Ψ parameters on N data-parallel ranks; p bytes per model parameter, g per
+gradient, K optimizer bytes per parameter (../shared/seed/zero-stage-1-math.txt):
+
+    stage 0 (DDP)     (p + g + K)·Ψ
+    stage 1 (ZeRO-1)  (p + g)·Ψ + K·Ψ/N        fp16 AdamW: 4Ψ + 12Ψ/N
+    stage 2           p·Ψ + (g + K)·Ψ/N
+    stage 3           (p + g + K)·Ψ/N
+
+Shards hold whole elements, so a sharded term of b bytes per element costs
+b·⌈Ψ/N⌉ bytes on every rank: integer bytes, exact when N divides Ψ.
+
+A plan by parameter count alone is the formula and nothing else. A plan for a
+model also knows the optimizer's layout (one flat buffer per parameter group,
+padded so that every rank owns an equal, aligned slice), so its padding line is
+what the workers allocate beyond the formula, byte for byte; and it adds the
+activations of one micro-batch and a fixed per-GPU overhead.
+
+Standard library only: the planner, the API and the CLI load this module
+without torch or Ray.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+GB = 10**9
+"""The seed's gigabyte: 1e9 bytes."""
+
+MAX_NUM_PARAMS = 10**15
+"""Largest model the planner accepts (a quadrillion parameters)."""
+
+STAGES = (0, 1, 2, 3)
+PRECISIONS = ("fp16", "bf16", "fp32")
+OPTIMIZERS = ("adamw", "adam", "sgd_momentum", "sgd")
+SWEEP_NUM_GPUS = tuple(2**i for i in range(11))  # 1, 2, 4, ... 1024
+
+# (p, g): bytes per model parameter and per gradient, in the model's dtype.
+_MODEL_BYTES = {"fp16": (2, 2), "bf16": (2, 2), "fp32": (4, 4)}
+
+# K: optimizer bytes per parameter. Mixed precision keeps an fp32 master copy
+# (4) beside the fp32 state (Adam: exp_avg + exp_avg_sq, 8; SGD momentum: 4);
+# an fp32 model is its own master copy.
+_OPTIMIZER_BYTES = {
+    "mixed": {"adamw": 12, "adam": 12, "sgd_momentum": 8, "sgd": 4},
+    "fp32": {"adamw": 8, "adam": 8, "sgd_momentum": 4, "sgd": 0},
+}
+
+SHARD_ALIGNMENT_NUMEL = 128
+"""Every rank's slice of a flat buffer is a multiple of this many elements.
+
+Each slice then starts on a 256-byte boundary in 16-bit dtypes (512 in fp32),
+which keeps vectorised kernels and NCCL's chunking on aligned addresses; the
+optimizer (workers/optim.py) imports this constant, so plan and allocation agree.
+"""
+
+
+def bytes_per_param(precision: str) -> tuple[int, int]:
+    """(p, g) for a precision."""
+    try:
+        return _MODEL_BYTES[precision]
+    except KeyError:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}") from None
+
+
+def optimizer_bytes_per_param(precision: str, optimizer: str) -> int:
+    """K for a precision and optimizer: the block that ZeRO-1 shards."""
+    bytes_per_param(precision)
+    table = _OPTIMIZER_BYTES["fp32" if precision == "fp32" else "mixed"]
+    try:
+        return table[optimizer]
+    except KeyError:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}") from None
+
+
+def padded_numel(numel: int, *, num_gpus: int, alignment_numel: int = SHARD_ALIGNMENT_NUMEL) -> int:
+    """Length of a flat buffer of `numel` elements padded to N equal aligned slices."""
+    quantum = num_gpus * alignment_numel
+    return -(-numel // quantum) * quantum
+
+
+# --------------------------------------------------------------------------- models
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GPTSpec:
+    """A GPT-2-style decoder: learned positions, pre-LayerNorm blocks with
+    biases, a 4x MLP, and an LM head tied to the token embedding."""
+
+    vocab_size: int
+    n_layer: int
+    n_head: int
+    n_embd: int
+    block_size: int
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "n_layer", "n_head", "n_embd", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.n_embd % self.n_head:
+            raise ValueError(
+                f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}): "
+                f"{self.n_embd} % {self.n_head} = {self.n_embd % self.n_head}"
+            )
+
+    def param_groups(self) -> tuple[int, int]:
+        """(decay, no_decay) element counts: matrices and embeddings are decayed;
+        biases and LayerNorm weights are not (nanoGPT's rule: dim >= 2 decays)."""
+        c, layers = self.n_embd, self.n_layer
+        # per block: c_attn (c, 3c), attn c_proj (c, c), c_fc (c, 4c), mlp c_proj (4c, c)
+        decay = self.vocab_size * c + self.block_size * c + layers * 12 * c * c
+        # per block: ln_1 and ln_2 (2c each), biases 3c + c + 4c + c; plus ln_f (2c)
+        no_decay = layers * 13 * c + 2 * c
+        return decay, no_decay
+
+    @property
+    def num_params(self) -> int:
+        """Ψ = V·C + T·C + L·(12C² + 13C) + 2C (the LM head is tied)."""
+        return sum(self.param_groups())
+
+    def activation_bytes(
+        self, *, micro_batch_size: int, seq_len: int, bytes_per_element: int, checkpointing: bool
+    ) -> int:
+        """Bytes of tensors saved for backward by one micro-batch.
+
+        Per layer, Korthikanti et al. 2022, "Reducing Activation Recomputation
+        in Large Transformer Models" (arXiv:2205.05198), §4.1, count
+        s·b·h·(34 + 5·a·s/h) bytes for 16-bit activations with dropout and an
+        unfused attention. zero1's GPT has no dropout and uses fused
+        scaled-dot-product attention, which keeps no s×s matrix but its output
+        and an fp32 log-sum-exp (a·s·b). What each block saves, in s·b·h
+        elements: ln_1 input 1, c_attn input 1, q/k/v 3, attention output 1,
+        c_proj input 1, ln_2 input 1, c_fc input 1, GELU input 4, mlp c_proj
+        input 4: 17, plus fp32 mean and rstd of both LayerNorms (4·s·b).
+        The head saves ln_f's input and the LM head's input (2·s·b·h), ln_f's
+        statistics, and the fp32 log-softmax of the logits (4·s·b·V).
+        With checkpointing each block keeps only its input, and one block is
+        recomputed at a time during backward.
+        """
+        sb = micro_batch_size * seq_len
+        fp32 = 4
+        block = sb * (17 * self.n_embd * bytes_per_element + 2 * 2 * fp32 + self.n_head * fp32)
+        head = sb * (2 * self.n_embd * bytes_per_element + 2 * fp32 + self.vocab_size * fp32)
+        if checkpointing:
+            return self.n_layer * sb * self.n_embd * bytes_per_element + block + head
+        return self.n_layer * block + head
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MLPSpec:
+    """A stack of Linear layers with biases and ReLU between them."""
+
+    sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.sizes) < 2:
+            raise ValueError(f"sizes needs at least 2 entries (input and output), got {len(self.sizes)}")
+        for i, size in enumerate(self.sizes):
+            if size < 1:
+                raise ValueError(f"sizes[{i}] must be >= 1, got {size}")
+
+    def param_groups(self) -> tuple[int, int]:
+        """(decay, no_decay): weight matrices, then biases."""
+        pairs = list(zip(self.sizes, self.sizes[1:]))
+        return sum(a * b for a, b in pairs), sum(b for _, b in pairs)
+
+    @property
+    def num_params(self) -> int:
+        return sum(self.param_groups())
+
+    def activation_bytes(
+        self, *, micro_batch_size: int, seq_len: int, bytes_per_element: int, checkpointing: bool
+    ) -> int:
+        """Each Linear saves its input (a ReLU's saved output is the same
+        tensor), and the classification loss saves an fp32 log-softmax of the
+        output. One sample is one row: seq_len and checkpointing do not apply."""
+        del seq_len, checkpointing
+        inputs = sum(self.sizes[:-1]) * bytes_per_element
+        return micro_batch_size * (inputs + 4 * self.sizes[-1])
+
+
+ModelSpec = GPTSpec | MLPSpec
+
+
+# --------------------------------------------------------------------------- plans
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Workload:
+    """What is planned, independent of N and the stage."""
+
+    group_numels: tuple[int, ...]
+    """Elements of each flat buffer (one per parameter group)."""
+    precision: str = "fp16"
+    optimizer: str = "adamw"
+    alignment_numel: int | None = None
+    """Slice alignment of the optimizer's flat buffers; None for a plan by
+    parameter count, which models no layout and so no padding."""
+    activations_bytes: int = 0
+    overhead_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        optimizer_bytes_per_param(self.precision, self.optimizer)
+        num_params = sum(self.group_numels)
+        if not 1 <= num_params <= MAX_NUM_PARAMS:
+            raise ValueError(f"num_params must be in [1, {MAX_NUM_PARAMS:.0e}], got {num_params}")
+        if self.activations_bytes < 0 or self.overhead_bytes < 0:
+            raise ValueError(
+                f"activations_bytes ({self.activations_bytes}) and overhead_bytes "
+                f"({self.overhead_bytes}) must be >= 0"
+            )
+
+    @property
+    def num_params(self) -> int:
+        return sum(self.group_numels)
+
+    @classmethod
+    def from_num_params(cls, num_params: int, *, precision: str = "fp16", optimizer: str = "adamw") -> Workload:
+        """The seed's formula: Ψ parameters, no layout, activations or overhead."""
+        return cls(group_numels=(num_params,), precision=precision, optimizer=optimizer)
+
+    @classmethod
+    def from_model(
+        cls,
+        model: ModelSpec,
+        *,
+        precision: str = "fp16",
+        optimizer: str = "adamw",
+        micro_batch_size: int = 1,
+        seq_len: int | None = None,
+        activation_checkpointing: bool = False,
+        overhead_bytes: int = 0,
+    ) -> Workload:
+        """A job's plan: the optimizer's real layout, activations and overhead."""
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        if isinstance(model, GPTSpec):
+            seq_len = model.block_size if seq_len is None else seq_len
+            if not 1 <= seq_len <= model.block_size:
+                raise ValueError(f"seq_len must be in [1, block_size={model.block_size}], got {seq_len}")
+        activations = model.activation_bytes(
+            micro_batch_size=micro_batch_size,
+            seq_len=seq_len or 1,
+            bytes_per_element=bytes_per_param(precision)[0],
+            checkpointing=activation_checkpointing,
+        )
+        return cls(
+            group_numels=tuple(n for n in model.param_groups() if n),
+            precision=precision,
+            optimizer=optimizer,
+            alignment_numel=SHARD_ALIGNMENT_NUMEL,
+            activations_bytes=activations,
+            overhead_bytes=overhead_bytes,
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Breakdown:
+    """Per-GPU bytes by kind."""
+
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    padding_bytes: int
+    activations_bytes: int
+    overhead_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return (
+            self.params_bytes
+            + self.grads_bytes
+            + self.optimizer_bytes
+            + self.padding_bytes
+            + self.activations_bytes
+            + self.overhead_bytes
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SweepPoint:
+    num_gpus: int
+    total_bytes: int
+    fits: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan:
+    num_params: int
+    num_gpus: int
+    stage: int
+    precision: str
+    optimizer: str
+    per_gpu: Breakdown
+    gpu_memory_bytes: int
+    fits: bool
+    headroom_bytes: int
+    min_gpus: int | None
+    """Smallest N that fits at this stage; None when none does."""
+    stages: dict[int, int]
+    """Total per-GPU bytes of each stage at this N."""
+    sweep: tuple[SweepPoint, ...]
+
+
+def shard_numel(workload: Workload, *, num_gpus: int) -> int:
+    """Elements of optimizer state each rank allocates (the same on every rank)."""
+    if workload.alignment_numel is None:
+        return -(-workload.num_params // num_gpus)
+    return sum(
+        padded_numel(n, num_gpus=num_gpus, alignment_numel=workload.alignment_numel) // num_gpus
+        for n in workload.group_numels
+    )
+
+
+def breakdown(workload: Workload, *, num_gpus: int, stage: int) -> Breakdown:
+    """Per-GPU bytes of `workload` on `num_gpus` ranks at ZeRO `stage`."""
+    _check_num_gpus(num_gpus)
+    _check_stage(stage)
+    p, g = bytes_per_param(workload.precision)
+    k = optimizer_bytes_per_param(workload.precision, workload.optimizer)
+    psi = workload.num_params
+    if stage == 0:
+        # plain DDP keeps everything replicated and needs no flat-buffer padding
+        return Breakdown(
+            params_bytes=p * psi,
+            grads_bytes=g * psi,
+            optimizer_bytes=k * psi,
+            padding_bytes=0,
+            activations_bytes=workload.activations_bytes,
+            overhead_bytes=workload.overhead_bytes,
+        )
+    exact = -(-psi // num_gpus)  # ⌈Ψ/N⌉: the formula's shard, in whole elements
+    shard = shard_numel(workload, num_gpus=num_gpus)
+    # a replicated flat buffer spans all N padded slices
+    full = psi if workload.alignment_numel is None else shard * num_gpus
+    sharded_p, sharded_g = stage >= 3, stage >= 2
+    return Breakdown(
+        params_bytes=p * (exact if sharded_p else psi),
+        grads_bytes=g * (exact if sharded_g else psi),
+        optimizer_bytes=k * exact,
+        padding_bytes=(
+            p * ((shard - exact) if sharded_p else (full - psi))
+            + g * ((shard - exact) if sharded_g else (full - psi))
+            + k * (shard - exact)
+        ),
+        activations_bytes=workload.activations_bytes,
+        overhead_bytes=workload.overhead_bytes,
+    )
+
+
+def total_bytes(workload: Workload, *, num_gpus: int, stage: int) -> int:
+    return breakdown(workload, num_gpus=num_gpus, stage=stage).total_bytes
+
+
+def min_gpus(workload: Workload, *, stage: int, gpu_memory_bytes: int) -> int | None:
+    """Smallest N whose per-GPU plan fits in `gpu_memory_bytes`, or None.
+
+    Without padding the total is fixed + B·⌈Ψ/N⌉ (B: bytes per element of the
+    sharded terms), which fits iff ⌈Ψ/N⌉ <= m = ⌊(memory - fixed)/B⌋, i.e. iff
+    N >= ⌈Ψ/m⌉. Padding only adds bytes, so no smaller N fits a padded layout
+    either; from there the first N that fits is found by walking up.
+    """
+    _check_stage(stage)
+    if stage == 0:
+        fits = total_bytes(workload, num_gpus=1, stage=0) <= gpu_memory_bytes
+        return 1 if fits else None
+    p, g = bytes_per_param(workload.precision)
+    k = optimizer_bytes_per_param(workload.precision, workload.optimizer)
+    sharded = k + (g if stage >= 2 else 0) + (p if stage >= 3 else 0)
+    replicated = p + g + k - sharded
+    fixed = replicated * workload.num_params + workload.activations_bytes + workload.overhead_bytes
+    if sharded == 0:  # fp32 plain SGD at stage 1: no state to shard, N does not matter
+        if fixed > gpu_memory_bytes:
+            return None
+        lower = 1
+    else:
+        max_shard = (gpu_memory_bytes - fixed) // sharded
+        if max_shard < 1:
+            return None
+        lower = -(-workload.num_params // max_shard)
+    if workload.alignment_numel is None:
+        return lower
+    # Padding grows with N (at most N·alignment elements per buffer), so a
+    # padded layout that misses at `lower` may still fit a little further up.
+    for num_gpus in range(lower, lower + _MAX_PADDING_WALK):
+        if total_bytes(workload, num_gpus=num_gpus, stage=stage) <= gpu_memory_bytes:
+            return num_gpus
+    return None
+
+
+_MAX_PADDING_WALK = 1024
+
+
+def plan(workload: Workload, *, num_gpus: int, stage: int = 1, gpu_memory_bytes: int) -> Plan:
+    """The full capacity plan: breakdown, fit, min_gpus, stages at N, sweep over N."""
+    if gpu_memory_bytes < 0:
+        raise ValueError(f"gpu_memory_bytes must be >= 0, got {gpu_memory_bytes}")
+    per_gpu = breakdown(workload, num_gpus=num_gpus, stage=stage)
+    total = per_gpu.total_bytes
+    return Plan(
+        num_params=workload.num_params,
+        num_gpus=num_gpus,
+        stage=stage,
+        precision=workload.precision,
+        optimizer=workload.optimizer,
+        per_gpu=per_gpu,
+        gpu_memory_bytes=gpu_memory_bytes,
+        fits=total <= gpu_memory_bytes,
+        headroom_bytes=gpu_memory_bytes - total,
+        min_gpus=min_gpus(workload, stage=stage, gpu_memory_bytes=gpu_memory_bytes),
+        stages={s: total_bytes(workload, num_gpus=num_gpus, stage=s) for s in STAGES},
+        sweep=tuple(_sweep_point(workload, n, stage, gpu_memory_bytes) for n in SWEEP_NUM_GPUS),
+    )
+
+
+def _sweep_point(workload: Workload, num_gpus: int, stage: int, gpu_memory_bytes: int) -> SweepPoint:
+    total = total_bytes(workload, num_gpus=num_gpus, stage=stage)
+    return SweepPoint(num_gpus=num_gpus, total_bytes=total, fits=total <= gpu_memory_bytes)
+
+
+def _check_num_gpus(num_gpus: int) -> None:
+    if num_gpus < 1:
+        raise ValueError(f"num_gpus must be >= 1, got {num_gpus}")
+
+
+def _check_stage(stage: int) -> None:
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {STAGES}, got {stage}")
+
+
+def gpu_memory_bytes_from_gb(gpu_memory_gb: float) -> int:
+    """GB (1e9 bytes, as in the seed) to integer bytes."""
+    if not math.isfinite(gpu_memory_gb) or gpu_memory_gb <= 0:
+        raise ValueError(f"gpu_memory_gb must be a finite number > 0, got {gpu_memory_gb}")
+    return round(gpu_memory_gb * GB)
