@@ -84,7 +84,7 @@ def _plan_body(args: argparse.Namespace) -> dict:
         body["num_params"] = args.params
     elif args.model == "gpt":
         n_head = args.n_head or (args.n_embd // 64 if args.n_embd and args.n_embd >= 64 else None)
-        body["model"] = {
+        gpt = {
             "kind": "gpt",
             "vocab_size": args.vocab_size,
             "n_layer": args.n_layer,
@@ -92,6 +92,7 @@ def _plan_body(args: argparse.Namespace) -> dict:
             "n_embd": args.n_embd,
             "block_size": args.block_size,
         }
+        body["model"] = {key: value for key, value in gpt.items() if value is not None}
     else:
         body["model"] = {"kind": "mlp", "sizes": args.sizes}
     return {key: value for key, value in body.items() if value is not None}

@@ -1,0 +1,33 @@
+# The two set-up commands of the README: `make run` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+# zero1 is built and tested against torch 2.13.0. Where a CPU build of it lies
+# on local disk (as on the development and CI machines) pip takes that; on
+# other Linux machines PyPI's torch 2.13.0 is the CUDA build. To choose a CUDA
+# version, point TORCH_INDEX_URL at PyTorch's wheel index for it (README).
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX_URL ?=
+
+.PHONY: install run test bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $@
+
+run: install
+	$(BIN)/zero1 serve
+
+test: install
+	$(BIN)/pytest
+
+bench: install
+	$(BIN)/python benchmarks/planner.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info
