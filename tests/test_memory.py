@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -82,6 +84,26 @@ def test_gpt_param_count_matches_gpt2(n_layer, n_head, n_embd, expected):
     assert spec.num_params == expected
     decay, no_decay = spec.param_groups()
     assert no_decay == n_layer * 13 * n_embd + 2 * n_embd
+
+
+@given(
+    vocab_size=st.integers(1, 300),
+    n_layer=st.integers(1, 4),
+    n_head=st.integers(1, 4),
+    head_dim=st.integers(1, 16),
+    block_size=st.integers(1, 64),
+)
+def test_gpt_formula_counts_every_named_parameter(vocab_size, n_layer, n_head, head_dim, block_size):
+    """The hook the workers' GPT module is checked against: names, shapes, and their sum."""
+    spec = GPTSpec(
+        vocab_size=vocab_size, n_layer=n_layer, n_head=n_head, n_embd=n_head * head_dim, block_size=block_size
+    )
+    shapes = spec.parameter_shapes()
+    assert len(shapes) == 12 * n_layer + 4
+    sizes = {name: math.prod(shape) for name, shape in shapes.items()}
+    assert sum(sizes.values()) == spec.num_params
+    decay = sum(size for name, size in sizes.items() if len(shapes[name]) >= 2)
+    assert (decay, spec.num_params - decay) == spec.param_groups()
 
 
 def test_gpt_spec_rejects_heads_that_do_not_divide_width():

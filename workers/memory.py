@@ -120,6 +120,26 @@ class GPTSpec:
         """Ψ = V·C + T·C + L·(12C² + 13C) + 2C (the LM head is tied)."""
         return sum(self.param_groups())
 
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of every parameter, as the workers' GPT module must
+        report them from named_parameters() (nanoGPT's names; nn.Linear
+        weights are (out, in); the tied LM head is listed once, as wte)."""
+        c = self.n_embd
+        shapes = {"transformer.wte.weight": (self.vocab_size, c), "transformer.wpe.weight": (self.block_size, c)}
+        for i in range(self.n_layer):
+            block = f"transformer.h.{i}"
+            for name, shape in (
+                ("ln_1.weight", (c,)), ("ln_1.bias", (c,)),
+                ("attn.c_attn.weight", (3 * c, c)), ("attn.c_attn.bias", (3 * c,)),
+                ("attn.c_proj.weight", (c, c)), ("attn.c_proj.bias", (c,)),
+                ("ln_2.weight", (c,)), ("ln_2.bias", (c,)),
+                ("mlp.c_fc.weight", (4 * c, c)), ("mlp.c_fc.bias", (4 * c,)),
+                ("mlp.c_proj.weight", (c, 4 * c)), ("mlp.c_proj.bias", (c,)),
+            ):  # fmt: skip
+                shapes[f"{block}.{name}"] = shape
+        shapes["transformer.ln_f.weight"] = shapes["transformer.ln_f.bias"] = (c,)
+        return shapes
+
     def activation_bytes(
         self, *, micro_batch_size: int, seq_len: int, bytes_per_element: int, checkpointing: bool
     ) -> int:
