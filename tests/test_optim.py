@@ -1,0 +1,376 @@
+"""ZeRO1AdamW on 1-4 gloo ranks against torch.optim.AdamW on the full model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.testing import assert_close
+
+from distributed import run_ranks
+from workers import memory
+from workers.optim import DynamicLossScaler, ZeRO1AdamW, decay_param_groups
+
+GLOBAL_BATCH = 12  # divisible by every world size tested, so each rank takes an equal slice
+SEQ = 5
+VOCAB = 13
+
+
+class TinyNet(nn.Module):
+    """Odd sizes on purpose: a 1-element bias and scale, tensors smaller than N,
+    a tied head, a frozen tensor, and a branch that gets no gradient on odd steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 7)
+        self.norm = nn.LayerNorm(7)
+        self.fc1 = nn.Linear(7, 11)
+        self.fc2 = nn.Linear(11, 7)
+        self.gate = nn.Linear(7, 1)  # 1-element bias
+        self.scale = nn.Parameter(torch.ones(1))
+        self.sometimes = nn.Linear(7, 7)
+        self.frozen = nn.Parameter(torch.randn(5), requires_grad=False)
+        self.head = nn.Linear(7, VOCAB, bias=False)
+        self.head.weight = self.embed.weight  # tied
+
+    def forward(self, idx: torch.Tensor, *, use_branch: bool) -> torch.Tensor:
+        x = self.norm(self.embed(idx))
+        x = x + self.fc2(torch.nn.functional.gelu(self.fc1(x))) * self.scale * torch.sigmoid(self.gate(x))
+        if use_branch:
+            x = x + self.sometimes(x)
+        return self.head(x)
+
+
+def make_model(dtype: torch.dtype = torch.float32) -> TinyNet:
+    torch.manual_seed(0)
+    return TinyNet().to(dtype)
+
+
+def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + step)
+    idx = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=gen)
+    return idx, torch.roll(idx, 1, dims=1)
+
+
+def loss_on(model: TinyNet, idx: torch.Tensor, target: torch.Tensor, step: int) -> torch.Tensor:
+    logits = model(idx, use_branch=step % 2 == 0)
+    return nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), target.reshape(-1))
+
+
+def rank_slice(rank: int, world_size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    idx, target = global_batch(step)
+    per_rank = GLOBAL_BATCH // world_size
+    return idx[rank * per_rank : (rank + 1) * per_rank], target[rank * per_rank : (rank + 1) * per_rank]
+
+
+def schedule(step: int) -> float:
+    return min(1.0, (step + 1) / 5) * 0.5 ** (step // 10)  # warm-up, then step decay
+
+
+HYPER = {"lr": 3e-2, "betas": (0.9, 0.95), "eps": 1e-8}
+MAX_NORM = 0.5
+
+
+def train_zero1(rank, world_size, model, opt, *, steps, first_step):
+    for step in range(first_step, first_step + steps):
+        idx, target = rank_slice(rank, world_size, step)
+        opt.scale_loss(loss_on(model, idx, target, step)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+# ----------------------------------------------------------------------- fp32: exact AdamW
+
+
+def _fp32_matches_adamw(rank: int, world_size: int, steps: int) -> None:
+    model = make_model()
+    opt = ZeRO1AdamW(decay_param_groups(model, weight_decay=0.1), **HYPER, max_grad_norm=MAX_NORM)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+
+    ref = make_model()
+    ref_opt = torch.optim.AdamW(decay_param_groups(ref, weight_decay=0.1), **HYPER, fused=True)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, schedule)
+    for step in range(steps):
+        idx, target = rank_slice(rank, world_size, step)
+        loss_on(model, idx, target, step).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+
+        ref_opt.zero_grad(set_to_none=True)
+        loss_on(ref, *global_batch(step), step).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+        ref_opt.step()
+        ref_sched.step()
+        assert opt.grad_norm == pytest.approx(ref_norm.item(), rel=1e-5), f"step {step}"
+        assert not opt.skipped
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert_close(p, q, msg=lambda m, name=name, step=step: f"{name} at step {step}: {m}")
+    # the branch without a gradient on odd steps took half the steps, as in torch.optim.AdamW
+    steps_of = {s.name: s.step for s in opt._slots}
+    assert steps_of["sometimes.weight"] == math.ceil(steps / 2) and steps_of["fc1.weight"] == steps
+    assert torch.equal(model.frozen, make_model().frozen)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_fp32_matches_torch_adamw(world_size):
+    run_ranks(world_size, _fp32_matches_adamw, 24)
+
+
+def test_without_process_group_it_is_adamw_on_a_master_copy():
+    """World size 1 with no torch.distributed at all: no communication, plain AdamW."""
+    assert not dist.is_initialized()
+    _fp32_matches_adamw(0, 1, 6)
+
+
+# ----------------------------------------------------------------------- mixed precision
+
+
+def _mixed_matches_master_reference(rank: int, world_size: int, dtype: torch.dtype, steps: int) -> None:
+    model = make_model(dtype)
+    opt = ZeRO1AdamW(decay_param_groups(model, weight_decay=0.1), **HYPER, max_grad_norm=MAX_NORM)
+    assert (opt.loss_scaler is not None) == (dtype == torch.float16)
+    if opt.loss_scaler is not None:
+        opt.loss_scaler.scale = 1024.0  # no overflow: the reference never skips
+
+    # reference: an fp32 master copy stepped by torch.optim.AdamW, cast into a 16-bit replica
+    ref16 = make_model(dtype)
+    master = make_model(torch.float32)
+    with torch.no_grad():  # the master copy starts as the 16-bit model, upcast
+        for p16, p32 in zip(ref16.parameters(), master.parameters()):
+            p32.copy_(p16)
+    ref_opt = torch.optim.AdamW(decay_param_groups(master, weight_decay=0.1), **HYPER, fused=True)
+    for step in range(steps):
+        idx, target = rank_slice(rank, world_size, step)
+        opt.scale_loss(loss_on(model, idx, target, step)).backward()
+        opt.step()
+        opt.zero_grad()
+        assert not opt.skipped
+
+        ref16.zero_grad(set_to_none=True)
+        loss_on(ref16, *global_batch(step), step).backward()
+        for p16, p32 in zip(ref16.parameters(), master.parameters()):
+            p32.grad = None if p16.grad is None else p16.grad.float()
+        torch.nn.utils.clip_grad_norm_(master.parameters(), MAX_NORM)
+        ref_opt.step()
+        with torch.no_grad():
+            for p16, p32 in zip(ref16.parameters(), master.parameters()):
+                p16.copy_(p32)
+        for (name, p), q in zip(model.named_parameters(), ref16.parameters()):
+            # Within the model dtype's rounding: the two sides round the 16-bit gradients of
+            # different batch splits differently, so allow one ulp at the tensor's scale.
+            atol = torch.finfo(dtype).eps * q.abs().max().item()
+            assert_close(p, q, atol=atol, rtol=2 * torch.finfo(dtype).eps,
+                         msg=lambda m, name=name, step=step: f"{name} at step {step}: {m}")  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_mixed_precision_matches_fp32_master_reference(world_size, dtype):
+    run_ranks(world_size, _mixed_matches_master_reference, dtype, 20)
+
+
+# ----------------------------------------------------------------------- loss scaling
+
+
+def _overflow_skips_on_every_rank(rank: int, world_size: int) -> None:
+    model = make_model(torch.float16)
+    opt = ZeRO1AdamW(model.parameters(), lr=1e-2, loss_scaler=DynamicLossScaler(scale=1024.0, min_scale=256.0))
+    before = [p.detach().clone() for p in model.parameters()]
+    idx, target = rank_slice(rank, world_size, 0)
+    loss = loss_on(model, idx, target, 0)
+    if rank == world_size - 1:
+        loss = loss * float("inf")  # overflow on one rank only
+    opt.scale_loss(loss).backward()
+    opt.step()
+    opt.zero_grad()
+    assert opt.skipped and not math.isfinite(opt.grad_norm)
+    assert opt.loss_scale == 512.0
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert all(s.step == 0 for s in opt._slots)
+
+    opt.scale_loss(loss_on(model, idx, target, 0)).backward()  # a clean step goes through
+    opt.step()
+    opt.zero_grad()
+    assert not opt.skipped and opt.loss_scale == 512.0
+    assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+    for _ in range(2):  # 512 -> 256 (the minimum), then an overflow at the minimum is an error
+        opt.scale_loss(loss_on(model, idx, target, 0) * float("inf")).backward()
+        if opt.loss_scale == 256.0:
+            with pytest.raises(FloatingPointError, match=r"minimum loss scale \(256.0\)"):
+                opt.step()
+        else:
+            opt.step()
+        opt.zero_grad()
+
+
+def test_fp16_overflow_skips_the_step_on_every_rank_and_halves_the_scale():
+    run_ranks(2, _overflow_skips_on_every_rank)
+
+
+def test_loss_scaler_grows_after_its_interval():
+    scaler = DynamicLossScaler(scale=8.0, growth_interval=3)
+    for _ in range(3):
+        scaler.update(overflow=False)
+    assert scaler.scale == 16.0 and scaler.clean_steps == 0
+    scaler.update(overflow=True)
+    assert scaler.scale == 8.0
+
+
+# ----------------------------------------------------------------------- memory = the plan
+
+
+GPT = memory.GPTSpec(vocab_size=67, n_layer=2, n_head=2, n_embd=24, block_size=17)
+
+
+def _gpt_groups(dtype: torch.dtype) -> list[dict]:
+    params = [(n, nn.Parameter(torch.randn(shape).to(dtype))) for n, shape in GPT.parameter_shapes().items()]
+    return [
+        {"params": [(n, p) for n, p in params if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [(n, p) for n, p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def _memory_matches_plan(rank: int, world_size: int) -> None:
+    for dtype, precision in ((torch.bfloat16, "bf16"), (torch.float16, "fp16"), (torch.float32, "fp32")):
+        opt = ZeRO1AdamW(_gpt_groups(dtype))
+        plan = memory.breakdown(
+            memory.Workload.from_model(GPT, precision=precision), num_gpus=world_size, stage=1
+        )
+        measured = opt.memory_bytes()
+        assert sum(measured.values()) == plan.optimizer_bytes + plan.padding_bytes, (precision, measured, plan)
+        owned = torch.tensor([sum(buf.owned_numel for buf in opt._buffers)])
+        if world_size > 1:
+            dist.all_reduce(owned)
+        assert owned.item() == GPT.num_params  # every element's state lives on exactly one rank
+        allocated = sum(
+            t.numel() * t.element_size() for buf in opt._buffers for t in (buf.params, buf.grads, *buf.state.values())
+        )
+        assert allocated == plan.params_bytes + plan.grads_bytes + plan.optimizer_bytes + plan.padding_bytes
+        assert measured["master"] == (0 if dtype == torch.float32 else 4 * sum(b.owned_numel for b in opt._buffers))
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_state_bytes_per_rank_equal_the_memory_model(world_size):
+    run_ranks(world_size, _memory_matches_plan)
+
+
+# ----------------------------------------------------------------------- checkpoints
+
+
+def _sharded_round_trip(rank: int, world_size: int) -> None:
+    model = make_model(torch.bfloat16)
+    opt = ZeRO1AdamW(decay_param_groups(model, weight_decay=0.1), **HYPER, max_grad_norm=MAX_NORM)
+    train_zero1(rank, world_size, model, opt, steps=3, first_step=3)
+    state = opt.state_dict()
+    assert state["buffers"][0]["exp_avg"].numel() == opt._buffers[0].owned_numel  # no padding saved
+    train_zero1(rank, world_size, model, opt, steps=3, first_step=6)
+    expected = [p.detach().clone() for p in model.parameters()]
+
+    resumed = make_model(torch.bfloat16)
+    resumed_opt = ZeRO1AdamW(decay_param_groups(resumed, weight_decay=0.1), **HYPER, max_grad_norm=MAX_NORM)
+    resumed_opt.load_state_dict(state)
+    train_zero1(rank, world_size, resumed, resumed_opt, steps=3, first_step=6)
+    for p, q in zip(resumed.parameters(), expected):
+        assert torch.equal(p, q)
+
+
+def test_sharded_checkpoint_resumes_exactly():
+    run_ranks(2, _sharded_round_trip)
+
+
+def _save_consolidated(rank: int, world_size: int, path: str) -> None:
+    model = make_model()
+    opt = ZeRO1AdamW(decay_param_groups(model, weight_decay=0.1), **HYPER, max_grad_norm=MAX_NORM)
+    train_zero1(rank, world_size, model, opt, steps=4, first_step=4)
+    consolidated = opt.consolidated_state_dict(chunk_numel=17)  # small chunks: many rounds
+    assert (consolidated is None) == (rank != 0)
+    if rank == 0:
+        torch.save(consolidated, path)
+    train_zero1(rank, world_size, model, opt, steps=4, first_step=8)
+    if rank == 0:
+        torch.save([p.detach() for p in model.parameters()], path + ".final")
+
+
+def _resume_consolidated(rank: int, world_size: int, path: str) -> None:
+    model = make_model()
+    opt = ZeRO1AdamW(decay_param_groups(model, weight_decay=0.1), **HYPER, max_grad_norm=MAX_NORM)
+    saved = torch.load(path)
+    opt.load_state_dict(saved)
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(p, saved["params"][name]["master"]), name
+    train_zero1(rank, world_size, model, opt, steps=4, first_step=8)
+    for p, q in zip(model.parameters(), torch.load(path + ".final")):
+        assert_close(p, q)
+
+
+def test_consolidated_checkpoint_reshards_from_4_to_2_and_3(tmp_path):
+    path = str(tmp_path / "consolidated.pt")
+    run_ranks(4, _save_consolidated, path)
+    saved = torch.load(path)
+    assert saved["params"]["fc1.weight"]["exp_avg"].shape == (11, 7)
+    assert saved["params"]["fc1.weight"]["step"] == 4
+    for world_size in (2, 3):
+        run_ranks(world_size, _resume_consolidated, path)
+
+
+def test_sharded_checkpoint_refuses_another_world_size():
+    model = make_model()
+    opt = ZeRO1AdamW(model.parameters())
+    state = opt.state_dict()
+    state["world_size"] = 2
+    with pytest.raises(ValueError, match="rank 0 of 2 .* cannot load into rank 0 of 1"):
+        opt.load_state_dict(state)
+
+
+# ----------------------------------------------------------------------- input checks
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"lr": -1.0}, r"lr must be >= 0, got -1.0"),
+        ({"betas": (0.9, 1.0)}, r"betas must be in \[0, 1\), got \(0.9, 1.0\)"),
+        ({"eps": -1e-8}, r"eps must be >= 0"),
+        ({"weight_decay": -0.1}, r"weight_decay must be >= 0, got -0.1"),
+        ({"max_grad_norm": 0.0}, r"max_grad_norm must be > 0 or None, got 0.0"),
+    ],
+)
+def test_bad_hyperparameters_are_value_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ZeRO1AdamW(make_model().parameters(), **kwargs)
+
+
+# ----------------------------------------------------------------------- CUDA + NCCL
+
+
+def _nccl_matches_adamw(rank: int, world_size: int) -> None:
+    torch.cuda.set_device(rank)
+    model = make_model().cuda()
+    opt = ZeRO1AdamW(decay_param_groups(model, weight_decay=0.1), **HYPER, max_grad_norm=MAX_NORM)
+    assert (opt.reduce_op, opt.gather_op) == ("reduce_scatter", "all_gather")
+    assert all(buf.state["exp_avg"].is_cuda for buf in opt._buffers)
+    ref = make_model().cuda()
+    ref_opt = torch.optim.AdamW(decay_param_groups(ref, weight_decay=0.1), **HYPER, fused=True)
+    for step in range(10):
+        idx, target = rank_slice(rank, world_size, step)
+        loss_on(model, idx.cuda(), target.cuda(), step).backward()
+        opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad(set_to_none=True)
+        idx, target = global_batch(step)
+        loss_on(ref, idx.cuda(), target.cuda(), step).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+        ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_close(p, q)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (NCCL and CUDA tensors)")
+def test_nccl_on_cuda_matches_torch_adamw():
+    run_ranks(torch.cuda.device_count(), _nccl_matches_adamw, backend="nccl")
