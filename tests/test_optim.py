@@ -21,7 +21,8 @@ VOCAB = 13
 
 class TinyNet(nn.Module):
     """Odd sizes on purpose: a 1-element bias and scale, tensors smaller than N,
-    a tied head, a frozen tensor, and a branch that gets no gradient on odd steps."""
+    a tied head, a frozen tensor, and a branch that gets no gradient on odd steps.
+    Its two flat buffers hold 301 = 7·43 and 41 elements: prime to every N tested."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -124,6 +125,18 @@ def test_without_process_group_it_is_adamw_on_a_master_copy():
     """World size 1 with no torch.distributed at all: no communication, plain AdamW."""
     assert not dist.is_initialized()
     _fp32_matches_adamw(0, 1, 6)
+
+
+def test_buffer_totals_are_prime_to_every_world_size_tested():
+    opt = ZeRO1AdamW(decay_param_groups(make_model(), weight_decay=0.1))
+    assert [buf.numel for buf in opt._buffers] == [301, 41]
+    assert all(math.gcd(buf.numel, n) == 1 for buf in opt._buffers for n in (2, 3, 4))
+
+
+def test_workers_exports_the_optimizer():
+    import workers  # noqa: PLC0415
+
+    assert workers.ZeRO1AdamW is ZeRO1AdamW
 
 
 # ----------------------------------------------------------------------- mixed precision
