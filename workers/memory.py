@@ -151,9 +151,13 @@ class GPTSpec:
         unfused attention. zero1's GPT has no dropout and uses fused
         scaled-dot-product attention, which keeps no s×s matrix but its output
         and an fp32 log-sum-exp (a·s·b). What each block saves, in s·b·h
-        elements: ln_1 input 1, c_attn input 1, q/k/v 3, attention output 1,
-        c_proj input 1, ln_2 input 1, c_fc input 1, GELU input 4, mlp c_proj
-        input 4: 17, plus fp32 mean and rstd of both LayerNorms (4·s·b).
+        elements: ln_1 input 1, c_attn input 1, q/k/v 3, attention output 1
+        (which is also c_proj's input: the fused kernels lay their output out
+        as (B, T, heads, head_dim), so transposing it back copies nothing),
+        ln_2 input 1, c_fc input 1, GELU input 4, mlp c_proj input 4: 16 —
+        Korthikanti's count without dropout — plus fp32 mean and rstd of both
+        LayerNorms (4·s·b). Checked against saved-tensor measurement in
+        tests/test_models.py.
         The head saves ln_f's input and the LM head's input (2·s·b·h), ln_f's
         statistics, and the fp32 log-softmax of the logits (4·s·b·V).
         With checkpointing each block keeps only its input, and one block is
@@ -161,7 +165,7 @@ class GPTSpec:
         """
         sb = micro_batch_size * seq_len
         fp32 = 4
-        block = sb * (17 * self.n_embd * bytes_per_element + 2 * 2 * fp32 + self.n_head * fp32)
+        block = sb * (16 * self.n_embd * bytes_per_element + 2 * 2 * fp32 + self.n_head * fp32)
         head = sb * (2 * self.n_embd * bytes_per_element + 2 * fp32 + self.vocab_size * fp32)
         if checkpointing:
             return self.n_layer * sb * self.n_embd * bytes_per_element + block + head

@@ -1,0 +1,224 @@
+"""Ray actors: a thin TrainWorker per rank, and a JobSupervisor per job that owns them.
+
+The supervisor reserves one placement-group bundle per rank (a GPU each, plus
+an explicit CPU share, without which Ray would give every actor a whole CPU
+and a CPU-only machine's logical GPUs would sit PENDING), starts the workers,
+lets rank 0 choose the rendezvous address, and watches them: metrics arrive in
+batches, a dead rank fails the job with its rank, node and cause, and cancel
+kills every rank and frees the group.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Literal
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from workers.train import TrainConfig, TrainResult
+
+Strategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+_REPORT_EVERY_ROWS = 50
+_REPORT_EVERY_S = 1.0
+
+
+class PlacementError(RuntimeError):
+    """The cluster could not place the job's ranks within the timeout."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Placement:
+    num_workers: int
+    strategy: Strategy = "PACK"
+    timeout_s: float = 60.0
+    cpus_per_worker: float = 1.0
+    """CPUs each rank reserves beside its GPU; give a fraction on a CPU-only
+    machine with logical GPUs."""
+    process_group_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 1 or self.timeout_s <= 0 or self.cpus_per_worker < 0:
+            raise ValueError(
+                f"need num_workers ({self.num_workers}) >= 1, timeout_s ({self.timeout_s}) > 0, "
+                f"cpus_per_worker ({self.cpus_per_worker}) >= 0"
+            )
+
+    @property
+    def bundle(self) -> dict[str, float]:
+        return {"GPU": 1.0, "CPU": self.cpus_per_worker}
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class _MetricsSink:
+    """Batches a rank's metric rows to the supervisor: every 50 rows or second, and at the end."""
+
+    def __init__(self, supervisor: Any, rank: int) -> None:
+        self.supervisor, self.rank = supervisor, rank
+        self.rows: list[dict[str, Any]] = []
+        self.sent_at = time.monotonic()
+
+    def __call__(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+        if len(self.rows) >= _REPORT_EVERY_ROWS or time.monotonic() - self.sent_at >= _REPORT_EVERY_S:
+            self.supervisor.report.remote(self.rank, self.rows)
+            self.rows, self.sent_at = [], time.monotonic()
+
+    def flush(self) -> None:
+        ray.get(self.supervisor.report.remote(self.rank, self.rows))  # delivered before run() returns
+        self.rows = []
+
+
+@ray.remote
+class TrainWorker:
+    """One rank. Holds its rank and nothing else: the loop is workers.train.train."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+
+    def rendezvous(self) -> tuple[str, int, str]:
+        """(address, free port, node id) on this worker's node: rank 0's become the group's."""
+        address = ray.util.get_node_ip_address()
+        return address, _free_port(address), ray.get_runtime_context().get_node_id()
+
+    def run(self, config: TrainConfig, address: str, port: int, supervisor: Any, pg_timeout_s: float) -> TrainResult:
+        import torch
+        import torch.distributed as dist
+
+        from workers.train import train
+
+        # never decided from Ray's GPU ids: a logical GPU has no CUDA behind it
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if not torch.cuda.is_available():
+            torch.set_num_threads(1)
+        dist.init_process_group(
+            backend, init_method=f"tcp://{address}:{port}", rank=self.rank, world_size=self.world_size,
+            timeout=timedelta(seconds=pg_timeout_s),
+        )  # fmt: skip
+        sink = _MetricsSink(supervisor, self.rank)
+        try:
+            return train(config, rank=self.rank, world_size=self.world_size, on_metrics=sink)
+        finally:
+            sink.flush()
+            dist.destroy_process_group()
+
+
+@ray.remote(num_cpus=0, max_concurrency=8)
+class JobSupervisor:
+    """Owns one job's placement group and workers; the control plane polls it."""
+
+    def __init__(self, job_id: str, config: TrainConfig, placement: Placement) -> None:
+        self.job_id, self.config, self.placement = job_id, config, placement
+        self.status = "starting"
+        self.error: dict[str, Any] | None = None
+        self.results: dict[int, TrainResult] = {}
+        self._lock = threading.Lock()
+        self._metrics: list[dict[str, Any]] = []
+        self._workers: list[Any] = []
+        self._nodes: list[str] = []
+        self._pg = None
+
+    def start(self) -> None:
+        """Place the ranks (or raise PlacementError), rendezvous, and start training."""
+        p = self.placement
+        self._pg = placement_group([p.bundle] * p.num_workers, strategy=p.strategy)
+        ready, _ = ray.wait([self._pg.ready()], timeout=p.timeout_s)
+        if not ready:
+            self._release()
+            with self._lock:
+                self.status = "failed"
+            raise PlacementError(
+                f"could not place {p.num_workers} ranks of {p.bundle} ({p.strategy}) within {p.timeout_s:g} s: "
+                f"requested GPU={p.num_workers}, CPU={p.num_workers * p.cpus_per_worker:g}; "
+                f"available {_resources(ray.available_resources())} of {_resources(ray.cluster_resources())}"
+            )
+        self._workers = [
+            TrainWorker.options(
+                num_gpus=1, num_cpus=p.cpus_per_worker,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank),
+            ).remote(rank, p.num_workers)
+            for rank in range(p.num_workers)
+        ]  # fmt: skip
+        rendezvous = ray.get([w.rendezvous.remote() for w in self._workers])
+        self._nodes = [node for _, _, node in rendezvous]
+        address, port, _ = rendezvous[0]
+        me = ray.get_runtime_context().current_actor
+        runs = {
+            w.run.remote(self.config, address, port, me, p.process_group_timeout_s): rank
+            for rank, w in enumerate(self._workers)
+        }
+        with self._lock:
+            self.status = "running"
+        threading.Thread(target=self._watch, args=(runs,), daemon=True, name=f"watch-{self.job_id}").start()
+
+    def report(self, rank: int, rows: list[dict[str, Any]]) -> None:
+        with self._lock:
+            self._metrics.extend(rows)
+
+    def poll(self) -> dict[str, Any]:
+        """Status, error, and the metric rows that arrived since the last poll."""
+        with self._lock:
+            rows, self._metrics = self._metrics, []
+            return {"status": self.status, "error": self.error, "metrics": rows, "nodes": list(self._nodes)}
+
+    def worker(self, rank: int) -> Any:
+        return self._workers[rank]
+
+    def cancel(self) -> None:
+        """Kill every rank and free the placement group."""
+        with self._lock:
+            if self.status in ("succeeded", "failed", "cancelled"):
+                return
+            self.status = "cancelled"
+        self._release()
+
+    def _watch(self, runs: dict[Any, int]) -> None:
+        pending = list(runs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=1.0)
+            for ref in done:
+                rank = runs[ref]
+                try:
+                    self.results[rank] = ray.get(ref)
+                except Exception as exc:  # noqa: BLE001 - any rank failure fails the job, with its cause
+                    self._fail(rank, exc)
+                    return
+        with self._lock:
+            if self.status == "running":
+                self.status = "succeeded"
+        self._release()
+
+    def _fail(self, rank: int, exc: Exception) -> None:
+        cause = str(exc).strip().splitlines()
+        with self._lock:
+            if self.status == "cancelled":
+                return
+            self.status = "failed"
+            self.error = {
+                "rank": rank,
+                "node_id": self._nodes[rank] if rank < len(self._nodes) else None,
+                "exception": type(exc).__name__,
+                "message": cause[0] if cause else type(exc).__name__,
+            }
+        self._release()
+
+    def _release(self) -> None:
+        for worker in self._workers:
+            ray.kill(worker, no_restart=True)
+        if self._pg is not None:
+            remove_placement_group(self._pg)
+            self._pg = None
+
+
+def _resources(resources: dict[str, float]) -> str:
+    return ", ".join(f"{k}={resources.get(k, 0):g}" for k in ("GPU", "CPU"))

@@ -1,0 +1,167 @@
+"""Training data: deterministic, seeded sources that every rank slices the same way.
+
+Sample i of step s is drawn from its own generator, seeded by (seed, s, i), so
+the global batch of a step is the same for any world size and rank r makes
+only its own slice of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from workers.memory import GPTSpec, MLPSpec
+
+_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, step, index) over 63 bits
+
+
+def sample_seed(seed: int, step: int, index: int) -> int:
+    """A distinct generator seed per (seed, step, sample index)."""
+    return ((seed * _MIX + step) * _MIX + index) % (1 << 63)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SyntheticSpec:
+    """A random Markov chain over the vocabulary (GPT), or a random linear
+    teacher's labels (MLP): learnable, with a known floor for the loss."""
+
+    branching: int = 4
+    """Successors each token can have (GPT); fewer means lower entropy."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TextSpec:
+    """Characters of a local UTF-8 file."""
+
+    path: str
+
+
+DataSpec = SyntheticSpec | TextSpec
+
+
+class MarkovSource:
+    """Tokens from a fixed random Markov chain: each token has `branching`
+    successors with Dirichlet(1) weights; a sequence starts uniformly."""
+
+    def __init__(self, *, vocab_size: int, branching: int, seed: int) -> None:
+        if not 1 <= branching <= vocab_size:
+            raise ValueError(f"branching must be in [1, vocab_size={vocab_size}], got {branching}")
+        gen = torch.Generator().manual_seed(seed)
+        successors = torch.stack([torch.randperm(vocab_size, generator=gen)[:branching] for _ in range(vocab_size)])
+        weights = -torch.rand(vocab_size, branching, generator=gen, dtype=torch.float64).log()  # Dirichlet(1)
+        weights /= weights.sum(1, keepdim=True)
+        self.vocab_size = vocab_size
+        self.transition = torch.zeros(vocab_size, vocab_size, dtype=torch.float64)
+        self.transition.scatter_(1, successors, weights)
+        self.cdf = self.transition.cumsum(1)
+
+    def loss_floor(self, seq_len: int) -> float:
+        """The best mean next-token loss (nats) over `seq_len` targets: target t
+        is one chain step from token t, whose law is uniform·Pᵗ. A model can do
+        no better than the entropy of that step, averaged."""
+        p = self.transition
+        row_entropy = -(p * torch.where(p > 0, p.log(), torch.zeros_like(p))).sum(1)
+        law = torch.full((self.vocab_size,), 1.0 / self.vocab_size, dtype=torch.float64)
+        total = 0.0
+        for _ in range(seq_len):
+            total += float(law @ row_entropy)
+            law = law @ p
+        return total / seq_len
+
+    def sample(self, seeds: list[int], length: int) -> Tensor:
+        """(len(seeds), length) int64 token sequences, one generator per row."""
+        u = torch.stack([torch.rand(length, generator=torch.Generator().manual_seed(s), dtype=torch.float64)
+                         for s in seeds])  # fmt: skip
+        out = torch.empty(len(seeds), length, dtype=torch.int64)
+        out[:, 0] = (u[:, 0] * self.vocab_size).long().clamp_(max=self.vocab_size - 1)
+        for t in range(1, length):
+            cdf = self.cdf[out[:, t - 1]]
+            out[:, t] = torch.searchsorted(cdf, u[:, t : t + 1].contiguous()).squeeze(1).clamp_(max=self.vocab_size - 1)
+        return out
+
+
+class TextSource:
+    """Character-level windows of a text file; the vocabulary is its sorted characters."""
+
+    def __init__(self, *, path: str | Path, vocab_size: int) -> None:
+        text = Path(path).read_text(encoding="utf-8")
+        chars = sorted(set(text))
+        if len(chars) > vocab_size:
+            raise ValueError(f"{path} has {len(chars)} distinct characters, more than vocab_size ({vocab_size})")
+        index = {c: i for i, c in enumerate(chars)}
+        self.tokens = torch.tensor([index[c] for c in text], dtype=torch.int64)
+        self.chars = chars
+
+    def sample(self, seeds: list[int], length: int) -> Tensor:
+        if len(self.tokens) < length + 1:
+            raise ValueError(f"text has {len(self.tokens)} characters, needs at least {length + 1}")
+        starts = [int(torch.randint(0, len(self.tokens) - length + 1, (1,),
+                                    generator=torch.Generator().manual_seed(s))) for s in seeds]  # fmt: skip
+        return torch.stack([self.tokens[a : a + length] for a in starts])
+
+
+class TeacherSource:
+    """MLP data: x ~ N(0, I), label = argmax of a fixed random linear teacher."""
+
+    def __init__(self, *, in_features: int, num_classes: int, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.teacher = torch.randn(num_classes, in_features, generator=gen)
+        self.in_features = in_features
+
+    def sample(self, seeds: list[int]) -> tuple[Tensor, Tensor]:
+        x = torch.stack([torch.randn(self.in_features, generator=torch.Generator().manual_seed(s)) for s in seeds])
+        return x, (x @ self.teacher.T).argmax(1)
+
+
+class Batches:
+    """Rank r's micro-batches of each global batch."""
+
+    def __init__(
+        self, *, model: GPTSpec | MLPSpec, data: DataSpec, seed: int, seq_len: int | None,
+        global_batch_size: int, micro_batch_size: int, rank: int, world_size: int,
+    ) -> None:  # fmt: skip
+        per_rank, rest = divmod(global_batch_size, world_size)
+        if rest or per_rank % micro_batch_size:
+            raise ValueError(
+                f"global_batch_size ({global_batch_size}) must be a multiple of "
+                f"world_size ({world_size}) x micro_batch_size ({micro_batch_size})"
+            )
+        self.seed, self.micro_batch_size = seed, micro_batch_size
+        self.first = rank * per_rank
+        self.accumulation_steps = per_rank // micro_batch_size
+        self.model = model
+        if isinstance(model, MLPSpec):
+            if not isinstance(data, SyntheticSpec):
+                raise ValueError("an mlp model trains on synthetic data only")
+            self.source = TeacherSource(in_features=model.sizes[0], num_classes=model.sizes[-1], seed=seed)
+            self.seq_len = 1
+        else:
+            self.seq_len = model.block_size if seq_len is None else seq_len
+            if isinstance(data, TextSpec):
+                self.source = TextSource(path=data.path, vocab_size=model.vocab_size)
+            else:
+                self.source = MarkovSource(vocab_size=model.vocab_size, branching=data.branching, seed=seed)
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        return self.micro_batch_size * self.seq_len
+
+    def micro_batch(self, step: int, micro: int) -> tuple[Tensor, Tensor]:
+        """(inputs, targets) of micro-batch `micro` of this rank's slice of step `step`."""
+        start = self.first + micro * self.micro_batch_size
+        seeds = [sample_seed(self.seed, step, i) for i in range(start, start + self.micro_batch_size)]
+        if isinstance(self.source, TeacherSource):
+            return self.source.sample(seeds)
+        tokens = self.source.sample(seeds, self.seq_len + 1)
+        return tokens[:, :-1], tokens[:, 1:]
+
+    def loss_floor(self) -> float | None:
+        """The loss a perfect model reaches on this source (nats per target); None for real text."""
+        if isinstance(self.source, MarkovSource):
+            return self.source.loss_floor(self.seq_len)
+        if isinstance(self.source, TeacherSource):
+            return 0.0
+        return None

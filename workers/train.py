@@ -1,0 +1,263 @@
+"""One rank's training loop, as plain functions: Ray actors call them, and so do tests.
+
+A step: every micro-batch of this rank's slice of the global batch runs
+forward and backward (gradients accumulate in the optimizer's flat buffer),
+then ZeRO1AdamW reduces, updates its shard and gathers. Each step yields one
+metrics row per rank; every `checkpoint_every` steps each rank writes its
+shard, and rank 0 marks the checkpoint complete once all shards are in place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from workers import memory
+from workers.data import Batches, DataSpec, SyntheticSpec
+from workers.memory import GPTSpec, MLPSpec
+from workers.models import ActivationMeter, build_model
+from workers.optim import ZeRO1AdamW, decay_param_groups
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+_COMPLETE = "complete.json"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OptimizerSpec:
+    lr: float = 3e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    max_grad_norm: float | None = 1.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainConfig:
+    """What one job trains; the same on every rank."""
+
+    model: GPTSpec | MLPSpec
+    steps: int
+    data: DataSpec = field(default_factory=SyntheticSpec)
+    precision: str = "bf16"
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    micro_batch_size: int = 1
+    global_batch_size: int | None = None
+    """Samples per step over all ranks; default micro_batch_size x world size
+    (more means gradient accumulation)."""
+    seq_len: int | None = None
+    """GPT only; default block_size."""
+    seed: int = 0
+    checkpoint_every: int = 0
+    """Steps between checkpoints; 0 checkpoints only at the end."""
+    checkpoint_dir: str | None = None
+    """Where checkpoints go; None keeps none."""
+    activation_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        if self.precision not in DTYPES:
+            raise ValueError(f"precision must be one of {tuple(DTYPES)}, got {self.precision!r}")
+        if self.steps < 1 or self.micro_batch_size < 1 or self.checkpoint_every < 0:
+            raise ValueError(
+                f"need steps ({self.steps}) >= 1, micro_batch_size ({self.micro_batch_size}) >= 1, "
+                f"checkpoint_every ({self.checkpoint_every}) >= 0"
+            )
+
+    def global_batch(self, world_size: int) -> int:
+        return self.global_batch_size or self.micro_batch_size * world_size
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainResult:
+    rank: int
+    first_step: int
+    """The step this run started at (> 0 after a resume)."""
+    last_step: int
+    """The last step completed; -1 if none."""
+    cancelled: bool
+
+
+def default_device() -> torch.device:
+    """CUDA when this process sees a GPU (Ray sets CUDA_VISIBLE_DEVICES), else CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def planned_bytes(config: TrainConfig, *, world_size: int) -> int:
+    """The planner's per-GPU bytes for this job: model states and activations (no fixed overhead)."""
+    workload = memory.Workload.from_model(
+        config.model,
+        precision=config.precision,
+        micro_batch_size=config.micro_batch_size,
+        seq_len=config.seq_len,
+        activation_checkpointing=config.activation_checkpointing,
+    )
+    return memory.breakdown(workload, num_gpus=world_size, stage=1).total_bytes
+
+
+def model_state_bytes(opt: ZeRO1AdamW) -> int:
+    """Bytes of the flat parameter and gradient buffers and the optimizer's shard."""
+    return sum(
+        t.numel() * t.element_size() for buf in opt._buffers for t in (buf.params, buf.grads, *buf.state.values())
+    )
+
+
+def train(
+    config: TrainConfig,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    process_group: dist.ProcessGroup | None = None,
+    device: torch.device | None = None,
+    on_metrics: Callable[[dict[str, Any]], None] = lambda row: None,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> TrainResult:
+    """Train `config` as `rank` of `world_size`, resuming from the latest complete checkpoint."""
+    device = device or default_device()
+    batches = Batches(
+        model=config.model, data=config.data, seed=config.seed, seq_len=config.seq_len,
+        global_batch_size=config.global_batch(world_size), micro_batch_size=config.micro_batch_size,
+        rank=rank, world_size=world_size,
+    )  # fmt: skip
+    model = build_model(
+        config.model, dtype=DTYPES[config.precision], device=device,
+        activation_checkpointing=config.activation_checkpointing, seed=config.seed,
+    )  # fmt: skip
+    hyper = config.optimizer
+    opt = ZeRO1AdamW(
+        decay_param_groups(model, weight_decay=hyper.weight_decay), lr=hyper.lr, betas=hyper.betas,
+        eps=hyper.eps, process_group=process_group, max_grad_norm=hyper.max_grad_norm,
+    )  # fmt: skip
+    first = 0
+    if config.checkpoint_dir:
+        first = resume(opt, Path(config.checkpoint_dir), rank=rank, world_size=world_size)
+    context = _StepContext(
+        model=model, opt=opt, batches=batches, device=device, rank=rank, world_size=world_size,
+        process_group=process_group, planned_bytes=planned_bytes(config, world_size=world_size),
+        tokens_per_step=config.global_batch(world_size) * batches.seq_len,
+    )  # fmt: skip
+    last = first - 1
+    for step in range(first, config.steps):
+        if should_stop():
+            return TrainResult(rank=rank, first_step=first, last_step=last, cancelled=True)
+        on_metrics(context.run_step(step))
+        last = step
+        done = step + 1 == config.steps
+        due = config.checkpoint_every and (step + 1) % config.checkpoint_every == 0
+        if config.checkpoint_dir and (done or due):
+            save_checkpoint(opt, Path(config.checkpoint_dir), step=step, process_group=process_group)
+    return TrainResult(rank=rank, first_step=first, last_step=last, cancelled=False)
+
+
+@dataclass(kw_only=True, slots=True)
+class _StepContext:
+    model: torch.nn.Module
+    opt: ZeRO1AdamW
+    batches: Batches
+    device: torch.device
+    rank: int
+    world_size: int
+    process_group: dist.ProcessGroup | None
+    planned_bytes: int
+    tokens_per_step: int
+
+    def run_step(self, step: int) -> dict[str, Any]:
+        start = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        meter = ActivationMeter(self.model)
+        accumulation = self.batches.accumulation_steps
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        activation_peak = 0
+        for micro in range(accumulation):
+            inputs, targets = (t.to(self.device) for t in self.batches.micro_batch(step, micro))
+            loss = meter.run(
+                lambda: self.model(inputs, targets) / accumulation,
+                lambda loss: self.opt.scale_loss(loss).backward(),
+            )
+            loss_sum += loss.detach()
+            activation_peak = max(activation_peak, meter.peak_bytes)
+        self.opt.step()
+        self.opt.zero_grad()
+        if self.world_size > 1:  # the global batch's loss: mean over ranks of each rank's mean
+            dist.all_reduce(loss_sum, group=self.process_group)
+            loss_sum /= self.world_size
+        loss_value = loss_sum.item()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            mem_peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            mem_peak = model_state_bytes(self.opt) + activation_peak
+        step_time_s = time.perf_counter() - start
+        return {
+            "step": step,
+            "rank": self.rank,
+            "loss": loss_value,
+            "grad_norm": self.opt.grad_norm,
+            "loss_scale": self.opt.loss_scale,
+            "skipped": self.opt.skipped,
+            "step_time_s": step_time_s,
+            "tokens_per_s": self.tokens_per_step / step_time_s,
+            "mem_peak_bytes": mem_peak,
+            "mem_planned_bytes": self.planned_bytes,
+        }
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def _step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:09d}"
+
+
+def _shard_file(root: Path, step: int, rank: int, world_size: int) -> Path:
+    return _step_dir(root, step) / f"rank-{rank:05d}-of-{world_size:05d}.pt"
+
+
+def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """write(tmp) then rename: a reader sees the old file or the whole new one, never a torn one."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(opt: ZeRO1AdamW, root: Path, *, step: int, process_group: dist.ProcessGroup | None) -> Path:
+    """Every rank writes its shard; rank 0 then marks the step complete."""
+    directory = _step_dir(root, step)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = opt.state_dict()
+    _atomic_write(_shard_file(root, step, opt.rank, opt.world_size), lambda tmp: torch.save(state, tmp))
+    if opt.world_size > 1:
+        dist.barrier(group=process_group)  # every shard is in place before the checkpoint counts
+    if opt.rank == 0:
+        meta = {"step": step, "world_size": opt.world_size, "format": state["format"]}
+        _atomic_write(directory / _COMPLETE, lambda tmp: tmp.write_text(json.dumps(meta)))
+    return directory
+
+
+def latest_checkpoint(root: Path) -> tuple[int, int] | None:
+    """(step, world_size) of the newest complete checkpoint under root, or None."""
+    best = None
+    for marker in root.glob(f"step-*/{_COMPLETE}"):
+        meta = json.loads(marker.read_text())
+        if best is None or meta["step"] > best[0]:
+            best = (meta["step"], meta["world_size"])
+    return best
+
+
+def resume(opt: ZeRO1AdamW, root: Path, *, rank: int, world_size: int) -> int:
+    """Load this rank's shard of the latest complete checkpoint; the step to start at."""
+    found = latest_checkpoint(root) if root.exists() else None
+    if found is None:
+        return 0
+    step, saved_world = found
+    if saved_world != world_size:
+        raise ValueError(f"checkpoint at step {step} was written by {saved_world} ranks, this run has {world_size}")
+    opt.load_state_dict(torch.load(_shard_file(root, step, rank, world_size), map_location=opt.device))
+    return step + 1
