@@ -194,7 +194,8 @@ class FP32Master:
     """The fp32 master copy of a 16-bit model: grads upcast in, weights cast back out."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.pairs = [(p, p.detach().float()) for p in model.parameters()]
+        # requires_grad: ZeroRedundancyOptimizer buckets and broadcasts trainable tensors only
+        self.pairs = [(p, p.detach().float().requires_grad_()) for p in model.parameters()]
         self.by_param = {id(p): m for p, m in self.pairs}
 
     def groups(self, model: nn.Module) -> list[dict]:
