@@ -13,6 +13,8 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="ZERO1_", use_attribute_docstrings=True, extra="ignore")
 
+    database_url: str = "sqlite:///.zero1/zero1.db"
+    """SQLAlchemy URL of the database; PostgreSQL: postgresql+psycopg://user@host/db."""
     host: str = "127.0.0.1"
     """Address `zero1 serve` binds to."""
     port: int = Field(8000, ge=1, le=65535)

@@ -1,0 +1,85 @@
+"""The database: jobs, their state transitions, and their per-step metrics.
+
+The schema changes only through Alembic migrations (migrations/); a test
+checks that these models and the migrations agree.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# SQLite wants INTEGER for its auto-incrementing rowid keys; elsewhere 64 bits.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {dict[str, Any]: JSON, datetime: DateTime(timezone=True)}
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(200))
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    spec: Mapped[dict[str, Any]]
+    plan: Mapped[dict[str, Any]]
+    num_gpus: Mapped[int] = mapped_column(Integer)
+    steps: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int | None] = mapped_column(Integer, default=None)
+    """Last step with a stored metrics row."""
+    latest: Mapped[dict[str, Any] | None] = mapped_column(default=None)
+    """That row, kept here so that listing jobs reads one table."""
+    attempt: Mapped[int] = mapped_column(Integer, default=0)
+    error: Mapped[dict[str, Any] | None] = mapped_column(default=None)
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    owner: Mapped[str | None] = mapped_column(String(200), default=None)
+    idempotency_key: Mapped[str | None] = mapped_column(String(200), unique=True, default=None)
+    request_hash: Mapped[str | None] = mapped_column(String(64), default=None)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(default=None)
+    finished_at: Mapped[datetime | None] = mapped_column(default=None)
+
+
+class JobEvent(Base):
+    """One state transition of a job, with its reason."""
+
+    __tablename__ = "job_events"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    at: Mapped[datetime] = mapped_column(default=utcnow)
+    from_status: Mapped[str | None] = mapped_column(String(16))
+    to_status: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[str] = mapped_column(Text)
+
+
+class Metric(Base):
+    """One training step of one attempt: the global values and every rank's memory."""
+
+    __tablename__ = "metrics"
+    __table_args__ = (Index("ix_metrics_job_attempt_step", "job_id", "attempt", "step", unique=True),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(Integer)
+    loss: Mapped[float] = mapped_column(Float)
+    grad_norm: Mapped[float | None] = mapped_column(Float)
+    loss_scale: Mapped[float] = mapped_column(Float)
+    skipped: Mapped[bool] = mapped_column(Boolean)
+    step_time_s: Mapped[float] = mapped_column(Float)
+    tokens_per_s: Mapped[float] = mapped_column(Float)
+    mem_peak_bytes: Mapped[list[int]] = mapped_column(JSON)
+    """Measured peak bytes of each rank, by rank."""
+    mem_planned_bytes: Mapped[int] = mapped_column(BigInteger)
+    superseded: Mapped[bool] = mapped_column(Boolean, default=False)
+    """True for rows of an attempt past the checkpoint a retry resumed from."""
