@@ -383,14 +383,14 @@ class ZeRO1(Trainer):
                 + all_reduce_bytes(1 + self.num_tensors, 4))  # fmt: skip
 
 
-def make_trainers(spec: memory.GPTSpec, *, precision: str, args: argparse.Namespace) -> list[Callable[[], Trainer]]:
-    """Factories, so each config gets a fresh model with the same initial weights."""
+def make_trainers(spec: memory.GPTSpec, *, precision: str, args: argparse.Namespace) -> list[Trainer]:
+    """The four configs, each on its own model with the same initial weights."""
     model = lambda: build_model(spec, precision=precision, args=args)  # noqa: E731
     return [
-        lambda: DDPAdamW(model(), precision=precision),
-        lambda: DDPZeroRedundancy(model(), precision=precision),
-        lambda: ZeRO1(model(), precision=precision, spec=spec, key="c"),
-        lambda: ZeRO1(model(), precision=precision, spec=spec, key="c'", reduce_op="reduce_scatter", gather_op="all_gather"),
+        DDPAdamW(model(), precision=precision),
+        DDPZeroRedundancy(model(), precision=precision),
+        ZeRO1(model(), precision=precision, spec=spec, key="c"),
+        ZeRO1(model(), precision=precision, spec=spec, key="c'", reduce_op="reduce_scatter", gather_op="all_gather"),
     ]
 
 
@@ -403,16 +403,25 @@ def max_over_ranks(values: list[float]) -> list[float]:
     return t.tolist()
 
 
-def measure(trainer: Trainer, *, rank: int, args: argparse.Namespace) -> dict:
-    """Medians over the timed steps of each phase (per step, the slowest rank), bytes per rank."""
-    per_step = []
+def measure(trainers: list[Trainer], *, rank: int, args: argparse.Namespace) -> list[dict]:
+    """Each step runs every config in turn on the same batch, so a noisy stretch of a
+    shared machine slows all of them alike rather than whichever ran then."""
+    per_step: dict[str, list[list[float]]] = {t.key: [] for t in trainers}
+    last_loss: dict[str, float] = {}
     for step in range(args.warmup_steps + args.steps):
         x, y = batch(step, rank=rank, args=args)
-        times = trainer.train_step(x, y)
-        if step >= args.warmup_steps:
-            per_step.append(max_over_ranks([times[p] for p in PHASES]))
+        for trainer in trainers:
+            times = trainer.train_step(x, y)
+            last_loss[trainer.key] = times["loss"]
+            if step >= args.warmup_steps:
+                per_step[trainer.key].append(max_over_ranks([times[p] for p in PHASES]))
+    return [summarize(t, per_step[t.key], loss=last_loss[t.key]) for t in trainers]
+
+
+def summarize(trainer: Trainer, per_step: list[list[float]], *, loss: float) -> dict:
+    """Medians over the timed steps of each phase (per step, the slowest rank), bytes per rank."""
     medians = {p: statistics.median(s[i] for s in per_step) for i, p in enumerate(PHASES)}
-    loss = torch.tensor(times["loss"], dtype=torch.float64)
+    loss = torch.tensor(loss, dtype=torch.float64)
     dist.all_reduce(loss)
     opt_bytes, model_bytes = max_over_ranks([trainer.optimizer_state_bytes(), trainer.model_state_bytes()])
     return dict(
@@ -431,6 +440,10 @@ def time_collectives(numel: int, dtype: torch.dtype, *, repeats: int) -> dict[st
         # reduce-scatter: (N*S,) -> own (S,); all-gather: own (S,) -> (N*S,)
         "reduce_scatter": lambda: dist.reduce_scatter_single(shard, full),
         "all_gather": lambda: dist.all_gather_single(full, shard),
+        # the same beats from rooted collectives, one per rank: slice r of (N*S,) summed onto rank r,
+        # and rank r's slice sent to all (ZeroRedundancyOptimizer's gather)
+        "reduces": lambda: [dist.reduce(part, dst=r) for r, part in enumerate(full.chunk(WORLD_SIZE))],
+        "broadcasts": lambda: [dist.broadcast(part, src=r) for r, part in enumerate(full.chunk(WORLD_SIZE))],
     }
     out = {}
     for name, op in ops.items():
@@ -449,7 +462,7 @@ def run_rank(rank: int, init_file: str, args: argparse.Namespace) -> None:
                               n_embd=args.n_embd, block_size=args.block_size)  # fmt: skip
         results = {}
         for precision in args.precisions:
-            results[precision] = [measure(make(), rank=rank, args=args) for make in make_trainers(spec, precision=precision, args=args)]
+            results[precision] = measure(make_trainers(spec, precision=precision, args=args), rank=rank, args=args)
         padded = memory.shard_numel(memory.Workload.from_model(spec), num_gpus=WORLD_SIZE) * WORLD_SIZE
         collectives = {p: time_collectives(padded, DTYPES[p], repeats=args.collective_repeats) for p in args.precisions}
         if rank == 0:
@@ -531,14 +544,17 @@ def print_collectives(collectives: dict[str, dict[str, float]], *, numel: int) -
     print(f"collectives on gloo, {WORLD_SIZE} ranks, a flat buffer of {numel:,} elements (the model, padded); "
           f"default_collectives('gloo') = ({reduce_default}, {gather_default})")  # fmt: skip
     header = (f"{'dtype':<6}{'buffer':>10}{'all_reduce':>12}{'reduce_scatter':>16}{'all_gather':>12}"
-              f"{'reduce beat':>16}{'gather beat':>16}")  # fmt: skip
+              f"{f'{WORLD_SIZE} reduces':>11}{f'{WORLD_SIZE} broadcasts':>14}{'faster reduce':>16}{'faster gather':>15}")  # fmt: skip
     print(header)
     print("-" * len(header))
     for precision, t in collectives.items():
         reduce_best = min(("all_reduce", "reduce_scatter"), key=t.get)
         gather_best = min(("all_reduce", "all_gather"), key=t.get)
         print(f"{precision:<6}{numel * DTYPES[precision].itemsize / MB:>8.1f}MB{_ms(t['all_reduce']):>10}ms"
-              f"{_ms(t['reduce_scatter']):>14}ms{_ms(t['all_gather']):>10}ms{reduce_best:>16}{gather_best:>16}")  # fmt: skip
+              f"{_ms(t['reduce_scatter']):>14}ms{_ms(t['all_gather']):>10}ms{_ms(t['reduces']):>9}ms"
+              f"{_ms(t['broadcasts']):>12}ms{reduce_best:>16}{gather_best:>15}")  # fmt: skip
+    print("faster reduce / gather: of the two collectives ZeRO1AdamW can use for that beat. The per-rank")
+    print("reduces and broadcasts (ZeroRedundancyOptimizer's gather) are not among its options; shown for comparison.")
 
 
 def print_report(spec: memory.GPTSpec, results: dict, collectives: dict, *, args: argparse.Namespace) -> None:
@@ -576,6 +592,11 @@ NOTES = """notes:
              copy; ZeRO1AdamW: sum(memory_bytes()), padding included. Max over ranks.
   model      params + grads + opt state, by tensor sizes; fp32 grads upcast for the update are transient
              and not counted, so (a) bf16 is 16 B/param: params 2 + grads 2 + master 4 + exp_avg 4 + exp_avg_sq 4.
+  planned    the memory model counts no AdamW step counters: (a)'s fused AdamW keeps one 4-byte tensor
+             per parameter tensor, its whole difference from stage 0.
+  bf16 fwd   with --bf16-compute fp32 (default) each layer upcasts its bf16 weights to fp32 activations:
+             params, grads, communication and optimizer are bf16 exactly as in native bf16, but the
+             matmuls run in fp32, because this CPU class (AVX2, no AVX512-BF16/AMX) runs bf16 ~10-30x slower.
   (b) bf16   ZeroRedundancyOptimizer runs over the full fp32 master copy: it shards the moments, not the
              master, and its broadcast moves fp32 masters.
   comm/step  analytical, per rank, N = 2: ring all-reduce 2(N-1)/N·Ψ·bytes; reduce-scatter, all-gather
@@ -590,7 +611,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--n-head", type=int, default=8)
     parser.add_argument("--n-embd", type=int, default=512)
     parser.add_argument("--block-size", type=int, default=128)
-    parser.add_argument("--micro-batch-size", type=int, default=4, help="sequences per rank per step")
+    parser.add_argument("--micro-batch-size", type=int, default=2, help="sequences per rank per step")
     parser.add_argument("--seq-len", type=int, default=None, help="default: block size")
     parser.add_argument("--warmup-steps", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per config")

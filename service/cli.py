@@ -1,11 +1,14 @@
-"""The `zero1` command: `zero1 serve` runs the API, `zero1 plan` plans a model."""
+"""The `zero1` command: `serve` runs the API; `plan` plans a model offline; `submit`,
+`jobs`, `status`, `watch` and `cancel` talk to a running API; `db upgrade` migrates."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from decimal import Decimal, InvalidOperation
+from pathlib import Path
 
 from pydantic import ValidationError
 
@@ -65,6 +68,26 @@ def _parser() -> argparse.ArgumentParser:
     jobs.add_argument("--micro-batch-size", type=int)
     jobs.add_argument("--activation-checkpointing", action="store_true", default=None)
     plan.add_argument("--json", action="store_true", help="print the API's JSON instead of tables")
+
+    url = {"default": os.environ.get("ZERO1_URL", "http://127.0.0.1:8000"),
+           "help": "the API (default: ZERO1_URL or http://127.0.0.1:8000)"}  # fmt: skip
+    submit = commands.add_parser("submit", help="submit a job spec (JSON file); prints its plan and id")
+    submit.add_argument("spec", help="path of a JSON JobSpec, e.g. examples/tiny-gpt.json")
+    submit.add_argument("--dry-run", action="store_true", help="plan and admit, store nothing")
+    submit.add_argument("--url", **url)
+    jobs = commands.add_parser("jobs", help="list jobs, newest first")
+    jobs.add_argument("--status", action="append", help="only these statuses (repeatable)")
+    jobs.add_argument("--limit", type=int, default=20)
+    jobs.add_argument("--url", **url)
+    for name, text in (("status", "a job, with its events"), ("watch", "a live progress bar until the job ends"),
+                       ("cancel", "cancel a job")):  # fmt: skip
+        command = commands.add_parser(name, help=text)
+        command.add_argument("job_id", type=int)
+        command.add_argument("--url", **url)
+        if name == "watch":
+            command.add_argument("--interval", type=float, default=0.5, help="seconds between refreshes")
+    db = commands.add_parser("db", help="database maintenance")
+    db.add_argument("action", choices=("upgrade",), help="upgrade: apply the migrations (ZERO1_DATABASE_URL)")
     return parser
 
 
@@ -150,6 +173,130 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _client(args: argparse.Namespace):
+    import httpx
+
+    return httpx.Client(base_url=args.url, timeout=30)
+
+
+def _api_error(response) -> int | None:
+    """Print an API error the way a person reads it; its exit code, or None on success."""
+    if response.is_success:
+        return None
+    try:
+        body = response.json()
+        message = body.get("message") or body
+    except ValueError:
+        message = response.text
+    print(f"zero1: {response.status_code} {message}", file=sys.stderr)
+    return 1
+
+
+def _cmd_submit(args: argparse.Namespace) -> int:
+    try:
+        body = json.loads(Path(args.spec).read_text())
+    except (OSError, ValueError) as exc:
+        print(f"zero1 submit: cannot read {args.spec}: {exc}", file=sys.stderr)
+        return 2
+    with _client(args) as client:
+        response = client.post("/v1/jobs", json=body, params={"dry_run": str(args.dry_run).lower()})
+    if response.status_code == 422 and response.json().get("error") == "does_not_fit":
+        print(f"does not fit: {response.json()['message']}", file=sys.stderr)
+        print(format_plan(response.json()["plan"]), file=sys.stderr)
+        return 1
+    if (code := _api_error(response)) is not None:
+        return code
+    body = response.json()
+    print(format_plan(body["plan"]))
+    if args.dry_run:
+        print("\ndry run: the job fits and would be admitted")
+    else:
+        print(f"\njob {body['id']} {body['status']} (queue position {body['queue_position']})")
+    return 0
+
+
+def _job_line(job: dict) -> str:
+    latest = job.get("latest") or {}
+    loss = latest.get("loss")
+    step = "-" if job["step"] is None else job["step"] + 1
+    return (
+        f"{job['id']:>6}  {job['status']:<10}  {step:>8}/{job['steps']:<8}  {job['num_gpus']:>4}  "
+        f"{'-' if loss is None else f'{loss:.4f}':>8}  {job['name']}"
+    )
+
+
+def _cmd_jobs(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        response = client.get("/v1/jobs", params={"limit": args.limit, **({"status": args.status} if args.status else {})})
+    if (code := _api_error(response)) is not None:
+        return code
+    print(f"{'id':>6}  {'status':<10}  {'step':>8}/{'steps':<8}  {'gpus':>4}  {'loss':>8}  name")
+    for job in response.json()["data"]:
+        print(_job_line(job))
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        response = client.get(f"/v1/jobs/{args.job_id}")
+        if (code := _api_error(response)) is not None:
+            return code
+        events = client.get(f"/v1/jobs/{args.job_id}/events").json()["data"]
+    job = response.json()
+    print(json.dumps({k: v for k, v in job.items() if k not in ("spec", "plan")}, indent=2))
+    for event in events:
+        print(f"{event['at']}  {event['from_status'] or '-':>10} -> {event['to_status']:<10}  {event['reason']}")
+    return 0
+
+
+def _progress(job: dict, width: int = 30) -> str:
+    done = 0 if job["step"] is None else job["step"] + 1
+    filled = width * done // job["steps"]
+    latest = job.get("latest") or {}
+    loss, speed = latest.get("loss"), latest.get("tokens_per_s")
+    return (
+        f"[{'#' * filled}{'.' * (width - filled)}] {done}/{job['steps']}  "
+        f"loss {'-' if loss is None else f'{loss:.4f}'}  "
+        f"{'-' if speed is None else f'{speed:,.0f}'} tokens/s  {job['status']}"
+    )
+
+
+def _cmd_watch(args: argparse.Namespace) -> int:
+    """A live progress line until the job ends; exit 0 only if it succeeded."""
+    import time
+
+    with _client(args) as client:
+        while True:
+            response = client.get(f"/v1/jobs/{args.job_id}")
+            if (code := _api_error(response)) is not None:
+                return code
+            job = response.json()
+            print(f"\r{_progress(job)}", end="", flush=True)
+            if job["status"] in ("succeeded", "failed", "cancelled"):
+                print()
+                if job["error"]:
+                    print(f"error: {job['error']}", file=sys.stderr)
+                return 0 if job["status"] == "succeeded" else 1
+            time.sleep(args.interval)
+
+
+def _cmd_cancel(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        response = client.post(f"/v1/jobs/{args.job_id}/cancel")
+    if (code := _api_error(response)) is not None:
+        return code
+    print(f"job {args.job_id}: cancel requested ({response.json()['status']})")
+    return 0
+
+
+def _cmd_db(args: argparse.Namespace) -> int:
+    from service.db import upgrade
+
+    upgrade(get_settings().database_url)
+    print(f"database at revision head: {get_settings().database_url}")
+    return 0
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -162,7 +309,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    return {"plan": _cmd_plan, "serve": _cmd_serve}[args.command](args)
+    commands = {
+        "plan": _cmd_plan, "serve": _cmd_serve, "submit": _cmd_submit, "jobs": _cmd_jobs, "status": _cmd_status,
+        "watch": _cmd_watch, "cancel": _cmd_cancel, "db": _cmd_db,
+    }  # fmt: skip
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
+import threading
 from dataclasses import dataclass
 
 from service.config import Settings
 from workers.memory import gpu_memory_bytes_from_gb
+
+log = logging.getLogger(__name__)
+
+_PROBED: dict[str, int | None] = {}  # GCS address -> GPU memory bytes (None: logical GPUs)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -14,6 +22,8 @@ class ClusterCapacity:
     gpu_memory_bytes: int
     simulated: bool
     """True where the GPUs are logical (a machine without CUDA)."""
+    num_gpus_free: int = 0
+    nodes: int = 1
 
 
 def simulated_capacity(settings: Settings) -> ClusterCapacity:
@@ -22,4 +32,105 @@ def simulated_capacity(settings: Settings) -> ClusterCapacity:
         num_gpus=settings.simulated_gpus,
         gpu_memory_bytes=gpu_memory_bytes_from_gb(settings.simulated_gpu_memory_gb),
         simulated=True,
+        num_gpus_free=settings.simulated_gpus,
     )
+
+
+class RayCluster:
+    """The Ray cluster jobs run on: an external one (ZERO1_RAY_ADDRESS), the one this
+    process is already connected to, or an embedded one started here on loopback."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.owned = False
+        self.simulated = True
+        self._gpu_memory_bytes: int | None = None
+
+    def connect(self) -> None:
+        """Connect to Ray (starting it if embedded); the process keeps its own SIGTERM/SIGINT
+        handling (uvicorn's graceful shutdown), which ray.init would otherwise replace."""
+        handlers = _signal_handlers()
+        try:
+            self._connect()
+        finally:
+            _restore(handlers)
+
+    def _connect(self) -> None:
+        if self.settings.ray_address is None:
+            # read by Ray at import: its nodes, GCS and actors then bind 127.0.0.1
+            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        import ray
+
+        if ray.is_initialized():
+            log.info("using the Ray cluster this process is connected to")
+        elif self.settings.ray_address:
+            ray.init(address=self.settings.ray_address, namespace=self.settings.ray_namespace, log_to_driver=False)
+            self.owned = True
+        else:
+            gpus = _cuda_device_count()
+            num_gpus = gpus or self.settings.simulated_gpus
+            # one logical CPU per rank, plus one: supervisors take none, the probe none
+            ray.init(
+                num_gpus=num_gpus, num_cpus=max(os.cpu_count() or 1, num_gpus + 1), namespace=self.settings.ray_namespace,
+                include_dashboard=False, log_to_driver=False,
+            )  # fmt: skip
+            self.owned = True
+        self._probe_gpu_memory()
+
+    def _probe_gpu_memory(self) -> None:
+        """Real GPUs: ask one worker for its device's memory, once. Logical GPUs: the setting."""
+        import ray
+
+        from workers.actors import probe_gpu_memory_bytes
+
+        cluster_id = ray.get_runtime_context().gcs_address
+        if cluster_id not in _PROBED:  # once per cluster and process
+            try:
+                _PROBED[cluster_id] = ray.get(probe_gpu_memory_bytes.remote(), timeout=60)
+            except ray.exceptions.GetTimeoutError:
+                log.warning("GPU memory probe timed out; using ZERO1_SIMULATED_GPU_MEMORY_GB")
+                return self._use_simulated()
+        probed = _PROBED[cluster_id]
+        self.simulated = probed is None
+        self._gpu_memory_bytes = probed or gpu_memory_bytes_from_gb(self.settings.simulated_gpu_memory_gb)
+
+    def _use_simulated(self) -> None:
+        self.simulated = True
+        self._gpu_memory_bytes = gpu_memory_bytes_from_gb(self.settings.simulated_gpu_memory_gb)
+
+    def capacity(self) -> ClusterCapacity:
+        import ray
+
+        total, available = ray.cluster_resources(), ray.available_resources()
+        return ClusterCapacity(
+            num_gpus=int(total.get("GPU", 0)),
+            num_gpus_free=int(available.get("GPU", 0)),
+            gpu_memory_bytes=self._gpu_memory_bytes or 0,
+            simulated=self.simulated,
+            nodes=sum(1 for node in ray.nodes() if node.get("Alive")),
+        )
+
+    def disconnect(self) -> None:
+        import ray
+
+        if self.owned:
+            ray.shutdown()
+            self.owned = False
+
+
+def _signal_handlers() -> dict[int, object]:
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+
+def _restore(handlers: dict[int, object]) -> None:
+    for sig, handler in handlers.items():
+        if handler is not None:
+            signal.signal(sig, handler)
+
+
+def _cuda_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0

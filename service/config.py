@@ -28,6 +28,20 @@ class Settings(BaseSettings):
     gpu_overhead_gb: float = Field(1.0, ge=0, le=1e6, allow_inf_nan=False)
     """Fixed per-GPU bytes a job's plan reserves beyond model states and
     activations (CUDA context, communication buffers), in GB."""
+    ray_address: str | None = None
+    """Address of an external Ray cluster (e.g. 10.0.0.5:6379); unset starts
+    an embedded Ray inside the service, on loopback."""
+    ray_namespace: str = "zero1"
+    """Ray namespace of this deployment's job supervisors (zero1-job-<id>)."""
+    checkpoint_uri: str = ".zero1/checkpoints"
+    """Directory under which each job keeps its checkpoints (job-<id>/); on a
+    multi-node cluster it must be a filesystem every worker shares."""
+    cpus_per_worker: float = Field(1.0, gt=0, le=1024)
+    """CPUs each rank reserves beside its GPU."""
+    placement_timeout_s: float = Field(120.0, gt=0, le=86_400)
+    """How long a job may wait for its ranks to be placed before it fails."""
+    scheduler_interval_s: float = Field(0.2, gt=0, le=60)
+    """How often the scheduler admits queued jobs and collects metrics."""
 
 
 @lru_cache

@@ -9,8 +9,9 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text
+from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Dialect, Float, ForeignKey, Index, Integer, String, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
 
 # SQLite wants INTEGER for its auto-incrementing rowid keys; elsewhere 64 bits.
 BigId = BigInteger().with_variant(Integer(), "sqlite")
@@ -20,8 +21,34 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+class UTCDateTime(TypeDecorator[datetime]):
+    """DateTime(timezone=True) that stores UTC and always reads back an aware UTC datetime.
+
+    SQLite has no time zones: SQLAlchemy writes the wall-clock fields and drops the
+    offset, and reads back naive values. Converting to UTC first keeps the instant.
+    """
+
+    impl = DateTime
+    cache_ok = True
+
+    def __init__(self) -> None:
+        super().__init__(timezone=True)
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value.isoformat()}: give a timezone-aware one")
+        return value.astimezone(UTC)
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
 class Base(DeclarativeBase):
-    type_annotation_map = {dict[str, Any]: JSON, datetime: DateTime(timezone=True)}
+    type_annotation_map = {dict[str, Any]: JSON, datetime: UTCDateTime()}
 
 
 class Job(Base):
@@ -72,7 +99,8 @@ class Metric(Base):
     job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
     attempt: Mapped[int] = mapped_column(Integer)
     step: Mapped[int] = mapped_column(Integer)
-    loss: Mapped[float] = mapped_column(Float)
+    loss: Mapped[float | None] = mapped_column(Float)
+    """Null when not finite (a diverged step); so is grad_norm (an fp16 overflow)."""
     grad_norm: Mapped[float | None] = mapped_column(Float)
     loss_scale: Mapped[float] = mapped_column(Float)
     skipped: Mapped[bool] = mapped_column(Boolean)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from datetime import datetime
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
@@ -155,3 +157,155 @@ class ErrorPublic(BaseModel):
     error: str
     message: str
     detail: list[dict] | None = None
+
+
+# --------------------------------------------------------------------------- jobs
+
+
+class SyntheticDataSpec(_Body):
+    """A random Markov chain over the vocabulary (GPT) or a random teacher's labels (MLP)."""
+
+    kind: Literal["synthetic"]
+    branching: Int = Field(4, ge=1, le=1_000_000, description="Successors per token: lower is easier.")
+
+
+class TextDataSpec(_Body):
+    """Characters of a UTF-8 file readable by the workers."""
+
+    kind: Literal["text"]
+    path: str = Field(min_length=1, max_length=4096)
+
+
+DataSpec = Annotated[SyntheticDataSpec | TextDataSpec, Field(discriminator="kind")]
+
+
+class OptimizerConfig(_Body):
+    lr: Float = Field(3e-4, gt=0, le=10, allow_inf_nan=False)
+    betas: tuple[Annotated[Float, Field(ge=0, lt=1, allow_inf_nan=False)],
+                 Annotated[Float, Field(ge=0, lt=1, allow_inf_nan=False)]] = (0.9, 0.95)  # fmt: skip
+    eps: Float = Field(1e-8, ge=0, le=1, allow_inf_nan=False)
+    weight_decay: Float = Field(0.1, ge=0, le=10, allow_inf_nan=False)
+    max_grad_norm: Float | None = Field(1.0, gt=0, le=1e6, allow_inf_nan=False)
+
+
+class JobSpec(_Body):
+    """POST /v1/jobs: what to train, on how many GPUs."""
+
+    name: str = Field(min_length=1, max_length=200)
+    model: ModelSpec
+    data: DataSpec = SyntheticDataSpec(kind="synthetic")
+    num_gpus: Int = Field(ge=1, le=MAX_NUM_GPUS, description="Data-parallel world size N.")
+    precision: Precision = "bf16"
+    optimizer: OptimizerConfig = OptimizerConfig()
+    steps: Int = Field(ge=1, le=100_000_000)
+    micro_batch_size: Int = Field(1, ge=1, le=1_000_000)
+    global_batch_size: Int | None = Field(
+        None, ge=1, le=100_000_000, description="Default micro_batch_size x num_gpus; more accumulates gradients."
+    )
+    seq_len: Int | None = Field(None, ge=1, le=100_000_000, description="GPT only; default block_size.")
+    activation_checkpointing: bool = False
+    seed: Int = Field(0, ge=0, le=2**63 - 1)
+    checkpoint_every: Int = Field(0, ge=0, le=100_000_000, description="0: a checkpoint at the end only.")
+    max_retries: Int = Field(0, ge=0, le=100)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> JobSpec:
+        per_step = self.micro_batch_size * self.num_gpus
+        if self.global_batch_size is not None and self.global_batch_size % per_step:
+            raise ValueError(
+                f"global_batch_size ({self.global_batch_size}) must be a multiple of micro_batch_size "
+                f"({self.micro_batch_size}) x num_gpus ({self.num_gpus}) = {per_step}"
+            )
+        if isinstance(self.model, MLPModelSpec):
+            if self.seq_len is not None or self.activation_checkpointing:
+                raise ValueError("seq_len and activation_checkpointing only apply to a gpt model")
+            if isinstance(self.data, TextDataSpec):
+                raise ValueError("an mlp model trains on synthetic data only")
+        elif self.seq_len is not None and self.seq_len > self.model.block_size:
+            raise ValueError(f"seq_len ({self.seq_len}) must be <= model.block_size ({self.model.block_size})")
+        num_params = self.model.to_spec().num_params
+        if num_params > memory.MAX_NUM_PARAMS:
+            raise ValueError(f"model has {num_params:,} parameters, above the limit of {memory.MAX_NUM_PARAMS:,}")
+        return self
+
+    def plan_request(self) -> PlanRequest:
+        """The capacity plan this job is admitted by: ZeRO stage 1 at N = num_gpus."""
+        return PlanRequest(
+            model=self.model, num_gpus=self.num_gpus, precision=self.precision, optimizer="adamw", stage=1,
+            micro_batch_size=self.micro_batch_size, seq_len=self.seq_len,
+            activation_checkpointing=self.activation_checkpointing if isinstance(self.model, GPTModelSpec) else None,
+        )  # fmt: skip
+
+
+JobStatus = Literal["queued", "starting", "running", "restarting", "succeeded", "failed", "cancelled"]
+
+
+class JobPublic(BaseModel):
+    id: int
+    name: str
+    status: JobStatus
+    spec: dict
+    plan: dict
+    num_gpus: int
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    step: int | None = Field(description="Last step with stored metrics.")
+    steps: int
+    latest: dict | None = Field(description="The last metrics row.")
+    error: dict | None
+    attempt: int
+    queue_position: int | None = Field(description="1 for the next job to start; null unless queued.")
+
+
+class JobsPublic(BaseModel):
+    data: list[JobPublic]
+    next_cursor: str | None
+
+
+class DryRunPublic(BaseModel):
+    dry_run: Literal[True]
+    admitted: bool
+    plan: PlanPublic
+
+
+class MetricPublic(BaseModel):
+    step: int
+    attempt: int
+    loss: float | None
+    grad_norm: float | None = Field(description="Null when not finite (an fp16 overflow).")
+    loss_scale: float
+    skipped: bool
+    step_time_s: float
+    tokens_per_s: float
+    mem_peak_bytes: list[int] = Field(description="Measured peak bytes per rank.")
+    mem_planned_bytes: int
+
+    @field_validator("loss", "grad_norm", mode="before")
+    @classmethod
+    def _finite_or_null(cls, value):
+        return value if value is None or math.isfinite(value) else None
+
+
+class MetricsPublic(BaseModel):
+    data: list[MetricPublic]
+    next_after_step: int | None = Field(description="Pass as after_step for the next page; null at the end.")
+
+
+class EventPublic(BaseModel):
+    at: datetime
+    from_status: str | None
+    to_status: str
+    reason: str
+
+
+class EventsPublic(BaseModel):
+    data: list[EventPublic]
+
+
+class ClusterPublic(BaseModel):
+    num_gpus: int
+    num_gpus_free: int
+    gpu_memory_bytes: int
+    nodes: int
+    simulated: bool

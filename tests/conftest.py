@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import tempfile
 
@@ -12,20 +13,35 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import pytest  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
-from service.config import get_settings  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from service.config import Settings  # noqa: E402
 from service.main import create_app  # noqa: E402
 
 
-@pytest.fixture
-def client(monkeypatch) -> TestClient:
-    """The app with a known simulated cluster: 4 GPUs of 80 GB, 1 GB overhead."""
-    monkeypatch.setenv("ZERO1_SIMULATED_GPUS", "4")
-    monkeypatch.setenv("ZERO1_SIMULATED_GPU_MEMORY_GB", "80")
-    monkeypatch.setenv("ZERO1_GPU_OVERHEAD_GB", "1")
-    get_settings.cache_clear()
-    with TestClient(create_app(), raise_server_exceptions=False) as test_client:
+def make_settings(tmp_path: Path, **overrides) -> Settings:
+    """A known simulated cluster (80 GB GPUs, 1 GB overhead) and a database of the test's own."""
+    values = {
+        "database_url": f"sqlite:///{tmp_path / 'zero1.db'}",
+        "simulated_gpus": 4,
+        "simulated_gpu_memory_gb": 80,
+        "gpu_overhead_gb": 1,
+        "checkpoint_uri": str(tmp_path / "checkpoints"),
+        "cpus_per_worker": 0.5,
+        "scheduler_interval_s": 0.05,
+        "placement_timeout_s": 60,
+        "ray_namespace": f"zero1-test-{secrets.token_hex(4)}",  # each app's supervisors apart
+    }
+    return Settings(**{**values, **overrides})
+
+
+@pytest.fixture(scope="module")
+def client(ray_cluster, tmp_path_factory) -> Iterator[TestClient]:
+    """The app on the session's Ray cluster (4 logical GPUs) with a SQLite database, per module."""
+    settings = make_settings(tmp_path_factory.mktemp("app"))
+    with TestClient(create_app(settings), raise_server_exceptions=False) as test_client:
         yield test_client
-    get_settings.cache_clear()
 
 
 @pytest.fixture(scope="session")
@@ -52,3 +68,50 @@ def ray_cluster():
         ray.shutdown()
         cluster.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+
+import psycopg  # noqa: E402
+from psycopg import sql  # noqa: E402
+
+from service.db import Database, upgrade  # noqa: E402
+
+POSTGRES_SERVER = "host=127.0.0.1 port=5432 user=postgres dbname=postgres connect_timeout=5"
+
+
+def _postgres_admin() -> psycopg.Connection:
+    """An autocommit connection to the server (CREATE/DROP DATABASE cannot run in a transaction)."""
+    try:
+        return psycopg.connect(POSTGRES_SERVER, autocommit=True)
+    except psycopg.OperationalError as error:
+        reason = f"PostgreSQL is unreachable at 127.0.0.1:5432 as user postgres: {error}"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{reason}\n.ci/run must start PostgreSQL before the tests", pytrace=False)
+        pytest.skip(reason)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"], ids=["sqlite", "postgresql"])
+def database_url(request, tmp_path) -> Iterator[str]:
+    """An empty database on each backend: a SQLite file, or a fresh PostgreSQL database dropped after."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'zero1.db'}"
+        return
+    name = f"zero1_test_{secrets.token_hex(8)}"
+    with _postgres_admin() as admin:
+        admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    try:
+        yield f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+    finally:
+        with _postgres_admin() as admin:
+            admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+@pytest.fixture
+def database(database_url) -> Iterator[Database]:
+    """The migrated schema at head on `database_url`."""
+    upgrade(database_url)
+    db = Database(database_url)
+    try:
+        yield db
+    finally:
+        db.dispose()

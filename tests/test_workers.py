@@ -37,7 +37,7 @@ def wait_for(supervisor, *, until, timeout_s: float = 120.0) -> tuple[dict, list
     rows: list[dict] = []
     deadline = time.monotonic() + timeout_s
     while True:
-        state = ray.get(supervisor.poll.remote())
+        state = ray.get(supervisor.poll.remote(rows[-1]["step"] if rows else -1))
         rows += state["metrics"]
         if until(state, rows):
             return state, rows
@@ -50,7 +50,7 @@ def finished(state, rows) -> bool:
 
 
 def losses(rows: list[dict]) -> list[float]:
-    return [r["loss"] for r in sorted((r for r in rows if r["rank"] == 0), key=lambda r: r["step"])]
+    return [r["loss"] for r in sorted(rows, key=lambda r: r["step"])]
 
 
 def floor_of(cfg: TrainConfig) -> float:
@@ -63,14 +63,14 @@ def test_a_small_gpt_learns_toward_the_source_entropy(ray_cluster, num_workers):
     cfg = config(micro_batch_size=16 // num_workers)
     state, rows = wait_for(start_job(cfg, num_workers=num_workers), until=finished)
     assert state["status"] == "succeeded", state["error"]
-    assert sorted({r["rank"] for r in rows}) == list(range(num_workers))
-    assert [r["step"] for r in rows if r["rank"] == 0] == list(range(200))  # every step, once
+    assert [r["step"] for r in rows] == list(range(200))  # every step, once, with every rank's memory
+    assert all(len(r["mem_peak_bytes"]) == num_workers for r in rows)
     curve = losses(rows)
     floor = floor_of(cfg)
     # from log(64) = 4.16 nats to within 0.3 nats of the Markov chain's entropy (1.07)
     assert curve[0] > 4.0 and max(curve[-10:]) < floor + 0.3, (curve[0], curve[-10:], floor)
     for row in rows:  # the planner's bytes and the measurement agree to 2% on every rank
-        assert row["mem_peak_bytes"] == pytest.approx(row["mem_planned_bytes"], rel=0.02)
+        assert row["mem_peak_bytes"] == pytest.approx([row["mem_planned_bytes"]] * num_workers, rel=0.02)
 
 
 def test_world_size_1_and_2_give_the_same_loss_curve(ray_cluster):

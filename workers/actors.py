@@ -124,6 +124,7 @@ class JobSupervisor:
         self.results: dict[int, TrainResult] = {}
         self._lock = threading.Lock()
         self._metrics: list[dict[str, Any]] = []
+        self._partial: dict[int, dict[int, dict[str, Any]]] = {}  # step -> rank -> row
         self._workers: list[Any] = []
         self._nodes: list[str] = []
         self._pg = None
@@ -135,13 +136,15 @@ class JobSupervisor:
         ready, _ = ray.wait([self._pg.ready()], timeout=p.timeout_s)
         if not ready:
             self._release()
-            with self._lock:
-                self.status = "failed"
-            raise PlacementError(
+            error = PlacementError(
                 f"could not place {p.num_workers} ranks of {p.bundle} ({p.strategy}) within {p.timeout_s:g} s: "
                 f"requested GPU={p.num_workers}, CPU={p.num_workers * p.cpus_per_worker:g}; "
                 f"available {_resources(ray.available_resources())} of {_resources(ray.cluster_resources())}"
             )
+            with self._lock:
+                self.status = "failed"
+                self.error = {"rank": None, "node_id": None, "exception": "PlacementError", "message": str(error)}
+            raise error
         self._workers = [
             TrainWorker.options(
                 num_gpus=1, num_cpus=p.cpus_per_worker,
@@ -162,14 +165,25 @@ class JobSupervisor:
         threading.Thread(target=self._watch, args=(runs,), daemon=True, name=f"watch-{self.job_id}").start()
 
     def report(self, rank: int, rows: list[dict[str, Any]]) -> None:
+        """Rows of one rank; a step is handed on once every rank has reported it."""
         with self._lock:
-            self._metrics.extend(rows)
+            for row in rows:
+                by_rank = self._partial.setdefault(row["step"], {})
+                by_rank[rank] = row
+                if len(by_rank) == self.placement.num_workers:
+                    self._metrics.append(_merge_ranks(self._partial.pop(row["step"])))
 
-    def poll(self) -> dict[str, Any]:
-        """Status, error, and the metric rows that arrived since the last poll."""
+    def poll(self, after_step: int = -1) -> dict[str, Any]:
+        """Status, error, and the steps after `after_step` completed on every rank: one row a
+        step, rank 0's global values with every rank's mem_peak_bytes as a list.
+
+        Rows up to `after_step` are dropped: the caller says what it has stored, so a
+        caller that failed to store a batch gets it again on its next poll.
+        """
         with self._lock:
-            rows, self._metrics = self._metrics, []
-            return {"status": self.status, "error": self.error, "metrics": rows, "nodes": list(self._nodes)}
+            self._metrics = [row for row in self._metrics if row["step"] > after_step]
+            return {"status": self.status, "error": self.error, "metrics": list(self._metrics),
+                    "nodes": list(self._nodes)}  # fmt: skip
 
     def worker(self, rank: int) -> Any:
         return self._workers[rank]
@@ -220,5 +234,19 @@ class JobSupervisor:
             self._pg = None
 
 
+def _merge_ranks(by_rank: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    row = {k: v for k, v in by_rank[0].items() if k != "rank"}
+    row["mem_peak_bytes"] = [by_rank[rank]["mem_peak_bytes"] for rank in sorted(by_rank)]
+    return row
+
+
 def _resources(resources: dict[str, float]) -> str:
     return ", ".join(f"{k}={resources.get(k, 0):g}" for k in ("GPU", "CPU"))
+
+
+@ray.remote(num_gpus=0.01, num_cpus=0)
+def probe_gpu_memory_bytes() -> int | None:
+    """Total memory of the GPU this task lands on; None where the GPUs are logical (no CUDA)."""
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None

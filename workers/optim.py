@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -38,6 +39,7 @@ SHARDED_FORMAT = "zero1.sharded.v1"
 CONSOLIDATED_FORMAT = "zero1.consolidated.v1"
 _STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 _CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
+UPDATE_CHUNK_NUMEL = 1 << 22  # 16-bit gradients are upcast this many at a time: a 16 MiB transient
 
 
 def default_collectives(backend: str) -> tuple[str, str]:
@@ -227,9 +229,9 @@ class ZeRO1AdamW(torch.optim.Optimizer):
             loss_scaler = DynamicLossScaler() if torch.float16 in model_dtypes else None
         self.loss_scaler = loss_scaler
         self._had_grad = [False] * len(self._slots)
-        self._hooks = [
-            slot.param.register_post_accumulate_grad_hook(self._grad_marker(slot.index)) for slot in self._slots
-        ]
+        hooks = [slot.param.register_post_accumulate_grad_hook(self._grad_marker(slot.index)) for slot in self._slots]
+        # the hooks live on the parameters: remove them when the optimizer goes, so none keeps it alive
+        weakref.finalize(self, lambda: [hook.remove() for hook in hooks])
         self.grad_norm: float | None = None
         self.skipped = False
         self.record_phase_times = record_phase_times
@@ -287,8 +289,11 @@ class ZeRO1AdamW(torch.optim.Optimizer):
         return buf
 
     def _grad_marker(self, index: int):
+        optimizer = weakref.ref(self)
+
         def mark(_: Tensor) -> None:
-            self._had_grad[index] = True
+            if (alive := optimizer()) is not None:
+                alive._had_grad[index] = True
 
         return mark
 
@@ -305,6 +310,16 @@ class ZeRO1AdamW(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 - see class docstring
         for buf in self._buffers:
             buf.grads.zero_()
+
+    def model_state_bytes(self) -> int:
+        """Bytes this rank allocates for model states: the flat parameter and gradient
+        buffers and its shard of the optimizer state (the plan's params + grads +
+        optimizer + padding)."""
+        return sum(
+            t.numel() * t.element_size()
+            for buf in self._buffers
+            for t in (buf.params, buf.grads, *buf.state.values())
+        )
 
     def memory_bytes(self) -> dict[str, int]:
         """This rank's optimizer-state bytes by kind, measured from its tensors.
@@ -412,19 +427,21 @@ class ZeRO1AdamW(torch.optim.Optimizer):
         grad_scale = torch.tensor(self._grad_divisor() * scale / clip, dtype=torch.float32, device=self.device)
         for buf in self._buffers:
             group = self.param_groups[buf.group_index]
-            grads = buf.grad_shard
-            if grads.dtype != torch.float32:
-                grads = grads.float()  # the fused kernel wants one dtype; (S,) fp32, transient
             master = buf.state.get("master", buf.param_shard())
+            # the fused kernel wants one dtype: a 16-bit shard is upcast a chunk at a time, so the
+            # update's transient stays at 4 bytes x UPDATE_CHUNK_NUMEL however large the shard
+            chunk = UPDATE_CHUNK_NUMEL if buf.grad_shard.dtype != torch.float32 else buf.shard_numel
             for lo, hi, step in self._runs(buf, active):
-                torch._fused_adamw_(
-                    [master[lo:hi]], [grads[lo:hi]], [buf.state["exp_avg"][lo:hi]],
-                    [buf.state["exp_avg_sq"][lo:hi]], [],
-                    [torch.tensor(float(step), dtype=torch.float32, device=self.device)],
-                    lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
-                    weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=False,
-                    grad_scale=grad_scale, found_inf=None,
-                )  # fmt: skip
+                step_t = torch.tensor(float(step), dtype=torch.float32, device=self.device)
+                for a in range(lo, hi, chunk):
+                    b = min(a + chunk, hi)
+                    torch._fused_adamw_(
+                        [master[a:b]], [buf.grad_shard[a:b].float()], [buf.state["exp_avg"][a:b]],
+                        [buf.state["exp_avg_sq"][a:b]], [], [step_t],
+                        lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
+                        weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=False,
+                        grad_scale=grad_scale, found_inf=None,
+                    )  # fmt: skip
             if "master" in buf.state:
                 buf.param_shard().copy_(buf.state["master"])  # cast: fp32 shard -> model dtype
 

@@ -101,13 +101,6 @@ def planned_bytes(config: TrainConfig, *, world_size: int) -> int:
     return memory.breakdown(workload, num_gpus=world_size, stage=1).total_bytes
 
 
-def model_state_bytes(opt: ZeRO1AdamW) -> int:
-    """Bytes of the flat parameter and gradient buffers and the optimizer's shard."""
-    return sum(
-        t.numel() * t.element_size() for buf in opt._buffers for t in (buf.params, buf.grads, *buf.state.values())
-    )
-
-
 def train(
     config: TrainConfig,
     *,
@@ -193,7 +186,7 @@ class _StepContext:
             torch.cuda.synchronize(self.device)
             mem_peak = torch.cuda.max_memory_allocated(self.device)
         else:
-            mem_peak = model_state_bytes(self.opt) + activation_peak
+            mem_peak = self.opt.model_state_bytes() + activation_peak
         step_time_s = time.perf_counter() - start
         return {
             "step": step,

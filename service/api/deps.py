@@ -2,19 +2,43 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Annotated
 
-from fastapi import Depends
+from fastapi import Depends, Request
+from sqlalchemy.orm import Session
 
-from service.cluster import ClusterCapacity, simulated_capacity
-from service.config import Settings, get_settings
+from service.cluster import ClusterCapacity
+from service.config import Settings
+from service.runtime import Runtime
+
+
+def get_runtime(request: Request) -> Runtime:
+    return request.app.state.runtime
+
+
+RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
+
+
+def get_settings(runtime: RuntimeDep) -> Settings:
+    return runtime.settings
+
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 
 
-def get_cluster(settings: SettingsDep) -> ClusterCapacity:
-    """The GPUs plans are checked against."""
-    return simulated_capacity(settings)
+def get_session(runtime: RuntimeDep) -> Iterator[Session]:
+    """The request's session: its one commit point, before the response is sent."""
+    with runtime.db.session() as session:
+        yield session
+
+
+SessionDep = Annotated[Session, Depends(get_session, scope="function")]
+
+
+def get_cluster(runtime: RuntimeDep) -> ClusterCapacity:
+    """The GPUs plans and admission are checked against."""
+    return runtime.cluster.capacity()
 
 
 ClusterDep = Annotated[ClusterCapacity, Depends(get_cluster)]

@@ -1,0 +1,84 @@
+"""The jobs API: submit (admitted by the memory model), list, get, cancel, metrics, events."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Query, Response
+
+from service import jobs
+from service.api.deps import ClusterDep, SessionDep, SettingsDep
+from service.schemas import (
+    DryRunPublic, ErrorPublic, EventsPublic, JobPublic, JobSpec, JobsPublic, JobStatus, MetricsPublic,
+)  # fmt: skip
+from workers.memory import GB
+
+router = APIRouter(prefix="/jobs", tags=["jobs"])
+_ERRORS = {404: {"model": ErrorPublic}, 409: {"model": ErrorPublic}, 422: {"model": ErrorPublic}}
+
+
+@router.post("", status_code=201, response_model=JobPublic | DryRunPublic, responses=_ERRORS)
+def submit_job(
+    spec: JobSpec,
+    session: SessionDep,
+    cluster: ClusterDep,
+    settings: SettingsDep,
+    response: Response,
+    dry_run: bool = False,
+    idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
+):
+    """Plan the job with the ZeRO-1 memory model against the cluster; queue it if it fits."""
+    plan = jobs.admit(spec, cluster=cluster, overhead_bytes=round(settings.gpu_overhead_gb * GB))
+    if dry_run:
+        response.status_code = 200
+        return DryRunPublic(dry_run=True, admitted=True, plan=plan)
+    job, created = jobs.submit_job(session, spec=spec, plan=plan, idempotency_key=idempotency_key)
+    if not created:
+        response.status_code = 200  # the same key and body: the job it created before
+    return jobs.job_public(job, position=jobs.queue_position(session, job))
+
+
+@router.get("", response_model=JobsPublic, responses=_ERRORS)
+def list_jobs(
+    session: SessionDep,
+    status: Annotated[list[JobStatus] | None, Query()] = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    cursor: Annotated[int | None, Query(ge=0, description="next_cursor of the previous page")] = None,
+) -> JobsPublic:
+    """Newest first, optionally only some statuses (repeat ?status=)."""
+    data, next_cursor = jobs.list_jobs(session, statuses=status, limit=limit, cursor=cursor)
+    return JobsPublic(data=data, next_cursor=next_cursor)
+
+
+@router.get("/{job_id}", response_model=JobPublic, responses=_ERRORS)
+def get_job(job_id: int, session: SessionDep) -> JobPublic:
+    job = jobs.get_job(session, job_id)
+    return jobs.job_public(job, position=jobs.queue_position(session, job))
+
+
+@router.post("/{job_id}/cancel", status_code=202, response_model=JobPublic, responses=_ERRORS)
+def cancel_job(job_id: int, session: SessionDep) -> JobPublic:
+    """A queued job is cancelled at once; a running one within a scheduler tick."""
+    job = jobs.cancel_job(session, job_id)
+    return jobs.job_public(job, position=None)
+
+
+@router.get("/{job_id}/metrics", response_model=MetricsPublic, responses=_ERRORS)
+def job_metrics(
+    job_id: int,
+    session: SessionDep,
+    after_step: Annotated[int | None, Query(ge=-1)] = None,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
+    max_points: Annotated[int | None, Query(ge=2, le=10_000)] = None,
+) -> MetricsPublic:
+    """Per-step metrics of the surviving attempt, oldest first; max_points thins them evenly."""
+    job = jobs.get_job(session, job_id)
+    data, next_after = jobs.job_metrics(session, job, after_step=after_step, limit=limit, max_points=max_points)
+    return MetricsPublic(data=data, next_after_step=next_after)
+
+
+@router.get("/{job_id}/events", response_model=EventsPublic, responses=_ERRORS)
+def job_events(job_id: int, session: SessionDep) -> EventsPublic:
+    return EventsPublic(data=jobs.job_events(session, jobs.get_job(session, job_id)))
+
+

@@ -1,0 +1,229 @@
+"""Jobs: admission by the memory model, the state machine, and the queries the API makes.
+
+Functions take the request's session and only flush; the caller commits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from service.cluster import ClusterCapacity
+from service.errors import ServiceError
+from service.models import Job, JobEvent, Metric, utcnow
+from service.planning import make_plan, plan_public, workload_for
+from service.schemas import (
+    EventPublic, JobPublic, JobSpec, MetricPublic, PlanPublic, TextDataSpec,
+)  # fmt: skip
+from workers import memory
+from workers.memory import GB
+
+ACTIVE = ("starting", "running", "restarting")
+TERMINAL = ("succeeded", "failed", "cancelled")
+_TRANSITIONS = {
+    "queued": {"starting", "cancelled"},
+    "starting": {"running", "failed", "cancelled"},
+    "running": {"succeeded", "failed", "cancelled", "restarting"},
+    "restarting": {"running", "failed", "cancelled"},
+}
+
+
+def transition(session: Session, job: Job, to_status: str, reason: str) -> None:
+    """Move `job` to `to_status`, recording the event; terminal states are final."""
+    assert to_status in _TRANSITIONS.get(job.status, ()), f"job {job.id}: {job.status} -> {to_status}"
+    session.add(JobEvent(job_id=job.id, from_status=job.status, to_status=to_status, reason=reason))
+    job.status = to_status
+    if to_status == "starting" and job.started_at is None:
+        job.started_at = utcnow()
+    if to_status in TERMINAL:
+        job.finished_at = utcnow()
+
+
+# --------------------------------------------------------------------------- admission
+
+
+def admit(spec: JobSpec, *, cluster: ClusterCapacity, overhead_bytes: int) -> PlanPublic:
+    """The plan a job is admitted by, or a 422 does_not_fit that says what would fit."""
+    request = spec.plan_request().model_copy(update={"gpu_memory_gb": cluster.gpu_memory_bytes / GB})
+    plan = make_plan(request, cluster=cluster, overhead_bytes=overhead_bytes)
+    public = plan_public(plan)
+    if spec.num_gpus > cluster.num_gpus:
+        raise _does_not_fit(
+            public, f"num_gpus ({spec.num_gpus}) exceeds the cluster's {cluster.num_gpus} GPUs"
+            + _what_fits(plan, cluster=cluster, request=request, overhead_bytes=overhead_bytes),
+        )  # fmt: skip
+    if not plan.fits:
+        raise _does_not_fit(
+            public,
+            f"the per-GPU plan at N = {spec.num_gpus} is {plan.per_gpu.total_bytes / GB:.2f} GB, above "
+            f"the {plan.gpu_memory_bytes / GB:.2f} GB of each GPU"
+            + _what_fits(plan, cluster=cluster, request=request, overhead_bytes=overhead_bytes),
+        )
+    if isinstance(spec.data, TextDataSpec) and not Path(spec.data.path).is_file():
+        raise ServiceError(f"data.path: no such file: {spec.data.path}", status_code=422, error="invalid_request")
+    return public
+
+
+def _what_fits(plan: memory.Plan, *, cluster: ClusterCapacity, request, overhead_bytes: int) -> str:
+    workload = workload_for(request, overhead_bytes=overhead_bytes)
+    if plan.min_gpus is None:
+        floor = memory.bytes_per_param(plan.precision)
+        text = (
+            f"; ZeRO stage 1 fits on no number of GPUs: the replicated fp16/bf16 weights and gradients "
+            f"alone are {sum(floor) * plan.num_params / GB:.2f} GB"
+        )
+    elif plan.min_gpus > cluster.num_gpus:
+        text = f"; it needs min_gpus = {plan.min_gpus} at stage 1, and the cluster has {cluster.num_gpus}"
+    else:
+        text = f"; min_gpus = {plan.min_gpus} at stage 1 fits"
+    higher = [
+        f"stage {stage} on N >= {n}"
+        for stage in (2, 3)
+        if (n := memory.min_gpus(workload, stage=stage, gpu_memory_bytes=plan.gpu_memory_bytes)) is not None
+    ]
+    if higher and (plan.min_gpus is None or plan.min_gpus > cluster.num_gpus):
+        text += f"; ZeRO {' or '.join(higher)} would fit (zero1 runs stage 1)"
+    return text
+
+
+def _does_not_fit(plan: PlanPublic, message: str) -> ServiceError:
+    return ServiceError(message, status_code=422, error="does_not_fit", plan=plan.model_dump(mode="json"))
+
+
+def request_hash(spec: JobSpec) -> str:
+    canonical = json.dumps(spec.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def submit_job(
+    session: Session, *, spec: JobSpec, plan: PlanPublic, idempotency_key: str | None
+) -> tuple[Job, bool]:
+    """Store a queued job; (job, created). A reused Idempotency-Key returns its job or a 409."""
+    digest = request_hash(spec)
+    if idempotency_key is not None:
+        existing = session.scalar(select(Job).where(Job.idempotency_key == idempotency_key))
+        if existing is not None:
+            return _replay(existing, digest, idempotency_key), False
+    job = Job(
+        name=spec.name, status="queued", spec=spec.model_dump(mode="json"), plan=plan.model_dump(mode="json"),
+        num_gpus=spec.num_gpus, steps=spec.steps, idempotency_key=idempotency_key, request_hash=digest,
+    )  # fmt: skip
+    try:
+        with session.begin_nested():
+            session.add(job)
+            session.flush()
+    except IntegrityError:  # a concurrent request with the same key won the race
+        existing = session.scalar(select(Job).where(Job.idempotency_key == idempotency_key))
+        return _replay(existing, digest, idempotency_key), False
+    session.add(JobEvent(job_id=job.id, from_status=None, to_status="queued", reason="submitted"))
+    return job, True
+
+
+def _replay(job: Job, digest: str, key: str) -> Job:
+    if job.request_hash != digest:
+        raise ServiceError(
+            f"Idempotency-Key {key!r} was used for job {job.id} with a different body",
+            status_code=409, error="idempotency_conflict",
+        )  # fmt: skip
+    return job
+
+
+# --------------------------------------------------------------------------- queries
+
+
+def get_job(session: Session, job_id: int) -> Job:
+    job = session.get(Job, job_id)
+    if job is None:
+        raise ServiceError(f"no job with id {job_id}", status_code=404, error="not_found")
+    return job
+
+
+def queue_position(session: Session, job: Job) -> int | None:
+    if job.status != "queued":
+        return None
+    ahead = session.scalar(select(func.count()).where(Job.status == "queued", Job.id < job.id))
+    return ahead + 1
+
+
+def job_public(job: Job, *, position: int | None) -> JobPublic:
+    """The API's view of a job; `position` is its queue_position (see queue_position)."""
+    return JobPublic(
+        id=job.id, name=job.name, status=job.status, spec=job.spec, plan=job.plan, num_gpus=job.num_gpus,
+        created_at=job.created_at, started_at=job.started_at, finished_at=job.finished_at, step=job.step,
+        steps=job.steps, latest=_finite(job.latest), error=job.error, attempt=job.attempt,
+        queue_position=position,
+    )  # fmt: skip
+
+
+def _finite(row: dict | None) -> dict | None:
+    """JSON has no inf or nan: such values (an fp16 overflow's grad_norm) become null."""
+    if row is None:
+        return None
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+
+
+def list_jobs(
+    session: Session, *, statuses: list[str] | None, limit: int, cursor: int | None
+) -> tuple[list[JobPublic], str | None]:
+    """Newest first; the cursor is the id the next page starts below."""
+    query = select(Job).order_by(Job.id.desc()).limit(limit + 1)
+    if statuses:
+        query = query.where(Job.status.in_(statuses))
+    if cursor is not None:
+        query = query.where(Job.id < cursor)
+    jobs = list(session.scalars(query))
+    more = len(jobs) > limit
+    jobs = jobs[:limit]
+    positions: dict[int, int] = {}
+    if any(j.status == "queued" for j in jobs):  # one query for the whole queue, not one per job
+        queue = session.scalars(select(Job.id).where(Job.status == "queued").order_by(Job.id))
+        positions = {job_id: i + 1 for i, job_id in enumerate(queue)}
+    data = [job_public(j, position=positions.get(j.id)) for j in jobs]
+    return data, (str(jobs[-1].id) if more else None)
+
+
+def cancel_job(session: Session, job_id: int) -> Job:
+    """A queued job ends now; an active one is stopped by the scheduler within a tick."""
+    job = get_job(session, job_id)
+    if job.status in TERMINAL:
+        raise ServiceError(f"job {job_id} is already {job.status}", status_code=409, error="conflict")
+    if job.status == "queued":
+        transition(session, job, "cancelled", "cancelled by request while queued")
+    else:
+        job.cancel_requested = True
+    return job
+
+
+def job_metrics(
+    session: Session, job: Job, *, after_step: int | None, limit: int, max_points: int | None
+) -> tuple[list[MetricPublic], int | None]:
+    """The surviving curve (superseded rows left out), optionally thinned to max_points by stride."""
+    base = select(Metric).where(Metric.job_id == job.id, Metric.superseded.is_(False))
+    if after_step is not None:
+        base = base.where(Metric.step > after_step)
+    if max_points is not None:
+        matching = base.subquery()
+        count, last = session.execute(select(func.count(), func.max(matching.c.step))).one()
+        stride = max(1, math.ceil(count / max_points))
+        if stride > 1:  # every stride-th step, and the last one so the curve reaches its end
+            base = base.where((Metric.step % stride == 0) | (Metric.step == last))
+    rows = list(session.scalars(base.order_by(Metric.step).limit(limit + 1)))
+    more = len(rows) > limit
+    rows = rows[:limit]
+    data = [MetricPublic.model_validate(row, from_attributes=True) for row in rows]
+    return data, (rows[-1].step if more else None)
+
+
+def job_events(session: Session, job: Job) -> list[EventPublic]:
+    events = session.scalars(select(JobEvent).where(JobEvent.job_id == job.id).order_by(JobEvent.id))
+    return [EventPublic.model_validate(e, from_attributes=True) for e in events]
+
+
+def gpus_in_use(session: Session) -> int:
+    return session.scalar(select(func.coalesce(func.sum(Job.num_gpus), 0)).where(Job.status.in_(ACTIVE)))

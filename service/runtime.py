@@ -1,0 +1,37 @@
+"""What the service runs while it is up: database, Ray cluster, launcher and scheduler."""
+
+from __future__ import annotations
+
+import logging
+
+from service.cluster import RayCluster
+from service.config import Settings
+from service.db import Database, upgrade
+from service.launcher import RayLauncher
+from service.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+class Runtime:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.db = Database(settings.database_url)
+        self.cluster = RayCluster(settings)
+        self.launcher = RayLauncher(settings)
+        self.scheduler = Scheduler(
+            db=self.db, launcher=self.launcher, total_gpus=lambda: self.cluster.capacity().num_gpus,
+            interval_s=settings.scheduler_interval_s,
+        )  # fmt: skip
+
+    def start(self) -> None:
+        """Migrate the database, connect to (or start) Ray, start scheduling."""
+        upgrade(self.settings.database_url)
+        self.cluster.connect()
+        self.scheduler.start()
+        log.info("zero1 is up: %s", self.cluster.capacity())
+
+    def stop(self) -> None:
+        self.scheduler.stop()
+        self.cluster.disconnect()
+        self.db.dispose()

@@ -1,0 +1,241 @@
+"""The jobs API end to end: admission, the scheduler, Ray dispatch and metrics in the database."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime
+
+import pytest
+import ray
+from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import make_settings
+from service.main import create_app
+
+TINY = {"kind": "gpt", "vocab_size": 64, "n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32}
+FAST = {"lr": 0.003, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0, "max_grad_norm": 1.0}
+TERMINAL = {"succeeded", "failed", "cancelled"}
+
+
+def job_body(**overrides) -> dict:
+    return {"name": "tiny", "model": TINY, "num_gpus": 2, "precision": "fp32", "optimizer": FAST, "steps": 40,
+            "micro_batch_size": 4, **overrides}  # fmt: skip
+
+
+@pytest.fixture
+def app_client(ray_cluster, database_url, tmp_path):
+    """A fresh app per test on each database backend."""
+    with TestClient(create_app(make_settings(tmp_path, database_url=database_url)),
+                    raise_server_exceptions=False) as client:  # fmt: skip
+        yield client
+
+
+@pytest.fixture
+def sqlite_client(ray_cluster, tmp_path):
+    with TestClient(create_app(make_settings(tmp_path)), raise_server_exceptions=False) as client:
+        yield client
+
+
+def submit(client, body: dict, **kwargs) -> dict:
+    response = client.post("/v1/jobs", json=body, **kwargs)
+    assert response.status_code == 201, response.text
+    return response.json()
+
+
+def wait_until(client, job_id: int, predicate, *, timeout_s: float = 120) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        job = client.get(f"/v1/jobs/{job_id}").json()
+        if predicate(job):
+            return job
+        assert time.monotonic() < deadline, f"job {job_id} stuck in {job['status']}"
+        time.sleep(0.05)
+
+
+def finished(job: dict) -> bool:
+    return job["status"] in TERMINAL
+
+
+def test_a_job_runs_to_success_with_every_metric_stored(app_client):
+    job = submit(app_client, job_body())
+    assert job["status"] == "queued" and job["queue_position"] == 1 and job["step"] is None
+    assert job["plan"]["num_gpus"] == 2 and job["plan"]["fits"] is True
+    job = wait_until(app_client, job["id"], finished)
+    assert job["status"] == "succeeded", job["error"]
+    assert job["step"] == 39 and job["latest"]["step"] == 39 and job["finished_at"] is not None
+
+    metrics = app_client.get(f"/v1/jobs/{job['id']}/metrics").json()
+    assert [m["step"] for m in metrics["data"]] == list(range(40)) and metrics["next_after_step"] is None
+    assert all(len(m["mem_peak_bytes"]) == 2 and m["attempt"] == 0 for m in metrics["data"])
+    assert metrics["data"][-1]["loss"] < metrics["data"][0]["loss"]
+
+    page = app_client.get(f"/v1/jobs/{job['id']}/metrics", params={"after_step": 9, "limit": 10}).json()
+    assert [m["step"] for m in page["data"]] == list(range(10, 20)) and page["next_after_step"] == 19
+    thin = app_client.get(f"/v1/jobs/{job['id']}/metrics", params={"max_points": 5}).json()["data"]
+    assert [m["step"] for m in thin] == [0, 8, 16, 24, 32, 39]
+
+    events = app_client.get(f"/v1/jobs/{job['id']}/events").json()["data"]
+    assert [(e["from_status"], e["to_status"]) for e in events] == [
+        (None, "queued"), ("queued", "starting"), ("starting", "running"), ("running", "succeeded")
+    ]
+    times = [datetime.fromisoformat(e["at"]) for e in events]
+    assert times == sorted(times)
+
+    prometheus = app_client.get("/metrics").text
+    assert 'zero1_jobs{status="succeeded"} 1' in prometheus and "zero1_gpus_in_use 0" in prometheus
+
+
+def _held(events_by_job: dict[int, list[dict]]) -> list[tuple[datetime, int, int]]:
+    """(time, +gpus or -gpus, job) for every start and end, from the events."""
+    changes = []
+    for job_id, (gpus, events) in events_by_job.items():
+        for event in events:
+            at = datetime.fromisoformat(event["at"])
+            if event["to_status"] == "starting":
+                changes.append((at, gpus, job_id))
+            elif event["to_status"] in TERMINAL and event["from_status"] != "queued":
+                changes.append((at, -gpus, job_id))
+    return sorted(changes, key=lambda c: (c[0], c[1]))
+
+
+def test_gang_scheduling_never_holds_more_gpus_than_exist(sqlite_client):
+    jobs = [submit(sqlite_client, job_body(name=f"gang-{i}", steps=150)) for i in range(3)]
+    first_two = [wait_until(sqlite_client, j["id"], lambda j: j["status"] != "queued") for j in jobs[:2]]
+    assert {j["status"] for j in first_two} <= {"starting", "running"}
+    third = sqlite_client.get(f"/v1/jobs/{jobs[2]['id']}").json()
+    assert (third["status"], third["queue_position"]) == ("queued", 1)  # its 2 GPUs are held by the others
+    for job in jobs:
+        assert wait_until(sqlite_client, job["id"], finished)["status"] == "succeeded"
+
+    events = {j["id"]: (2, sqlite_client.get(f"/v1/jobs/{j['id']}/events").json()["data"]) for j in jobs}
+    held, peak = 0, 0
+    for _, change, _ in _held(events):
+        held += change
+        peak = max(peak, held)
+    assert peak == 4  # two jobs ran side by side, never three
+    third_start = next(e["at"] for e in events[jobs[2]["id"]][1] if e["to_status"] == "starting")
+    first_end = min(e["at"] for j in jobs[:2] for e in events[j["id"]][1] if e["to_status"] == "succeeded")
+    assert datetime.fromisoformat(third_start) >= datetime.fromisoformat(first_end)
+
+
+def test_idempotency_key(app_client):
+    first = app_client.post("/v1/jobs", json=job_body(steps=5), headers={"Idempotency-Key": "abc"})
+    again = app_client.post("/v1/jobs", json=job_body(steps=5), headers={"Idempotency-Key": "abc"})
+    assert first.status_code == 201 and again.status_code == 200
+    assert again.json()["id"] == first.json()["id"]
+    other = app_client.post("/v1/jobs", json=job_body(steps=6), headers={"Idempotency-Key": "abc"})
+    assert other.status_code == 409 and other.json()["error"] == "idempotency_conflict"
+    assert f"job {first.json()['id']}" in other.json()["message"]
+    assert len(app_client.get("/v1/jobs").json()["data"]) == 1
+
+
+def test_cancel_a_running_job_frees_its_gpus(sqlite_client):
+    job = submit(sqlite_client, job_body(steps=1_000_000))
+    wait_until(sqlite_client, job["id"], lambda j: j["step"] is not None)
+    response = sqlite_client.post(f"/v1/jobs/{job['id']}/cancel")
+    assert response.status_code == 202
+    job = wait_until(sqlite_client, job["id"], finished, timeout_s=30)
+    assert job["status"] == "cancelled"
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("GPU", 0) < 4:
+        assert time.monotonic() < deadline, "the cancelled job's GPUs were not freed"
+        time.sleep(0.05)
+    assert sqlite_client.post(f"/v1/jobs/{job['id']}/cancel").status_code == 409
+
+
+def test_cancel_a_queued_job_and_list_by_status(sqlite_client):
+    blocker = submit(sqlite_client, job_body(name="blocker", num_gpus=4, steps=1_000_000))
+    queued = submit(sqlite_client, job_body(name="waiting"))
+    assert wait_until(sqlite_client, blocker["id"], lambda j: j["status"] == "running")
+    assert sqlite_client.get(f"/v1/jobs/{queued['id']}").json()["queue_position"] == 1
+    cancelled = sqlite_client.post(f"/v1/jobs/{queued['id']}/cancel").json()
+    assert cancelled["status"] == "cancelled"
+    running = sqlite_client.get("/v1/jobs", params={"status": "running"}).json()["data"]
+    assert [j["id"] for j in running] == [blocker["id"]]
+    sqlite_client.post(f"/v1/jobs/{blocker['id']}/cancel")
+    assert wait_until(sqlite_client, blocker["id"], finished)["status"] == "cancelled"
+
+
+def test_list_pages_with_a_cursor(sqlite_client):
+    ids = [submit(sqlite_client, job_body(name=f"p{i}", num_gpus=4, steps=1, micro_batch_size=1))["id"]
+           for i in range(5)]  # fmt: skip
+    first = sqlite_client.get("/v1/jobs", params={"limit": 2}).json()
+    second = sqlite_client.get("/v1/jobs", params={"limit": 2, "cursor": first["next_cursor"]}).json()
+    third = sqlite_client.get("/v1/jobs", params={"limit": 2, "cursor": second["next_cursor"]}).json()
+    assert [j["id"] for j in first["data"] + second["data"] + third["data"]] == ids[::-1]
+    assert third["next_cursor"] is None
+    for job_id in ids:
+        sqlite_client.post(f"/v1/jobs/{job_id}/cancel")
+        assert wait_until(sqlite_client, job_id, finished)["status"] in ("cancelled", "succeeded")
+
+
+GPT_7B5 = {"kind": "gpt", "vocab_size": 50304, "n_layer": 36, "n_head": 32, "n_embd": 4096, "block_size": 2048}
+
+
+def test_a_model_that_does_not_fit_is_rejected_with_what_would(sqlite_client):
+    r = sqlite_client.post("/v1/jobs", json=job_body(model=GPT_7B5, num_gpus=2, precision="bf16"))
+    assert r.status_code == 422
+    body = r.json()
+    assert body["error"] == "does_not_fit" and body["plan"]["fits"] is False
+    assert body["plan"]["num_params"] == 7_464_116_224
+    assert "min_gpus" in body["message"] and "the cluster has 4" in body["message"]
+    assert "stage 2 on N >=" in body["message"]
+    too_many = sqlite_client.post("/v1/jobs", json=job_body(num_gpus=8))
+    assert too_many.status_code == 422 and "exceeds the cluster's 4 GPUs" in too_many.json()["message"]
+    assert sqlite_client.get("/v1/jobs").json()["data"] == []
+
+
+def test_dry_run_plans_and_stores_nothing(sqlite_client):
+    r = sqlite_client.post("/v1/jobs", json=job_body(), params={"dry_run": "true"})
+    assert r.status_code == 200 and r.json()["admitted"] is True and r.json()["plan"]["num_gpus"] == 2
+    assert sqlite_client.get("/v1/jobs").json()["data"] == []
+
+
+def test_cluster_reports_ray(sqlite_client):
+    assert sqlite_client.get("/v1/cluster").json() == {
+        "num_gpus": 4, "num_gpus_free": 4, "gpu_memory_bytes": 80_000_000_000, "nodes": 2, "simulated": True
+    }
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "kwargs", "status", "text"),
+    [
+        ("get", "/v1/jobs/999999", {}, 404, "no job with id 999999"),
+        ("post", "/v1/jobs/999999/cancel", {}, 404, "no job with id 999999"),
+        ("get", "/v1/jobs/999999/metrics", {}, 404, "no job with id 999999"),
+        ("get", "/v1/jobs/999999/events", {}, 404, "no job with id 999999"),
+        ("get", "/v1/jobs/abc", {}, 422, "job_id: "),
+        ("get", "/v1/jobs", {"params": {"status": "sleeping"}}, 422, "status.0: "),
+        ("get", "/v1/jobs", {"params": {"limit": 0}}, 422, "limit: "),
+        ("get", "/v1/jobs", {"params": {"cursor": "x"}}, 422, "cursor: "),
+        ("get", "/v1/jobs/1/metrics", {"params": {"max_points": 1}}, 422, "max_points: "),
+        ("post", "/v1/jobs", {"content": "{", "headers": {"content-type": "application/json"}}, 422, "invalid JSON"),
+        ("post", "/v1/jobs", {"json": job_body(num_gpus="two")}, 422, "num_gpus: "),
+        ("post", "/v1/jobs", {"json": job_body(steps=0)}, 422, "steps: "),
+        ("post", "/v1/jobs", {"json": job_body(global_batch_size=6)}, 422, "global_batch_size (6) must be a multiple"),
+        ("post", "/v1/jobs", {"json": job_body(data={"kind": "text", "path": "/no/such/file"})}, 422, "data.path"),
+        ("post", "/v1/jobs", {"json": {**job_body(), "name": ""}}, 422, "name: "),
+    ],
+)
+def test_bad_requests_are_4xx_json(sqlite_client, method, path, kwargs, status, text):
+    r = getattr(sqlite_client, method)(path, **kwargs)
+    assert r.status_code == status, r.text
+    assert text in r.json()["message"]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    body=st.dictionaries(
+        st.sampled_from(list(job_body()) + ["data", "seq_len", "global_batch_size", "seed", "max_retries"]),
+        st.none() | st.booleans() | st.integers(-(10**20), 10**20) | st.floats() | st.text(max_size=8)
+        | st.lists(st.integers(-5, 5), max_size=3) | st.just(TINY) | st.just(FAST),
+        max_size=8,
+    )
+)
+def test_no_job_body_yields_a_500(sqlite_client, body):
+    r = sqlite_client.post("/v1/jobs", content=json.dumps(body), headers={"content-type": "application/json"},
+                           params={"dry_run": "true"})  # fmt: skip
+    assert r.status_code in (200, 422), r.text
