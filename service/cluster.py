@@ -71,6 +71,7 @@ class RayCluster:
             num_gpus = gpus or self.settings.simulated_gpus
             # one logical CPU per rank, plus one: supervisors take none, the probe none
             ray.init(
+                address="local",  # a new instance of our own, never another Ray running on this machine
                 num_gpus=num_gpus, num_cpus=max(os.cpu_count() or 1, num_gpus + 1), namespace=self.settings.ray_namespace,
                 include_dashboard=False, log_to_driver=False,
             )  # fmt: skip

@@ -48,3 +48,17 @@ class Settings(BaseSettings):
 def get_settings() -> Settings:
     """The process's settings, read once from the environment."""
     return Settings()
+
+
+def env_table() -> str:
+    """The README's table of environment variables, made from this class so it cannot drift."""
+    rows = ["| variable | default | meaning |", "|---|---|---|"]
+    for name, field in Settings.model_fields.items():
+        default = "unset" if field.default is None else f"`{field.default}`"
+        meaning = " ".join((field.description or "").split())
+        rows.append(f"| `ZERO1_{name.upper()}` | {default} | {meaning} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(env_table())

@@ -9,12 +9,18 @@ import tempfile
 
 # Ray reads this when it is first imported: nodes, GCS and actors then bind 127.0.0.1
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-
-import pytest  # noqa: E402
-from fastapi.testclient import TestClient  # noqa: E402
+# Ray's files (sockets, logs, the cluster address) go to a directory of the test session's own,
+# also for the `zero1 serve` subprocesses that start an embedded Ray. Short: socket paths must
+# fit 107 bytes.
+OWN_RAY_TMPDIR = None if "RAY_TMPDIR" in os.environ else tempfile.mkdtemp(prefix="zero1-ray-")
+if OWN_RAY_TMPDIR:
+    os.environ["RAY_TMPDIR"] = OWN_RAY_TMPDIR
 
 from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+from fastapi.testclient import TestClient  # noqa: E402
 
 from service.config import Settings  # noqa: E402
 from service.main import create_app  # noqa: E402
@@ -50,13 +56,10 @@ def ray_cluster():
 
     Logical CPUs are 4 per node (more than the cores) so that 4 ranks of 0.5
     CPU each plus their supervisors fit; each rank runs torch on one thread.
-    Ray's files (sockets, logs, the cluster address) go to a directory of our own.
     """
     import ray
     from ray.cluster_utils import Cluster
 
-    temp_dir = tempfile.mkdtemp(prefix="zero1-ray-")  # short: Ray's socket paths must fit 107 bytes
-    os.environ["RAY_TMPDIR"] = temp_dir
     node = {"num_cpus": 4, "num_gpus": 2, "include_dashboard": False}
     cluster = Cluster(initialize_head=True, head_node_args=node)
     try:
@@ -67,7 +70,8 @@ def ray_cluster():
     finally:
         ray.shutdown()
         cluster.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        if OWN_RAY_TMPDIR:
+            shutil.rmtree(OWN_RAY_TMPDIR, ignore_errors=True)
 
 
 

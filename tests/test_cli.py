@@ -17,6 +17,7 @@ import pytest
 from service.cli import main
 
 ZERO1 = str(Path(sys.executable).with_name("zero1"))
+ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "ZERO1_SIMULATED_GPUS": "4", "ZERO1_SIMULATED_GPU_MEMORY_GB": "80", "ZERO1_GPU_OVERHEAD_GB": "1"}
 
 
@@ -81,29 +82,68 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_serve_answers_over_http_on_loopback():
+GPT_7B5 = {"kind": "gpt", "vocab_size": 59072, "n_layer": 36, "n_head": 32, "n_embd": 4096, "block_size": 2048}
+
+
+def _wait_healthy(server: subprocess.Popen, base: str) -> dict:
+    deadline = time.monotonic() + 120
+    while True:  # poll until the server accepts connections, with a deadline
+        assert server.poll() is None, server.stderr.read()
+        try:
+            return httpx.get(f"{base}/healthz", timeout=2).json()
+        except httpx.TransportError:
+            assert time.monotonic() < deadline, "zero1 serve did not start within 120 s"
+            time.sleep(0.1)
+
+
+def test_serve_plans_admits_and_trains_as_a_user_would(tmp_path):
+    """`zero1 serve` with an embedded Ray of 64 logical GPUs of 80 GB, driven over HTTP and by the CLI."""
     port = _free_port()
-    server = subprocess.Popen([ZERO1, "serve", "--port", str(port)], env=ENV, stderr=subprocess.PIPE, text=True)
+    env = {**ENV, "ZERO1_SIMULATED_GPUS": "64", "ZERO1_DATABASE_URL": f"sqlite:///{tmp_path / 'zero1.db'}",
+           "ZERO1_CHECKPOINT_URI": str(tmp_path / "checkpoints"), "ZERO1_URL": f"http://127.0.0.1:{port}"}  # fmt: skip
+    server = subprocess.Popen([ZERO1, "serve", "--port", str(port)], env=env, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
     try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while True:  # poll until the server accepts connections, with a deadline
-            assert server.poll() is None, server.stderr.read()
-            try:
-                health = httpx.get(f"{base}/healthz", timeout=2)
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, "zero1 serve did not start within 30 s"
-                time.sleep(0.1)
-        assert health.json()["status"] == "ok"
+        assert _wait_healthy(server, base)["status"] == "ok"
+        assert httpx.get(f"{base}/v1/cluster").json()["num_gpus"] == 64
         r = httpx.post(f"{base}/v1/plan", json={"num_params": 7_500_000_000, "num_gpus": 64}, timeout=10)
         assert r.json()["per_gpu"]["total_bytes"] == 31_406_250_000
         assert httpx.get(f"{base}/docs", timeout=10).status_code == 200
+
+        job = {"name": "7.5B", "model": GPT_7B5, "num_gpus": 2, "steps": 10}
+        rejected = httpx.post(f"{base}/v1/jobs", json=job, timeout=10).json()
+        assert rejected["error"] == "does_not_fit" and "min_gpus = " in rejected["message"]
+        admitted = httpx.post(f"{base}/v1/jobs", params={"dry_run": "true"}, json={**job, "num_gpus": 64},
+                              timeout=10).json()  # fmt: skip
+        per_gpu = admitted["plan"]["per_gpu"]
+        states = sum(per_gpu[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "padding_bytes"))
+        assert admitted["admitted"] and round(states / 1e9, 1) == 31.4  # 4Ψ + 12Ψ/64, Ψ = 7.5e9
+        assert per_gpu["activations_bytes"] > 0 and per_gpu["overhead_bytes"] == 10**9
+
+        submitted = subprocess.run([ZERO1, "submit", str(ROOT / "examples" / "tiny-gpt.json")], env=env,
+                                   capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert submitted.returncode == 0, submitted.stderr
+        job_id = int(submitted.stdout.strip().splitlines()[-1].split()[1])
+        watched = subprocess.run([ZERO1, "watch", str(job_id)], env=env, capture_output=True, text=True, timeout=300)
+        assert watched.returncode == 0, watched.stdout + watched.stderr
+        assert watched.stdout.rstrip().endswith("succeeded")
+        metrics = httpx.get(f"{base}/v1/jobs/{job_id}/metrics", params={"limit": 10_000}).json()["data"]
+        assert [m["step"] for m in metrics] == list(range(300))
+        listed = subprocess.run([ZERO1, "jobs"], env=env, capture_output=True, text=True, timeout=60)
+        assert f"{job_id:>6}  succeeded" in listed.stdout
     finally:
         server.send_signal(signal.SIGTERM)
-        server.wait(timeout=30)
+        server.wait(timeout=60)
     # uvicorn shuts down gracefully, then re-raises SIGTERM so the exit status tells why it stopped
     assert server.returncode in (0, -signal.SIGTERM)
     log = server.stderr.read()
     assert f"Uvicorn running on http://127.0.0.1:{port}" in log
     assert "Application shutdown complete" in log
+
+
+def test_readme_lists_every_setting():
+    from service.config import env_table
+
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("<!-- env-table -->\n", 1)[1].split("\n<!-- /env-table -->", 1)[0]
+    assert table == env_table()
