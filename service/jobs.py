@@ -207,12 +207,12 @@ def job_metrics(
     base = select(Metric).where(Metric.job_id == job.id, Metric.superseded.is_(False))
     if after_step is not None:
         base = base.where(Metric.step > after_step)
-    if max_points is not None:
-        matching = base.subquery()
-        count, last = session.execute(select(func.count(), func.max(matching.c.step))).one()
-        stride = max(1, math.ceil(count / max_points))
-        if stride > 1:  # every stride-th step, and the last one so the curve reaches its end
-            base = base.where((Metric.step % stride == 0) | (Metric.step == last))
+    first = 0 if after_step is None else after_step + 1
+    if max_points is not None and job.step is not None and job.step - first + 1 > max_points:
+        # every stride-th step and the last, looked up by (job_id, step): no scan of the whole curve
+        stride = math.ceil((job.step - first + 1) / max_points)
+        wanted = {*range(-(-first // stride) * stride, job.step + 1, stride), job.step}
+        base = base.where(Metric.step.in_(sorted(wanted)))
     rows = list(session.scalars(base.order_by(Metric.step).limit(limit + 1)))
     more = len(rows) > limit
     rows = rows[:limit]

@@ -93,7 +93,10 @@ class Metric(Base):
     """One training step of one attempt: the global values and every rank's memory."""
 
     __tablename__ = "metrics"
-    __table_args__ = (Index("ix_metrics_job_attempt_step", "job_id", "attempt", "step", unique=True),)
+    __table_args__ = (
+        Index("ix_metrics_job_attempt_step", "job_id", "attempt", "step", unique=True),
+        Index("ix_metrics_job_step", "job_id", "step"),  # a job's curve, in step order
+    )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))

@@ -103,7 +103,8 @@ class Scheduler:
 
     def _admit(self, session: Session) -> None:
         free = self.total_gpus() - gpus_in_use(session)
-        for job in list(session.scalars(select(Job).where(Job.status == "queued").order_by(Job.id))):
+        head = select(Job).where(Job.status == "queued").order_by(Job.id).limit(1)
+        while (job := session.scalar(head)) is not None:  # only the head is read: the queue may be long
             if job.num_gpus > free:
                 return  # strict FIFO: the head waits for its GPUs
             transition(session, job, "starting", f"{job.num_gpus} GPUs free: placing {job.num_gpus} ranks")

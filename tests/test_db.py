@@ -57,15 +57,19 @@ def _schema(url: str) -> tuple[set[str], str | None]:
         engine.dispose()
 
 
+HEAD = "0002"
+
+
 def _count(database: Database, model: type[Base], job_id: int) -> int:
     with database.session() as session:
         return session.scalar(select(func.count()).select_from(model).where(model.job_id == job_id))
 
 
-def test_one_linear_history_ending_at_0001(database_url):
+def test_one_linear_history(database_url):
     script = ScriptDirectory.from_config(alembic_config(database_url))
-    assert script.get_heads() == ["0001"]
-    assert script.get_revision("0001").down_revision is None
+    assert script.get_heads() == [HEAD]
+    revisions = [r.revision for r in script.walk_revisions()]  # head first, each down to the one before
+    assert revisions == ["0002", "0001"] and script.get_revision("0001").down_revision is None
 
 
 def test_migrations_match_the_models(database):
@@ -77,13 +81,13 @@ def test_migrations_match_the_models(database):
 
 def test_downgrade_to_base_then_upgrade_again(database_url):
     upgrade(database_url)
-    assert _schema(database_url) == (TABLES, "0001")
+    assert _schema(database_url) == (TABLES, HEAD)
 
     downgrade(database_url)
     assert _schema(database_url) == ({"alembic_version"}, None)
 
     upgrade(database_url)
-    assert _schema(database_url) == (TABLES, "0001")
+    assert _schema(database_url) == (TABLES, HEAD)
 
 
 def test_round_trip_through_a_session(database):
