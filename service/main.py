@@ -7,7 +7,9 @@ from contextlib import asynccontextmanager
 from importlib.metadata import version
 
 from fastapi import FastAPI
+from fastapi.staticfiles import StaticFiles
 
+from service import dashboard
 from service.api import root, v1
 from service.config import Settings, get_settings
 from service.errors import install_error_handlers
@@ -36,4 +38,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_error_handlers(app)
     app.include_router(root)
     app.include_router(v1)
+    app.include_router(dashboard.router)
+    app.mount("/static", StaticFiles(directory=dashboard.STATIC_DIR), name="static")
     return app

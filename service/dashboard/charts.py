@@ -1,0 +1,114 @@
+"""Chart geometry for the first paint: line charts of a metric by step, the planner's sweep over N,
+and the memory panel's stacked bar. dashboard.js redraws the same shapes from the /v1 JSON, with the
+same constants, so a chart looks the same before and after the script takes over."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# the viewBox of every chart and its margins (dashboard.js: CHART)
+WIDTH, HEIGHT = 640, 200
+LEFT, RIGHT, TOP, BOTTOM = 64, 12, 12, 26
+PLOT_W, PLOT_H = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
+
+# the plan's breakdown, in the order the stacked bar draws it (dashboard.js: PARTS)
+PARTS = ("params", "grads", "optimizer", "padding", "activations", "overhead")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LineChart:
+    path: str
+    """SVG path data in viewBox units; 'M' starts each unbroken run of finite values."""
+    num_points: int
+    x_range: tuple[float, float] | None
+    y_range: tuple[float, float] | None
+    first: tuple[float, float] | None
+    last: tuple[float, float] | None
+
+
+def _span(low: float, high: float) -> tuple[float, float]:
+    if high > low:
+        return low, high
+    pad = abs(low) * 0.05 or 1.0  # a flat series sits mid-chart
+    return low - pad, high + pad
+
+
+def line_chart(points: Sequence[tuple[float, float | None]]) -> LineChart:
+    """(step, value) pairs -> one polyline across the plot; None values break the line."""
+    finite = [(x, y) for x, y in points if y is not None]
+    if not finite:
+        return LineChart(path="", num_points=0, x_range=None, y_range=None, first=None, last=None)
+    x0, x1 = _span(min(x for x, _ in finite), max(x for x, _ in finite))
+    y0, y1 = _span(min(y for _, y in finite), max(y for _, y in finite))
+    parts, pen_down = [], False
+    for x, y in points:
+        if y is None:
+            pen_down = False
+            continue
+        px = LEFT + (x - x0) / (x1 - x0) * PLOT_W
+        py = TOP + (1 - (y - y0) / (y1 - y0)) * PLOT_H
+        parts.append(f"{'L' if pen_down else 'M'}{px:.1f},{py:.1f}")
+        pen_down = True
+    return LineChart(
+        path=" ".join(parts), num_points=len(finite), x_range=(x0, x1), y_range=(y0, y1),
+        first=finite[0], last=finite[-1],
+    )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Bar:
+    num_gpus: int
+    total_bytes: int
+    fits: bool
+    x: float
+    y: float
+    width: float
+    height: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SweepChart:
+    bars: list[Bar]
+    y_max_bytes: int
+    memory_y: float | None
+    """Where the GPU memory line is drawn; None when it lies above the chart."""
+    floor_y: float
+
+
+def sweep_chart(sweep: Sequence[dict], *, gpu_memory_bytes: int, floor_bytes: int) -> SweepChart:
+    """One bar per N (1, 2, 4, ... 1024), against the GPU's memory and the floor sharding cannot go below."""
+    top = max(p["total_bytes"] for p in sweep)
+    # show the memory line when it is near the bars; a tiny model against 80 GB would be a flat line
+    y_max = max(top, gpu_memory_bytes) if gpu_memory_bytes <= 2 * top else top
+    y_max = max(1, round(y_max * 1.08))
+    slot = PLOT_W / len(sweep)
+    bars = [
+        Bar(
+            num_gpus=p["num_gpus"], total_bytes=p["total_bytes"], fits=p["fits"],
+            x=round(LEFT + i * slot + slot * 0.15, 1), width=round(slot * 0.7, 1),
+            y=round(_y(p["total_bytes"], y_max), 1), height=round(TOP + PLOT_H - _y(p["total_bytes"], y_max), 1),
+        )  # fmt: skip
+        for i, p in enumerate(sweep)
+    ]
+    memory_y = round(_y(gpu_memory_bytes, y_max), 1) if gpu_memory_bytes <= y_max else None
+    return SweepChart(bars=bars, y_max_bytes=y_max, memory_y=memory_y, floor_y=round(_y(floor_bytes, y_max), 1))
+
+
+def _y(num_bytes: int, y_max: int) -> float:
+    return TOP + (1 - num_bytes / y_max) * PLOT_H
+
+
+def floor_bytes(per_gpu: dict, *, stage: int) -> int:
+    """Per-GPU bytes as N grows without bound: what the stage replicates, plus activations and overhead.
+
+    Stage 1 at fp16 + AdamW: the 4Ψ of fp16 weights and gradients, which 12Ψ/N melts toward.
+    """
+    replicated = {0: ("params", "grads", "optimizer", "padding"), 1: ("params", "grads"), 2: ("params",), 3: ()}
+    return sum(per_gpu[f"{part}_bytes"] for part in (*replicated[stage], "activations", "overhead"))
+
+
+def stacked_shares(per_gpu: dict, *, scale_bytes: int) -> list[tuple[str, int, float]]:
+    """(part, bytes, percent of scale_bytes) for each part of the breakdown, in drawing order."""
+    scale = max(1, scale_bytes)
+    return [(part, per_gpu[f"{part}_bytes"], 100 * per_gpu[f"{part}_bytes"] / scale) for part in PARTS]

@@ -1,0 +1,187 @@
+"""The dashboard's pages: jobs (/), one job (/jobs/{id}) and the planner (/plan).
+
+Each page is rendered whole on the server from the same service.jobs and service.planning
+functions the /v1 API uses, so it reads without JavaScript; dashboard.js then keeps it live
+by polling the /v1 endpoints.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from datetime import UTC, datetime
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+
+from fastapi import APIRouter, Request
+from fastapi.responses import HTMLResponse
+from fastapi.templating import Jinja2Templates
+from pydantic import ValidationError
+from sqlalchemy.orm import Session
+
+from service import jobs
+from service.api.deps import ClusterDep, SessionDep, SettingsDep
+from service.dashboard import charts
+from service.dashboard.format import FILTERS, elapsed_s
+from service.errors import ServiceError, describe_validation_errors
+from service.planning import make_plan, plan_public
+from service.schemas import JobPublic, JobStatus, PlanRequest
+from workers.memory import GB
+
+HERE = Path(__file__).resolve().parent
+STATIC_DIR = HERE / "static"
+STATUSES: tuple[str, ...] = JobStatus.__args__
+TABLE_LIMIT = 100
+"""Jobs the table shows, newest first, besides every active one (dashboard.js reads it from data-limit)."""
+MAX_POINTS = 200
+"""Points a chart asks the metrics endpoint for (dashboard.js reads it from data-max-points)."""
+
+
+def asset_version() -> str:
+    """A digest of the static files: their URLs change when they do, so a browser never runs a stale script."""
+    digest = hashlib.sha256()
+    for path in sorted(STATIC_DIR.iterdir()):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+templates = Jinja2Templates(directory=HERE / "templates")
+templates.env.filters.update(FILTERS)
+templates.env.globals.update(asset_version=asset_version(), parts=charts.PARTS, geo=charts)
+
+router = APIRouter(include_in_schema=False)
+
+
+# --------------------------------------------------------------------------- jobs
+
+
+def table_order(job: JobPublic) -> tuple[int, int, int]:
+    """Running jobs first, then starting, then the queue in the order it starts, then the rest newest first."""
+    group = {"running": 0, "restarting": 0, "starting": 1, "queued": 2}.get(job.status, 3)
+    return group, job.queue_position or 0, -job.id
+
+
+def table_jobs(session: Session, *, status: str | None) -> list[JobPublic]:
+    """The newest TABLE_LIMIT jobs (of `status`, if given) and every active one, in table order."""
+    statuses = [status] if status else None
+    recent, _ = jobs.list_jobs(session, statuses=statuses, limit=TABLE_LIMIT, cursor=None)
+    active_statuses = [s for s in jobs.ACTIVE if status in (None, s)]
+    # active jobs hold GPUs, so there are never more of them than GPUs; 500 is the API's page limit
+    active = jobs.list_jobs(session, statuses=active_statuses, limit=500, cursor=None)[0] if active_statuses else []
+    return sorted({job.id: job for job in [*recent, *active]}.values(), key=table_order)
+
+
+def queued_count(session: Session) -> int:
+    """The newest queued job's queue position is the length of the queue."""
+    newest, _ = jobs.list_jobs(session, statuses=["queued"], limit=1, cursor=None)
+    return newest[0].queue_position if newest else 0
+
+
+@router.get("/", response_class=HTMLResponse)
+def jobs_page(request: Request, session: SessionDep, cluster: ClusterDep, status: str | None = None):
+    """The cluster strip and the jobs table, filtered by ?status= (an unknown status shows all)."""
+    status = status if status in STATUSES else None
+    context = {
+        "page": "jobs", "cluster": cluster, "gpus_in_use": jobs.gpus_in_use(session),
+        "queued": queued_count(session), "jobs": table_jobs(session, status=status), "status": status,
+        "statuses": STATUSES, "now": datetime.now(UTC), "elapsed_s": elapsed_s, "table_limit": TABLE_LIMIT,
+    }  # fmt: skip
+    return templates.TemplateResponse(request, "jobs.html", context)
+
+
+# --------------------------------------------------------------------------- one job
+
+
+@router.get("/jobs/{job_id}", response_class=HTMLResponse)
+def job_page(request: Request, job_id: int, session: SessionDep):
+    """Progress, loss and step-time curves, the memory panel, the events and the spec of one job."""
+    try:
+        job = jobs.get_job(session, job_id)
+    except ServiceError as error:
+        return templates.TemplateResponse(request, "not_found.html", {"message": error.message}, status_code=404)
+    public = jobs.job_public(job, position=jobs.queue_position(session, job))
+    metrics, _ = jobs.job_metrics(session, job, after_step=None, limit=10 * MAX_POINTS, max_points=MAX_POINTS)
+    plan = public.plan
+    per_gpu, gpu_memory_bytes = plan["per_gpu"], plan["gpu_memory_bytes"]
+    context = {
+        "page": "job", "job": public, "events": jobs.job_events(session, job), "now": datetime.now(UTC),
+        "elapsed_s": elapsed_s, "max_points": MAX_POINTS,
+        "loss": charts.line_chart([(m.step, m.loss) for m in metrics]),
+        "step_time": charts.line_chart([(m.step, m.step_time_s) for m in metrics]),
+        "per_gpu": per_gpu, "gpu_memory_bytes": gpu_memory_bytes,
+        "against_memory": charts.stacked_shares(per_gpu, scale_bytes=max(gpu_memory_bytes, per_gpu["total_bytes"])),
+        "composition": charts.stacked_shares(per_gpu, scale_bytes=per_gpu["total_bytes"]),
+        "peaks": (public.latest or {}).get("mem_peak_bytes") or [],
+        "planned_bytes": (public.latest or {}).get("mem_planned_bytes"),
+        "spec_json": json.dumps(public.spec, indent=2),
+    }  # fmt: skip
+    return templates.TemplateResponse(request, "job.html", context)
+
+
+# --------------------------------------------------------------------------- planner
+
+PLAN_FORM_DEFAULTS = {
+    "source": "params", "num_params": "7.5e9", "vocab_size": "50257", "n_layer": "48", "n_head": "25",
+    "n_embd": "1600", "block_size": "1024", "micro_batch_size": "1", "seq_len": "", "activation_checkpointing": "",
+    "num_gpus": "64", "gpu_memory_gb": "", "precision": "fp16", "optimizer": "adamw", "stage": "1",
+}  # fmt: skip
+_GPT_FIELDS = ("vocab_size", "n_layer", "n_head", "n_embd", "block_size")
+
+
+def _number(text: str) -> int | float | str | None:
+    """'7.5e9' -> 7500000000, '80' -> 80, '0.5' -> 0.5, '' -> None; anything else is left for validation to name."""
+    cleaned = text.strip().replace(",", "").replace("_", "")
+    if not cleaned:
+        return None
+    try:
+        value = Decimal(cleaned)
+    except InvalidOperation:
+        return text
+    if not value.is_finite():
+        return text
+    return int(value) if value == value.to_integral_value() else float(value)
+
+
+def plan_body(form: dict[str, str]) -> dict:
+    """The POST /v1/plan body the planner form describes (dashboard.js: planBody)."""
+    body = {key: _number(form[key]) for key in ("num_gpus", "gpu_memory_gb", "stage")}
+    body |= {"precision": form["precision"], "optimizer": form["optimizer"]}
+    if form["source"] == "gpt":
+        model = {key: _number(form[key]) for key in _GPT_FIELDS}
+        body["model"] = {"kind": "gpt", **{key: value for key, value in model.items() if value is not None}}
+        body["micro_batch_size"] = _number(form["micro_batch_size"])
+        body["seq_len"] = _number(form["seq_len"])
+        body["activation_checkpointing"] = bool(form["activation_checkpointing"])
+    else:
+        body["num_params"] = _number(form["num_params"])
+    return {key: value for key, value in body.items() if value is not None}
+
+
+@router.get("/plan", response_class=HTMLResponse)
+def plan_page(request: Request, cluster: ClusterDep, settings: SettingsDep):
+    """The planner: a GET form, so a plan has a URL and works without JavaScript."""
+    form = {**PLAN_FORM_DEFAULTS, "gpu_memory_gb": f"{cluster.gpu_memory_bytes / GB:g}"}
+    given = {key: value for key, value in request.query_params.items() if key in form}
+    if given:  # a submitted form: an unticked checkbox is absent from its query
+        form |= {"activation_checkpointing": ""} | given
+    if form["source"] not in ("params", "gpt"):
+        form["source"] = "params"
+    context = {"page": "plan", "form": form, "error": None, "plan": None}
+    try:
+        plan_request = PlanRequest.model_validate(plan_body(form))
+    except ValidationError as error:
+        context["error"] = describe_validation_errors(list(error.errors()))[0]
+        return templates.TemplateResponse(request, "plan.html", context, status_code=422)
+    plan = plan_public(make_plan(plan_request, cluster=cluster, overhead_bytes=round(settings.gpu_overhead_gb * GB)))
+    context |= plan_context(plan.model_dump(mode="json"))
+    return templates.TemplateResponse(request, "plan.html", context)
+
+
+def plan_context(plan: dict) -> dict:
+    """What plan.html draws from a plan: the floor, the sweep chart, the stacked bar."""
+    floor = charts.floor_bytes(plan["per_gpu"], stage=plan["stage"])
+    return {
+        "plan": plan, "floor_bytes": floor,
+        "sweep": charts.sweep_chart(plan["sweep"], gpu_memory_bytes=plan["gpu_memory_bytes"], floor_bytes=floor),
+        "composition": charts.stacked_shares(plan["per_gpu"], scale_bytes=plan["per_gpu"]["total_bytes"]),
+    }  # fmt: skip

@@ -1,0 +1,544 @@
+// zero1 dashboard: keeps the server-rendered pages live by polling the /v1 API once a second.
+// No framework and no CDN. The server draws the first paint (service/dashboard/templates); this
+// script fills the same slots with the same formatting and chart geometry (service/dashboard/
+// format.py and charts.py), so a page reads the same before and after it takes over.
+"use strict";
+
+(() => {
+  document.documentElement.classList.add("js");
+
+  const POLL_MS = 1000;
+  const ACTIVE = ["starting", "running", "restarting"];
+  const TERMINAL = new Set(["succeeded", "failed", "cancelled"]);
+  const PARTS = ["params", "grads", "optimizer", "padding", "activations", "overhead"];
+  const CHART = { WIDTH: 640, HEIGHT: 200, LEFT: 64, RIGHT: 12, TOP: 12, BOTTOM: 26 };
+  CHART.PLOT_W = CHART.WIDTH - CHART.LEFT - CHART.RIGHT;
+  CHART.PLOT_H = CHART.HEIGHT - CHART.TOP - CHART.BOTTOM;
+
+  const $ = (selector, root = document) => root.querySelector(selector);
+  const $$ = (selector, root = document) => Array.from(root.querySelectorAll(selector));
+
+  // ------------------------------------------------------------------ formatting (format.py)
+
+  const UNITS = [[1e12, "TB"], [1e9, "GB"], [1e6, "MB"], [1e3, "kB"]];
+
+  function humanBytes(n) {
+    if (n == null) return "—";
+    for (const [scale, unit] of UNITS) if (Math.abs(n) >= scale) return `${(n / scale).toFixed(2)} ${unit}`;
+    return `${n} B`;
+  }
+
+  function shortBytes(n) {
+    for (const [scale, unit] of UNITS) if (Math.abs(n) >= scale) return `${significant(n / scale, 3)} ${unit}`;
+    return `${n} B`;
+  }
+
+  const grouped = (n) => (n == null ? "—" : Math.round(n).toLocaleString("en-US"));
+  const rate = (v) => (v == null ? "—" : Math.round(v).toLocaleString("en-US"));
+  const stripZeros = (s) => (s.includes(".") ? s.replace(/\.?0+$/, "") : s);
+
+  function significant(v, digits = 4) {  // Python's f"{v:.4g}"
+    if (v == null) return "—";
+    if (v === 0) return "0";
+    const rounded = Number(v.toPrecision(digits));
+    const exp = Math.floor(Math.log10(Math.abs(rounded)));
+    if (exp < -4 || exp >= digits) {
+      const [mantissa, e] = rounded.toExponential(digits - 1).split("e");
+      const power = Number(e);
+      return `${stripZeros(mantissa)}e${power < 0 ? "-" : "+"}${String(Math.abs(power)).padStart(2, "0")}`;
+    }
+    return stripZeros(rounded.toFixed(Math.max(0, digits - 1 - exp)));
+  }
+
+  function duration(seconds) {
+    if (seconds == null) return "—";
+    const s = Math.max(0, Math.trunc(seconds));
+    const hours = Math.trunc(s / 3600), minutes = Math.trunc((s % 3600) / 60), secs = s % 60;
+    const pad = (n) => String(n).padStart(2, "0");
+    if (hours) return `${hours}h ${pad(minutes)}m ${pad(secs)}s`;
+    return minutes ? `${minutes}m ${pad(secs)}s` : `${secs}s`;
+  }
+
+  function elapsedS(job) {
+    if (!job.started_at) return null;
+    const end = job.finished_at ? Date.parse(job.finished_at) : Date.now();
+    return (end - Date.parse(job.started_at)) / 1000;
+  }
+
+  const doneSteps = (job) => (job.step == null ? 0 : job.step + 1);
+  const queueText = (job) => (job.queue_position ? `#${job.queue_position}` : "—");
+
+  function setText(el, text) {
+    if (el && el.textContent !== String(text)) el.textContent = text;
+  }
+
+  function setBadge(el, status) {
+    if (!el) return;
+    el.className = `badge s-${status}`;
+    setText(el, status);
+  }
+
+  function setProgress(progress, label, job) {
+    const done = doneSteps(job);
+    if (progress.max !== job.steps) progress.max = job.steps;
+    if (progress.value !== done) progress.value = done;
+    setText(label, `${grouped(done)} / ${grouped(job.steps)}`);
+  }
+
+  // ------------------------------------------------------------------ talking to the API
+
+  class ApiError extends Error {}
+
+  async function api(path, options = {}) {
+    let response;
+    try {
+      response = await fetch(path, { headers: { Accept: "application/json" }, ...options });
+    } catch (error) {
+      connection(false);
+      throw new ApiError("the service cannot be reached");
+    }
+    connection(true);
+    const body = await response.json().catch(() => null);
+    if (!response.ok) throw new ApiError((body && body.message) || `${response.status} ${response.statusText}`);
+    return body;
+  }
+
+  function connection(ok) {
+    const note = $("#connection");
+    if (note && note.hidden !== ok) note.hidden = ok;
+  }
+
+  // Run `task` POLL_MS after the first paint and again POLL_MS after each run settles, while the
+  // page is visible; a task that returns false stops. The returned function runs it at once.
+  // Failures to reach the API keep polling: the connection note says what is wrong.
+  function poll(task) {
+    let timer = null, running = false, again = false;
+    async function tick() {
+      clearTimeout(timer);
+      if (running) { again = true; return; }
+      running = true;
+      let stop = false;
+      try {
+        if (!document.hidden) stop = (await task()) === false;
+      } catch (error) {
+        if (!(error instanceof ApiError)) throw error;
+      } finally {
+        running = false;
+      }
+      if (again) { again = false; tick(); }
+      else if (!stop) timer = setTimeout(tick, POLL_MS);
+    }
+    timer = setTimeout(tick, POLL_MS);
+    return tick;
+  }
+
+  // ------------------------------------------------------------------ charts (charts.py)
+
+  function span(low, high) {
+    if (high > low) return [low, high];
+    const pad = Math.abs(low) * 0.05 || 1;
+    return [low - pad, high + pad];
+  }
+
+  function lineChart(points) {
+    const finite = points.filter(([, y]) => y != null);
+    if (!finite.length) return { path: "", count: 0 };
+    const [x0, x1] = span(Math.min(...finite.map((p) => p[0])), Math.max(...finite.map((p) => p[0])));
+    const [y0, y1] = span(Math.min(...finite.map((p) => p[1])), Math.max(...finite.map((p) => p[1])));
+    const parts = [];
+    let penDown = false;
+    for (const [x, y] of points) {
+      if (y == null) { penDown = false; continue; }
+      const px = CHART.LEFT + ((x - x0) / (x1 - x0)) * CHART.PLOT_W;
+      const py = CHART.TOP + (1 - (y - y0) / (y1 - y0)) * CHART.PLOT_H;
+      parts.push(`${penDown ? "L" : "M"}${px.toFixed(1)},${py.toFixed(1)}`);
+      penDown = true;
+    }
+    const first = finite[0], last = finite[finite.length - 1];
+    return { path: parts.join(" "), count: finite.length, x0, x1, y0, y1, first, last };
+  }
+
+  function drawLineChart(svg, points) {
+    const c = lineChart(points);
+    const unit = svg.dataset.unit;
+    svg.dataset.points = c.count;
+    $("path.line", svg).setAttribute("d", c.path);
+    setText($(".y-max", svg), c.count ? significant(c.y1, 3) : "");
+    setText($(".y-min", svg), c.count ? significant(c.y0, 3) : "");
+    setText($(".x-min", svg), c.count ? `step ${Math.trunc(c.x0)}` : "");
+    setText($(".x-max", svg), c.count ? `step ${Math.trunc(c.x1)}` : "");
+    setText($(".empty-note", svg), c.count ? "" : "No metrics yet");
+    setText($("desc", svg), c.count
+      ? `${c.count} points from step ${c.first[0]} (${significant(c.first[1])} ${unit}) ` +
+        `to step ${c.last[0]} (${significant(c.last[1])} ${unit})`
+      : "No metrics yet");
+  }
+
+  function floorBytes(perGpu, stage) {  // what sharding cannot remove, plus activations and overhead
+    const replicated = [["params", "grads", "optimizer", "padding"], ["params", "grads"], ["params"], []][stage];
+    return [...replicated, "activations", "overhead"].reduce((sum, part) => sum + perGpu[`${part}_bytes`], 0);
+  }
+
+  function drawSweep(svg, plan, floor) {
+    const sweep = plan.sweep, memory = plan.gpu_memory_bytes;
+    const top = Math.max(...sweep.map((p) => p.total_bytes));
+    const yMax = Math.max(1, Math.round((memory <= 2 * top ? Math.max(top, memory) : top) * 1.08));
+    const y = (bytes) => CHART.TOP + (1 - bytes / yMax) * CHART.PLOT_H;
+    const slot = CHART.PLOT_W / sweep.length;
+    svg.dataset.yMax = yMax;
+    setText($(".y-max", svg), shortBytes(yMax));
+    sweep.forEach((point, i) => {
+      const g = $(`g.bar[data-num-gpus="${point.num_gpus}"]`, svg);
+      if (!g) return;
+      const x = CHART.LEFT + i * slot + slot * 0.15, width = slot * 0.7, top = y(point.total_bytes);
+      const rect = $("rect", g);
+      g.setAttribute("class", `bar ${point.fits ? "fits" : "over"}`);
+      rect.setAttribute("y", top.toFixed(1));
+      rect.setAttribute("height", (CHART.TOP + CHART.PLOT_H - top).toFixed(1));
+      const verdict = point.fits ? "fits" : "does not fit";
+      setText($("title", rect), `N = ${point.num_gpus}: ${humanBytes(point.total_bytes)}, ${verdict}`);
+      const value = $("text.value", g);
+      value.setAttribute("y", (top - 3).toFixed(1));
+      setText(value, significant(point.total_bytes / 1e9, 3));
+      rect.setAttribute("x", x.toFixed(1));
+      rect.setAttribute("width", width.toFixed(1));
+    });
+    const memoryY = memory <= yMax ? y(memory) : null;
+    const memoryLine = $(".memory-line", svg), memoryLabel = $(".memory-label", svg);
+    memoryLine.setAttribute("visibility", memoryY == null ? "hidden" : "visible");
+    memoryLine.setAttribute("y1", (memoryY ?? CHART.TOP).toFixed(1));
+    memoryLine.setAttribute("y2", (memoryY ?? CHART.TOP).toFixed(1));
+    memoryLabel.setAttribute("y", (memoryY == null ? CHART.TOP + 12 : memoryY - 4).toFixed(1));
+    setText(memoryLabel, `GPU memory ${humanBytes(memory)}${memoryY == null ? ", above the chart" : ""}`);
+    const floorY = y(floor);
+    $(".floor-line", svg).setAttribute("y1", floorY.toFixed(1));
+    $(".floor-line", svg).setAttribute("y2", floorY.toFixed(1));
+    $(".floor-label", svg).setAttribute("y", (floorY + 12).toFixed(1));
+    setText($(".floor-label", svg), `floor ${humanBytes(floor)}`);
+    const end = sweep[sweep.length - 1];
+    setText($("desc", svg), `From ${humanBytes(sweep[0].total_bytes)} on 1 GPU to ${humanBytes(end.total_bytes)} ` +
+      `on ${end.num_gpus}; floor ${humanBytes(floor)}; GPU memory ${humanBytes(memory)}.`);
+  }
+
+  function fillStack(stack, perGpu, scaleBytes) {
+    const scale = Math.max(1, scaleBytes);
+    for (const seg of $$(".seg", stack)) {
+      const bytes = perGpu[`${seg.dataset.part}_bytes`];
+      seg.style.width = `${((100 * bytes) / scale).toFixed(3)}%`;
+      seg.title = `${seg.dataset.part}: ${humanBytes(bytes)}`;
+    }
+  }
+
+  function fillBytesRow(row, bytes, share) {
+    const cell = $("td[data-bytes]", row);
+    cell.dataset.bytes = bytes;
+    setText(cell, grouped(bytes));
+    setText($(".human", row), humanBytes(bytes));
+    if (share !== undefined) setText($(".share", row), share);
+  }
+
+  function fillBreakdown(table, perGpu, memoryBytes) {
+    const total = Math.max(perGpu.total_bytes, 1);
+    const pct = (bytes) => `${((100 * bytes) / total).toFixed(1)}%`;
+    for (const part of PARTS) {
+      const bytes = perGpu[`${part}_bytes`];
+      fillBytesRow($(`tr[data-part="${part}"]`, table), bytes, pct(bytes));
+    }
+    fillBytesRow($('tr[data-part="total"]', table), perGpu.total_bytes, "100.0%");
+    fillBytesRow($('tr[data-part="gpu_memory"]', table), memoryBytes, "");
+  }
+
+  // ------------------------------------------------------------------ the jobs page
+
+  // running first, then starting, then the queue in the order it starts, then newest first (routes.table_order)
+  function tableOrder(a, b) {
+    const group = (job) => ({ running: 0, restarting: 0, starting: 1, queued: 2 })[job.status] ?? 3;
+    return group(a) - group(b) || (a.queue_position || 0) - (b.queue_position || 0) || b.id - a.id;
+  }
+
+  function fillRow(tr, job) {
+    tr.id = `job-${job.id}`;
+    tr.dataset.id = job.id;
+    tr.dataset.status = job.status;
+    const link = $(".job-link", tr);
+    if (link.getAttribute("href") !== `/jobs/${job.id}`) link.setAttribute("href", `/jobs/${job.id}`);
+    setText($(".job-id", tr), `#${job.id}`);
+    setText($(".job-name", tr), job.name);
+    setBadge($('[data-field="status"]', tr), job.status);
+    const progress = $("progress", tr);
+    progress.setAttribute("aria-label", `Progress of job ${job.id}`);
+    setProgress(progress, $(".steps", tr), job);
+    const latest = job.latest || {};
+    setText($(".c-loss", tr), significant(latest.loss));
+    setText($(".c-tps", tr), rate(latest.tokens_per_s));
+    setText($(".c-gpus", tr), job.num_gpus);
+    setText($(".c-elapsed", tr), duration(elapsedS(job)));
+    setText($(".c-queue", tr), queueText(job));
+  }
+
+  function jobsPage() {
+    const table = $("#jobs"), tbody = table.tBodies[0], template = $("#row-template");
+    const filter = $("#filter"), select = $("#status-filter"), announcer = $("#announcer");
+    const limit = Number(table.dataset.limit) || 100;
+    const seen = new Map($$("tr[data-id]", tbody).map((tr) => [Number(tr.dataset.id), tr.dataset.status]));
+    let status = table.dataset.status || "";
+
+    function announce(job) {
+      const before = seen.get(job.id);
+      if (before !== job.status) {
+        announcer.textContent = before === undefined
+          ? `Job ${job.id} ${job.name} is ${job.status}`
+          : `Job ${job.id} ${job.name}: ${before} to ${job.status}`;
+        seen.set(job.id, job.status);
+      }
+    }
+
+    function render(jobs) {
+      jobs.sort(tableOrder);
+      const kept = new Set();
+      let previous = null;
+      for (const job of jobs) {
+        let tr = document.getElementById(`job-${job.id}`);
+        if (!tr) tr = template.content.querySelector("tr").cloneNode(true);
+        fillRow(tr, job);
+        const expected = previous ? previous.nextElementSibling : tbody.firstElementChild;
+        if (expected !== tr) tbody.insertBefore(tr, expected);
+        kept.add(tr);
+        previous = tr;
+        announce(job);
+      }
+      for (const tr of Array.from(tbody.rows)) if (!kept.has(tr)) tr.remove();
+      $("#no-jobs").hidden = jobs.length > 0;
+    }
+
+    // Each second: the cluster, the active jobs and the newest queued one, all small. The table's
+    // newest TABLE_LIMIT jobs (large: each carries its spec and plan) are fetched again only when
+    // one of those changed (a job was submitted, started, ended or left the queue), when the
+    // filter changed, and every tenth second anyway.
+    let recent = null, recentFor = null, live = "", ticks = 0;
+
+    async function refresh() {
+      const [cluster, active, queued] = await Promise.all([
+        api("/v1/cluster"),
+        api(`/v1/jobs?limit=500&${ACTIVE.map((s) => `status=${s}`).join("&")}`),
+        api("/v1/jobs?status=queued&limit=1"),
+      ]);
+      const now = [...active.data, ...queued.data].map((job) => `${job.id}:${job.status}:${job.queue_position}`).join();
+      if (recentFor !== status || now !== live || ticks % 10 === 0) {
+        const filter = status, only = filter ? `&status=${encodeURIComponent(filter)}` : "";
+        recent = (await api(`/v1/jobs?limit=${limit}${only}`)).data;
+        recentFor = filter;
+      }
+      live = now;
+      ticks += 1;
+      const strip = $("#cluster");
+      setText($('[data-field="gpus-in-use"]', strip), active.data.reduce((sum, job) => sum + job.num_gpus, 0));
+      setText($('[data-field="gpus-total"]', strip), cluster.num_gpus);
+      setText($('[data-field="gpu-memory"]', strip), humanBytes(cluster.gpu_memory_bytes));
+      setText($('[data-field="gpu-kind"]', strip), cluster.simulated ? "simulated" : "real");
+      // newest first: the newest queued job's position is the length of the queue
+      setText($('[data-field="queued"]', strip), queued.data.length ? queued.data[0].queue_position : 0);
+      setText($('[data-field="nodes"]', strip), cluster.nodes);
+      const byId = new Map(recent.map((job) => [job.id, job]));
+      for (const job of active.data) if (!status || job.status === status) byId.set(job.id, job);
+      render(Array.from(byId.values()));
+    }
+
+    const refreshNow = poll(refresh);
+    function applyFilter() {
+      status = select.value;
+      table.dataset.status = status;
+      history.replaceState(null, "", status ? `/?status=${encodeURIComponent(status)}` : "/");
+      refreshNow();
+    }
+    select.addEventListener("change", applyFilter);
+    filter.addEventListener("submit", (event) => { event.preventDefault(); applyFilter(); });
+  }
+
+  // ------------------------------------------------------------------ one job's page
+
+  function jobPage() {
+    const head = $("#job"), id = Number(head.dataset.id), maxPoints = Number(head.dataset.maxPoints) || 200;
+    const cancel = $("#cancel"), note = $("#cancel-note");
+    let status = head.dataset.status, lastStep = head.dataset.step;
+    let eventsFor = `${status}/${head.dataset.attempt}`;  // a retry can pass through restarting between polls
+    cancel.hidden = TERMINAL.has(status);
+
+    cancel.addEventListener("click", async () => {
+      const question = `Cancel job #${id} “${head.dataset.name}”? Its ranks are stopped; it cannot be resumed.`;
+      if (!window.confirm(question)) return;
+      cancel.disabled = true;
+      try {
+        await api(`/v1/jobs/${id}/cancel`, { method: "POST" });
+        note.textContent = "Cancel requested: the job stops within a scheduler tick.";
+        refreshNow();
+      } catch (error) {
+        note.textContent = `Could not cancel: ${error.message}`;
+        cancel.disabled = false;
+      }
+    });
+
+    function fillStats(job) {
+      setBadge($('[data-field="status"]', head), job.status);
+      head.dataset.status = job.status;
+      const stats = $("#job-stats"), latest = job.latest || {};
+      setProgress($("progress", stats), $('[data-field="steps"]', stats), job);
+      setText($('[data-field="loss"]', stats), significant(latest.loss));
+      setText($('[data-field="tps"]', stats), rate(latest.tokens_per_s));
+      const stepTime = latest.step_time_s == null ? "—" : `${significant(latest.step_time_s, 3)} s`;
+      setText($('[data-field="step-time"]', stats), stepTime);
+      setText($('[data-field="elapsed"]', stats), duration(elapsedS(job)));
+      setText($('[data-field="attempt"]', stats), job.attempt);
+      setText($('[data-field="queue"]', stats), queueText(job));
+      const error = $("#job-error");
+      error.hidden = !job.error;
+      if (job.error) setText(error, `${job.error.exception}: ${job.error.message}`);
+      if (TERMINAL.has(job.status)) cancel.hidden = true;
+      fillPeaks(latest);
+    }
+
+    function fillPeaks(latest) {
+      const table = $("#peaks"), peaks = latest.mem_peak_bytes || [];
+      const planned = latest.mem_planned_bytes || Number(table.dataset.planned);
+      const scale = Math.max(planned, ...peaks, 1);
+      for (const row of $$("tr[data-rank]", table)) {
+        const peak = peaks[Number(row.dataset.rank)];
+        const cell = $("td[data-bytes]", row);
+        cell.dataset.bytes = peak ?? "";
+        setText(cell, grouped(peak));
+        setText($(".ratio", row), peak == null ? "—" : `${((100 * peak) / Math.max(planned, 1)).toFixed(1)}%`);
+        $(".fill", row).style.width = `${((100 * (peak || 0)) / scale).toFixed(2)}%`;
+        $(".mark", row).style.left = `${((100 * planned) / scale).toFixed(2)}%`;
+      }
+    }
+
+    function renderEvents(events) {
+      const span = (className, text) => Object.assign(document.createElement("span"), { className, textContent: text });
+      const badge = (status) => span(`badge s-${status}`, status);
+      $("#events").replaceChildren(...events.map((event) => {
+        const time = Object.assign(document.createElement("time"), { dateTime: event.at });
+        time.textContent = new Date(event.at).toISOString().replace("T", " ").replace(/\.\d+Z$/, " UTC");
+        const transition = span("transition", "");
+        if (event.from_status) transition.append(badge(event.from_status), " → ");
+        transition.append(badge(event.to_status));
+        const li = document.createElement("li");
+        li.append(time, " ", transition, " ", span("reason", event.reason));
+        return li;
+      }));
+    }
+
+    async function refresh() {
+      const job = await api(`/v1/jobs/${id}`);
+      if (String(job.step ?? "") !== lastStep) {
+        const metrics = await api(`/v1/jobs/${id}/metrics?max_points=${maxPoints}&limit=${10 * maxPoints}`);
+        drawLineChart($("#loss-chart"), metrics.data.map((m) => [m.step, m.loss]));
+        drawLineChart($("#step-time-chart"), metrics.data.map((m) => [m.step, m.step_time_s]));
+        lastStep = String(job.step ?? "");
+      }
+      if (`${job.status}/${job.attempt}` !== eventsFor) {
+        renderEvents((await api(`/v1/jobs/${id}/events`)).data);
+        eventsFor = `${job.status}/${job.attempt}`;
+      }
+      fillStats(job);
+      status = job.status;
+      return !TERMINAL.has(status);  // a finished job's page is final
+    }
+
+    const refreshNow = poll(refresh);
+  }
+
+  // ------------------------------------------------------------------ the planner
+
+  function number(text) {  // routes._number: '7.5e9' -> 7500000000, '' -> null
+    const cleaned = String(text ?? "").trim().replace(/[,_]/g, "");
+    if (!cleaned) return null;
+    const value = Number(cleaned);
+    return Number.isFinite(value) ? value : text;
+  }
+
+  function planBody(form) {  // routes.plan_body
+    const field = (name) => (form.elements[name] ? form.elements[name].value : "");
+    const body = {
+      num_gpus: number(field("num_gpus")), gpu_memory_gb: number(field("gpu_memory_gb")), stage: number(field("stage")),
+      precision: field("precision"), optimizer: field("optimizer"),
+    };
+    if (form.elements.source.value === "gpt") {
+      body.model = { kind: "gpt" };
+      for (const key of ["vocab_size", "n_layer", "n_head", "n_embd", "block_size"]) {
+        const value = number(field(key));
+        if (value != null) body.model[key] = value;
+      }
+      body.micro_batch_size = number(field("micro_batch_size"));
+      body.seq_len = number(field("seq_len"));
+      body.activation_checkpointing = form.elements.activation_checkpointing.checked;
+    } else {
+      body.num_params = number(field("num_params"));
+    }
+    return Object.fromEntries(Object.entries(body).filter(([, value]) => value != null));
+  }
+
+  function renderPlan(section, plan) {
+    const perGpu = plan.per_gpu, floor = floorBytes(perGpu, plan.stage);
+    const field = (name) => $$(`[data-field="${name}"]`, section);
+    for (const el of field("num_gpus")) setText(el, plan.num_gpus);
+    for (const el of field("stage")) setText(el, plan.stage);
+    setText(field("total")[0], humanBytes(perGpu.total_bytes));
+    setText(field("num_params")[0], grouped(plan.num_params));
+    const fits = field("fits")[0];
+    fits.className = `badge ${plan.fits ? "s-succeeded" : "s-failed"}`;
+    setText(fits, plan.fits ? "fits" : "does not fit");
+    setText(field("gpu_memory")[0], humanBytes(plan.gpu_memory_bytes));
+    setText(field("headroom")[0], humanBytes(plan.headroom_bytes));
+    setText(field("min_gpus")[0], plan.min_gpus ?? "none");
+    fillStack($("#plan-stack", section), perGpu, perGpu.total_bytes);
+    fillBreakdown($("#plan-breakdown", section), perGpu, plan.gpu_memory_bytes);
+    const stages = $("#plan-stages", section);
+    setText($("caption", stages), `Each ZeRO stage at N = ${plan.num_gpus}`);
+    for (const [stage, total] of Object.entries(plan.stages)) {
+      const row = $(`tr[data-stage="${stage}"]`, stages);
+      row.classList.toggle("current", Number(stage) === plan.stage);
+      fillBytesRow(row, total);
+    }
+    for (const point of plan.sweep) {
+      const row = $(`tr[data-num-gpus="${point.num_gpus}"]`, $("#plan-sweep", section));
+      fillBytesRow(row, point.total_bytes);
+      setText($(".fits", row), point.fits ? "yes" : "no");
+    }
+    drawSweep($("#sweep-chart", section), plan, floor);
+  }
+
+  function planPage() {
+    const form = $("#plan-form"), error = $("#plan-error");
+    const syncSource = () => {
+      const source = form.elements.source.value;
+      for (const fieldset of $$("fieldset[data-source]", form)) fieldset.disabled = fieldset.dataset.source !== source;
+    };
+    form.addEventListener("change", (event) => { if (event.target.name === "source") syncSource(); });
+    syncSource();
+    form.addEventListener("submit", async (event) => {
+      const section = $("#plan-result");
+      if (!section) return;  // no result drawn yet: let the browser load the plan's page
+      event.preventDefault();
+      const query = new URLSearchParams(new FormData(form)).toString();
+      try {
+        const plan = await api("/v1/plan", {
+          method: "POST",
+          headers: { "Content-Type": "application/json", Accept: "application/json" },
+          body: JSON.stringify(planBody(form)),
+        });
+        renderPlan(section, plan);
+        error.hidden = true;
+        section.hidden = false;
+        history.replaceState(null, "", `/plan?${query}`);
+      } catch (failure) {
+        if (!(failure instanceof ApiError)) throw failure;
+        error.textContent = failure.message;
+        error.hidden = false;
+      }
+    });
+  }
+
+  const pages = { jobs: jobsPage, job: jobPage, plan: planPage };
+  const start = pages[document.body.dataset.page];
+  if (start) start();
+})();

@@ -1,0 +1,552 @@
+"""The dashboard in a real browser: Playwright drives Debian's Chromium against a live `zero1 serve`.
+
+One server per module (an embedded Ray of 4 logical GPUs, a SQLite database seeded with 100 finished
+jobs) and one browser per module. Every test fails on a console error or an uncaught page error.
+Screenshots go to $ZERO1_ARTIFACTS/dashboard (or pytest's tmp dir); the module prints where.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+from playwright.sync_api import Browser, Page, expect, sync_playwright
+
+from service.cluster import ClusterCapacity
+from service.dashboard import charts
+from service.dashboard.format import duration, human_bytes, significant
+from service.dashboard.routes import TABLE_LIMIT, table_order
+from service.db import Database, upgrade
+from service.jobs import admit, submit_job, transition
+from service.scheduler import store_metrics
+from service.schemas import JobSpec
+from workers.memory import GB
+
+ZERO1 = str(Path(sys.executable).with_name("zero1"))
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]  # fmt: skip
+TINY_GPT = json.loads((ROOT / "examples" / "tiny-gpt.json").read_text())
+PARTS = ("params", "grads", "optimizer", "padding", "activations", "overhead", "total")
+SEEDED_JOBS = 100
+assert SEEDED_JOBS >= TABLE_LIMIT, "the table shows its whole TABLE_LIMIT rows"
+SEEDED_STEPS = 20
+HTML_NAME = "<script>alert('x')</script> & <b>bold</b>"
+FIRST_PAINT_LIMIT_BYTES = 200_000
+TRAINING_TIMEOUT_MS = 180_000
+
+
+# --------------------------------------------------------------------------- the server
+
+
+def seed_jobs(database_url: str, *, count: int) -> None:
+    """`count` finished jobs, as the service stores them: succeeded (with metrics), failed, cancelled."""
+    upgrade(database_url)
+    db = Database(database_url)
+    cluster = ClusterCapacity(num_gpus=4, num_gpus_free=4, gpu_memory_bytes=80 * GB, simulated=True)
+    try:
+        with db.session() as session:
+            for i in range(count):
+                name = f"history-{i:03d}" if i < count - 1 else HTML_NAME  # the newest: shown as text, never run
+                spec = JobSpec.model_validate({**TINY_GPT, "name": name})
+                plan = admit(spec, cluster=cluster, overhead_bytes=GB)
+                job, _ = submit_job(session, spec=spec, plan=plan, idempotency_key=None)
+                end = ("succeeded", "failed", "cancelled")[i % 3]
+                if end == "cancelled":
+                    transition(session, job, "cancelled", "cancelled by request while queued")
+                    continue
+                transition(session, job, "starting", "seeded")
+                transition(session, job, "running", "seeded")
+                store_metrics(session, job, [_metric_row(step) for step in range(SEEDED_STEPS)])
+                if end == "failed":
+                    job.error = {"rank": 0, "node_id": "n", "exception": "RuntimeError", "message": "seeded failure"}
+                transition(session, job, end, "seeded")
+    finally:
+        db.dispose()
+
+
+def _metric_row(step: int) -> dict:
+    return {"step": step, "loss": 4.0 / (1 + step), "grad_norm": 1.0, "loss_scale": 1.0, "skipped": False,
+            "step_time_s": 0.02, "tokens_per_s": 12_800.0, "mem_peak_bytes": [1_500_000, 1_500_000],
+            "mem_planned_bytes": 1_538_048}  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Server:
+    base: str
+    process: subprocess.Popen
+    log_path: Path
+    api: httpx.Client
+
+    def submit(self, body: dict) -> dict:
+        response = self.api.post("/v1/jobs", json=body)
+        assert response.status_code == 201, response.text
+        return response.json()
+
+    def job(self, job_id: int) -> dict:
+        return self.api.get(f"/v1/jobs/{job_id}").json()
+
+    def log_tail(self) -> str:
+        return self.log_path.read_text()[-4000:]
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    """Debian's Chromium, headless; Playwright cannot download its own browser here."""
+    if not CHROMIUM.exists():
+        reason = f"{CHROMIUM} is missing: apt-get install -y chromium (.ci/run does)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason, pytrace=False)
+        pytest.skip(reason)
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            yield chromium
+        finally:
+            chromium.close()
+
+
+@pytest.fixture(scope="module")
+def server(browser, tmp_path_factory) -> Iterator[Server]:
+    """`zero1 serve` on a free loopback port, over a database that already holds SEEDED_JOBS jobs."""
+    tmp = tmp_path_factory.mktemp("dashboard-server")
+    database_url = f"sqlite:///{tmp / 'zero1.db'}"
+    seed_jobs(database_url, count=SEEDED_JOBS)
+    port = _free_port()
+    env = {**os.environ, "ZERO1_DATABASE_URL": database_url, "ZERO1_CHECKPOINT_URI": str(tmp / "checkpoints"),
+           "ZERO1_RAY_NAMESPACE": f"zero1-dashboard-{secrets.token_hex(4)}", "ZERO1_SIMULATED_GPUS": "4",
+           "ZERO1_SIMULATED_GPU_MEMORY_GB": "80", "ZERO1_GPU_OVERHEAD_GB": "1", "ZERO1_CPUS_PER_WORKER": "0.5",
+           "ZERO1_SCHEDULER_INTERVAL_S": "0.1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # fmt: skip
+    log_path = tmp / "serve.log"
+    with log_path.open("w") as log:  # a file, not a pipe: the access log would fill a pipe nobody reads
+        process = subprocess.Popen([ZERO1, "serve", "--port", str(port)], env=env, stdout=log, stderr=log)
+    base = f"http://127.0.0.1:{port}"
+    api = httpx.Client(base_url=base, timeout=30)
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # poll until the server accepts connections, with a deadline
+            assert process.poll() is None, log_path.read_text()
+            try:
+                if api.get("/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, f"zero1 serve did not start within 120 s:\n{log_path.read_text()}"
+            time.sleep(0.2)
+        yield Server(base=base, process=process, log_path=log_path, api=api)
+    finally:
+        api.close()
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+
+
+# --------------------------------------------------------------------------- pages and artifacts
+
+
+@dataclass
+class Report:
+    directory: Path
+    lines: list[str] = field(default_factory=list)
+
+
+@pytest.fixture(scope="module")
+def report(request, tmp_path_factory) -> Iterator[Report]:
+    """Where screenshots go ($ZERO1_ARTIFACTS/dashboard, else pytest's tmp dir), printed at the end."""
+    given = os.environ.get("ZERO1_ARTIFACTS")
+    directory = Path(given) / "dashboard" if given else tmp_path_factory.mktemp("dashboard-artifacts")
+    directory.mkdir(parents=True, exist_ok=True)
+    collected = Report(directory=directory)
+    yield collected
+    shots = sorted(path.name for path in directory.glob("*.png"))
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():
+        print(f"\ndashboard screenshots ({len(shots)}) in {directory}: {', '.join(shots)}")
+        for line in collected.lines:
+            print(f"dashboard: {line}")
+
+
+class Browsing:
+    """Pages in fresh browser contexts; every console error and uncaught page error is kept."""
+
+    def __init__(self, browser: Browser, server: Server, report: Report):
+        self.browser, self.server, self.report = browser, server, report
+        self.errors: list[str] = []
+        self.contexts = []
+
+    def open(self, path: str = "/", *, width: int = 1280, height: int = 800, javascript: bool = True) -> Page:
+        page = self.new_page(width=width, height=height, javascript=javascript)
+        page.goto(path)
+        return page
+
+    def new_page(self, *, width: int = 1280, height: int = 800, javascript: bool = True) -> Page:
+        context = self.browser.new_context(
+            base_url=self.server.base, viewport={"width": width, "height": height}, java_script_enabled=javascript
+        )
+        self.contexts.append(context)
+        page = context.new_page()
+        page.on("console", lambda message: message.type == "error" and self.errors.append(
+            f"console.error at {message.location.get('url')}: {message.text}"))  # fmt: skip
+        page.on("pageerror", lambda error: self.errors.append(f"page error: {error}"))
+        return page
+
+    def screenshot(self, page: Page, name: str, *, full_page: bool = True) -> None:
+        page.screenshot(path=self.report.directory / f"{name}.png", full_page=full_page)
+
+    def assert_no_console_errors(self) -> None:
+        assert self.errors == [], "\n".join(self.errors)
+
+
+@pytest.fixture
+def ui(browser, server, report) -> Iterator[Browsing]:
+    browsing = Browsing(browser, server, report)
+    yield browsing
+    for context in browsing.contexts:
+        context.close()
+
+
+def _status(scope) -> str:
+    return scope.locator('[data-field="status"]')
+
+
+def _no_horizontal_scroll(page: Page) -> bool:
+    return page.evaluate("document.documentElement.scrollWidth <= window.innerWidth")
+
+
+# --------------------------------------------------------------------------- a user watches a job train
+
+
+def test_watch_a_job_wait_run_and_succeed_cancelling_the_job_ahead_of_it(ui, server):
+    """One user's afternoon, without a reload: a long job holds the cluster and the example job waits in
+    the queue; the user cancels the long job from its page (confirming), then watches the example job
+    run and succeed on the dashboard, and opens its page with the keyboard."""
+    dashboard = ui.open("/")
+    rows = dashboard.locator("#jobs tbody tr")
+    expect(rows).to_have_count(TABLE_LIMIT)
+    dashboard.evaluate("window.zero1FirstLoad = true")  # gone if the page ever reloads
+
+    # 3 of the 4 GPUs: the example job's 2 are not free, so it waits behind
+    hog = server.submit({**TINY_GPT, "name": "hog", "num_gpus": 3, "steps": 100_000})
+    job = server.submit(TINY_GPT)
+    row = dashboard.locator(f"#job-{job['id']}")
+    expect(_status(row)).to_have_text("queued")
+    expect(row.locator(".c-queue")).to_have_text("#1")
+    expect(dashboard.locator('#cluster [data-field="queued"]')).to_have_text("1")
+    expect(rows.nth(0)).to_have_attribute("id", f"job-{hog['id']}")  # active jobs first, then the queue
+    expect(rows.nth(1)).to_have_attribute("id", f"job-{job['id']}")
+    expect(rows).to_have_count(TABLE_LIMIT)  # the newest TABLE_LIMIT: two seeded jobs made way
+    ui.screenshot(dashboard, "dashboard-queued", full_page=False)
+
+    _cancel_through_its_page(ui, server, hog["id"])
+    expect(_status(dashboard.locator(f"#job-{hog['id']}"))).to_have_text("cancelled")
+
+    expect(_status(row)).to_have_text("running", timeout=TRAINING_TIMEOUT_MS)
+    expect(rows.nth(0)).to_have_attribute("id", f"job-{job['id']}")
+    expect(dashboard.locator('#cluster [data-field="gpus-in-use"]')).to_have_text("2")
+    expect(row.locator(".c-queue")).to_have_text("—")
+    expect(row.locator(".c-loss")).not_to_have_text("—", timeout=60_000)  # the ranks' first step
+    ui.screenshot(dashboard, "dashboard-running", full_page=False)
+
+    expect(_status(row)).to_have_text("succeeded", timeout=TRAINING_TIMEOUT_MS)
+    expect(row.locator(".steps")).to_have_text("300 / 300")
+    expect(row.locator("progress")).to_have_attribute("value", "300")
+    expect(dashboard.locator("#announcer")).to_have_text(f"Job {job['id']} tiny-gpt: running to succeeded")
+    latest = server.job(job["id"])["latest"]
+    expect(row.locator(".c-loss")).to_have_text(f"{latest['loss']:.4g}")
+    assert dashboard.evaluate("window.zero1FirstLoad") is True, "the dashboard reloaded"
+    ui.screenshot(dashboard, "dashboard-succeeded", full_page=False)
+
+    _open_first_job_with_the_keyboard(dashboard, job["id"])
+    _check_job_page(ui, server, dashboard, job["id"])
+    ui.assert_no_console_errors()
+
+
+def _cancel_through_its_page(ui: Browsing, server: Server, job_id: int) -> None:
+    """The job's page draws its loss live; Cancel asks first: dismissed, nothing happens; accepted, it ends."""
+    page = ui.open(f"/jobs/{job_id}")
+    expect(_status(page.locator("#job"))).to_have_text("running", timeout=TRAINING_TIMEOUT_MS)
+    chart = page.locator("#loss-chart")
+    expect(chart).not_to_have_attribute("data-points", "0", timeout=60_000)  # drawn live from the first step
+    drawn = int(chart.get_attribute("data-points"))
+    page.wait_for_function(f"Number(document.querySelector('#loss-chart').dataset.points) > {drawn}")
+    expect(page.locator('#peaks tr[data-rank="2"] td[data-bytes]')).not_to_have_text("—")
+    ui.screenshot(page, "job-running")
+
+    messages: list[str] = []
+    page.once("dialog", lambda dialog: (messages.append(dialog.message), dialog.dismiss()))
+    page.get_by_role("button", name="Cancel job").click()
+    assert messages and f"#{job_id}" in messages[0], messages
+    expect(page.locator("#cancel-note")).to_have_text("")
+    assert server.job(job_id)["status"] == "running"  # dismissed: nothing was sent
+
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.get_by_role("button", name="Cancel job").click()
+    expect(page.locator("#cancel-note")).to_contain_text("Cancel requested")
+    expect(_status(page.locator("#job"))).to_have_text("cancelled", timeout=60_000)
+    expect(page.locator("#cancel")).to_be_hidden()
+    expect(page.locator("#events li").last).to_contain_text("cancelled")
+    assert server.job(job_id)["status"] == "cancelled"
+    ui.screenshot(page, "job-cancelled")
+
+
+def _open_first_job_with_the_keyboard(page: Page, job_id: int) -> None:
+    """Tab from the top of the page to the newest job's link (focus visibly drawn), and press Enter."""
+    for _ in range(20):
+        page.keyboard.press("Tab")
+        if page.evaluate("document.activeElement.closest('tr')?.id ?? null") == f"job-{job_id}":
+            break
+    else:
+        pytest.fail(f"20 presses of Tab never reached job {job_id}'s link")
+    assert page.evaluate("getComputedStyle(document.activeElement).outlineStyle") == "solid"
+    page.keyboard.press("Enter")
+    expect(page).to_have_url(re.compile(rf"/jobs/{job_id}$"))
+
+
+def _check_job_page(ui: Browsing, server: Server, page: Page, job_id: int) -> None:
+    """The curves hold every point the metrics endpoint gives; the memory panel is the API's plan."""
+    job = server.job(job_id)
+    expect(_status(page.locator("#job"))).to_have_text("succeeded")
+    expect(page.locator("#cancel")).to_be_hidden()
+
+    metrics = server.api.get(f"/v1/jobs/{job_id}/metrics", params={"max_points": 200}).json()["data"]
+    assert len(metrics) >= 150  # 300 steps thinned to every 2nd, and the last
+    for chart in ("#loss-chart", "#step-time-chart"):
+        svg = page.locator(chart)
+        assert int(svg.get_attribute("data-points")) == len(metrics)
+        assert len(re.findall(r"[ML]", svg.locator("path.line").get_attribute("d"))) == len(metrics)
+    expect(page.locator("#loss-chart .x-max")).to_have_text("step 299")
+
+    plan = job["plan"]
+    for part in PARTS:
+        cell = page.locator(f'#breakdown tr[data-part="{part}"] td[data-bytes]')
+        assert int(cell.get_attribute("data-bytes")) == plan["per_gpu"][f"{part}_bytes"], part
+        expect(cell).to_have_text(f"{plan['per_gpu'][f'{part}_bytes']:,}")
+    memory = page.locator('#breakdown tr[data-part="gpu_memory"] td[data-bytes]')
+    assert int(memory.get_attribute("data-bytes")) == plan["gpu_memory_bytes"]
+    for rank, peak in enumerate(job["latest"]["mem_peak_bytes"]):
+        expect(page.locator(f'#peaks tr[data-rank="{rank}"] td[data-bytes]')).to_have_text(f"{peak:,}")
+
+    events = page.locator("#events li")
+    expect(events).to_have_count(4)
+    expect(events.last).to_contain_text("succeeded")
+    expect(page.locator("#spec")).to_contain_text('"name": "tiny-gpt"')
+    ui.screenshot(page, "job-succeeded")
+
+
+# --------------------------------------------------------------------------- the planner
+
+
+def _check_plan_shown(page: Page, plan: dict) -> None:
+    for part in PARTS:
+        cell = page.locator(f'#plan-breakdown tr[data-part="{part}"] td[data-bytes]')
+        expect(cell).to_have_attribute("data-bytes", str(plan["per_gpu"][f"{part}_bytes"]))
+    for stage, total in plan["stages"].items():
+        expect(page.locator(f'#plan-stages tr[data-stage="{stage}"] td[data-bytes]')).to_have_attribute(
+            "data-bytes", str(total)
+        )
+    bars = page.locator("#sweep-chart g.bar")
+    expect(bars).to_have_count(len(plan["sweep"]))
+    for point in plan["sweep"]:
+        row = page.locator(f'#plan-sweep tr[data-num-gpus="{point["num_gpus"]}"]')
+        expect(row.locator("td[data-bytes]")).to_have_attribute("data-bytes", str(point["total_bytes"]))
+        bar = page.locator(f'#sweep-chart g.bar[data-num-gpus="{point["num_gpus"]}"]')
+        expect(bar).to_have_class(re.compile("fits" if point["fits"] else "over"))
+
+
+def test_the_planner_form_shows_the_breakdown_and_the_sweep(ui, server):
+    page = ui.open("/plan")
+    page.evaluate("window.zero1FirstLoad = true")
+    page.get_by_label("Parameters (Ψ)", exact=True).fill("7.5e9")
+    page.get_by_label("GPUs (N)").fill("8")
+    page.get_by_label("GPU memory (GB)").fill("80")
+    page.get_by_label("Precision").select_option("fp16")
+    page.get_by_label("ZeRO stage").select_option("1")
+    page.get_by_role("button", name="Plan").click()
+    expect(page).to_have_url(re.compile(r"/plan\?.*num_gpus=8"))
+    plan = server.api.post("/v1/plan", json={"num_params": 7_500_000_000, "num_gpus": 8, "gpu_memory_gb": 80}).json()
+    _check_plan_shown(page, plan)
+    expect(page.locator("#verdict")).to_contain_text("Smallest N that fits: 2")
+    expect(page.locator("#sweep-chart .floor-label")).to_have_text("floor 30.00 GB")  # 4Ψ, Ψ = 7.5e9
+    heights = [float(h) for h in page.locator("#sweep-chart g.bar rect").evaluate_all(
+        "rects => rects.map(r => r.getAttribute('height'))")]  # fmt: skip
+    assert heights == sorted(heights, reverse=True) and heights[0] > 3 * heights[-1]  # 12Ψ/N melts away
+    ui.screenshot(page, "planner-params")
+
+    page.get_by_label("GPT spec").check()
+    expect(page.get_by_label("Parameters (Ψ)", exact=True)).to_be_hidden()
+    for label, value in (("Vocabulary", "50257"), ("Layers", "48"), ("Heads", "25"), ("Width (n_embd)", "1600"),
+                         ("Context (block_size)", "1024"), ("Micro-batch", "1")):  # fmt: skip
+        page.get_by_label(label).fill(value)
+    page.get_by_label("activation checkpointing").check()
+    page.get_by_role("button", name="Plan").click()
+    gpt2_xl = {"kind": "gpt", "vocab_size": 50257, "n_layer": 48, "n_head": 25, "n_embd": 1600, "block_size": 1024}
+    body = {"model": gpt2_xl, "num_gpus": 8, "gpu_memory_gb": 80, "micro_batch_size": 1,
+            "activation_checkpointing": True}  # fmt: skip
+    plan = server.api.post("/v1/plan", json=body).json()
+    expect(page.locator("[data-field='num_params']")).to_have_text(f"{plan['num_params']:,}")
+    _check_plan_shown(page, plan)
+    expect(page).to_have_url(re.compile(r"source=gpt"))
+    assert page.evaluate("window.zero1FirstLoad") is True, "the page reloaded"
+    ui.screenshot(page, "planner-gpt")
+    ui.assert_no_console_errors()
+
+
+# --------------------------------------------------------------------------- filter, no JavaScript, phone, weight
+
+
+def test_the_status_filter_updates_the_table_in_place(ui, server):
+    page = ui.open("/")
+    page.evaluate("window.zero1FirstLoad = true")
+    page.get_by_label("Status").select_option("failed")
+    expect(page).to_have_url(re.compile(r"/\?status=failed$"))
+    failed = server.api.get("/v1/jobs", params={"status": "failed", "limit": 100}).json()["data"]
+    rows = page.locator("#jobs tbody tr")
+    expect(rows).to_have_count(len(failed))
+    assert set(rows.evaluate_all("rows => rows.map(r => r.dataset.status)")) == {"failed"}
+    page.get_by_label("Status").select_option("")
+    expect(rows).to_have_count(TABLE_LIMIT)
+    expect(page.locator(f"#job-{SEEDED_JOBS} .job-name")).to_have_text(HTML_NAME)  # a row the script drew
+    assert page.evaluate("window.zero1FirstLoad") is True, "the page reloaded"
+    ui.assert_no_console_errors()
+
+
+def test_without_javascript_every_page_reads_from_the_first_paint(ui, server):
+    page = ui.open("/", javascript=False)
+    rows = page.locator("#jobs tbody tr")
+    expect(rows).to_have_count(TABLE_LIMIT)
+    expect(page.locator("#cluster")).to_contain_text("80.00 GB per GPU, simulated")
+    expect(page.locator(f"#job-{SEEDED_JOBS} .job-name")).to_have_text(HTML_NAME)  # escaped by the server
+    page.get_by_label("Status").select_option("cancelled")
+    page.get_by_role("button", name="Filter").click()  # a plain GET form
+    expect(page).to_have_url(re.compile(r"/\?status=cancelled$"))
+    assert set(rows.evaluate_all("rows => rows.map(r => r.dataset.status)")) == {"cancelled"}
+    ui.screenshot(page, "nojs-dashboard")
+
+    succeeded = server.api.get("/v1/jobs", params={"status": "succeeded", "limit": 1}).json()["data"][0]
+    page = ui.open(f"/jobs/{succeeded['id']}", javascript=False)
+    metrics = server.api.get(f"/v1/jobs/{succeeded['id']}/metrics", params={"max_points": 200}).json()["data"]
+    assert int(page.locator("#loss-chart").get_attribute("data-points")) == len(metrics) > 0
+    assert page.locator("#loss-chart path.line").get_attribute("d").startswith("M")
+    for part in PARTS:
+        cell = page.locator(f'#breakdown tr[data-part="{part}"] td[data-bytes]')
+        assert int(cell.get_attribute("data-bytes")) == succeeded["plan"]["per_gpu"][f"{part}_bytes"]
+    expect(page.locator("#cancel")).to_be_hidden()
+    ui.screenshot(page, "nojs-job")
+
+    page = ui.open("/plan?source=params&num_params=7.5e9&num_gpus=64&gpu_memory_gb=80&stage=1", javascript=False)
+    total = page.locator('#plan-breakdown tr[data-part="total"] td[data-bytes]')
+    expect(total).to_have_attribute("data-bytes", "31406250000")  # the seed's 31.40625 GB
+    expect(page.get_by_label("Layers")).to_be_visible()  # both sources show; the radio picks one
+    ui.screenshot(page, "nojs-planner")
+    ui.assert_no_console_errors()
+
+    invalid = server.api.get("/plan", params={"num_params": "lots", "num_gpus": "0"})
+    assert invalid.status_code == 422 and "num_gpus: Input should be greater than or equal to 1" in invalid.text
+    assert server.api.get("/jobs/999999").status_code == 404
+
+
+def test_readable_at_phone_width_without_horizontal_scrolling(ui, server):
+    succeeded = server.api.get("/v1/jobs", params={"status": "succeeded", "limit": 1}).json()["data"][0]
+    for path, name in (("/", "phone-dashboard"), (f"/jobs/{succeeded['id']}", "phone-job"), ("/plan", "phone-planner")):
+        page = ui.open(path, width=375, height=740)
+        page.wait_for_load_state("load")
+        assert _no_horizontal_scroll(page), f"{path} scrolls sideways at 375 px"
+        ui.screenshot(page, name)
+    page = ui.open("/", width=375, height=740)
+    first = page.locator("#jobs tbody tr").first
+    assert first.bounding_box()["width"] <= 375  # each job is a card of its own
+    page.keyboard.press("Tab")
+    skip = page.get_by_role("link", name="Skip to content")
+    expect(skip).to_be_focused()
+    assert skip.bounding_box()["y"] >= 0  # the skip link shows itself when focused
+    ui.assert_no_console_errors()
+
+
+def test_first_paint_of_the_dashboard_is_under_200_kb_with_100_jobs(ui, server, report):
+    assert len(server.api.get("/v1/jobs", params={"limit": 500}).json()["data"]) >= SEEDED_JOBS
+    page = ui.new_page()
+    finished = []
+    page.on("requestfinished", lambda request: finished.append(request))
+    page.goto("/", wait_until="load")
+    expect(page.locator("#jobs tbody tr")).to_have_count(TABLE_LIMIT)
+    first_paint = [r for r in finished if r.resource_type in ("document", "stylesheet", "script", "image", "font")]
+    assert {r.resource_type for r in first_paint} >= {"document", "stylesheet", "script"}
+    sizes = {r.url.removeprefix(server.base): r.sizes() for r in first_paint}
+    total = sum(s["responseBodySize"] + s["responseHeadersSize"] for s in sizes.values())
+    detail = ", ".join(f"{url} {s['responseBodySize'] + s['responseHeadersSize']:,} B" for url, s in sizes.items())
+    report.lines.append(f"first paint of / with {SEEDED_JOBS}+ jobs: {total:,} bytes ({detail})")
+    assert total < FIRST_PAINT_LIMIT_BYTES, detail
+    ui.assert_no_console_errors()
+
+
+# --------------------------------------------------------------------------- the pieces, without a browser
+
+
+@pytest.mark.parametrize(
+    ("num_bytes", "text"),
+    [(None, "—"), (0, "0 B"), (999, "999 B"), (1_538_048, "1.54 MB"), (31_406_250_000, "31.41 GB"),
+     (-1_500_000_000, "-1.50 GB"), (2 * 10**12, "2.00 TB")],
+)  # fmt: skip
+def test_bytes_read_in_decimal_units_as_the_planner_counts_them(num_bytes, text):
+    assert human_bytes(num_bytes) == text
+
+
+def test_durations_and_significant_digits():
+    assert [duration(s) for s in (None, -3, 7.9, 125, 3723)] == ["—", "0s", "7s", "2m 05s", "1h 02m 03s"]
+    assert [significant(v) for v in (None, 4.15923, 1.5, 0.000012345)] == ["—", "4.159", "1.5", "1.234e-05"]
+
+
+def test_the_sweep_melts_toward_the_4_psi_floor_at_stage_1():
+    from service.planning import make_plan, plan_public
+    from service.schemas import PlanRequest
+
+    cluster = ClusterCapacity(num_gpus=64, num_gpus_free=64, gpu_memory_bytes=80 * GB, simulated=True)
+
+    def plan_at(stage: int) -> dict:
+        request = PlanRequest(num_params=7_500_000_000, num_gpus=64, stage=stage)
+        return plan_public(make_plan(request, cluster=cluster, overhead_bytes=0)).model_dump()
+
+    plan = plan_at(1)
+    assert charts.floor_bytes(plan["per_gpu"], stage=1) == 30 * GB  # 4Ψ
+    assert charts.floor_bytes(plan_at(0)["per_gpu"], stage=0) == 120 * GB  # plain DDP shards nothing: 16Ψ
+    assert charts.floor_bytes(plan_at(3)["per_gpu"], stage=3) == 0
+    chart = charts.sweep_chart(plan["sweep"], gpu_memory_bytes=80 * GB, floor_bytes=30 * GB)
+    heights = [bar.height for bar in chart.bars]
+    assert heights == sorted(heights, reverse=True) and [bar.fits for bar in chart.bars][:2] == [False, True]
+    assert chart.bars[-1].y < chart.floor_y + 1 and chart.memory_y is not None
+
+
+def test_a_line_chart_breaks_where_a_value_is_missing():
+    chart = charts.line_chart([(0, 4.0), (1, None), (2, 2.0), (3, 1.0)])
+    assert chart.num_points == 3 and chart.path.count("M") == 2 and chart.path.count("L") == 1
+    assert chart.first == (0, 4.0) and chart.last == (3, 1.0)
+    assert charts.line_chart([(0, None)]).path == ""
+    flat = charts.line_chart([(5, 1.0)])  # one point sits mid-chart instead of dividing by zero
+    assert flat.path == f"M{charts.LEFT + charts.PLOT_W / 2:.1f},{charts.TOP + charts.PLOT_H / 2:.1f}"
+
+
+def test_the_table_puts_running_jobs_first_then_the_queue_in_order_then_the_newest():
+    from types import SimpleNamespace
+
+    jobs = [SimpleNamespace(id=i, status=status, queue_position=position) for i, status, position in (
+        (1, "succeeded", None), (2, "queued", 2), (3, "running", None), (4, "queued", 1), (5, "failed", None),
+        (6, "starting", None), (7, "restarting", None))]  # fmt: skip
+    assert [job.id for job in sorted(jobs, key=table_order)] == [7, 3, 6, 4, 2, 5, 1]
