@@ -307,7 +307,7 @@ class DDPAdamW(Trainer):
 
 
 class DDPZeroRedundancy(Trainer):
-    key, label = "b", "(b)  DDP + ZeroRedundancyOptimizer"
+    key, label = "b", "(b)  DDP + ZeroRedundancyOptimizer(AdamW fused)"
 
     def __init__(self, model: nn.Module, *, precision: str) -> None:
         super().__init__(model, precision=precision)
@@ -360,7 +360,7 @@ class ZeRO1(Trainer):
             reduce_op=reduce_op, gather_op=gather_op, record_phase_times=True,
         )  # fmt: skip
         self.key = key
-        self.label = f"({key}) ZeRO1AdamW {self.opt.reduce_op} / {self.opt.gather_op}"
+        self.label = f"{'(' + key + ')':<5}ZeRO1AdamW {self.opt.reduce_op} / {self.opt.gather_op}"
         self.padded_numel = memory.shard_numel(memory.Workload.from_model(spec), num_gpus=WORLD_SIZE) * WORLD_SIZE
         self.num_tensors = len(list(model.parameters()))
 
@@ -483,18 +483,22 @@ def _ratio(x: float, ref: float) -> str:
 
 
 def print_phases(rows: list[dict], *, tokens_per_step: int) -> None:
-    header = (f"{'config':<44}{'fwd+bwd':>9}{'grad comm':>11}{'update':>9}{'gather':>9}"
+    header = (f"{'config':<50}{'fwd+bwd':>9}{'grad comm':>11}{'update':>9}{'gather':>9}"
               f"{'step':>9}{'tokens/s':>10}{'last loss':>11}")  # fmt: skip
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{r['label']:<44}{_ms(r['fwd_bwd']):>9}{_ms(r['comm']):>11}{_ms(r['update']):>9}"
+        print(f"{r['label']:<50}{_ms(r['fwd_bwd']):>9}{_ms(r['comm']):>11}{_ms(r['update']):>9}"
               f"{_ms(r['gather']):>9}{_ms(r['step']):>9}{tokens_per_step / r['step']:>10,.0f}{r['loss']:>11.4f}")  # fmt: skip
+    fwd_bwd = [r["fwd_bwd"] for r in rows]
+    same_loss = len({r["loss"] for r in rows}) == 1
+    print(f"fwd+bwd is the same work in every config: its spread, max/min = {max(fwd_bwd) / min(fwd_bwd):.2f}x, "
+          f"is this run's timing noise. Last losses {'identical' if same_loss else 'DIFFER'} across configs.")  # fmt: skip
 
 
 def print_bytes(rows: list[dict]) -> None:
     a, b = rows[0], rows[1]
-    header = (f"{'config':<44}{'opt state':>10}{'model state':>12}{'comm/step':>10}"
+    header = (f"{'config':<50}{'opt state':>10}{'model state':>12}{'comm/step':>10}"
               f"{'| vs (a): update':>17}{'step':>7}{'opt':>7}{'model':>7}"
               f"{'| vs (b): update':>17}{'step':>7}{'opt':>7}{'model':>7}")  # fmt: skip
     print(header)
@@ -503,7 +507,7 @@ def print_bytes(rows: list[dict]) -> None:
         vs = lambda ref: "".join(  # noqa: E731
             f"{_ratio(r[k], ref[k]):>7}" for k in ("step", "optimizer_bytes", "model_bytes")
         )
-        print(f"{r['label']:<44}{r['optimizer_bytes'] / MB:>8.1f}MB{r['model_bytes'] / MB:>10.1f}MB"
+        print(f"{r['label']:<50}{r['optimizer_bytes'] / MB:>8.1f}MB{r['model_bytes'] / MB:>10.1f}MB"
               f"{r['comm_bytes'] / MB:>8.1f}MB{'| ':>10}{_ratio(r['update'], a['update']):>7}{vs(a)}"
               f"{'| ':>10}{_ratio(r['update'], b['update']):>7}{vs(b)}")  # fmt: skip
 
@@ -587,6 +591,8 @@ NOTES = """notes:
   update     (a)/(b) bf16: upcast the (owned) grads to fp32, fused AdamW, cast the masters back to bf16.
              (b): ZeroRedundancyOptimizer's inner local AdamW step, timed separately; gather = its
              step() minus that (the per-rank broadcasts). ZeRO1AdamW: its "update" phase (with the cast).
+  last loss  mean over ranks after the last step: the configs train the same model on the same data,
+             so it agrees to every digit when their arithmetic does.
   step       the real step: DDP fwd+bwd with its communication + update + gather (barriers between).
   opt state  torch optimizers: every tensor in optimizer.state (moments, step counters) + the fp32 master
              copy; ZeRO1AdamW: sum(memory_bytes()), padding included. Max over ranks.
