@@ -1,6 +1,6 @@
 """Optimizer speed and memory: ZeRO1AdamW beside DDP + AdamW and DDP + ZeroRedundancyOptimizer.
 
-    .venv/bin/python benchmarks/optimizer.py            # about 3 minutes on 2 CPU cores
+    .venv/bin/python benchmarks/optimizer.py     # 1.5 minutes on 2 idle CPU cores; more when shared
 
 Two ranks on gloo (spawned processes, one CPU thread each) train the same
 GPT-2-style decoder on the same random tokens, in bf16 mixed precision and in
@@ -375,6 +375,9 @@ class ZeRO1(Trainer):
     def optimizer_state_bytes(self) -> int:
         return sum(self.opt.memory_bytes().values())
 
+    def model_state_bytes(self) -> int:
+        return self.opt.model_state_bytes()  # its flat param and grad buffers (padded) + its state shard
+
     def comm_bytes(self) -> float:
         beat = {"all_reduce": all_reduce_bytes, "reduce_scatter": shard_collective_bytes, "all_gather": shard_collective_bytes}
         # plus the norm's all-reduce of [Σg², one flag per tensor] in fp32
@@ -596,8 +599,9 @@ NOTES = """notes:
   step       the real step: DDP fwd+bwd with its communication + update + gather (barriers between).
   opt state  torch optimizers: every tensor in optimizer.state (moments, step counters) + the fp32 master
              copy; ZeRO1AdamW: sum(memory_bytes()), padding included. Max over ranks.
-  model      params + grads + opt state, by tensor sizes; fp32 grads upcast for the update are transient
-             and not counted, so (a) bf16 is 16 B/param: params 2 + grads 2 + master 4 + exp_avg 4 + exp_avg_sq 4.
+  model      params + grads + opt state, by tensor sizes (ZeRO1AdamW: its model_state_bytes(), the padded
+             flat buffers + its state shard); fp32 grads upcast for the update are transient and not
+             counted, so (a) bf16 is 16 B/param: params 2 + grads 2 + master 4 + exp_avg 4 + exp_avg_sq 4.
   planned    the memory model counts no AdamW step counters: (a)'s fused AdamW keeps one 4-byte tensor
              per parameter tensor, its whole difference from stage 0.
   bf16 fwd   with --bf16-compute fp32 (default) each layer upcasts its bf16 weights to fp32 activations:
