@@ -28,6 +28,8 @@ test: install
 
 bench: install
 	$(BIN)/python benchmarks/planner.py
+	$(BIN)/python benchmarks/optimizer.py
+	$(BIN)/python benchmarks/control_plane.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

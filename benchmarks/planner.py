@@ -1,6 +1,6 @@
 """Planner speed: a plan with its sweep, in-process and through the HTTP API.
 
-    make bench            # or: .venv/bin/python benchmarks/planner.py
+    .venv/bin/python benchmarks/planner.py        (make bench runs every benchmark)
 
 Prints one table: per-plan latency (p50, p99) and throughput for the memory
 model alone, the API's request path in-process (validation, plan, JSON), and
@@ -11,10 +11,13 @@ sequential requests). The target is a plan with sweep in under 1 ms in-process.
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -63,12 +66,15 @@ def _free_port() -> int:
 def _http_rows(*, repeat: int) -> list[tuple[str, str, list[float]]]:
     port = _free_port()
     zero1 = str(Path(sys.executable).with_name("zero1"))
+    scratch = tempfile.mkdtemp(prefix="zero1-bench-")
+    env = {**os.environ, "ZERO1_DATABASE_URL": f"sqlite:///{scratch}/zero1.db",
+           "ZERO1_CHECKPOINT_URI": f"{scratch}/checkpoints", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # fmt: skip
     server = subprocess.Popen(
-        [zero1, "serve", "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        [zero1, "serve", "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + 120  # the service starts its embedded Ray first
             while True:
                 try:
                     client.get("/healthz")
@@ -86,7 +92,8 @@ def _http_rows(*, repeat: int) -> list[tuple[str, str, list[float]]]:
             return rows
     finally:
         server.terminate()
-        server.wait(timeout=30)
+        server.wait(timeout=60)
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _fmt_s(seconds: float) -> str:

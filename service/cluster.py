@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from dataclasses import dataclass
 
 from service.config import Settings
@@ -13,6 +14,7 @@ from workers.memory import gpu_memory_bytes_from_gb
 
 log = logging.getLogger(__name__)
 
+CAPACITY_TTL_S = 0.5
 _PROBED: dict[str, int | None] = {}  # GCS address -> GPU memory bytes (None: logical GPUs)
 
 
@@ -45,6 +47,9 @@ class RayCluster:
         self.owned = False
         self.simulated = True
         self._gpu_memory_bytes: int | None = None
+        self._lock = threading.Lock()
+        self._capacity: ClusterCapacity | None = None
+        self._capacity_at = 0.0
 
     def connect(self) -> None:
         """Connect to Ray (starting it if embedded); the process keeps its own SIGTERM/SIGINT
@@ -100,6 +105,15 @@ class RayCluster:
         self._gpu_memory_bytes = gpu_memory_bytes_from_gb(self.settings.simulated_gpu_memory_gb)
 
     def capacity(self) -> ClusterCapacity:
+        """GPUs, free GPUs and nodes from Ray's GCS: three round trips, so read at most
+        once per CAPACITY_TTL_S however many requests ask."""
+        with self._lock:
+            now = time.monotonic()
+            if self._capacity is None or now - self._capacity_at > CAPACITY_TTL_S:
+                self._capacity, self._capacity_at = self._read_capacity(), now
+            return self._capacity
+
+    def _read_capacity(self) -> ClusterCapacity:
         import ray
 
         total, available = ray.cluster_resources(), ray.available_resources()
