@@ -33,12 +33,12 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from workers import memory
+from workers.models import build_model as build_gpt
 from workers.optim import ZeRO1AdamW, decay_param_groups, default_collectives
 
 WORLD_SIZE = 2
@@ -54,101 +54,10 @@ MB = 1e6
 # --------------------------------------------------------------------------- the model
 
 
-class Linear(nn.Linear):
-    """nn.Linear that computes in its input's dtype (a no-op cast when they agree)."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight.to(x.dtype), self.bias.to(x.dtype))
-
-
-class LayerNorm(nn.LayerNorm):
-    """nn.LayerNorm that computes in its input's dtype."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.layer_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.bias.to(x.dtype), self.eps)
-
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, spec: memory.GPTSpec) -> None:
-        super().__init__()
-        self.n_head = spec.n_head
-        self.c_attn = Linear(spec.n_embd, 3 * spec.n_embd)
-        self.c_proj = Linear(spec.n_embd, spec.n_embd)
-
-    def forward(self, x: Tensor) -> Tensor:
-        b, t, c = x.shape
-        # (B, T, 3C) -> three (B, heads, T, C/heads)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in self.c_attn(x).split(c, 2))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.c_proj(y.transpose(1, 2).reshape(b, t, c))
-
-
-class MLP(nn.Module):
-    def __init__(self, spec: memory.GPTSpec) -> None:
-        super().__init__()
-        self.c_fc = Linear(spec.n_embd, 4 * spec.n_embd)
-        self.c_proj = Linear(4 * spec.n_embd, spec.n_embd)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
-
-
-class Block(nn.Module):
-    def __init__(self, spec: memory.GPTSpec) -> None:
-        super().__init__()
-        self.ln_1, self.attn = LayerNorm(spec.n_embd), CausalSelfAttention(spec)
-        self.ln_2, self.mlp = LayerNorm(spec.n_embd), MLP(spec)
-
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
-
-
-class GPT(nn.Module):
-    """GPT-2-style decoder with GPTSpec's parameter names; the LM head is the token embedding.
-
-    `compute_dtype` sets the activations' dtype; None computes in the parameters' dtype.
-    """
-
-    def __init__(self, spec: memory.GPTSpec, *, compute_dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        self.compute_dtype = compute_dtype
-        self.transformer = nn.ModuleDict(
-            dict(
-                wte=nn.Embedding(spec.vocab_size, spec.n_embd),
-                wpe=nn.Embedding(spec.block_size, spec.n_embd),
-                h=nn.ModuleList(Block(spec) for _ in range(spec.n_layer)),
-                ln_f=LayerNorm(spec.n_embd),
-            )
-        )
-        self.apply(_init_weights)
-
-    def forward(self, idx: Tensor, targets: Tensor) -> Tensor:
-        wte, wpe = self.transformer.wte, self.transformer.wpe
-        x = wte(idx) + wpe(torch.arange(idx.shape[1], device=idx.device))
-        x = x.to(self.compute_dtype or x.dtype)
-        for block in self.transformer.h:
-            x = block(x)
-        logits = F.linear(self.transformer.ln_f(x), wte.weight.to(x.dtype))  # tied LM head
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-
-
-def _init_weights(module: nn.Module) -> None:
-    # GPT-2's init; PyTorch's default would start the loss far from ln(vocab)
-    if isinstance(module, (nn.Linear, nn.Embedding)):
-        nn.init.normal_(module.weight, std=0.02)
-    if isinstance(module, nn.Linear):
-        nn.init.zeros_(module.bias)
-
-
-def build_model(spec: memory.GPTSpec, *, precision: str, args: argparse.Namespace) -> GPT:
-    """The same initial weights on every rank and for every config."""
-    torch.manual_seed(args.seed)
+def build_model(spec: memory.GPTSpec, *, precision: str, args: argparse.Namespace) -> nn.Module:
+    """workers.models' GPT, the same initial weights on every rank and for every config."""
     compute = torch.float32 if precision == "bf16" and args.bf16_compute == "fp32" else None
-    model = GPT(spec, compute_dtype=compute).to(DTYPES[precision])
-    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    assert shapes == spec.parameter_shapes(), "benchmark GPT drifted from GPTSpec.parameter_shapes()"
-    return model
+    return build_gpt(spec, dtype=DTYPES[precision], seed=args.seed, compute_dtype=compute)
 
 
 def batch(step: int, *, rank: int, args: argparse.Namespace) -> tuple[Tensor, Tensor]:

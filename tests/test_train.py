@@ -160,3 +160,14 @@ def test_an_incomplete_checkpoint_is_ignored(tmp_path):
     (tmp_path / "step-000000003" / "complete.json").unlink()  # as if rank 0 died before marking it
     assert latest_checkpoint(tmp_path) == (1, 1)
     assert train(cfg).first_step == 2
+
+
+def test_a_16_bit_gpt_can_compute_in_fp32():
+    """compute_dtype: bf16 parameters and gradients, fp32 activations (CPUs without bf16 matmuls)."""
+    idx = torch.randint(0, SMALL.vocab_size, (2, SMALL.block_size), generator=torch.Generator().manual_seed(0))
+    mixed = build_model(SMALL, dtype=torch.bfloat16, compute_dtype=torch.float32)
+    upcast = build_model(SMALL, dtype=torch.bfloat16).float()  # the same bf16 weights, held in fp32
+    loss = mixed(idx, idx)
+    loss.backward()
+    torch.testing.assert_close(loss, upcast(idx, idx))
+    assert all(p.dtype == p.grad.dtype == torch.bfloat16 for p in mixed.parameters())

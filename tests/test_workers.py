@@ -10,7 +10,7 @@ import ray
 import torch
 
 from workers.actors import JobSupervisor, Placement, PlacementError
-from workers.data import Batches, SyntheticSpec
+from workers.data import Batches
 from workers.memory import GPTSpec
 from workers.train import OptimizerSpec, TrainConfig, latest_checkpoint, train
 

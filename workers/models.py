@@ -16,12 +16,31 @@ from torch.utils.checkpoint import checkpoint
 from workers.memory import GPTSpec, MLPSpec
 
 
+class Linear(nn.Linear):
+    """nn.Linear in its input's dtype: itself when they agree; with GPT's compute_dtype, a 16-bit
+    layer upcasts its weights and computes in fp32 (CPUs without bf16 matmul units run bf16 ~30x slower)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dtype == self.weight.dtype:
+            return super().forward(x)
+        return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm in its input's dtype, as Linear."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dtype == self.weight.dtype:
+            return super().forward(x)
+        return F.layer_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.bias.to(x.dtype), self.eps)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, spec: GPTSpec) -> None:
         super().__init__()
         self.n_head = spec.n_head
-        self.c_attn = nn.Linear(spec.n_embd, 3 * spec.n_embd)
-        self.c_proj = nn.Linear(spec.n_embd, spec.n_embd)
+        self.c_attn = Linear(spec.n_embd, 3 * spec.n_embd)
+        self.c_proj = Linear(spec.n_embd, spec.n_embd)
 
     def forward(self, x: Tensor) -> Tensor:
         b, t, c = x.shape
@@ -34,8 +53,8 @@ class CausalSelfAttention(nn.Module):
 class MLPBlock(nn.Module):
     def __init__(self, spec: GPTSpec) -> None:
         super().__init__()
-        self.c_fc = nn.Linear(spec.n_embd, 4 * spec.n_embd)
-        self.c_proj = nn.Linear(4 * spec.n_embd, spec.n_embd)
+        self.c_fc = Linear(spec.n_embd, 4 * spec.n_embd)
+        self.c_proj = Linear(4 * spec.n_embd, spec.n_embd)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.c_proj(F.gelu(self.c_fc(x)))
@@ -44,9 +63,9 @@ class MLPBlock(nn.Module):
 class Block(nn.Module):
     def __init__(self, spec: GPTSpec) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(spec.n_embd)
+        self.ln_1 = LayerNorm(spec.n_embd)
         self.attn = CausalSelfAttention(spec)
-        self.ln_2 = nn.LayerNorm(spec.n_embd)
+        self.ln_2 = LayerNorm(spec.n_embd)
         self.mlp = MLPBlock(spec)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -57,19 +76,23 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """GPT-2: learned positions, pre-LayerNorm blocks, LM head tied to the token embedding."""
 
-    def __init__(self, spec: GPTSpec, *, activation_checkpointing: bool = False) -> None:
+    def __init__(
+        self, spec: GPTSpec, *, activation_checkpointing: bool = False, compute_dtype: torch.dtype | None = None
+    ) -> None:
         super().__init__()
         self.spec = spec
         self.activation_checkpointing = activation_checkpointing
+        self.compute_dtype = compute_dtype
+        """Dtype of the activations; None: the parameters'."""
         self.transformer = nn.ModuleDict(
             {
                 "wte": nn.Embedding(spec.vocab_size, spec.n_embd),
                 "wpe": nn.Embedding(spec.block_size, spec.n_embd),
                 "h": nn.ModuleList(Block(spec) for _ in range(spec.n_layer)),
-                "ln_f": nn.LayerNorm(spec.n_embd),
+                "ln_f": LayerNorm(spec.n_embd),
             }
         )
-        self.lm_head = nn.Linear(spec.n_embd, spec.vocab_size, bias=False)
+        self.lm_head = Linear(spec.n_embd, spec.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight
         self.apply(self._init_weights)
         for name, param in self.named_parameters():
@@ -92,6 +115,8 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length ({t}) exceeds block_size ({self.spec.block_size})")
         pos = torch.arange(t, device=idx.device)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        if self.compute_dtype is not None:
+            x = x.to(self.compute_dtype)
         for block in self.transformer.h:
             # reentrant: the block's input is kept through save_for_backward, where
             # ActivationMeter's hooks see it (and the recompute happens inside backward)
@@ -119,13 +144,14 @@ class MLP(nn.Module):
 
 def build_model(
     spec: GPTSpec | MLPSpec, *, dtype: torch.dtype, device: torch.device | str = "cpu",
-    activation_checkpointing: bool = False, seed: int = 0,
+    activation_checkpointing: bool = False, seed: int = 0, compute_dtype: torch.dtype | None = None,
 ) -> nn.Module:  # fmt: skip
-    """The model of a spec, initialised from `seed` (the same on every rank), in `dtype` on `device`."""
+    """The model of a spec, initialised from `seed` (the same on every rank), in `dtype` on `device`;
+    a GPT computes in `compute_dtype` when given."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if isinstance(spec, GPTSpec):
-            model = GPT(spec, activation_checkpointing=activation_checkpointing)
+            model = GPT(spec, activation_checkpointing=activation_checkpointing, compute_dtype=compute_dtype)
         else:
             model = MLP(spec)
     return model.to(device=device, dtype=dtype)
