@@ -114,9 +114,8 @@ class GPT(nn.Module):
         if t > self.spec.block_size:
             raise ValueError(f"sequence length ({t}) exceeds block_size ({self.spec.block_size})")
         pos = torch.arange(t, device=idx.device)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
-        if self.compute_dtype is not None:
-            x = x.to(self.compute_dtype)
+        dtype = self.compute_dtype or self.transformer.wte.weight.dtype
+        x = self.transformer.wte(idx).to(dtype) + self.transformer.wpe(pos).to(dtype)
         for block in self.transformer.h:
             # reentrant: the block's input is kept through save_for_backward, where
             # ActivationMeter's hooks see it (and the recompute happens inside backward)
