@@ -16,6 +16,9 @@ def _entry(rank: int, world_size: int, backend: str, init_file: str, fn: Callabl
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
+        # gloo aborts a process ("terminate called without an active exception") when a peer
+        # tears its pairs down while this rank's are still in use: leave together
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -107,7 +107,9 @@ class TrainWorker:
         )  # fmt: skip
         sink = _MetricsSink(supervisor, self.rank)
         try:
-            return train(config, rank=self.rank, world_size=self.world_size, on_metrics=sink)
+            result = train(config, rank=self.rank, world_size=self.world_size, on_metrics=sink)
+            dist.barrier()  # leave together: gloo aborts a rank whose peer tears its pairs down first
+            return result
         finally:
             sink.flush()
             dist.destroy_process_group()
