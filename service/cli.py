@@ -174,9 +174,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _client(args: argparse.Namespace):
+    """An HTTP client of the API that sends ZERO1_TOKEN, when set, as its bearer token."""
     import httpx
 
-    return httpx.Client(base_url=args.url, timeout=30)
+    token = os.environ.get("ZERO1_TOKEN", "").strip()
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.Client(base_url=args.url, timeout=30, headers=headers)
 
 
 def _api_error(response) -> int | None:
@@ -298,12 +301,22 @@ def _cmd_db(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from service.auth import check_bind, load_tokens
+
+    settings = get_settings()
+    host = args.host or settings.host
+    try:  # before anything starts: a bad token entry or an open bind is a message, not a traceback
+        tokens = load_tokens(settings)
+        check_bind(host, tokens=tokens)
+    except ValueError as error:
+        print(f"zero1 serve: {error}", file=sys.stderr)
+        return 2
+
     import uvicorn
 
     from service.main import create_app
 
-    settings = get_settings()
-    uvicorn.run(create_app(), host=args.host or settings.host, port=args.port or settings.port)
+    uvicorn.run(create_app(settings, tokens=tokens), host=host, port=args.port or settings.port)
     return 0
 
 

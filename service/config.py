@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from functools import lru_cache
+from typing import Annotated
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
 class Settings(BaseSettings):
@@ -42,6 +44,34 @@ class Settings(BaseSettings):
     """How long a job may wait for its ranks to be placed before it fails."""
     scheduler_interval_s: float = Field(0.2, gt=0, le=60)
     """How often the scheduler admits queued jobs and collects metrics."""
+    api_tokens: SecretStr | None = None
+    """API tokens, comma-separated `user:token` or `user:token:admin` (tokens of 16+
+    characters). Unset, with no token file: auth is off, for loopback use only."""
+    api_tokens_file: str | None = None
+    """File of API tokens, one `user:token[:admin]` a line, `#` comments; adds to
+    ZERO1_API_TOKENS."""
+    public_read: bool = False
+    """With tokens: let anyone read (GET /v1/*, /metrics, the dashboard); submitting
+    and cancelling still need a token."""
+    data_roots: Annotated[list[str], NoDecode] = ["data"]
+    """Directories a `text` job's data.path must resolve into (symlinks followed),
+    comma-separated or a JSON list; relative ones are under the service's working
+    directory."""
+    max_request_bytes: int = Field(1 << 20, ge=1024, le=1 << 30)
+    """Largest request body the API reads, in bytes; larger ones get 413."""
+    max_queued_jobs_per_user: int = Field(1000, ge=1, le=1_000_000)
+    """Queued jobs one user (one token's user; everyone when auth is off) may have;
+    a submit past it gets 429."""
+
+    @field_validator("data_roots", mode="before")
+    @classmethod
+    def _split_roots(cls, value: object) -> object:
+        """'a,b' or '["a", "b"]' -> ["a", "b"] (an environment variable is one string)."""
+        if not isinstance(value, str):
+            return value
+        if value.lstrip().startswith("["):
+            return json.loads(value)
+        return [part.strip() for part in value.split(",") if part.strip()]
 
 
 @lru_cache

@@ -24,9 +24,13 @@ _MAX_ECHO_CHARS = 80
 class ServiceError(Exception):
     """An expected failure with its HTTP status and a machine-readable code."""
 
-    def __init__(self, message: str, *, status_code: int = 400, error: str = "bad_request", **extra: Any):
+    def __init__(
+        self, message: str, *, status_code: int = 400, error: str = "bad_request",
+        headers: dict[str, str] | None = None, **extra: Any,
+    ):  # fmt: skip
         super().__init__(message)
         self.message, self.status_code, self.error, self.extra = message, status_code, error, extra
+        self.headers = headers
 
 
 def _field_path(loc: tuple[Any, ...]) -> str:
@@ -66,11 +70,13 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
 
 
 async def _service_error(_: Request, exc: ServiceError) -> JSONResponse:
-    return JSONResponse({"error": exc.error, "message": exc.message, **exc.extra}, status_code=exc.status_code)
+    return JSONResponse(
+        {"error": exc.error, "message": exc.message, **exc.extra}, status_code=exc.status_code, headers=exc.headers
+    )
 
 
 async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code, "http_error")
     return JSONResponse(
         {"error": code, "message": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers
     )

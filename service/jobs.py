@@ -8,7 +8,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from pathlib import Path
+import os
+from collections.abc import Sequence
 
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
@@ -65,9 +66,31 @@ def admit(spec: JobSpec, *, cluster: ClusterCapacity, overhead_bytes: int) -> Pl
             f"the {plan.gpu_memory_bytes / GB:.2f} GB of each GPU"
             + _what_fits(plan, cluster=cluster, request=request, overhead_bytes=overhead_bytes),
         )
-    if isinstance(spec.data, TextDataSpec) and not Path(spec.data.path).is_file():
-        raise ServiceError(f"data.path: no such file: {spec.data.path}", status_code=422, error="invalid_request")
     return public
+
+
+def check_data(spec: JobSpec, *, data_roots: Sequence[str]) -> JobSpec:
+    """The spec with a text job's data.path made real (symlinks followed), or a 422 if that is outside the roots.
+
+    The workers then read the very file that was checked, whatever their working directory.
+    """
+    if not isinstance(spec.data, TextDataSpec):
+        return spec
+    path = spec.data.path
+    resolved = os.path.realpath(path)
+    roots = [os.path.realpath(root) for root in data_roots]
+    if not any(os.path.commonpath([resolved, root]) == root for root in roots):
+        raise _invalid_data_path(
+            f"data.path: {path!r} is outside the data roots {roots} (ZERO1_DATA_ROOTS; symlinks are followed)"
+        )
+    if not os.path.isfile(resolved):
+        raise _invalid_data_path(f"data.path: no such file: {path!r}")
+    return spec.model_copy(update={"data": TextDataSpec(kind="text", path=resolved)})
+
+
+def _invalid_data_path(message: str) -> ServiceError:
+    detail = [{"field": "data.path", "message": message.removeprefix("data.path: "), "type": "value_error"}]
+    return ServiceError(message, status_code=422, error="invalid_request", detail=detail)
 
 
 def _what_fits(plan: memory.Plan, *, cluster: ClusterCapacity, request, overhead_bytes: int) -> str:
@@ -102,17 +125,21 @@ def request_hash(spec: JobSpec) -> str:
 
 
 def submit_job(
-    session: Session, *, spec: JobSpec, plan: PlanPublic, idempotency_key: str | None
+    session: Session, *, spec: JobSpec, plan: PlanPublic, idempotency_key: str | None,
+    owner: str | None = None, max_queued: int | None = None,
 ) -> tuple[Job, bool]:
-    """Store a queued job; (job, created). A reused Idempotency-Key returns its job or a 409."""
+    """Store a queued job of `owner`; (job, created). A reused Idempotency-Key returns its job or a 409;
+    a 429 if `owner` already has `max_queued` jobs queued."""
     digest = request_hash(spec)
     if idempotency_key is not None:
         existing = session.scalar(select(Job).where(Job.idempotency_key == idempotency_key))
         if existing is not None:
-            return _replay(existing, digest, idempotency_key), False
+            return _replay(existing, digest, idempotency_key, owner=owner), False
+    if max_queued is not None:
+        _check_queue_limit(session, owner=owner, max_queued=max_queued)
     job = Job(
         name=spec.name, status="queued", spec=spec.model_dump(mode="json"), plan=plan.model_dump(mode="json"),
-        num_gpus=spec.num_gpus, steps=spec.steps, idempotency_key=idempotency_key, request_hash=digest,
+        num_gpus=spec.num_gpus, steps=spec.steps, idempotency_key=idempotency_key, request_hash=digest, owner=owner,
     )  # fmt: skip
     try:
         with session.begin_nested():
@@ -120,12 +147,29 @@ def submit_job(
             session.flush()
     except IntegrityError:  # a concurrent request with the same key won the race
         existing = session.scalar(select(Job).where(Job.idempotency_key == idempotency_key))
-        return _replay(existing, digest, idempotency_key), False
+        return _replay(existing, digest, idempotency_key, owner=owner), False
     session.add(JobEvent(job_id=job.id, from_status=None, to_status="queued", reason="submitted"))
     return job, True
 
 
-def _replay(job: Job, digest: str, key: str) -> Job:
+def _check_queue_limit(session: Session, *, owner: str | None, max_queued: int) -> None:
+    """Checked before the insert: concurrent submits of one user may pass the limit by those in flight."""
+    mine = Job.owner.is_(None) if owner is None else Job.owner == owner
+    queued = session.scalar(select(func.count()).where(Job.status == "queued", mine))
+    if queued >= max_queued:
+        who = "the anonymous user (auth is off)" if owner is None else f"user {owner}"
+        raise ServiceError(
+            f"{who} has {queued} queued jobs, the limit is {max_queued} (ZERO1_MAX_QUEUED_JOBS_PER_USER); "
+            "submit again when some have started, or cancel some",
+            status_code=429, error="too_many_queued_jobs", queued=queued, limit=max_queued,
+        )  # fmt: skip
+
+
+def _replay(job: Job, digest: str, key: str, *, owner: str | None) -> Job:
+    if job.owner != owner:  # another user's key: say nothing of their job
+        raise ServiceError(
+            f"Idempotency-Key {key!r} is in use by another user", status_code=409, error="idempotency_conflict"
+        )
     if job.request_hash != digest:
         raise ServiceError(
             f"Idempotency-Key {key!r} was used for job {job.id} with a different body",
@@ -157,7 +201,7 @@ def job_public(job: Job, *, position: int | None) -> JobPublic:
         id=job.id, name=job.name, status=job.status, spec=job.spec, plan=job.plan, num_gpus=job.num_gpus,
         created_at=job.created_at, started_at=job.started_at, finished_at=job.finished_at, step=job.step,
         steps=job.steps, latest=_finite(job.latest), error=job.error, attempt=job.attempt,
-        queue_position=position,
+        queue_position=position, owner=job.owner,
     )  # fmt: skip
 
 

@@ -6,22 +6,33 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from importlib.metadata import version
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from fastapi.staticfiles import StaticFiles
 
 from service import dashboard
 from service.api import root, v1
+from service.api.limits import BodySizeLimit
+from service.auth import Authenticator, TokenTable, load_tokens
 from service.config import Settings, get_settings
+from service.dashboard.login import install_login, require_page_reader
 from service.errors import install_error_handlers
 from service.runtime import Runtime
 
+_PUBLIC_PATHS = ("/healthz",)
 
-def create_app(settings: Settings | None = None) -> FastAPI:
-    """The app; on start-up it migrates the database, connects Ray and starts the scheduler."""
+
+def create_app(settings: Settings | None = None, *, tokens: TokenTable | None = None) -> FastAPI:
+    """The app; on start-up it migrates the database, connects Ray and starts the scheduler.
+
+    `tokens` (parsed from the settings if not given) decide who may read and write; a malformed
+    entry is a ValueError here, before anything starts.
+    """
+    settings = settings or get_settings()
+    tokens = load_tokens(settings) if tokens is None else tokens
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        runtime = Runtime(settings or get_settings())
+        runtime = Runtime(settings)
         runtime.start()
         app.state.runtime = runtime
         try:
@@ -35,9 +46,32 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         description="Training jobs that fit where plain data parallelism cannot: ZeRO Stage 1 on Ray.",
         lifespan=lifespan,
     )
+    app.state.authenticator = Authenticator(tokens, public_read=settings.public_read)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
     install_error_handlers(app)
     app.include_router(root)
     app.include_router(v1)
-    app.include_router(dashboard.router)
+    app.include_router(dashboard.router, dependencies=[Depends(require_page_reader)])
+    install_login(app)
     app.mount("/static", StaticFiles(directory=dashboard.STATIC_DIR), name="static")
+    if tokens.enabled:
+        _document_bearer_auth(app, public_read=settings.public_read)
     return app
+
+
+def _document_bearer_auth(app: FastAPI, *, public_read: bool) -> None:
+    """/openapi.json declares the bearer token (so /docs has an Authorize button) where it is required."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = build()  # FastAPI's own, which it caches in app.openapi_schema
+            schema.setdefault("components", {})["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+            for path, operations in schema["paths"].items():
+                for method, operation in operations.items():
+                    read = method == "get" or path == "/v1/plan"
+                    if path not in _PUBLIC_PATHS and not (public_read and read):
+                        operation["security"] = [{"bearer": []}]
+        return app.openapi_schema
+
+    app.openapi = openapi

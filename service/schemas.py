@@ -256,6 +256,7 @@ class JobPublic(BaseModel):
     error: dict | None
     attempt: int
     queue_position: int | None = Field(description="1 for the next job to start; null unless queued.")
+    owner: str | None = Field(None, description="The user whose token submitted it; null while auth is off.")
 
 
 class JobsPublic(BaseModel):

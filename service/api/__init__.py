@@ -1,14 +1,19 @@
-"""The REST API: one router per resource, mounted under /v1 by service.main."""
+"""The REST API: one router per resource, mounted under /v1 by service.main.
 
-from fastapi import APIRouter
+Every /v1 route and /metrics is a read that needs a token while auth is on (unless
+ZERO1_PUBLIC_READ); the routes that change something ask for a writer too. /healthz stays open.
+"""
 
+from fastapi import APIRouter, Depends
+
+from service.api.deps import require_reader
 from service.api.routes import cluster, health, jobs, plan, prometheus
 
-v1 = APIRouter(prefix="/v1")
+v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_reader)])
 v1.include_router(plan.router)
 v1.include_router(jobs.router)
 v1.include_router(cluster.router)
 
 root = APIRouter()
 root.include_router(health.router)
-root.include_router(prometheus.router)
+root.include_router(prometheus.router, dependencies=[Depends(require_reader)])

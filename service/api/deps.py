@@ -8,6 +8,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 from sqlalchemy.orm import Session
 
+from service.auth import Authenticator, Principal
 from service.cluster import ClusterCapacity
 from service.config import Settings
 from service.runtime import Runtime
@@ -42,3 +43,23 @@ def get_cluster(runtime: RuntimeDep) -> ClusterCapacity:
 
 
 ClusterDep = Annotated[ClusterCapacity, Depends(get_cluster)]
+
+
+def get_authenticator(request: Request) -> Authenticator:
+    return request.app.state.authenticator
+
+
+AuthenticatorDep = Annotated[Authenticator, Depends(get_authenticator)]
+
+
+def require_reader(request: Request, authenticator: AuthenticatorDep) -> Principal:
+    """Reads need a token unless auth is off or ZERO1_PUBLIC_READ is set (a 401 otherwise)."""
+    return authenticator.reader(request)
+
+
+def require_writer(request: Request, authenticator: AuthenticatorDep) -> Principal:
+    """Submitting and cancelling need a token while auth is on (a 401), and the CSRF header by cookie (a 403)."""
+    return authenticator.writer(request)
+
+
+PrincipalDep = Annotated[Principal, Depends(require_writer)]

@@ -7,14 +7,15 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Query, Response
 
 from service import jobs
-from service.api.deps import ClusterDep, SessionDep, SettingsDep
+from service.api.deps import ClusterDep, PrincipalDep, SessionDep, SettingsDep
+from service.auth import check_can_cancel
 from service.schemas import (
     DryRunPublic, ErrorPublic, EventsPublic, JobPublic, JobSpec, JobsPublic, JobStatus, MetricsPublic,
 )  # fmt: skip
 from workers.memory import GB
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
-_ERRORS = {404: {"model": ErrorPublic}, 409: {"model": ErrorPublic}, 422: {"model": ErrorPublic}}
+_ERRORS = {status: {"model": ErrorPublic} for status in (401, 403, 404, 409, 413, 422, 429)}
 
 
 @router.post("", status_code=201, response_model=JobPublic | DryRunPublic, responses=_ERRORS)
@@ -23,16 +24,21 @@ def submit_job(
     session: SessionDep,
     cluster: ClusterDep,
     settings: SettingsDep,
+    principal: PrincipalDep,
     response: Response,
     dry_run: bool = False,
     idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
 ):
     """Plan the job with the ZeRO-1 memory model against the cluster; queue it if it fits."""
     plan = jobs.admit(spec, cluster=cluster, overhead_bytes=round(settings.gpu_overhead_gb * GB))
+    spec = jobs.check_data(spec, data_roots=settings.data_roots)
     if dry_run:
         response.status_code = 200
         return DryRunPublic(dry_run=True, admitted=True, plan=plan)
-    job, created = jobs.submit_job(session, spec=spec, plan=plan, idempotency_key=idempotency_key)
+    job, created = jobs.submit_job(
+        session, spec=spec, plan=plan, idempotency_key=idempotency_key, owner=principal.user,
+        max_queued=settings.max_queued_jobs_per_user,
+    )  # fmt: skip
     if not created:
         response.status_code = 200  # the same key and body: the job it created before
     return jobs.job_public(job, position=jobs.queue_position(session, job))
@@ -57,8 +63,9 @@ def get_job(job_id: int, session: SessionDep) -> JobPublic:
 
 
 @router.post("/{job_id}/cancel", status_code=202, response_model=JobPublic, responses=_ERRORS)
-def cancel_job(job_id: int, session: SessionDep) -> JobPublic:
-    """A queued job is cancelled at once; a running one within a scheduler tick."""
+def cancel_job(job_id: int, session: SessionDep, principal: PrincipalDep) -> JobPublic:
+    """A queued job is cancelled at once; a running one within a scheduler tick. Its owner or an admin only."""
+    check_can_cancel(principal, job_id=job_id, owner=jobs.get_job(session, job_id).owner)
     job = jobs.cancel_job(session, job_id)
     return jobs.job_public(job, position=None)
 

@@ -92,7 +92,9 @@
   async function api(path, options = {}) {
     let response;
     try {
-      response = await fetch(path, { headers: { Accept: "application/json" }, ...options });
+      // X-Zero1-CSRF: a header no cross-site form can send, so the service lets the login cookie cancel a job
+      const headers = { Accept: "application/json", "X-Zero1-CSRF": "1", ...(options.headers || {}) };
+      response = await fetch(path, { ...options, headers });
     } catch (error) {
       connection(false);
       throw new ApiError("the service cannot be reached");
@@ -523,7 +525,7 @@
       try {
         const plan = await api("/v1/plan", {
           method: "POST",
-          headers: { "Content-Type": "application/json", Accept: "application/json" },
+          headers: { "Content-Type": "application/json" },
           body: JSON.stringify(planBody(form)),
         });
         renderPlan(section, plan);
