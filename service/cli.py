@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from decimal import Decimal, InvalidOperation
@@ -316,6 +317,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     from service.main import create_app
 
+    # zero1's own log lines (re-attachments, retries, the drain at shutdown) beside uvicorn's
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     uvicorn.run(create_app(settings, tokens=tokens), host=host, port=args.port or settings.port)
     return 0
 

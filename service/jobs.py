@@ -29,7 +29,7 @@ ACTIVE = ("starting", "running", "restarting")
 TERMINAL = ("succeeded", "failed", "cancelled")
 _TRANSITIONS = {
     "queued": {"starting", "cancelled"},
-    "starting": {"running", "failed", "cancelled"},
+    "starting": {"running", "failed", "cancelled", "restarting"},
     "running": {"succeeded", "failed", "cancelled", "restarting"},
     "restarting": {"running", "failed", "cancelled"},
 }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,12 @@ log = logging.getLogger(__name__)
 _RPC_TIMEOUT_S = 30
 
 
-def supervisor_name(job_id: int) -> str:
-    return f"zero1-job-{job_id}"
+def supervisor_name(job_id: int, attempt: int = 0) -> str:
+    """Each attempt has its own supervisor: a retry never waits for the old name to be freed."""
+    return f"zero1-job-{job_id}-a{attempt}"
+
+
+_NAME = re.compile(r"zero1-job-(\d+)-a(\d+)")
 
 
 def train_config(spec: JobSpec, *, checkpoint_dir: str) -> TrainConfig:
@@ -37,16 +42,31 @@ def train_config(spec: JobSpec, *, checkpoint_dir: str) -> TrainConfig:
 
 
 class RayLauncher:
-    """Starts, polls, cancels and releases job supervisors."""
+    """Starts, polls, cancels and releases job supervisors, one per (job, attempt)."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self._supervisors: dict[int, Any] = {}
+        self._supervisors: dict[tuple[int, int], Any] = {}
 
     def checkpoint_dir(self, job_id: int) -> str:
         return str(Path(self.settings.checkpoint_uri).resolve() / f"job-{job_id}")
 
+    def resume_step(self, job_id: int) -> int:
+        """The step a relaunch starts at: after the latest complete checkpoint, else 0."""
+        from workers.train import latest_checkpoint
+
+        found = latest_checkpoint(Path(self.checkpoint_dir(job_id)))
+        return 0 if found is None else found[0] + 1
+
+    def checkpointed_metrics(self, job_id: int, *, after_step: int) -> list[dict[str, Any]]:
+        """Rows saved with the job's checkpoints after `after_step` (see workers.train)."""
+        from workers.train import checkpointed_metrics
+
+        return checkpointed_metrics(Path(self.checkpoint_dir(job_id)), after_step=after_step)
+
     def launch(self, job: Job) -> None:
+        """Start the job's current attempt; an attempt already started (the service stopped
+        between launching it and committing) is adopted, not started twice."""
         from workers.actors import JobSupervisor, Placement
 
         config = train_config(JobSpec.model_validate(job.spec), checkpoint_dir=self.checkpoint_dir(job.id))
@@ -55,51 +75,82 @@ class RayLauncher:
             timeout_s=self.settings.placement_timeout_s,
         )  # fmt: skip
         supervisor = JobSupervisor.options(
-            name=supervisor_name(job.id), namespace=self.settings.ray_namespace, lifetime="detached"
-        ).remote(str(job.id), config, placement)
+            name=supervisor_name(job.id, job.attempt), namespace=self.settings.ray_namespace,
+            lifetime="detached", get_if_exists=True,
+        ).remote(str(job.id), config, placement)  # fmt: skip
         supervisor.start.remote()  # places the ranks in the background; poll() reports how it went
-        self._supervisors[job.id] = supervisor
+        self._supervisors[(job.id, job.attempt)] = supervisor
 
-    def _handle(self, job_id: int) -> Any | None:
+    def _handle(self, job_id: int, attempt: int) -> Any | None:
         import ray
 
-        if job_id not in self._supervisors:
+        key = (job_id, attempt)
+        if key not in self._supervisors:
             try:
-                self._supervisors[job_id] = ray.get_actor(supervisor_name(job_id), namespace=self.settings.ray_namespace)
+                self._supervisors[key] = ray.get_actor(
+                    supervisor_name(job_id, attempt), namespace=self.settings.ray_namespace
+                )
             except ValueError:
                 return None
-        return self._supervisors[job_id]
+        return self._supervisors[key]
 
-    def poll(self, job_id: int, *, after_step: int) -> dict[str, Any]:
+    def exists(self, job_id: int, attempt: int) -> bool:
+        """Whether the attempt's supervisor is alive in the Ray cluster (re-attaching to it)."""
+        import ray
+
+        supervisor = self._handle(job_id, attempt)
+        if supervisor is None:
+            return False
+        try:
+            ray.get(supervisor.ping.remote(), timeout=_RPC_TIMEOUT_S)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            self._supervisors.pop((job_id, attempt), None)
+            return False
+        return True
+
+    def poll(self, job_id: int, attempt: int, *, after_step: int) -> dict[str, Any]:
         """The supervisor's poll(after_step); status "lost" when it is gone."""
         import ray
 
-        supervisor = self._handle(job_id)
+        supervisor = self._handle(job_id, attempt)
+        name = supervisor_name(job_id, attempt)
         if supervisor is None:
-            return _lost(f"no supervisor {supervisor_name(job_id)} in the Ray cluster")
+            return _lost(f"no supervisor {name} in the Ray cluster")
         try:
             return ray.get(supervisor.poll.remote(after_step), timeout=_RPC_TIMEOUT_S)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
-            return _lost(f"supervisor {supervisor_name(job_id)} is unreachable: {type(exc).__name__}")
+            self._supervisors.pop((job_id, attempt), None)
+            return _lost(f"supervisor {name} is unreachable: {type(exc).__name__}")
 
-    def cancel(self, job_id: int) -> None:
+    def cancel(self, job_id: int, attempt: int) -> None:
         import ray
 
-        supervisor = self._handle(job_id)
+        supervisor = self._handle(job_id, attempt)
         if supervisor is not None:
             try:
                 ray.get(supervisor.cancel.remote(), timeout=_RPC_TIMEOUT_S)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 log.warning("job %s: supervisor gone while cancelling", job_id)
 
-    def release(self, job_id: int) -> None:
-        """End a finished job's supervisor (its workers and placement group are already freed)."""
+    def release(self, job_id: int, attempt: int) -> None:
+        """End an attempt's supervisor; its workers and placement group go with it."""
         import ray
 
-        supervisor = self._supervisors.pop(job_id, None) or self._handle(job_id)
-        self._supervisors.pop(job_id, None)
+        supervisor = self._supervisors.pop((job_id, attempt), None) or self._handle(job_id, attempt)
+        self._supervisors.pop((job_id, attempt), None)
         if supervisor is not None:
             ray.kill(supervisor, no_restart=True)
+
+    def supervisors(self) -> list[tuple[int, int]]:
+        """(job id, attempt) of every zero1 supervisor alive in this deployment's namespace."""
+        import ray
+
+        found = []
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            match = _NAME.fullmatch(entry["name"])
+            if match and entry["namespace"] == self.settings.ray_namespace:
+                found.append((int(match[1]), int(match[2])))
+        return found
 
 
 def _lost(message: str) -> dict[str, Any]:

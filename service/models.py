@@ -66,6 +66,9 @@ class Job(Base):
     latest: Mapped[dict[str, Any] | None] = mapped_column(default=None)
     """That row, kept here so that listing jobs reads one table."""
     attempt: Mapped[int] = mapped_column(Integer, default=0)
+    """0 for the first launch, +1 for every relaunch (a retry, or a recovery after a restart)."""
+    num_retries: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    """Relaunches after a worker failure; bounded by the spec's max_retries."""
     error: Mapped[dict[str, Any] | None] = mapped_column(default=None)
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
     owner: Mapped[str | None] = mapped_column(String(200), default=None)

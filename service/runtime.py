@@ -28,10 +28,12 @@ class Runtime:
         """Migrate the database, connect to (or start) Ray, start scheduling."""
         upgrade(self.settings.database_url)
         self.cluster.connect()
+        self.scheduler.recover()
         self.scheduler.start()
         log.info("zero1 is up: %s", self.cluster.capacity())
 
     def stop(self) -> None:
+        """Stop scheduling and drain the metrics the supervisors hold, then let Ray go."""
         self.scheduler.stop()
         self.cluster.disconnect()
         self.db.dispose()

@@ -21,7 +21,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from workers.train import TrainConfig, TrainResult
+from workers.train import TrainConfig, TrainResult, merge_ranks
 
 Strategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 _REPORT_EVERY_ROWS = 50
@@ -130,9 +130,19 @@ class JobSupervisor:
         self._workers: list[Any] = []
         self._nodes: list[str] = []
         self._pg = None
+        self._started = False
+
+    def ping(self) -> str:
+        """The status, without touching the metrics: is this supervisor alive?"""
+        return self.status
 
     def start(self) -> None:
-        """Place the ranks (or raise PlacementError), rendezvous, and start training."""
+        """Place the ranks (or raise PlacementError), rendezvous, and start training. Once:
+        a second call (a control plane adopting an attempt it launched) does nothing."""
+        with self._lock:
+            if self._started:
+                return
+            self._started = True
         p = self.placement
         self._pg = placement_group([p.bundle] * p.num_workers, strategy=p.strategy)
         ready, _ = ray.wait([self._pg.ready()], timeout=p.timeout_s)
@@ -173,7 +183,7 @@ class JobSupervisor:
                 by_rank = self._partial.setdefault(row["step"], {})
                 by_rank[rank] = row
                 if len(by_rank) == self.placement.num_workers:
-                    self._metrics.append(_merge_ranks(self._partial.pop(row["step"])))
+                    self._metrics.append(merge_ranks(self._partial.pop(row["step"])))
 
     def poll(self, after_step: int = -1) -> dict[str, Any]:
         """Status, error, and the steps after `after_step` completed on every rank: one row a
@@ -234,12 +244,6 @@ class JobSupervisor:
         if self._pg is not None:
             remove_placement_group(self._pg)
             self._pg = None
-
-
-def _merge_ranks(by_rank: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    row = {k: v for k, v in by_rank[0].items() if k != "rank"}
-    row["mem_peak_bytes"] = [by_rank[rank]["mem_peak_bytes"] for rank in sorted(by_rank)]
-    return row
 
 
 def _resources(resources: dict[str, float]) -> str:

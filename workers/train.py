@@ -136,15 +136,20 @@ def train(
         tokens_per_step=config.global_batch(world_size) * batches.seq_len,
     )  # fmt: skip
     last = first - 1
+    since_checkpoint: list[dict[str, Any]] = []
     for step in range(first, config.steps):
         if should_stop():
             return TrainResult(rank=rank, first_step=first, last_step=last, cancelled=True)
-        on_metrics(context.run_step(step))
+        row = context.run_step(step)
+        on_metrics(row)
+        since_checkpoint.append(row)
         last = step
         done = step + 1 == config.steps
         due = config.checkpoint_every and (step + 1) % config.checkpoint_every == 0
         if config.checkpoint_dir and (done or due):
-            save_checkpoint(opt, Path(config.checkpoint_dir), step=step, process_group=process_group)
+            save_checkpoint(opt, Path(config.checkpoint_dir), step=step, process_group=process_group,
+                            metrics=since_checkpoint)  # fmt: skip
+            since_checkpoint = []
     return TrainResult(rank=rank, first_step=first, last_step=last, cancelled=False)
 
 
@@ -220,12 +225,20 @@ def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     os.replace(tmp, path)
 
 
-def save_checkpoint(opt: ZeRO1AdamW, root: Path, *, step: int, process_group: dist.ProcessGroup | None) -> Path:
-    """Every rank writes its shard; rank 0 then marks the step complete."""
+def save_checkpoint(
+    opt: ZeRO1AdamW, root: Path, *, step: int, process_group: dist.ProcessGroup | None,
+    metrics: list[dict[str, Any]] = (),
+) -> Path:
+    """Every rank writes its shard and its metric rows since the last checkpoint; rank 0 then
+    marks the step complete. The rows travel with the checkpoint: a control plane that lost
+    them (it and Ray stopped together) reads them back before resuming after this step."""
     directory = _step_dir(root, step)
     directory.mkdir(parents=True, exist_ok=True)
     state = opt.state_dict()
-    _atomic_write(_shard_file(root, step, opt.rank, opt.world_size), lambda tmp: torch.save(state, tmp))
+    shard = _shard_file(root, step, opt.rank, opt.world_size)
+    _atomic_write(shard, lambda tmp: torch.save(state, tmp))
+    rows = json.dumps(list(metrics), allow_nan=True)
+    _atomic_write(shard.with_suffix(".metrics.json"), lambda tmp: tmp.write_text(rows))
     if opt.world_size > 1:
         dist.barrier(group=process_group)  # every shard is in place before the checkpoint counts
     if opt.rank == 0:
@@ -254,3 +267,25 @@ def resume(opt: ZeRO1AdamW, root: Path, *, rank: int, world_size: int) -> int:
         raise ValueError(f"checkpoint at step {step} was written by {saved_world} ranks, this run has {world_size}")
     opt.load_state_dict(torch.load(_shard_file(root, step, rank, world_size), map_location=opt.device))
     return step + 1
+
+
+def checkpointed_metrics(root: Path, *, after_step: int) -> list[dict[str, Any]]:
+    """The rows (one per step, ranks merged) saved with the complete checkpoints of root for
+    the steps after `after_step`, in step order."""
+    by_step: dict[int, dict[int, dict[str, Any]]] = {}
+    for marker in root.glob(f"step-*/{_COMPLETE}"):
+        meta = json.loads(marker.read_text())
+        if meta["step"] <= after_step:
+            continue
+        for path in marker.parent.glob("rank-*.metrics.json"):
+            for row in json.loads(path.read_text()):
+                if row["step"] > after_step:
+                    by_step.setdefault(row["step"], {})[row["rank"]] = row
+    return [merge_ranks(by_step[step]) for step in sorted(by_step)]
+
+
+def merge_ranks(by_rank: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """One step's row: rank 0's global values, with every rank's mem_peak_bytes as a list."""
+    row = {k: v for k, v in by_rank[0].items() if k != "rank"}
+    row["mem_peak_bytes"] = [by_rank[rank]["mem_peak_bytes"] for rank in sorted(by_rank)]
+    return row

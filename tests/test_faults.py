@@ -1,0 +1,319 @@
+"""Faults: a rank dies, the service is stopped (SIGTERM, SIGKILL), Ray dies with it.
+
+Each test injects the fault for real (ray.kill of a rank's actor, a signal to a
+`zero1 serve` process) and then checks the promises of the README's "Guarantees":
+the job ends where an uninterrupted run ends, no accepted job is lost, and every
+metric row is stored exactly once on the surviving curve.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+import ray
+import torch
+from fastapi.testclient import TestClient
+from sqlalchemy import create_engine, text
+
+from conftest import make_settings
+from service.launcher import supervisor_name
+from service.main import create_app
+
+ZERO1 = str(Path(sys.executable).with_name("zero1"))
+TINY = {"kind": "gpt", "vocab_size": 64, "n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32}
+FAST = {"lr": 0.003, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0, "max_grad_norm": 1.0}
+
+
+def job_body(**overrides) -> dict:
+    return {"name": "fault", "model": TINY, "num_gpus": 2, "precision": "fp32", "optimizer": FAST,
+            "micro_batch_size": 2, "seed": 7, **overrides}  # fmt: skip
+
+
+def wait_for(read: Callable[[], dict], predicate: Callable[[dict], bool], *, what: str, timeout_s: float = 180) -> dict:
+    """Poll read() until predicate holds, with a deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = read()
+        if predicate(value):
+            return value
+        assert time.monotonic() < deadline, f"waited {timeout_s:g} s for {what}; last: {value}"
+        time.sleep(0.05)
+
+
+def kill_rank(namespace: str, job_id: int, attempt: int, rank: int) -> None:
+    supervisor = ray.get_actor(supervisor_name(job_id, attempt), namespace=namespace)
+    ray.kill(ray.get(supervisor.worker.remote(rank)), no_restart=True)
+
+
+def final_shards(checkpoints: Path, job_id: int, *, step: int) -> list[dict]:
+    directory = checkpoints / f"job-{job_id}" / f"step-{step:09d}"
+    assert (directory / "complete.json").is_file(), f"no complete checkpoint at {directory}"
+    return [torch.load(path, weights_only=False) for path in sorted(directory.glob("rank-*.pt"))]
+
+
+def assert_same_state(a, b) -> None:
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert_same_state(a[key], b[key])
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_same_state(x, y)
+    else:
+        assert a == b
+
+
+def metric_rows(database_url: str, job_id: int) -> list[tuple[int, int, bool]]:
+    """(attempt, step, superseded) of every stored row of the job."""
+    engine = create_engine(database_url)
+    try:
+        with engine.connect() as connection:
+            query = text("SELECT attempt, step, superseded FROM metrics WHERE job_id = :id ORDER BY id")
+            return [(a, s, bool(x)) for a, s, x in connection.execute(query, {"id": job_id})]
+    finally:
+        engine.dispose()
+
+
+def transitions(events: list[dict]) -> list[str]:
+    return [e["to_status"] for e in events]
+
+
+# --------------------------------------------------------------------------- a rank dies
+
+
+@pytest.fixture
+def app(ray_cluster, tmp_path) -> Iterator[tuple[TestClient, object]]:
+    settings = make_settings(tmp_path)
+    with TestClient(create_app(settings), raise_server_exceptions=False) as client:
+        yield client, settings
+
+
+def test_a_killed_rank_is_retried_from_its_checkpoint_and_ends_where_an_uninterrupted_run_ends(app):
+    client, settings = app
+    steps, every = 300, 20
+    body = job_body(steps=steps, checkpoint_every=every, max_retries=2)
+    victim = client.post("/v1/jobs", json={**body, "name": "killed"}).json()["id"]
+    reference = client.post("/v1/jobs", json={**body, "name": "uninterrupted"}).json()["id"]
+    job = lambda job_id: client.get(f"/v1/jobs/{job_id}").json()  # noqa: E731
+
+    # past the checkpoint of step 39 and short of the end: the retry redoes steps 40..
+    wait_for(lambda: job(victim), lambda j: (j["step"] or 0) >= 2 * every + 5, what="step 45")
+    kill_rank(settings.ray_namespace, victim, attempt=0, rank=1)
+
+    done = wait_for(lambda: job(victim), lambda j: j["status"] in ("succeeded", "failed"), what="the end")
+    assert done["status"] == "succeeded", done
+    assert done["attempt"] == 1 and done["error"] is None and done["step"] == steps - 1
+    events = client.get(f"/v1/jobs/{victim}/events").json()["data"]
+    assert transitions(events) == ["queued", "starting", "running", "restarting", "running", "succeeded"]
+    restart = events[3]["reason"]
+    assert "rank 1 on node " in restart and "retry 1 of 2" in restart, restart
+    resumed = int(restart.split("resumes from checkpoint step ")[1]) + 1
+    assert resumed % every == 0 and resumed >= 2 * every
+
+    # the surviving curve: every step once, attempt 0 up to the checkpoint, attempt 1 after it
+    curve = client.get(f"/v1/jobs/{victim}/metrics", params={"limit": 10_000}).json()["data"]
+    assert [m["step"] for m in curve] == list(range(steps))
+    assert {m["attempt"] for m in curve if m["step"] < resumed} == {0}
+    assert {m["attempt"] for m in curve if m["step"] >= resumed} == {1}
+    # the failed attempt's rows past the checkpoint are kept, marked superseded
+    rows = metric_rows(settings.database_url, victim)
+    superseded = [(a, s) for a, s, x in rows if x]
+    assert superseded and all(a == 0 and s >= resumed for a, s in superseded)
+    assert len(rows) == steps + len(superseded) == len(set((a, s) for a, s, _ in rows))
+
+    wait_for(lambda: job(reference), lambda j: j["status"] == "succeeded", what="the reference run")
+    killed, clean = (final_shards(Path(settings.checkpoint_uri), j, step=steps - 1) for j in (victim, reference))
+    assert len(killed) == len(clean) == 2
+    assert_same_state(killed, clean)  # bit for bit: parameters, moments and step counts
+
+
+def test_a_job_out_of_retries_fails_with_the_rank_node_and_cause(app):
+    client, settings = app
+    body = job_body(steps=100_000, checkpoint_every=50, max_retries=1)
+    job_id = client.post("/v1/jobs", json=body).json()["id"]
+    job = lambda: client.get(f"/v1/jobs/{job_id}").json()  # noqa: E731
+
+    wait_for(job, lambda j: j["status"] == "running" and (j["step"] or 0) >= 5, what="attempt 0 training")
+    kill_rank(settings.ray_namespace, job_id, attempt=0, rank=0)
+    wait_for(job, lambda j: j["attempt"] == 1 and j["status"] == "running", what="attempt 1 running")
+    node = ray.get(ray.get_actor(supervisor_name(job_id, 1), namespace=settings.ray_namespace).poll.remote())["nodes"][1]
+    kill_rank(settings.ray_namespace, job_id, attempt=1, rank=1)
+
+    failed = wait_for(job, lambda j: j["status"] == "failed", what="the job to fail")
+    assert failed["error"]["rank"] == 1 and failed["error"]["node_id"] == node
+    assert failed["error"]["exception"].endswith("Error") and failed["error"]["message"]
+    events = client.get(f"/v1/jobs/{job_id}/events").json()["data"]
+    assert transitions(events) == ["queued", "starting", "running", "restarting", "running", "failed"]
+    assert f"rank 1 on node {node}: {failed['error']['exception']}" in events[-1]["reason"]
+    assert events[-1]["reason"].endswith("after 1 of max_retries 1")
+    # the failed attempt's ranks and placement group go: Ray frees their GPUs
+    wait_for(lambda: client.get("/v1/cluster").json(), lambda c: c["num_gpus_free"] == c["num_gpus"],
+             what="every GPU free again", timeout_s=60)  # fmt: skip
+
+
+# --------------------------------------------------------------------------- the service stops
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Service:
+    """`zero1 serve` as a child process, with its log in a file."""
+
+    def __init__(self, tmp_path: Path, **env: str) -> None:
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.database_url = f"sqlite:///{tmp_path / 'zero1.db'}"
+        self.checkpoints = tmp_path / "checkpoints"
+        self.log_path = tmp_path / "serve.log"
+        self.env = {**os.environ, "ZERO1_DATABASE_URL": self.database_url, "ZERO1_CHECKPOINT_URI": str(self.checkpoints),
+                    "ZERO1_CPUS_PER_WORKER": "0.5", "ZERO1_SCHEDULER_INTERVAL_S": "0.05", **env}  # fmt: skip
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        with open(self.log_path, "a") as log:
+            self.process = subprocess.Popen([ZERO1, "serve", "--port", str(self.port)], env=self.env, stdout=log,
+                                            stderr=subprocess.STDOUT)  # fmt: skip
+        deadline = time.monotonic() + 120
+        while True:  # until it accepts connections, with a deadline
+            assert self.process.poll() is None, self.log()
+            try:
+                httpx.get(f"{self.base}/healthz", timeout=2).raise_for_status()
+                return
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "zero1 serve did not start within 120 s\n" + self.log()
+                time.sleep(0.1)
+
+    def stop(self, sig: signal.Signals) -> int:
+        self.process.send_signal(sig)
+        return self.process.wait(timeout=120)
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def get(self, path: str, **params) -> dict:
+        return httpx.get(f"{self.base}{path}", params=params, timeout=30).json()
+
+    def post(self, path: str, body: dict) -> dict:
+        response = httpx.post(f"{self.base}{path}", json=body, timeout=30)
+        assert response.status_code == 201, response.text
+        return response.json()
+
+
+@contextmanager
+def service(tmp_path: Path, **env: str) -> Iterator[Service]:
+    svc = Service(tmp_path, **env)
+    svc.start()
+    try:
+        yield svc
+    finally:
+        if svc.process.poll() is None:
+            svc.stop(signal.SIGTERM)
+
+
+def newest_checkpoint(svc: Service, job_id: int) -> int:
+    markers = list((svc.checkpoints / f"job-{job_id}").glob("step-*/complete.json"))
+    return max((int(m.parent.name.removeprefix("step-")) for m in markers), default=-1)
+
+
+def assert_every_step_once(svc: Service, job_id: int, *, steps: int) -> list[tuple[int, int, bool]]:
+    """The surviving curve has steps 0..steps-1, each once; all rows stored, as (attempt, step, superseded)."""
+    rows = metric_rows(svc.database_url, job_id)
+    surviving = Counter(step for _, step, superseded in rows if not superseded)
+    assert sorted(surviving) == list(range(steps)) and set(surviving.values()) == {1}, surviving
+    return rows
+
+
+def test_a_service_on_an_external_ray_reattaches_after_sigterm_and_sigkill(ray_cluster, tmp_path):
+    """Jobs keep training while the control plane is down; on restart it re-attaches to their
+    supervisors, the rows made meanwhile arrive, nothing is stored twice, queued jobs survive."""
+    namespace = f"zero1-restart-{os.getpid()}"
+    svc = Service(tmp_path, ZERO1_RAY_ADDRESS=ray_cluster.address, ZERO1_RAY_NAMESPACE=namespace)
+    svc.start()
+    try:  # the long job runs until cancelled: however fast this machine is, it is still training
+        running = svc.post("/v1/jobs", job_body(name="long", steps=100_000, checkpoint_every=10))["id"]
+        queued = svc.post("/v1/jobs", job_body(name="waits", steps=20, num_gpus=4))["id"]
+        wait_for(lambda: svc.get(f"/v1/jobs/{running}"), lambda j: (j["step"] or 0) >= 50, what="step 50")
+        assert svc.get(f"/v1/jobs/{queued}")["status"] == "queued"
+
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            stored = svc.get(f"/v1/jobs/{running}")["step"]
+            code = svc.stop(sig)
+            # uvicorn shuts down gracefully on SIGTERM, then re-raises it: the status says why it stopped
+            assert code == -sig, svc.log()
+            # training goes on without the service: a newer checkpoint appears meanwhile
+            mark = newest_checkpoint(svc, running)
+            wait_for(lambda: {"newest": newest_checkpoint(svc, running)}, lambda c: c["newest"] > mark + 20,
+                     what="training to go on while the service is down")  # fmt: skip
+            svc.start()
+            after = wait_for(lambda: svc.get(f"/v1/jobs/{running}"), lambda j: j["step"] > mark + 20,
+                             what="the rows made while the service was down")  # fmt: skip
+            assert after["status"] == "running" and after["attempt"] == 0 and after["step"] >= stored
+        assert "scheduler stopped; drained" in svc.log()
+        assert svc.log().count("re-attached to attempt 0") == 2
+
+        assert httpx.post(f"{svc.base}/v1/jobs/{running}/cancel", timeout=30).status_code == 202
+        done = wait_for(lambda: svc.get(f"/v1/jobs/{running}"), lambda j: j["status"] == "cancelled",
+                        what="the long job to stop")  # fmt: skip
+        assert done["attempt"] == 0
+        events = svc.get(f"/v1/jobs/{running}/events")["data"]
+        assert transitions(events) == ["queued", "starting", "running", "cancelled"]
+        rows = assert_every_step_once(svc, running, steps=done["step"] + 1)
+        assert len(rows) == done["step"] + 1  # no row stored twice, none superseded
+        waited = wait_for(lambda: svc.get(f"/v1/jobs/{queued}"), lambda j: j["status"] == "succeeded",
+                          what="the queued job to run after the restarts")  # fmt: skip
+        assert waited["attempt"] == 0
+    finally:
+        if svc.process.poll() is None:
+            svc.stop(signal.SIGTERM)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_an_embedded_ray_job_resumes_from_its_checkpoint_when_the_service_restarts(tmp_path, sig):
+    """The embedded Ray stops with the service; a running job comes back as a new attempt from
+    its last checkpoint (not a retry: max_retries 0), and its curve has every step once."""
+    svc = Service(tmp_path, ZERO1_SIMULATED_GPUS="4", ZERO1_RAY_NAMESPACE="zero1")
+    steps, every = 200, 20
+    svc.start()
+    try:
+        job_id = svc.post("/v1/jobs", job_body(steps=steps, checkpoint_every=every))["id"]
+        queued = svc.post("/v1/jobs", job_body(name="waits", steps=10, num_gpus=4))["id"]
+        wait_for(lambda: svc.get(f"/v1/jobs/{job_id}"), lambda j: (j["step"] or 0) >= every + 10, what="a checkpoint")
+        svc.stop(sig)
+        stopped_at = newest_checkpoint(svc, job_id)
+        assert stopped_at >= every - 1
+        svc.start()
+        done = wait_for(lambda: svc.get(f"/v1/jobs/{job_id}"), lambda j: j["status"] in ("succeeded", "failed"),
+                        what="the resumed job to finish", timeout_s=300)  # fmt: skip
+        assert done["status"] == "succeeded" and done["attempt"] == 1, done
+        events = svc.get(f"/v1/jobs/{job_id}/events")["data"]
+        assert transitions(events) == ["queued", "starting", "running", "restarting", "running", "succeeded"]
+        reason = events[3]["reason"]
+        assert "the service restarted" in reason and "embedded Ray" in reason, reason
+        resumed = int(reason.split("resumes from checkpoint step ")[1]) + 1
+        assert resumed >= stopped_at + 1
+        rows = assert_every_step_once(svc, job_id, steps=steps)
+        assert {a for a, s, x in rows if not x and s >= resumed} == {1}
+        waited = wait_for(lambda: svc.get(f"/v1/jobs/{queued}"), lambda j: j["status"] == "succeeded",
+                          what="the queued job")  # fmt: skip
+        assert waited["attempt"] == 0
+    finally:
+        if svc.process.poll() is None:
+            svc.stop(signal.SIGTERM)
