@@ -76,7 +76,7 @@ class RayLauncher:
         )  # fmt: skip
         supervisor = JobSupervisor.options(
             name=supervisor_name(job.id, job.attempt), namespace=self.settings.ray_namespace,
-            lifetime="detached", get_if_exists=True,
+            lifetime="detached", get_if_exists=True, scheduling_strategy=_on_head_node(),
         ).remote(str(job.id), config, placement)  # fmt: skip
         supervisor.start.remote()  # places the ranks in the background; poll() reports how it went
         self._supervisors[(job.id, job.attempt)] = supervisor
@@ -151,6 +151,18 @@ class RayLauncher:
             if match and entry["namespace"] == self.settings.ray_namespace:
                 found.append((int(match[1]), int(match[2])))
         return found
+
+
+def _on_head_node() -> Any:
+    """Supervisors live on the head node (soft: anywhere if it has no room), so that losing a
+    worker node costs the job its ranks there, which a retry replaces, not its supervisor."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    for node in ray.nodes():
+        if node["Alive"] and "node:__internal_head__" in node["Resources"]:
+            return NodeAffinitySchedulingStrategy(node_id=node["NodeID"], soft=True)
+    return "DEFAULT"
 
 
 def _lost(message: str) -> dict[str, Any]:

@@ -317,3 +317,58 @@ def test_an_embedded_ray_job_resumes_from_its_checkpoint_when_the_service_restar
     finally:
         if svc.process.poll() is None:
             svc.stop(signal.SIGTERM)
+
+
+def test_a_removed_node_fails_its_ranks_and_the_job_resumes_on_the_nodes_left(app, ray_cluster):
+    """The session's two nodes are held by a placeholder, so the job lands on a third node;
+    removing that node kills its ranks, and the retry runs where GPUs are left."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    client, settings = app
+    placeholder = placement_group([{"GPU": 1, "CPU": 0.5}] * 4)
+    assert ray.get(placeholder.ready(), timeout=60)
+    node = ray_cluster.add_node(num_cpus=2, num_gpus=2)
+    try:
+        job_id = client.post("/v1/jobs", json=job_body(steps=100_000, checkpoint_every=10, max_retries=1)).json()["id"]
+        job = lambda: client.get(f"/v1/jobs/{job_id}").json()  # noqa: E731
+        wait_for(job, lambda j: (j["step"] or 0) >= 15, what="training on the third node")
+        supervisor = ray.get_actor(supervisor_name(job_id, 0), namespace=settings.ray_namespace)
+        assert set(ray.get(supervisor.poll.remote())["nodes"]) == {node.node_id}
+    finally:
+        ray_cluster.remove_node(node)
+    remove_placement_group(placeholder)
+
+    resumed = wait_for(job, lambda j: j["attempt"] == 1 and j["status"] in ("running", "failed"),
+                       what="the retry on the nodes left")  # fmt: skip
+    assert resumed["status"] == "running", resumed
+    restart = client.get(f"/v1/jobs/{job_id}/events").json()["data"][3]
+    assert restart["to_status"] == "restarting" and f"on node {node.node_id}" in restart["reason"], restart
+    supervisor = ray.get_actor(supervisor_name(job_id, 1), namespace=settings.ray_namespace)
+    assert node.node_id not in ray.get(supervisor.poll.remote())["nodes"]
+    assert client.post(f"/v1/jobs/{job_id}/cancel").status_code == 202
+    wait_for(job, lambda j: j["status"] == "cancelled", what="the cancel")
+
+
+def test_shutdown_drains_the_rows_the_supervisors_hold(ray_cluster, tmp_path):
+    """Rows a supervisor holds when the service stops are stored before it exits (SIGTERM runs
+    the same lifespan shutdown): the scheduler's loop is stopped first, so only the drain can."""
+    settings = make_settings(tmp_path)
+    with TestClient(create_app(settings), raise_server_exceptions=False) as client:
+        job_id = client.post("/v1/jobs", json=job_body(steps=100_000)).json()["id"]
+        wait_for(lambda: client.get(f"/v1/jobs/{job_id}").json(), lambda j: (j["step"] or 0) >= 5, what="step 5")
+        scheduler = client.app.state.runtime.scheduler
+        scheduler._stop.set()  # the loop ends; from here only the shutdown's drain stores rows
+        scheduler._thread.join(timeout=60)
+        stored = client.get(f"/v1/jobs/{job_id}").json()["step"]
+        supervisor = ray.get_actor(supervisor_name(job_id, 0), namespace=settings.ray_namespace)
+        held = wait_for(lambda: ray.get(supervisor.poll.remote(stored)), lambda s: len(s["metrics"]) >= 20,
+                        what="rows the database does not have")  # fmt: skip
+        held_steps = [row["step"] for row in held["metrics"]]
+        assert held_steps[0] == stored + 1
+    try:
+        rows = metric_rows(settings.database_url, job_id)
+        steps = sorted(step for _, step, _ in rows)
+        assert steps[: stored + 1 + len(held_steps)] == list(range(stored + 1 + len(held_steps)))
+        assert len(steps) == len(set(steps))
+    finally:
+        ray.kill(supervisor, no_restart=True)
