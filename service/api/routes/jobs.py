@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Query, Response
+from fastapi import APIRouter, Header, Path, Query, Response
 
 from service import jobs
 from service.api.deps import ClusterDep, PrincipalDep, SessionDep, SettingsDep
@@ -16,9 +16,14 @@ from workers.memory import GB
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 _ERRORS = {status: {"model": ErrorPublic} for status in (401, 403, 404, 409, 413, 422, 429)}
+_SUBMITTED = {200: {"model": JobPublic | DryRunPublic,
+                    "description": "A dry run's plan, or the job this Idempotency-Key created before"}}  # fmt: skip
+# ids are 64-bit in the database, steps 32-bit: a larger number is a 422 here, not a 500 from its driver
+_MAX_ID, _MAX_STEP = 2**63 - 1, 2**31 - 1
+JobId = Annotated[int, Path(ge=1, le=_MAX_ID)]
 
 
-@router.post("", status_code=201, response_model=JobPublic | DryRunPublic, responses=_ERRORS)
+@router.post("", status_code=201, response_model=JobPublic | DryRunPublic, responses={**_SUBMITTED, **_ERRORS})
 def submit_job(
     spec: JobSpec,
     session: SessionDep,
@@ -49,7 +54,7 @@ def list_jobs(
     session: SessionDep,
     status: Annotated[list[JobStatus] | None, Query()] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
-    cursor: Annotated[int | None, Query(ge=0, description="next_cursor of the previous page")] = None,
+    cursor: Annotated[int | None, Query(ge=0, le=_MAX_ID, description="next_cursor of the previous page")] = None,
 ) -> JobsPublic:
     """Newest first, optionally only some statuses (repeat ?status=)."""
     data, next_cursor = jobs.list_jobs(session, statuses=status, limit=limit, cursor=cursor)
@@ -57,13 +62,13 @@ def list_jobs(
 
 
 @router.get("/{job_id}", response_model=JobPublic, responses=_ERRORS)
-def get_job(job_id: int, session: SessionDep) -> JobPublic:
+def get_job(job_id: JobId, session: SessionDep) -> JobPublic:
     job = jobs.get_job(session, job_id)
     return jobs.job_public(job, position=jobs.queue_position(session, job))
 
 
 @router.post("/{job_id}/cancel", status_code=202, response_model=JobPublic, responses=_ERRORS)
-def cancel_job(job_id: int, session: SessionDep, principal: PrincipalDep) -> JobPublic:
+def cancel_job(job_id: JobId, session: SessionDep, principal: PrincipalDep) -> JobPublic:
     """A queued job is cancelled at once; a running one within a scheduler tick. Its owner or an admin only."""
     check_can_cancel(principal, job_id=job_id, owner=jobs.get_job(session, job_id).owner)
     job = jobs.cancel_job(session, job_id)
@@ -72,9 +77,9 @@ def cancel_job(job_id: int, session: SessionDep, principal: PrincipalDep) -> Job
 
 @router.get("/{job_id}/metrics", response_model=MetricsPublic, responses=_ERRORS)
 def job_metrics(
-    job_id: int,
+    job_id: JobId,
     session: SessionDep,
-    after_step: Annotated[int | None, Query(ge=-1)] = None,
+    after_step: Annotated[int | None, Query(ge=-1, le=_MAX_STEP)] = None,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
     max_points: Annotated[int | None, Query(ge=2, le=10_000)] = None,
 ) -> MetricsPublic:
@@ -85,7 +90,7 @@ def job_metrics(
 
 
 @router.get("/{job_id}/events", response_model=EventsPublic, responses=_ERRORS)
-def job_events(job_id: int, session: SessionDep) -> EventsPublic:
+def job_events(job_id: JobId, session: SessionDep) -> EventsPublic:
     return EventsPublic(data=jobs.job_events(session, jobs.get_job(session, job_id)))
 
 
