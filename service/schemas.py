@@ -6,7 +6,9 @@ import math
 from datetime import datetime
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, field_validator, model_validator,
+)  # fmt: skip
 
 from workers import memory
 
@@ -18,15 +20,28 @@ MAX_NUM_GPUS = 1 << 20
 MAX_GPU_MEMORY_GB = 1e6
 
 
-def _not_a_bool(value: object) -> object:
-    # pydantic's lax mode reads true as 1; a count given as a boolean is a mistake
+def _a_number(value: object) -> object:
+    # pydantic's lax mode reads true as 1 and "2" as 2; the schema says number, and a count
+    # given as a boolean or a string is a mistake
     if isinstance(value, bool):
         raise ValueError(f"Input should be a number, not a boolean (got {str(value).lower()})")
+    if isinstance(value, str):
+        raise ValueError(f"Input should be a number, not a string (got {value[:40]!r})")
     return value
 
 
-Int = Annotated[int, BeforeValidator(_not_a_bool)]
-Float = Annotated[float, BeforeValidator(_not_a_bool)]
+def _no_nul(text: str) -> str:
+    # PostgreSQL's text columns cannot hold NUL (a 500 from the driver otherwise), nor can a file name
+    if "\x00" in text:
+        raise ValueError(f"must not contain a NUL character (\\u0000 at {text.index(chr(0))})")
+    return text
+
+
+Int = Annotated[int, BeforeValidator(_a_number)]
+Float = Annotated[float, BeforeValidator(_a_number)]
+Bool = StrictBool
+"""true or false: pydantic's lax mode would also read 0, 1, "yes" and "off"."""
+Text = Annotated[str, AfterValidator(_no_nul)]
 
 
 class _Body(BaseModel):
@@ -88,7 +103,7 @@ class PlanRequest(_Body):
     stage: Stage = 1
     micro_batch_size: Int | None = Field(None, ge=1, le=1_000_000, description="Default 1 (model plans only).")
     seq_len: Int | None = Field(None, ge=1, le=100_000_000, description="Default: block_size (GPT plans only).")
-    activation_checkpointing: bool | None = Field(None, description="Default false (model plans only).")
+    activation_checkpointing: Bool | None = Field(None, description="Default false (model plans only).")
 
     @model_validator(mode="after")
     def _one_source_of_params(self) -> PlanRequest:
@@ -173,7 +188,7 @@ class TextDataSpec(_Body):
     """Characters of a UTF-8 file readable by the workers."""
 
     kind: Literal["text"]
-    path: str = Field(min_length=1, max_length=4096)
+    path: Text = Field(min_length=1, max_length=4096)
 
 
 DataSpec = Annotated[SyntheticDataSpec | TextDataSpec, Field(discriminator="kind")]
@@ -191,7 +206,7 @@ class OptimizerConfig(_Body):
 class JobSpec(_Body):
     """POST /v1/jobs: what to train, on how many GPUs."""
 
-    name: str = Field(min_length=1, max_length=200)
+    name: Text = Field(min_length=1, max_length=200)
     model: ModelSpec
     data: DataSpec = SyntheticDataSpec(kind="synthetic")
     num_gpus: Int = Field(ge=1, le=MAX_NUM_GPUS, description="Data-parallel world size N.")
@@ -203,7 +218,7 @@ class JobSpec(_Body):
         None, ge=1, le=100_000_000, description="Default micro_batch_size x num_gpus; more accumulates gradients."
     )
     seq_len: Int | None = Field(None, ge=1, le=100_000_000, description="GPT only; default block_size.")
-    activation_checkpointing: bool = False
+    activation_checkpointing: Bool = False
     seed: Int = Field(0, ge=0, le=2**63 - 1)
     checkpoint_every: Int = Field(0, ge=0, le=100_000_000, description="0: a checkpoint at the end only.")
     max_retries: Int = Field(0, ge=0, le=100)
