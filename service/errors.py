@@ -14,11 +14,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service.schemas import MODEL_KINDS
+from service.schemas import DATA_KINDS, MODEL_KINDS
 
 log = logging.getLogger(__name__)
 
 _MAX_ECHO_CHARS = 80
+_UNION_TAGS = {"model": MODEL_KINDS, "data": DATA_KINDS}  # pydantic names the member of a tagged union
 
 
 class ServiceError(Exception):
@@ -34,9 +35,10 @@ class ServiceError(Exception):
 
 
 def _field_path(loc: tuple[Any, ...]) -> str:
-    """('body', 'model', 'gpt', 'n_embd') -> 'model.n_embd' (drops the source and union tags)."""
+    """('body', 'model', 'gpt', 'n_embd') -> 'model.n_embd', ('body', 'data', 'text', 'path') -> 'data.path'
+    (drops the source and union tags)."""
     parts = [str(p) for i, p in enumerate(loc) if not (i == 0 and p in ("body", "query", "path", "header"))]
-    parts = [p for i, p in enumerate(parts) if not (i > 0 and parts[i - 1] == "model" and p in MODEL_KINDS)]
+    parts = [p for i, p in enumerate(parts) if not (i > 0 and p in _UNION_TAGS.get(parts[i - 1], ()))]
     return ".".join(parts) or "body"
 
 
@@ -76,10 +78,19 @@ async def _service_error(_: Request, exc: ServiceError) -> JSONResponse:
 
 
 async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    if isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's 400 for a JSON body that is not UTF-8
+        return _not_utf8(exc.__cause__)
     code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code, "http_error")
     return JSONResponse(
         {"error": code, "message": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers
     )
+
+
+def _not_utf8(error: UnicodeDecodeError) -> JSONResponse:
+    """A 422 like any other body that is not JSON, naming the first bad byte."""
+    message = f"invalid JSON: not UTF-8 ({error.reason} at byte {error.start})"
+    detail = [{"field": "body", "message": message, "type": "json_invalid"}]
+    return JSONResponse({"error": "invalid_request", "message": f"body: {message}", "detail": detail}, status_code=422)
 
 
 async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:

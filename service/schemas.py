@@ -192,6 +192,7 @@ class TextDataSpec(_Body):
 
 
 DataSpec = Annotated[SyntheticDataSpec | TextDataSpec, Field(discriminator="kind")]
+DATA_KINDS = ("synthetic", "text")
 
 
 class OptimizerConfig(_Body):
