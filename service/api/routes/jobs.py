@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Path, Query, Response
+from pydantic import BaseModel
 
 from service import jobs
 from service.api.deps import ClusterDep, PrincipalDep, SessionDep, SettingsDep
@@ -23,6 +24,18 @@ _MAX_ID, _MAX_STEP = 2**63 - 1, 2**31 - 1
 JobId = Annotated[int, Path(ge=1, le=_MAX_ID)]
 
 
+def _json(body: BaseModel, *, status_code: int = 200) -> Response:
+    """The body as JSON, made in the endpoint's own worker thread.
+
+    A returned model is validated again by FastAPI in a second trip to the threadpool, and the
+    request's session commits (freeing SQLite's write lock and its pooled connection) only after
+    that trip. Under load every worker thread can be waiting on that lock or the pool, and the
+    trip never comes: a deadlock that 30 s timeouts end in 500s (tests/test_load.py). A Response
+    is sent as it is, and the session's commit needs no worker of the shared pool.
+    """
+    return Response(body.model_dump_json(), status_code=status_code, media_type="application/json")
+
+
 @router.post("", status_code=201, response_model=JobPublic | DryRunPublic, responses={**_SUBMITTED, **_ERRORS})
 def submit_job(
     spec: JobSpec,
@@ -30,23 +43,20 @@ def submit_job(
     cluster: ClusterDep,
     settings: SettingsDep,
     principal: PrincipalDep,
-    response: Response,
     dry_run: bool = False,
     idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
-):
+) -> Response:
     """Plan the job with the ZeRO-1 memory model against the cluster; queue it if it fits."""
     plan = jobs.admit(spec, cluster=cluster, overhead_bytes=round(settings.gpu_overhead_gb * GB))
     spec = jobs.check_data(spec, data_roots=settings.data_roots)
     if dry_run:
-        response.status_code = 200
-        return DryRunPublic(dry_run=True, admitted=True, plan=plan)
+        return _json(DryRunPublic(dry_run=True, admitted=True, plan=plan))
     job, created = jobs.submit_job(
         session, spec=spec, plan=plan, idempotency_key=idempotency_key, owner=principal.user,
         max_queued=settings.max_queued_jobs_per_user,
     )  # fmt: skip
-    if not created:
-        response.status_code = 200  # the same key and body: the job it created before
-    return jobs.job_public(job, position=jobs.queue_position(session, job))
+    public = jobs.job_public(job, position=jobs.queue_position(session, job))
+    return _json(public, status_code=201 if created else 200)  # 200: the job this key and body created before
 
 
 @router.get("", response_model=JobsPublic, responses=_ERRORS)
@@ -55,24 +65,24 @@ def list_jobs(
     status: Annotated[list[JobStatus] | None, Query()] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     cursor: Annotated[int | None, Query(ge=0, le=_MAX_ID, description="next_cursor of the previous page")] = None,
-) -> JobsPublic:
+) -> Response:
     """Newest first, optionally only some statuses (repeat ?status=)."""
     data, next_cursor = jobs.list_jobs(session, statuses=status, limit=limit, cursor=cursor)
-    return JobsPublic(data=data, next_cursor=next_cursor)
+    return _json(JobsPublic(data=data, next_cursor=next_cursor))
 
 
 @router.get("/{job_id}", response_model=JobPublic, responses=_ERRORS)
-def get_job(job_id: JobId, session: SessionDep) -> JobPublic:
+def get_job(job_id: JobId, session: SessionDep) -> Response:
     job = jobs.get_job(session, job_id)
-    return jobs.job_public(job, position=jobs.queue_position(session, job))
+    return _json(jobs.job_public(job, position=jobs.queue_position(session, job)))
 
 
 @router.post("/{job_id}/cancel", status_code=202, response_model=JobPublic, responses=_ERRORS)
-def cancel_job(job_id: JobId, session: SessionDep, principal: PrincipalDep) -> JobPublic:
+def cancel_job(job_id: JobId, session: SessionDep, principal: PrincipalDep) -> Response:
     """A queued job is cancelled at once; a running one within a scheduler tick. Its owner or an admin only."""
     check_can_cancel(principal, job_id=job_id, owner=jobs.get_job(session, job_id).owner)
     job = jobs.cancel_job(session, job_id)
-    return jobs.job_public(job, position=None)
+    return _json(jobs.job_public(job, position=None), status_code=202)
 
 
 @router.get("/{job_id}/metrics", response_model=MetricsPublic, responses=_ERRORS)
@@ -82,15 +92,15 @@ def job_metrics(
     after_step: Annotated[int | None, Query(ge=-1, le=_MAX_STEP)] = None,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
     max_points: Annotated[int | None, Query(ge=2, le=10_000)] = None,
-) -> MetricsPublic:
+) -> Response:
     """Per-step metrics of the surviving attempt, oldest first; max_points thins them evenly."""
     job = jobs.get_job(session, job_id)
     data, next_after = jobs.job_metrics(session, job, after_step=after_step, limit=limit, max_points=max_points)
-    return MetricsPublic(data=data, next_after_step=next_after)
+    return _json(MetricsPublic(data=data, next_after_step=next_after))
 
 
 @router.get("/{job_id}/events", response_model=EventsPublic, responses=_ERRORS)
-def job_events(job_id: JobId, session: SessionDep) -> EventsPublic:
-    return EventsPublic(data=jobs.job_events(session, jobs.get_job(session, job_id)))
+def job_events(job_id: JobId, session: SessionDep) -> Response:
+    return _json(EventsPublic(data=jobs.job_events(session, jobs.get_job(session, job_id))))
 
 

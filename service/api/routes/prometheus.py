@@ -16,7 +16,7 @@ _STATUSES = JobStatus.__args__
 
 
 @router.get("/metrics", response_class=PlainTextResponse)
-def prometheus(session: SessionDep, cluster: ClusterDep) -> str:
+def prometheus(session: SessionDep, cluster: ClusterDep) -> PlainTextResponse:
     counts = dict(session.execute(select(Job.status, func.count()).group_by(Job.status)).all())
     running = session.scalars(select(Job.latest).where(Job.status == "running")).all()
     steps_per_s = sum(1 / row["step_time_s"] for row in running if row and row.get("step_time_s"))
@@ -33,4 +33,6 @@ def prometheus(session: SessionDep, cluster: ClusterDep) -> str:
         "# TYPE zero1_steps_per_second gauge",
         f"zero1_steps_per_second {steps_per_s:.6g}",
     ]
-    return "\n".join(lines) + "\n"
+    # a Response, not a str: FastAPI would validate a str in a second trip to the threadpool
+    # before the session closes, which can deadlock under load (see routes.jobs._json)
+    return PlainTextResponse("\n".join(lines) + "\n")
