@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import math
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ from workers.train import OptimizerSpec, TrainConfig
 
 log = logging.getLogger(__name__)
 _RPC_TIMEOUT_S = 30
+_STORAGE_TTL_S = 60.0
 
 
 def supervisor_name(job_id: int, attempt: int = 0) -> str:
@@ -25,7 +28,7 @@ def supervisor_name(job_id: int, attempt: int = 0) -> str:
 _NAME = re.compile(r"zero1-job-(\d+)-a(\d+)")
 
 
-def train_config(spec: JobSpec, *, checkpoint_dir: str) -> TrainConfig:
+def train_config(spec: JobSpec, *, checkpoint_dir: str, keep_last: int = 0) -> TrainConfig:
     """The workers' view of a job spec."""
     data = TextSpec(path=spec.data.path) if isinstance(spec.data, TextDataSpec) else SyntheticSpec(
         branching=spec.data.branching
@@ -36,7 +39,7 @@ def train_config(spec: JobSpec, *, checkpoint_dir: str) -> TrainConfig:
         optimizer=OptimizerSpec(lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay,
                                 max_grad_norm=opt.max_grad_norm),
         micro_batch_size=spec.micro_batch_size, global_batch_size=spec.global_batch_size, seq_len=spec.seq_len,
-        seed=spec.seed, checkpoint_every=spec.checkpoint_every, checkpoint_dir=checkpoint_dir,
+        seed=spec.seed, checkpoint_every=spec.checkpoint_every, checkpoint_dir=checkpoint_dir, keep_last=keep_last,
         activation_checkpointing=spec.activation_checkpointing,
     )  # fmt: skip
 
@@ -47,6 +50,8 @@ class RayLauncher:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self._supervisors: dict[tuple[int, int], Any] = {}
+        self._storage_problems: dict[str, str] = {}
+        self._storage_checked_at = -math.inf
 
     def checkpoint_dir(self, job_id: int) -> str:
         return str(Path(self.settings.checkpoint_uri).resolve() / f"job-{job_id}")
@@ -57,6 +62,28 @@ class RayLauncher:
 
         found = latest_checkpoint(Path(self.checkpoint_dir(job_id)))
         return 0 if found is None else found[0] + 1
+
+    def storage_problems(self) -> dict[str, str]:
+        """Node id -> why that GPU node cannot write under ZERO1_CHECKPOINT_URI (empty when every
+        one can), asked of the nodes themselves: on a cluster the path must be shared storage.
+        Cached for a minute: a submit does not wait on Ray for it each time."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from workers.actors import probe_writable
+
+        if time.monotonic() - self._storage_checked_at < _STORAGE_TTL_S:
+            return self._storage_problems
+        path = str(Path(self.settings.checkpoint_uri).resolve())
+        nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU", 0) > 0]
+        refs = [
+            probe_writable.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(path)
+            for node in nodes
+        ]
+        answers = ray.get(refs, timeout=_RPC_TIMEOUT_S)
+        self._storage_problems = {node: why for node, why in zip(nodes, answers, strict=True) if why}
+        self._storage_checked_at = time.monotonic()
+        return self._storage_problems
 
     def checkpointed_metrics(self, job_id: int, *, after_step: int) -> list[dict[str, Any]]:
         """Rows saved with the job's checkpoints after `after_step` (see workers.train)."""
@@ -69,7 +96,10 @@ class RayLauncher:
         between launching it and committing) is adopted, not started twice."""
         from workers.actors import JobSupervisor, Placement
 
-        config = train_config(JobSpec.model_validate(job.spec), checkpoint_dir=self.checkpoint_dir(job.id))
+        config = train_config(
+            JobSpec.model_validate(job.spec), checkpoint_dir=self.checkpoint_dir(job.id),
+            keep_last=self.settings.checkpoint_keep_last,
+        )  # fmt: skip
         placement = Placement(
             num_workers=job.num_gpus, cpus_per_worker=self.settings.cpus_per_worker,
             timeout_s=self.settings.placement_timeout_s,
@@ -120,7 +150,8 @@ class RayLauncher:
             return ray.get(supervisor.poll.remote(after_step), timeout=_RPC_TIMEOUT_S)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
             self._supervisors.pop((job_id, attempt), None)
-            return _lost(f"supervisor {name} is unreachable: {type(exc).__name__}")
+            cause = str(exc).strip().splitlines()
+            return _lost(f"supervisor {name} is unreachable: {type(exc).__name__}: {cause[0] if cause else ''}")
 
     def cancel(self, job_id: int, attempt: int) -> None:
         import ray

@@ -119,3 +119,13 @@ def database(database_url) -> Iterator[Database]:
         yield db
     finally:
         db.dispose()
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The reliability figures of the fault, fuzz and load tests that ran (README: Guarantees)."""
+    from figures import FIGURES, summary_lines
+
+    if FIGURES:
+        terminalreporter.write_sep("-", "reliability figures")
+        for line in summary_lines():
+            terminalreporter.write_line(line)

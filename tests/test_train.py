@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from workers.data import Batches, MarkovSource, SyntheticSpec, TextSpec
 from workers.memory import GPTSpec, MLPSpec, Workload, breakdown
 from workers.models import build_model, saved_activation_bytes
-from workers.train import OptimizerSpec, TrainConfig, latest_checkpoint, train
+from workers.train import OptimizerSpec, TrainConfig, checkpointed_metrics, latest_checkpoint, train
 
 SMALL = GPTSpec(vocab_size=64, n_layer=2, n_head=2, n_embd=32, block_size=32)
 
@@ -171,3 +171,24 @@ def test_a_16_bit_gpt_can_compute_in_fp32():
     loss.backward()
     torch.testing.assert_close(loss, upcast(idx, idx))
     assert all(p.dtype == p.grad.dtype == torch.bfloat16 for p in mixed.parameters())
+
+
+def test_keep_last_prunes_older_checkpoints_and_a_crashs_leftovers(tmp_path):
+    cfg = TrainConfig(model=SMALL, steps=10, precision="fp32", checkpoint_every=2, checkpoint_dir=str(tmp_path),
+                      keep_last=2)  # fmt: skip
+    (tmp_path / "step-000000000").mkdir(parents=True)  # an unfinished checkpoint of an earlier crash
+    train(cfg)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000007", "step-000000009"]
+    assert latest_checkpoint(tmp_path) == (9, 1)
+    with pytest.raises(ValueError, match=r"keep_last \(-1\) >= 0"):
+        TrainConfig(model=SMALL, steps=1, keep_last=-1)
+
+
+def test_the_rows_since_the_last_checkpoint_are_saved_with_it(tmp_path):
+    rows: list[dict] = []
+    cfg = TrainConfig(model=SMALL, steps=7, precision="fp32", checkpoint_every=3, checkpoint_dir=str(tmp_path))
+    train(cfg, on_metrics=rows.append)
+    merged = {k: v for k, v in rows[4].items() if k != "rank"} | {"mem_peak_bytes": [rows[4]["mem_peak_bytes"]]}
+    saved = checkpointed_metrics(tmp_path, after_step=3)
+    assert [row["step"] for row in saved] == [4, 5, 6] and saved[0] == merged
+    assert checkpointed_metrics(tmp_path, after_step=6) == []

@@ -256,3 +256,18 @@ def probe_gpu_memory_bytes() -> int | None:
     import torch
 
     return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+
+
+@ray.remote(num_cpus=0)
+def probe_writable(path: str) -> str | None:
+    """None when this node can create, write and delete a file under path; else why not."""
+    import os
+    import tempfile
+
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".zero1-probe-"):
+            pass
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc.strerror or exc}"
+    return None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -59,15 +60,17 @@ class TrainConfig:
     """Steps between checkpoints; 0 checkpoints only at the end."""
     checkpoint_dir: str | None = None
     """Where checkpoints go; None keeps none."""
+    keep_last: int = 0
+    """Complete checkpoints kept (the newest ones); 0 keeps every one."""
     activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         if self.precision not in DTYPES:
             raise ValueError(f"precision must be one of {tuple(DTYPES)}, got {self.precision!r}")
-        if self.steps < 1 or self.micro_batch_size < 1 or self.checkpoint_every < 0:
+        if self.steps < 1 or self.micro_batch_size < 1 or self.checkpoint_every < 0 or self.keep_last < 0:
             raise ValueError(
                 f"need steps ({self.steps}) >= 1, micro_batch_size ({self.micro_batch_size}) >= 1, "
-                f"checkpoint_every ({self.checkpoint_every}) >= 0"
+                f"checkpoint_every ({self.checkpoint_every}) >= 0, keep_last ({self.keep_last}) >= 0"
             )
 
     def global_batch(self, world_size: int) -> int:
@@ -148,7 +151,7 @@ def train(
         due = config.checkpoint_every and (step + 1) % config.checkpoint_every == 0
         if config.checkpoint_dir and (done or due):
             save_checkpoint(opt, Path(config.checkpoint_dir), step=step, process_group=process_group,
-                            metrics=since_checkpoint)  # fmt: skip
+                            metrics=since_checkpoint, keep_last=config.keep_last)  # fmt: skip
             since_checkpoint = []
     return TrainResult(rank=rank, first_step=first, last_step=last, cancelled=False)
 
@@ -227,7 +230,7 @@ def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
 
 def save_checkpoint(
     opt: ZeRO1AdamW, root: Path, *, step: int, process_group: dist.ProcessGroup | None,
-    metrics: list[dict[str, Any]] = (),
+    metrics: list[dict[str, Any]] = (), keep_last: int = 0,
 ) -> Path:
     """Every rank writes its shard and its metric rows since the last checkpoint; rank 0 then
     marks the step complete. The rows travel with the checkpoint: a control plane that lost
@@ -244,7 +247,25 @@ def save_checkpoint(
     if opt.rank == 0:
         meta = {"step": step, "world_size": opt.world_size, "format": state["format"]}
         _atomic_write(directory / _COMPLETE, lambda tmp: tmp.write_text(json.dumps(meta)))
+        if keep_last:
+            prune_checkpoints(root, keep_last=keep_last)
     return directory
+
+
+def prune_checkpoints(root: Path, *, keep_last: int) -> list[int]:
+    """Delete all but the newest `keep_last` complete checkpoints, and any unfinished one older
+    than the newest complete (a crash's leftovers); the steps deleted."""
+    complete = sorted(int(m.parent.name.removeprefix("step-")) for m in root.glob(f"step-*/{_COMPLETE}"))
+    if not complete:
+        return []
+    kept = set(complete[-keep_last:])
+    deleted = []
+    for directory in root.glob("step-*"):
+        step = int(directory.name.removeprefix("step-"))
+        if step not in kept and step < complete[-1]:
+            shutil.rmtree(directory, ignore_errors=True)
+            deleted.append(step)
+    return sorted(deleted)
 
 
 def latest_checkpoint(root: Path) -> tuple[int, int] | None:
