@@ -93,6 +93,17 @@ def _invalid_data_path(message: str) -> ServiceError:
     return ServiceError(message, status_code=422, error="invalid_request", detail=detail)
 
 
+def check_storage(problems: dict[str, str], *, uri: str) -> None:
+    """A 503 when some GPU node cannot write checkpoints (a job there could never save one)."""
+    if problems:
+        node, why = next(iter(problems.items()))
+        raise ServiceError(
+            f"checkpoint storage ZERO1_CHECKPOINT_URI ({uri}) is not writable from {len(problems)} GPU node(s); "
+            f"node {node}: {why}",
+            status_code=503, error="checkpoint_storage_unwritable",
+        )  # fmt: skip
+
+
 def _what_fits(plan: memory.Plan, *, cluster: ClusterCapacity, request, overhead_bytes: int) -> str:
     workload = workload_for(request, overhead_bytes=overhead_bytes)
     if plan.min_gpus is None:

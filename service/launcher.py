@@ -80,7 +80,12 @@ class RayLauncher:
             probe_writable.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(path)
             for node in nodes
         ]
-        answers = ray.get(refs, timeout=_RPC_TIMEOUT_S)
+        try:
+            answers = ray.get(refs, timeout=_RPC_TIMEOUT_S)
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as exc:
+            # not known either way: admit, and let a job that cannot checkpoint fail with the cause
+            log.warning("could not probe the checkpoint storage: %s: %s", type(exc).__name__, exc)
+            return {}
         self._storage_problems = {node: why for node, why in zip(nodes, answers, strict=True) if why}
         self._storage_checked_at = time.monotonic()
         return self._storage_problems

@@ -239,3 +239,18 @@ def test_no_job_body_yields_a_500(sqlite_client, body):
     r = sqlite_client.post("/v1/jobs", content=json.dumps(body), headers={"content-type": "application/json"},
                            params={"dry_run": "true"})  # fmt: skip
     assert r.status_code in (200, 422), r.text
+
+
+def test_a_submit_is_refused_when_the_gpu_nodes_cannot_write_checkpoints(ray_cluster, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    settings = make_settings(tmp_path, checkpoint_uri=str(blocker / "checkpoints"))
+    with TestClient(create_app(settings), raise_server_exceptions=False) as client:
+        for params in ({}, {"dry_run": "true"}):
+            response = client.post("/v1/jobs", json=job_body(), params=params)
+            assert response.status_code == 503, response.text
+            body = response.json()
+            assert body["error"] == "checkpoint_storage_unwritable"
+            assert f"ZERO1_CHECKPOINT_URI ({blocker / 'checkpoints'}) is not writable from 2 GPU node(s)" in body["message"]
+            assert "NotADirectoryError" in body["message"]
+        assert client.get("/v1/jobs").json()["data"] == []

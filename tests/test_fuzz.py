@@ -35,6 +35,7 @@ from psycopg import sql
 from sqlalchemy import select
 
 from conftest import _postgres_admin, make_settings
+from figures import record
 from service.config import Settings
 from service.main import create_app
 from service.models import Job
@@ -123,6 +124,7 @@ def _report(backend: str, record_testsuite_property) -> None:
     print(f"{'total':<34} {total:>6}  5xx: {server_errors}")
     record_testsuite_property(f"fuzz_cases_{backend}", total)
     record_testsuite_property(f"fuzz_5xx_{backend}", server_errors)
+    record(f"schemathesis on {backend}", fuzz_cases=total, responses_5xx=server_errors)
 
 
 def send(client: TestClient, case: schemathesis.Case):

@@ -26,6 +26,7 @@ import httpx
 from sqlalchemy import create_engine, select
 from sqlalchemy.orm import Session
 
+from figures import record as record_figures
 from service.models import Job, JobEvent
 
 ZERO1 = str(Path(sys.executable).with_name("zero1"))
@@ -293,3 +294,5 @@ def test_load_keeps_every_job_once_and_the_gpus_within_the_cluster(tmp_path):
     assert 0 < peak <= NUM_GPUS and held_at_end == 0, (peak, held_at_end)
     assert max(held for held, _ in load.gpu_samples) <= NUM_GPUS
     assert all(0 <= free <= NUM_GPUS for _, free in load.gpu_samples)
+    record_figures("load: 200 submits, 2,000 reads", requests=len(load.records), jobs_accepted=len(set(load.accepted_ids)),
+           jobs_stored=len(jobs), responses_5xx=len(server_errors), gpus_overcommitted=max(0, peak - NUM_GPUS))  # fmt: skip

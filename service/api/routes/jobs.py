@@ -8,7 +8,7 @@ from fastapi import APIRouter, Header, Path, Query, Response
 from pydantic import BaseModel
 
 from service import jobs
-from service.api.deps import ClusterDep, PrincipalDep, SessionDep, SettingsDep
+from service.api.deps import ClusterDep, PrincipalDep, RuntimeDep, SessionDep, SettingsDep
 from service.auth import check_can_cancel
 from service.schemas import (
     DryRunPublic, ErrorPublic, EventsPublic, JobPublic, JobSpec, JobsPublic, JobStatus, MetricsPublic,
@@ -36,19 +36,22 @@ def _json(body: BaseModel, *, status_code: int = 200) -> Response:
     return Response(body.model_dump_json(), status_code=status_code, media_type="application/json")
 
 
-@router.post("", status_code=201, response_model=JobPublic | DryRunPublic, responses={**_SUBMITTED, **_ERRORS})
+@router.post("", status_code=201, response_model=JobPublic | DryRunPublic,
+             responses={**_SUBMITTED, **_ERRORS, 503: {"model": ErrorPublic}})  # fmt: skip
 def submit_job(
     spec: JobSpec,
     session: SessionDep,
     cluster: ClusterDep,
     settings: SettingsDep,
     principal: PrincipalDep,
+    runtime: RuntimeDep,
     dry_run: bool = False,
     idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
 ) -> Response:
     """Plan the job with the ZeRO-1 memory model against the cluster; queue it if it fits."""
     plan = jobs.admit(spec, cluster=cluster, overhead_bytes=round(settings.gpu_overhead_gb * GB))
     spec = jobs.check_data(spec, data_roots=settings.data_roots)
+    jobs.check_storage(runtime.launcher.storage_problems(), uri=settings.checkpoint_uri)
     if dry_run:
         return _json(DryRunPublic(dry_run=True, admitted=True, plan=plan))
     job, created = jobs.submit_job(
