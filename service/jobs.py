@@ -212,7 +212,7 @@ def job_public(job: Job, *, position: int | None) -> JobPublic:
         id=job.id, name=job.name, status=job.status, spec=job.spec, plan=job.plan, num_gpus=job.num_gpus,
         created_at=job.created_at, started_at=job.started_at, finished_at=job.finished_at, step=job.step,
         steps=job.steps, latest=_finite(job.latest), error=job.error, attempt=job.attempt,
-        queue_position=position, owner=job.owner,
+        num_retries=job.num_retries, queue_position=position, owner=job.owner,
     )  # fmt: skip
 
 

@@ -270,7 +270,9 @@ class JobPublic(BaseModel):
     steps: int
     latest: dict | None = Field(description="The last metrics row.")
     error: dict | None
-    attempt: int
+    attempt: int = Field(description="0 for the first launch, +1 for each relaunch (a retry, or a recovery after a "
+                         "service restart).")
+    num_retries: int = Field(0, description="Relaunches after a worker failure; at most spec.max_retries.")
     queue_position: int | None = Field(description="1 for the next job to start; null unless queued.")
     owner: str | None = Field(None, description="The user whose token submitted it; null while auth is off.")
 

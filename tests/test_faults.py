@@ -133,7 +133,7 @@ def test_a_killed_rank_is_retried_from_its_checkpoint_and_ends_where_an_uninterr
 
     done = wait_for(lambda: job(victim), lambda j: j["status"] in ("succeeded", "failed"), what="the end")
     assert done["status"] == "succeeded", done
-    assert done["attempt"] == 1 and done["error"] is None and done["step"] == steps - 1
+    assert done["attempt"] == done["num_retries"] == 1 and done["error"] is None and done["step"] == steps - 1
     events = client.get(f"/v1/jobs/{victim}/events").json()["data"]
     assert transitions(events) == ["queued", "starting", "running", "restarting", "running", "succeeded"]
     restart = events[3]["reason"]
@@ -328,7 +328,7 @@ def test_an_embedded_ray_job_resumes_from_its_checkpoint_when_the_service_restar
         svc.start()
         done = wait_for(lambda: svc.get(f"/v1/jobs/{job_id}"), lambda j: j["status"] in ("succeeded", "failed"),
                         what="the resumed job to finish", timeout_s=300)  # fmt: skip
-        assert done["status"] == "succeeded" and done["attempt"] == 1, done
+        assert done["status"] == "succeeded" and done["attempt"] == 1 and done["num_retries"] == 0, done
         events = svc.get(f"/v1/jobs/{job_id}/events")["data"]
         assert transitions(events) == ["queued", "starting", "running", "restarting", "running", "succeeded"]
         reason = events[3]["reason"]
