@@ -1,0 +1,346 @@
+"""A Ray cluster of two `ray start` nodes on this machine and `zero1 serve` on it with PostgreSQL:
+README "A multi-node Ray cluster", command for command, with ports, a Ray token and a
+temporary directory of the test's own.
+
+Each `ray start --block` runs in a session of its own, so stopping the cluster stops exactly
+its processes: `ray stop` would stop every Ray on the machine, the test session's own too.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from sqlalchemy import create_engine, text
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+EXAMPLE = ROOT / "examples" / "two-nodes.json"
+README_GCS_PORT = 6379
+
+# The README's commands (there with the GCS on port 6379); `--temp-dir` is the test's addition.
+# The head binds loopback: RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 keeps --node-ip-address=127.0.0.1
+# as given (Ray otherwise swaps 127.0.0.1 for the machine's network address), and a node of
+# 127.0.0.1 binds its servers to 127.0.0.1 only. A joining node cannot take that variable
+# (`ray start --address` refuses it), and Ray rewrites a literal 127.0.0.1 or localhost in
+# --address the same way (ray-project/ray#59110), so it names the head LOCALHOST: the same
+# host, which Ray's check does not match, and its node IP is then 127.0.0.1 as well.
+HEAD_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+SERVICE_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def head_command(port: int) -> list[str]:
+    return ["ray", "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=4",
+            "--num-gpus=2", "--include-dashboard=false", "--disable-usage-stats", "--block"]  # fmt: skip
+
+
+def worker_command(port: int) -> list[str]:
+    return ["ray", "start", f"--address=LOCALHOST:{port}", "--num-cpus=4", "--num-gpus=2",
+            "--disable-usage-stats", "--block"]  # fmt: skip
+
+
+def status_command(port: int) -> list[str]:
+    return ["ray", "status", f"--address=127.0.0.1:{port}"]
+
+
+def backup_command(database: str) -> list[str]:
+    return ["pg_dump", "-h", "127.0.0.1", "-U", "postgres", "-Fc", database]
+
+
+def service_env(*, gcs_port: int, database_url: str, checkpoints: Path) -> dict[str, str]:
+    return {"ZERO1_RAY_ADDRESS": f"127.0.0.1:{gcs_port}", "ZERO1_DATABASE_URL": database_url,
+            "ZERO1_CHECKPOINT_URI": str(checkpoints)}  # fmt: skip
+
+
+def wait_for(read: Callable[[], object], predicate: Callable[[object], bool], *, what: str, timeout_s: float) -> object:
+    """Poll read() until predicate holds, with a deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = read()
+        if predicate(value):
+            return value
+        assert time.monotonic() < deadline, f"waited {timeout_s:g} s for {what}; last: {value}"
+        time.sleep(0.1)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def session_pids(sid: int) -> list[int]:
+    """Live (not zombie) processes of a session: `ray start` and every process it started."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        state, session = fields[0], int(fields[3])
+        if session == sid and state != "Z":
+            pids.append(int(entry.name))
+    return pids
+
+
+class Process:
+    """A command in a session of its own, its output in a log file; stop() ends the session."""
+
+    def __init__(self, command: list[str], *, env: dict[str, str], log_path: Path) -> None:
+        self.command, self.log_path = command, log_path
+        with open(log_path, "ab") as log:
+            argv = [str(BIN / command[0]), *command[1:]]
+            self.process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True)  # fmt: skip
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for_log(self, marker: str, *, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while marker not in self.log():
+            assert self.process.poll() is None, f"{' '.join(self.command)} exited:\n{self.log()[-3000:]}"
+            assert time.monotonic() < deadline, f"no {marker!r} within {timeout_s:g} s:\n{self.log()[-3000:]}"
+            time.sleep(0.2)
+
+    def stop(self, *, timeout_s: float = 60) -> None:
+        """SIGTERM (a `ray start --block` then stops its node's processes), SIGKILL what is left."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+        for pid in session_pids(self.process.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        wait_for(lambda: session_pids(self.process.pid), lambda pids: not pids,
+                 what=f"the processes of {self.command[:2]} to end", timeout_s=30)  # fmt: skip
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    inodes = set()
+    try:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    except OSError:
+        pass  # gone meanwhile, or not ours to read
+    return inodes
+
+
+def _ip(hex_address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """/proc/net/tcp{,6} print each 32-bit word of the address in host (little-endian) order."""
+    raw = bytes.fromhex(hex_address)
+    ip = ipaddress.ip_address(b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4)))
+    return getattr(ip, "ipv4_mapped", None) or ip  # a dual-stack socket's ::ffff:127.0.0.1 -> 127.0.0.1
+
+
+def listening_addresses(pids: list[int]) -> dict[tuple[str, int], str]:
+    """(address, port) of every TCP socket these processes listen on -> the listening command."""
+    owners = {inode: pid for pid in pids for inode in _socket_inodes(pid)}
+    found = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state == "0A" and inode in owners:  # 0A: LISTEN
+                address, port = local.split(":")
+                found[(str(_ip(address)), int(port, 16))] = _command(owners[inode])
+    return found
+
+
+def _command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
+    except OSError:
+        return f"pid {pid}"
+
+
+def is_loopback(address: str) -> bool:
+    return ipaddress.ip_address(address).is_loopback
+
+
+# --------------------------------------------------------------------------- the cluster
+
+
+@pytest.fixture
+def ray_token() -> str:
+    """A Ray token of the test's own, in RAY_AUTH_TOKEN: the user's ~/.ray/auth_token is left alone."""
+    return secrets.token_hex(32)
+
+
+@pytest.fixture
+def two_nodes(ray_token) -> Iterator[tuple[int, list[Process]]]:
+    """The README's head and second node, 2 logical GPUs each, on loopback; stopped after."""
+    temp_dir = tempfile.mkdtemp(prefix="z1n-")  # short: Ray's socket paths must fit 107 bytes
+    port = free_port()
+    base = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS")}
+    base |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": ray_token}
+    nodes: list[Process] = []
+    try:
+        head = Process([*head_command(port), f"--temp-dir={temp_dir}"], env=base | HEAD_ENV,
+                       log_path=Path(temp_dir) / "head.out")  # fmt: skip
+        nodes.append(head)
+        head.wait_for_log("block forever", timeout_s=90)
+        worker = Process([*worker_command(port), f"--temp-dir={temp_dir}"], env=base,
+                         log_path=Path(temp_dir) / "worker.out")  # fmt: skip
+        nodes.append(worker)
+        worker.wait_for_log("block forever", timeout_s=90)
+        yield port, nodes
+    finally:
+        for node in reversed(nodes):
+            node.stop()
+        subprocess.run(["rm", "-rf", temp_dir], check=False)
+
+
+@pytest.mark.parametrize("database_url", ["postgresql"], indirect=True)  # conftest's: a fresh database, dropped after
+def test_a_job_spread_over_two_ray_nodes_trains_with_postgresql_and_shared_checkpoints(
+    two_nodes, ray_token, database_url, tmp_path
+):
+    gcs_port, nodes = two_nodes
+    checkpoints = tmp_path / "shared-checkpoints"  # the one filesystem both nodes and the service see
+    api_port = free_port()
+    env = {**os.environ, **SERVICE_ENV, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": ray_token,
+           **service_env(gcs_port=gcs_port, database_url=database_url, checkpoints=checkpoints),
+           "ZERO1_URL": f"http://127.0.0.1:{api_port}"}  # fmt: skip
+    env.pop("RAY_ADDRESS", None)
+    base = env["ZERO1_URL"]
+
+    # Ray's token auth is on: the cluster answers the token, and refuses any other
+    ray_env = {**env, **HEAD_ENV}
+    status = subprocess.run([BIN / "ray", *status_command(gcs_port)[1:]], env=ray_env, capture_output=True, text=True,
+                            timeout=60)  # fmt: skip
+    assert status.returncode == 0 and "0.0/4.0 GPU" in status.stdout, status.stdout + status.stderr
+    refused = subprocess.run([BIN / "ray", *status_command(gcs_port)[1:]], env={**ray_env, "RAY_AUTH_TOKEN": "x" * 64},
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert refused.returncode != 0 and "InvalidAuthToken" in refused.stdout + refused.stderr, refused.stderr
+
+    upgraded = subprocess.run([BIN / "zero1", "db", "upgrade"], env=env, capture_output=True, text=True, timeout=120)
+    assert upgraded.returncode == 0, upgraded.stderr
+    service = Process(["zero1", "serve", "--port", str(api_port)], env=env, log_path=tmp_path / "serve.log")
+    try:
+        cluster = wait_for(lambda: _get(f"{base}/v1/cluster"), lambda c: c is not None and c["nodes"] == 2,
+                           what="the service on the two-node cluster", timeout_s=120)  # fmt: skip
+        assert cluster["num_gpus"] == 4 and cluster["simulated"] is True, cluster
+
+        submitted = subprocess.run([BIN / "zero1", "submit", str(EXAMPLE)], env=env, capture_output=True, text=True,
+                                   timeout=60)  # fmt: skip
+        assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+        job_id = int(re.search(r"^job (\d+) queued", submitted.stdout, re.M).group(1))
+
+        # while it trains: every server of the cluster and the service listens on loopback only.
+        # Not checked: the ranks' torch.distributed rendezvous store, which rank 0's TrainWorker
+        # opens on every interface (a worker's choice, not the cluster's)
+        wait_for(lambda: _get(f"{base}/v1/jobs/{job_id}"), lambda j: j["status"] != "queued" and j["status"] != "starting",
+                 what="the job to start", timeout_s=120)  # fmt: skip
+        pids = [pid for process in (*nodes, service) for pid in session_pids(process.process.pid)]
+        listening = listening_addresses(pids)
+        open_ = {where: command for where, command in listening.items()
+                 if not is_loopback(where[0]) and not command.startswith("ray::TrainWorker")}  # fmt: skip
+        assert listening and not open_, open_
+        assert ("127.0.0.1", gcs_port) in listening, sorted(listening)
+
+        watched = subprocess.run([BIN / "zero1", "watch", str(job_id)], env=env, capture_output=True, text=True,
+                                 timeout=180)  # fmt: skip
+        assert watched.returncode == 0, watched.stdout + watched.stderr + service.log()[-3000:]
+        assert watched.stdout.rstrip().endswith("succeeded")
+    finally:
+        service.stop()
+
+    spec = _read_json(EXAMPLE)
+    steps, world_size, every = spec["steps"], spec["num_gpus"], spec["checkpoint_every"]
+    events = _events(database_url, job_id)
+    assert [status for status, _ in events] == ["queued", "starting", "running", "succeeded"], events
+    assert f"{world_size} ranks placed on 2 node(s)" in events[2][1], events
+
+    # every step's metrics row is in PostgreSQL, once
+    assert database_url.startswith("postgresql+psycopg://")
+    assert _metric_steps(database_url, job_id) == list(range(steps))
+
+    # README "Operations": the backup command dumps the job's rows
+    database = database_url.rsplit("/", 1)[1]
+    dump = tmp_path / "zero1.dump"
+    with open(dump, "wb") as out:
+        subprocess.run(backup_command(database), stdout=out, check=True, timeout=60)
+    listing = subprocess.run(["pg_restore", "--list", str(dump)], capture_output=True, text=True, check=True, timeout=60)
+    assert "TABLE DATA public metrics" in listing.stdout and "TABLE DATA public job_events" in listing.stdout
+
+    # every checkpoint, each rank's shard and the marker, in the shared directory
+    job_dir = checkpoints / f"job-{job_id}"
+    expected = {f"step-{step:09d}" for step in range(every - 1, steps, every)}
+    assert {d.name for d in job_dir.glob("step-*") if (d / "complete.json").is_file()} == expected
+    for name in expected:
+        shards = sorted(p.name for p in (job_dir / name).glob("rank-*.pt"))
+        assert shards == [f"rank-{rank:05d}-of-{world_size:05d}.pt" for rank in range(world_size)]
+
+
+def test_the_readme_runs_these_commands():
+    """README "A multi-node Ray cluster" shows the commands above (GCS on 6379), and the service's settings."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## A multi-node Ray cluster", 1)[1].split("\n## ", 1)[0]
+    lines = [" ".join(line.split()) for line in section.splitlines()]
+    for env, command in ((HEAD_ENV, head_command), ({}, worker_command), (HEAD_ENV, status_command)):
+        shown = " ".join([*(f"{k}={v}" for k, v in env.items()), ".venv/bin/" + " ".join(command(README_GCS_PORT))])
+        assert shown in lines, f"README does not show: {shown}"
+    settings = service_env(gcs_port=README_GCS_PORT, database_url="", checkpoints=Path())
+    for name in settings:
+        assert f"{name}=" in section, name
+    assert "RAY_AUTH_MODE=token" in section and "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 .venv/bin/zero1 serve" in section
+    assert f".venv/bin/zero1 submit examples/{EXAMPLE.name}" in section
+    assert " ".join(backup_command("zero1")) in readme.split("## Operations", 1)[1]
+
+
+def _get(url: str) -> dict | None:
+    try:
+        response = httpx.get(url, timeout=10)
+    except httpx.TransportError:
+        return None  # not listening yet
+    return response.json() if response.is_success else None
+
+
+def _read_json(path: Path) -> dict:
+    import json
+
+    return json.loads(path.read_text())
+
+
+def _events(database_url: str, job_id: int) -> list[tuple[str, str]]:
+    engine = create_engine(database_url)
+    try:
+        with engine.connect() as connection:
+            query = text("SELECT to_status, reason FROM job_events WHERE job_id = :id ORDER BY id")
+            return [(status, reason) for status, reason in connection.execute(query, {"id": job_id})]
+    finally:
+        engine.dispose()
+
+
+def _metric_steps(database_url: str, job_id: int) -> list[int]:
+    engine = create_engine(database_url)
+    try:
+        with engine.connect() as connection:
+            query = text("SELECT step FROM metrics WHERE job_id = :id AND NOT superseded ORDER BY step")
+            return [step for (step,) in connection.execute(query, {"id": job_id})]
+    finally:
+        engine.dispose()
