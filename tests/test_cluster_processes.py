@@ -12,6 +12,7 @@ import ipaddress
 import os
 import re
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -212,7 +213,7 @@ def two_nodes(ray_token) -> Iterator[tuple[int, list[Process]]]:
     finally:
         for node in reversed(nodes):
             node.stop()
-        subprocess.run(["rm", "-rf", temp_dir], check=False)
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 @pytest.mark.parametrize("database_url", ["postgresql"], indirect=True)  # conftest's: a fresh database, dropped after
@@ -253,7 +254,7 @@ def test_a_job_spread_over_two_ray_nodes_trains_with_postgresql_and_shared_check
         # while it trains: every server of the cluster and the service listens on loopback only.
         # Not checked: the ranks' torch.distributed rendezvous store, which rank 0's TrainWorker
         # opens on every interface (a worker's choice, not the cluster's)
-        wait_for(lambda: _get(f"{base}/v1/jobs/{job_id}"), lambda j: j["status"] != "queued" and j["status"] != "starting",
+        wait_for(lambda: _get(f"{base}/v1/jobs/{job_id}"), lambda j: j is not None and j["status"] not in ("queued", "starting"),
                  what="the job to start", timeout_s=120)  # fmt: skip
         pids = [pid for process in (*nodes, service) for pid in session_pids(process.process.pid)]
         listening = listening_addresses(pids)
