@@ -153,13 +153,17 @@ def submit_job(
         num_gpus=spec.num_gpus, steps=spec.steps, idempotency_key=idempotency_key, request_hash=digest, owner=owner,
     )  # fmt: skip
     try:
+        # the job and its first event in one savepoint: on SQLite, whose driver opens no
+        # transaction before a SAVEPOINT, releasing it commits, and the scheduler could see
+        # (and start) a job whose "queued" event was not yet written
         with session.begin_nested():
             session.add(job)
+            session.flush()
+            session.add(JobEvent(job_id=job.id, from_status=None, to_status="queued", reason="submitted"))
             session.flush()
     except IntegrityError:  # a concurrent request with the same key won the race
         existing = session.scalar(select(Job).where(Job.idempotency_key == idempotency_key))
         return _replay(existing, digest, idempotency_key, owner=owner), False
-    session.add(JobEvent(job_id=job.id, from_status=None, to_status="queued", reason="submitted"))
     return job, True
 
 

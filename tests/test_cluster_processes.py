@@ -231,8 +231,11 @@ def test_a_job_spread_over_two_ray_nodes_trains_with_postgresql_and_shared_check
 
     # Ray's token auth is on: the cluster answers the token, and refuses any other
     ray_env = {**env, **HEAD_ENV}
-    status = subprocess.run([BIN / "ray", *status_command(gcs_port)[1:]], env=ray_env, capture_output=True, text=True,
-                            timeout=60)  # fmt: skip
+    ray_status = lambda: subprocess.run([BIN / "ray", *status_command(gcs_port)[1:]], env=ray_env,  # noqa: E731
+                                        capture_output=True, text=True, timeout=60)  # fmt: skip
+    # the second node logs "block forever" a moment before the head's status counts it
+    status = wait_for(ray_status, lambda s: s.returncode != 0 or "0.0/4.0 GPU" in s.stdout,
+                      what="ray status to show both nodes", timeout_s=60)  # fmt: skip
     assert status.returncode == 0 and "0.0/4.0 GPU" in status.stdout, status.stdout + status.stderr
     refused = subprocess.run([BIN / "ray", *status_command(gcs_port)[1:]], env={**ray_env, "RAY_AUTH_TOKEN": "x" * 64},
                              capture_output=True, text=True, timeout=60)  # fmt: skip

@@ -137,7 +137,10 @@ class Load:
 
 async def run_load(base: str) -> tuple[Load, float, int]:
     """The load, then cancel_all; the seconds the load took and the requests sent in them."""
-    limits = httpx.Limits(max_connections=NUM_SUBMITS + NUM_READERS + 8, max_keepalive_connections=64)
+    # idle connections expire on this side first: uvicorn closes them after 5 s, and a request sent on
+    # one it is closing at that moment fails with a ReadError (httpx's own default is also 5 s)
+    limits = httpx.Limits(max_connections=NUM_SUBMITS + NUM_READERS + 8, max_keepalive_connections=64,
+                          keepalive_expiry=1.0)  # fmt: skip
     async with httpx.AsyncClient(base_url=base, timeout=60, limits=limits) as client:
         load = Load(client)
         stop = asyncio.Event()
