@@ -113,8 +113,13 @@ def transitions(events: list[dict]) -> list[str]:
 @pytest.fixture
 def app(ray_cluster, tmp_path) -> Iterator[tuple[TestClient, object]]:
     settings = make_settings(tmp_path)
-    with TestClient(create_app(settings), raise_server_exceptions=False) as client:
-        yield client, settings
+    try:
+        with TestClient(create_app(settings), raise_server_exceptions=False) as client:
+            yield client, settings
+    finally:  # a test that failed midway leaves no job holding the session cluster's GPUs
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            if entry["namespace"] == settings.ray_namespace:
+                ray.kill(ray.get_actor(entry["name"], namespace=entry["namespace"]), no_restart=True)
 
 
 def test_a_killed_rank_is_retried_from_its_checkpoint_and_ends_where_an_uninterrupted_run_ends(app):
@@ -355,23 +360,27 @@ def test_a_removed_node_fails_its_ranks_and_the_job_resumes_on_the_nodes_left(ap
 
     client, settings = app
     placeholder = placement_group([{"GPU": 1, "CPU": 0.5}] * 4)
-    assert ray.get(placeholder.ready(), timeout=60)
-    node = ray_cluster.add_node(num_cpus=2, num_gpus=2)
-    try:
+    node = None
+    try:  # whatever fails here, the session's cluster gets its GPUs back for the tests after this one
+        assert ray.get(placeholder.ready(), timeout=60)
+        node = ray_cluster.add_node(num_cpus=2, num_gpus=2)
         job_id = client.post("/v1/jobs", json=job_body(steps=100_000, checkpoint_every=10, max_retries=1)).json()["id"]
         job = lambda: client.get(f"/v1/jobs/{job_id}").json()  # noqa: E731
         wait_for(job, lambda j: (j["step"] or 0) >= 15, what="training on the third node")
         supervisor = ray.get_actor(supervisor_name(job_id, 0), namespace=settings.ray_namespace)
         assert set(ray.get(supervisor.poll.remote())["nodes"]) == {node.node_id}
     finally:
-        ray_cluster.remove_node(node)
-    remove_placement_group(placeholder)
+        if node is not None:
+            ray_cluster.remove_node(node)
+        remove_placement_group(placeholder)
 
     resumed = wait_for(job, lambda j: j["attempt"] == 1 and j["status"] in ("running", "failed"),
                        what="the retry on the nodes left")  # fmt: skip
     assert resumed["status"] == "running", resumed
     restart = client.get(f"/v1/jobs/{job_id}/events").json()["data"][3]
-    assert restart["to_status"] == "restarting" and f"on node {node.node_id}" in restart["reason"], restart
+    # the ranks on the removed node died; the supervisor too when Ray placed it there (head affinity is soft)
+    assert restart["to_status"] == "restarting", restart
+    assert f"on node {node.node_id}" in restart["reason"] or "SupervisorLost" in restart["reason"], restart
     supervisor = ray.get_actor(supervisor_name(job_id, 1), namespace=settings.ray_namespace)
     assert node.node_id not in ray.get(supervisor.poll.remote())["nodes"]
     assert client.post(f"/v1/jobs/{job_id}/cancel").status_code == 202
