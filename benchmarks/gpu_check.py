@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: `workers` is importable
 
 from workers import memory  # noqa: E402
-from workers.optim import UPDATE_CHUNK_NUMEL  # noqa: E402
+from workers.optim import UPCAST_CHUNK_NUMEL  # noqa: E402
 from workers.memory import GB, GPTSpec  # noqa: E402
 from workers.models import build_model  # noqa: E402
 from workers.optim import ZeRO1AdamW, decay_param_groups  # noqa: E402
@@ -267,7 +267,7 @@ def plan_row(spec: GPTSpec, measured: Measurement, *, micro_batch_size: int, seq
         measured=measured,
         plan=memory.breakdown(workload, num_gpus=n, stage=1),
         formula_bytes=4 * psi + 12 * -(-psi // n),
-        grad_copy_bytes=4 * min(max(shards), UPDATE_CHUNK_NUMEL),
+        grad_copy_bytes=4 * min(max(shards), UPCAST_CHUNK_NUMEL["cuda"]),
     )
 
 

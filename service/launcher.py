@@ -37,7 +37,8 @@ def train_config(spec: JobSpec, *, checkpoint_dir: str, keep_last: int = 0) -> T
     return TrainConfig(
         model=spec.model.to_spec(), steps=spec.steps, data=data, precision=spec.precision,
         optimizer=OptimizerSpec(lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay,
-                                max_grad_norm=opt.max_grad_norm),
+                                max_grad_norm=opt.max_grad_norm, overlap_comm=opt.overlap_comm,
+                                bucket_cap_mb=opt.bucket_cap_mb),  # fmt: skip
         micro_batch_size=spec.micro_batch_size, global_batch_size=spec.global_batch_size, seq_len=spec.seq_len,
         seed=spec.seed, checkpoint_every=spec.checkpoint_every, checkpoint_dir=checkpoint_dir, keep_last=keep_last,
         activation_checkpointing=spec.activation_checkpointing,

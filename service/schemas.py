@@ -202,6 +202,12 @@ class OptimizerConfig(_Body):
     eps: Float = Field(1e-8, ge=0, le=1, allow_inf_nan=False)
     weight_decay: Float = Field(0.1, ge=0, le=10, allow_inf_nan=False)
     max_grad_norm: Float | None = Field(1.0, gt=0, le=1e6, allow_inf_nan=False)
+    overlap_comm: Bool = Field(
+        False,
+        description="Send each gradient bucket's reduce during the backward (ZeRO1AdamW's overlap_comm; "
+        "off by default: README, 'The ZeRO-1 optimizer').",
+    )
+    bucket_cap_mb: Float = Field(25.0, gt=0, le=4096, allow_inf_nan=False, description="Largest gradient bucket, MB.")
 
 
 class JobSpec(_Body):

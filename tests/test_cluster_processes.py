@@ -19,12 +19,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from sqlalchemy import create_engine, text
+
+from polling import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -63,17 +65,6 @@ def backup_command(database: str) -> list[str]:
 def service_env(*, gcs_port: int, database_url: str, checkpoints: Path) -> dict[str, str]:
     return {"ZERO1_RAY_ADDRESS": f"127.0.0.1:{gcs_port}", "ZERO1_DATABASE_URL": database_url,
             "ZERO1_CHECKPOINT_URI": str(checkpoints)}  # fmt: skip
-
-
-def wait_for(read: Callable[[], object], predicate: Callable[[object], bool], *, what: str, timeout_s: float) -> object:
-    """Poll read() until predicate holds, with a deadline."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = read()
-        if predicate(value):
-            return value
-        assert time.monotonic() < deadline, f"waited {timeout_s:g} s for {what}; last: {value}"
-        time.sleep(0.1)
 
 
 def free_port() -> int:

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -28,6 +28,7 @@ from sqlalchemy import create_engine, text
 
 from conftest import make_settings
 from figures import record
+from polling import wait_for
 from service.launcher import supervisor_name
 from service.main import create_app
 
@@ -39,17 +40,6 @@ FAST = {"lr": 0.003, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0, "ma
 def job_body(**overrides) -> dict:
     return {"name": "fault", "model": TINY, "num_gpus": 2, "precision": "fp32", "optimizer": FAST,
             "micro_batch_size": 2, "seed": 7, **overrides}  # fmt: skip
-
-
-def wait_for(read: Callable[[], dict], predicate: Callable[[dict], bool], *, what: str, timeout_s: float = 180) -> dict:
-    """Poll read() until predicate holds, with a deadline."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = read()
-        if predicate(value):
-            return value
-        assert time.monotonic() < deadline, f"waited {timeout_s:g} s for {what}; last: {value}"
-        time.sleep(0.05)
 
 
 def kill_rank(namespace: str, job_id: int, attempt: int, rank: int) -> None:

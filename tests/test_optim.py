@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -73,6 +74,11 @@ def schedule(step: int) -> float:
 
 HYPER = {"lr": 3e-2, "betas": (0.9, 0.95), "eps": 1e-8}
 MAX_NORM = 0.5
+TINY_BUCKET_MB = 30 * 4 / 2**20  # 30 fp32 elements: TinyNet's 301-element buffer in several buckets
+OVERLAP = {  # overlap on: both reduce and gather, with buckets small enough to cut TinyNet many ways
+    False: {},
+    True: {"overlap_comm": True, "overlap_gather": True, "bucket_cap_mb": TINY_BUCKET_MB},
+}
 
 
 def train_zero1(rank, world_size, model, opt, *, steps, first_step):
@@ -86,9 +92,9 @@ def train_zero1(rank, world_size, model, opt, *, steps, first_step):
 # ----------------------------------------------------------------------- fp32: exact AdamW
 
 
-def _fp32_matches_adamw(rank: int, world_size: int, steps: int) -> None:
+def _fp32_matches_adamw(rank: int, world_size: int, steps: int, overlap: bool = False) -> None:
     model = make_model()
-    opt = ZeRO1AdamW(decay_param_groups(model, weight_decay=0.1), **HYPER, max_grad_norm=MAX_NORM)
+    opt = ZeRO1AdamW(decay_param_groups(model, weight_decay=0.1), **HYPER, max_grad_norm=MAX_NORM, **OVERLAP[overlap])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
 
     ref = make_model()
@@ -116,9 +122,10 @@ def _fp32_matches_adamw(rank: int, world_size: int, steps: int) -> None:
     assert torch.equal(model.frozen, make_model().frozen)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlap"])
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_fp32_matches_torch_adamw(world_size):
-    run_ranks(world_size, _fp32_matches_adamw, 24)
+def test_fp32_matches_torch_adamw(world_size, overlap):
+    run_ranks(world_size, _fp32_matches_adamw, 24, overlap)
 
 
 def test_without_process_group_it_is_adamw_on_a_master_copy():
@@ -142,9 +149,10 @@ def test_workers_exports_the_optimizer():
 # ----------------------------------------------------------------------- mixed precision
 
 
-def _mixed_matches_master_reference(rank: int, world_size: int, dtype: torch.dtype, steps: int) -> None:
+def _mixed_matches_master_reference(rank: int, world_size: int, dtype: torch.dtype, steps: int,
+                                    overlap: bool) -> None:  # fmt: skip
     model = make_model(dtype)
-    opt = ZeRO1AdamW(decay_param_groups(model, weight_decay=0.1), **HYPER, max_grad_norm=MAX_NORM)
+    opt = ZeRO1AdamW(decay_param_groups(model, weight_decay=0.1), **HYPER, max_grad_norm=MAX_NORM, **OVERLAP[overlap])
     assert (opt.loss_scaler is not None) == (dtype == torch.float16)
     if opt.loss_scaler is not None:
         opt.loss_scaler.scale = 1024.0  # no overflow: the reference never skips
@@ -180,10 +188,11 @@ def _mixed_matches_master_reference(rank: int, world_size: int, dtype: torch.dty
                          msg=lambda m, name=name, step=step: f"{name} at step {step}: {m}")  # fmt: skip
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlap"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_mixed_precision_matches_fp32_master_reference(world_size, dtype):
-    run_ranks(world_size, _mixed_matches_master_reference, dtype, 20)
+def test_mixed_precision_matches_fp32_master_reference(world_size, dtype, overlap):
+    run_ranks(world_size, _mixed_matches_master_reference, dtype, 20, overlap)
 
 
 # ----------------------------------------------------------------------- loss scaling
@@ -339,6 +348,129 @@ def test_sharded_checkpoint_refuses_another_world_size():
     state["world_size"] = 2
     with pytest.raises(ValueError, match="rank 0 of 2 .* cannot load into rank 0 of 1"):
         opt.load_state_dict(state)
+
+
+# ----------------------------------------------------------------------- overlap
+
+
+def _params(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _overlap_changes_no_bits(rank: int, world_size: int, dtype: torch.dtype) -> None:
+    """Buckets sent during backward, or all of them in step(), or everything over gloo's
+    all_reduce: the first two are the same bits (the owner sums in rank order either way),
+    the third the same values within rounding."""
+    runs = {}
+    for name, kwargs in {
+        "overlap": OVERLAP[True],
+        "no_overlap": {"bucket_cap_mb": TINY_BUCKET_MB},
+        "all_reduce": {"reduce_op": "all_reduce", "gather_op": "all_reduce"},
+    }.items():
+        model = make_model(dtype)
+        opt = ZeRO1AdamW(decay_param_groups(model, weight_decay=0.1), **HYPER, max_grad_norm=MAX_NORM, **kwargs)
+        if name == "overlap":
+            assert opt.overlap_comm and opt.overlap_gather and len(opt._buckets) >= 5
+            assert len(opt._gather_slices(opt._buffers[0])) > 1
+        else:
+            assert not opt.overlap_comm
+        norms = []
+        for step in range(8):
+            idx, target = rank_slice(rank, world_size, step)
+            opt.scale_loss(loss_on(model, idx, target, step)).backward()
+            opt.step()
+            opt.zero_grad()
+            norms.append(opt.grad_norm)
+        runs[name] = (_params(model), norms)
+    for p, q in zip(runs["overlap"][0], runs["no_overlap"][0]):
+        assert torch.equal(p, q)
+    assert runs["overlap"][1] == runs["no_overlap"][1]
+    for p, q in zip(runs["overlap"][0], runs["all_reduce"][0]):
+        assert_close(p, q, atol=4 * torch.finfo(dtype).eps * q.abs().max().item(), rtol=4 * torch.finfo(dtype).eps)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_overlap_on_or_off_gives_the_same_bits(world_size, dtype):
+    run_ranks(world_size, _overlap_changes_no_bits, dtype)
+
+
+def _buckets_go_during_backward(rank: int, world_size: int) -> None:
+    model = make_model()
+    opt = ZeRO1AdamW(decay_param_groups(model, weight_decay=0.1), **HYPER, overlap_comm=True,
+                     bucket_cap_mb=TINY_BUCKET_MB)  # fmt: skip
+    buckets = opt._buckets
+    # reverse parameter order, at most the cap unless one parameter is larger, each parameter once
+    for buf in opt._buffers:
+        mine = [b for b in buckets if b.buf is buf]
+        assert [b.lo for b in mine] == sorted((b.lo for b in mine), reverse=True)
+        assert mine[0].hi == buf.numel and mine[-1].lo == 0
+        assert all(b.hi - b.lo <= 30 or b.num_slots == 1 for b in mine)
+        assert sum(b.num_slots for b in mine) == len(buf.slots)
+    assert [b.tag for b in buckets] == list(range(len(buckets)))
+
+    idx, target = rank_slice(rank, world_size, 0)
+    loss_on(model, idx, target, 0).backward()  # step 0: every parameter gets a gradient
+    assert opt._next_launch == len(buckets) and all(b.launched for b in buckets)  # all sent before step()
+    opt.step()
+    opt.zero_grad()
+    idx, target = rank_slice(rank, world_size, 1)
+    loss_on(model, idx, target, 1).backward()  # step 1: the `sometimes` branch gets none
+    waiting = opt._bucket_of[next(s.index for s in opt._slots if s.name == "sometimes.weight")]
+    assert not waiting.launched  # its bucket, and every bucket after it, wait for step()
+    assert all(b.launched == (b.tag < waiting.tag) for b in buckets)
+    opt.step()
+    opt.zero_grad()
+
+
+def test_buckets_are_sent_during_backward_in_order():
+    run_ranks(2, _buckets_go_during_backward)
+
+
+def _accumulation(rank: int, world_size: int) -> None:
+    """4 micro-batches: 3 under no_sync(), the last one sends; equal to one batch of all 4."""
+    results = []
+    for micro in (1, 4):
+        model = make_model()
+        opt = ZeRO1AdamW(decay_param_groups(model, weight_decay=0.1), **HYPER, overlap_comm=True,
+                         bucket_cap_mb=TINY_BUCKET_MB)  # fmt: skip
+        for step in range(4):
+            idx, target = rank_slice(rank, world_size, step)
+            for i, (x, y) in enumerate(zip(idx.chunk(micro), target.chunk(micro))):
+                with opt.no_sync() if i < micro - 1 else contextlib.nullcontext():
+                    (loss_on(model, x, y, step) / micro).backward()
+                if i < micro - 1:
+                    assert not any(b.launched for b in opt._buckets)
+            opt.step()
+            opt.zero_grad()
+        results.append(_params(model))
+    for p, q in zip(*results):
+        assert_close(p, q)
+
+    # a second backward outside no_sync() after a bucket went is an error, as in DDP
+    model = make_model()
+    opt = ZeRO1AdamW(decay_param_groups(model, weight_decay=0.1), **HYPER, overlap_comm=True,
+                     bucket_cap_mb=TINY_BUCKET_MB)  # fmt: skip
+    idx, target = rank_slice(rank, world_size, 0)
+    loss_on(model, idx, target, 0).backward()
+    with pytest.raises(RuntimeError, match=r"second gradient of \S+ arrived after its bucket was sent.*no_sync"):
+        loss_on(model, idx, target, 0).backward()
+    opt.zero_grad()  # and the optimizer is usable again
+    loss_on(model, idx, target, 0).backward()
+    opt.step()
+
+
+def test_gradient_accumulation_sends_only_the_last_micro_batch():
+    run_ranks(2, _accumulation)
+
+
+def test_overlap_needs_point_to_point_collectives():
+    with pytest.raises(ValueError, match="overlap_comm needs reduce_op and gather_op 'p2p'.*'all_reduce'"):
+        ZeRO1AdamW(make_model().parameters(), overlap_comm=True, reduce_op="all_reduce")
+    with pytest.raises(ValueError, match="overlap_gather needs reduce_op and gather_op 'p2p'.*'all_gather'"):
+        ZeRO1AdamW(make_model().parameters(), overlap_gather=True, gather_op="all_gather")
+    with pytest.raises(ValueError, match="bucket_cap_mb must be > 0, got 0"):
+        ZeRO1AdamW(make_model().parameters(), bucket_cap_mb=0)
 
 
 # ----------------------------------------------------------------------- input checks

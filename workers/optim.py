@@ -20,10 +20,13 @@ That is the memory model's K·Ψ/N, byte for byte (workers/memory.py).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import weakref
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -32,29 +35,37 @@ from torch import Tensor
 
 from workers.memory import SHARD_ALIGNMENT_NUMEL, padded_numel
 
-ReduceOp = Literal["auto", "reduce_scatter", "all_reduce"]
-GatherOp = Literal["auto", "all_gather", "all_reduce"]
+ReduceOp = Literal["auto", "p2p", "reduce_scatter", "all_reduce"]
+GatherOp = Literal["auto", "p2p", "all_gather", "all_reduce"]
 
 SHARDED_FORMAT = "zero1.sharded.v1"
 CONSOLIDATED_FORMAT = "zero1.consolidated.v1"
 _STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 _CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
-UPDATE_CHUNK_NUMEL = 1 << 22  # 16-bit gradients are upcast this many at a time: a 16 MiB transient
+# 16-bit gradients are upcast to fp32 this many elements at a time into one reused scratch: on a CPU
+# 64 Ki (256 KiB, it stays in cache; a full-size upcast costs ~5x the time, mostly in page faults);
+# on a GPU 4 Mi, few enough kernel launches
+UPCAST_CHUNK_NUMEL = {"cpu": 1 << 16, "cuda": 1 << 22}
+RECV_BUFFERS = 2  # receive buffers per dtype for p2p reduces in flight; a third bucket waits for one
+DEFAULT_BUCKET_CAP_MB = 25.0  # as DDP's bucket_cap_mb
+_GATHER_TAG = 1 << 20  # p2p tags: reduce buckets count from 0, gather chunks from here
 
 
 def default_collectives(backend: str) -> tuple[str, str]:
     """(reduce, gather) collectives per backend, chosen by measurement.
 
     NCCL's reduce-scatter and all-gather are bandwidth-optimal: together they
-    move exactly DDP's all-reduce volume. gloo's are not; on this project's
-    2-core machines gloo's ring all-reduce beat them for both beats
-    (benchmarks/optimizer.py prints the figures), so on gloo the reduce is an
-    all-reduce of which each rank reads its shard, and the gather is an
-    all-reduce of buffers that are zero outside each rank's shard.
+    move exactly DDP's all-reduce volume. gloo's are not (on this project's
+    2-core machines, 25M fp32 elements on 2 ranks: reduce_scatter_tensor 140 ms,
+    all_gather_into_tensor 105 ms, all_reduce 97 ms), but its point-to-point
+    sends are: "p2p" sends each peer its slice and sums what the peers send for
+    its own (43 ms), and sends its updated slice to every peer (35 ms). The same
+    sends, bucket by bucket, can overlap the backward pass (overlap_comm).
+    benchmarks/optimizer.py prints the figures.
     """
     if backend == "nccl":
         return "reduce_scatter", "all_gather"
-    return "all_reduce", "all_reduce"
+    return "p2p", "p2p"
 
 
 def decay_param_groups(
@@ -164,6 +175,28 @@ class _FlatBuffer:
         return out
 
 
+@dataclass(kw_only=True, slots=True, eq=False)
+class _Bucket:
+    """A run of whole parameters of one flat buffer, reduced by point-to-point sends:
+    each rank sends every peer the part of the bucket the peer owns and receives,
+    from every peer, the part it owns itself."""
+
+    tag: int  # its place in the launch order, the same on every rank
+    buf: _FlatBuffer
+    lo: int  # flat-buffer coordinates
+    hi: int
+    num_slots: int
+    ready: int = 0  # parameters whose gradient of this backward has arrived
+    launched: bool = False
+    works: list[Any] = field(default_factory=list)
+    received: Tensor | None = None  # (N-1, owned part) the peers' gradients of this rank's part
+    storage: Tensor | None = None  # the pooled receive buffer `received` is a view of
+
+    def owned(self) -> tuple[int, int]:
+        """The part of the bucket in this rank's shard, in flat-buffer coordinates (may be empty)."""
+        return max(self.lo, self.buf.start), min(self.hi, self.buf.start + self.buf.shard_numel)
+
+
 class ZeRO1AdamW(torch.optim.Optimizer):
     """AdamW with its fp32 state sharded over the ranks of `process_group` (ZeRO Stage 1).
 
@@ -181,6 +214,21 @@ class ZeRO1AdamW(torch.optim.Optimizer):
     reduce (with the norm's all-reduce), update (with the cast) and gather. fp16 models get dynamic loss scaling; bf16 and fp32 need none.
     zero_grad() always zeroes in place: the gradients are views of a flat
     buffer and stay so (set_to_none is ignored).
+
+    Overlap (overlap_comm=True; it needs the "p2p" collectives, gloo's default):
+    the flat buffers are cut into buckets of whole parameters, at most
+    bucket_cap_mb each, in reverse parameter order (roughly the order backward
+    produces them). A gradient hook on each parameter, registered once, counts
+    arrivals; a bucket's reduce is sent the moment its last gradient arrives (and
+    the buckets before it have gone), while backward goes on; step() waits for
+    them. With overlap_gather the gather is sent slice by slice as the update
+    finishes each slice. Both are off by default: where communication is CPU work
+    competing with the backward and the update for the same cores (gloo over
+    loopback on this project's 2-core machines) they measured 3-8% slower than
+    sending after the backward (benchmarks/optimizer.py, configs c, d, e); they
+    pay where a network or DMA engine moves the bytes. Accumulating micro-batches
+    with overlap: run all but the last backward under no_sync(). A second backward
+    outside no_sync() after a bucket has gone is an error, as in DDP.
     """
 
     def __init__(
@@ -197,6 +245,9 @@ class ZeRO1AdamW(torch.optim.Optimizer):
         alignment_numel: int = SHARD_ALIGNMENT_NUMEL,
         reduce_op: ReduceOp = "auto",
         gather_op: GatherOp = "auto",
+        overlap_comm: bool = False,
+        overlap_gather: bool = False,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         record_phase_times: bool = False,
     ):
         _check_hyperparameters(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
@@ -204,6 +255,8 @@ class ZeRO1AdamW(torch.optim.Optimizer):
             raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
         if alignment_numel < 1:
             raise ValueError(f"alignment_numel must be >= 1, got {alignment_numel}")
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         for group in self.param_groups:
             _check_hyperparameters(**{k: group[k] for k in ("lr", "betas", "eps", "weight_decay")})
@@ -214,10 +267,23 @@ class ZeRO1AdamW(torch.optim.Optimizer):
         self.rank = dist.get_rank(process_group) if distributed else 0
         backend = dist.get_backend(process_group) if distributed else "none"
         reduce_auto, gather_auto = default_collectives(backend)
+        if overlap_comm or overlap_gather:
+            reduce_auto, gather_auto = "p2p", "p2p"
         self.reduce_op = reduce_auto if reduce_op == "auto" else reduce_op
         self.gather_op = gather_auto if gather_op == "auto" else gather_op
-        # NCCL averages natively; elsewhere sum and fold 1/N into the update's grad scale
-        self._reduce_avg = backend == "nccl"
+        p2p = (self.reduce_op, self.gather_op) == ("p2p", "p2p")
+        for flag, value in (("overlap_comm", overlap_comm), ("overlap_gather", overlap_gather)):
+            if value and not p2p:
+                raise ValueError(
+                    f"{flag} needs reduce_op and gather_op 'p2p' (or 'auto'), got {self.reduce_op!r} / {self.gather_op!r}"
+                )
+        self.overlap_comm = self.world_size > 1 and overlap_comm
+        self.overlap_gather = self.world_size > 1 and overlap_gather
+        self.bucket_cap_mb = bucket_cap_mb
+        self._nccl = backend == "nccl"
+        # NCCL's reduce-scatter averages natively; elsewhere sum and fold 1/N into the update's grad scale
+        self._reduce_avg = self._nccl and self.reduce_op == "reduce_scatter"
+        self._peers = [r for r in range(self.world_size) if r != self.rank]
         self.max_grad_norm = max_grad_norm
         self.alignment_numel = alignment_numel
 
@@ -229,6 +295,20 @@ class ZeRO1AdamW(torch.optim.Optimizer):
             loss_scaler = DynamicLossScaler() if torch.float16 in model_dtypes else None
         self.loss_scaler = loss_scaler
         self._had_grad = [False] * len(self._slots)
+        self._buckets = self._build_buckets()
+        self._bucket_of = [self._buckets[0]] * len(self._slots) if self._buckets else []
+        for bucket in self._buckets:
+            for slot in bucket.buf.slots:
+                if bucket.lo <= slot.offset < bucket.hi:
+                    self._bucket_of[slot.index] = bucket
+        self._counted = [False] * len(self._slots)  # gradient arrived in this sync window
+        self._next_launch = 0  # buckets go in order, the same on every rank
+        self._sync = True  # False inside no_sync()
+        self._scratch: Tensor | None = None  # fp32 upcast of a 16-bit gradient chunk
+        self._upcast_chunk = UPCAST_CHUNK_NUMEL.get(self.device.type, UPCAST_CHUNK_NUMEL["cuda"])
+        self._in_flight: deque[_Bucket] = deque()  # launched buckets, oldest first
+        self._recv_free: dict[torch.dtype, list[Tensor]] = {}  # pooled receive buffers not in use
+        self._recv_count: dict[torch.dtype, int] = {}  # pooled receive buffers allocated
         hooks = [slot.param.register_post_accumulate_grad_hook(self._grad_marker(slot.index)) for slot in self._slots]
         # the hooks live on the parameters: remove them when the optimizer goes, so none keeps it alive
         weakref.finalize(self, lambda: [hook.remove() for hook in hooks])
@@ -288,14 +368,57 @@ class ZeRO1AdamW(torch.optim.Optimizer):
         buf.state["exp_avg_sq"] = torch.zeros(shard, dtype=torch.float32, device=device)
         return buf
 
+    def _build_buckets(self) -> list[_Bucket]:
+        """Buckets of whole parameters, at most bucket_cap_mb each (a larger parameter is one
+        bucket), each buffer from its end: the order in which backward produces gradients."""
+        if self.reduce_op != "p2p" or self.world_size == 1:
+            return []
+        buckets: list[_Bucket] = []
+        for buf in self._buffers:
+            cap = max(1, int(self.bucket_cap_mb * 2**20) // buf.grads.element_size())
+            lo, hi, count = 0, None, 0
+            for slot in reversed(buf.slots):
+                if hi is not None and hi - slot.offset > cap:
+                    buckets.append(_Bucket(tag=len(buckets), buf=buf, lo=lo, hi=hi, num_slots=count))
+                    hi = None
+                if hi is None:
+                    hi, count = slot.offset + slot.numel, 0
+                lo, count = slot.offset, count + 1
+            if hi is not None:
+                buckets.append(_Bucket(tag=len(buckets), buf=buf, lo=lo, hi=hi, num_slots=count))
+        return buckets
+
     def _grad_marker(self, index: int):
         optimizer = weakref.ref(self)
 
         def mark(_: Tensor) -> None:
             if (alive := optimizer()) is not None:
-                alive._had_grad[index] = True
+                alive._on_grad(index)
 
         return mark
+
+    def _on_grad(self, index: int) -> None:
+        """A parameter's gradient of this backward is complete: count it; send what is ready."""
+        self._had_grad[index] = True
+        if not (self.overlap_comm and self._sync):
+            return
+        bucket = self._bucket_of[index]
+        if self._counted[index]:
+            if bucket.launched:
+                raise RuntimeError(
+                    f"a second gradient of {self._slots[index].name} arrived after its bucket was sent: "
+                    "with overlap_comm, call step() after each backward(), or run the backward of every "
+                    "micro-batch but the last under optimizer.no_sync()"
+                )
+            return
+        self._counted[index] = True
+        bucket.ready += 1
+        while self._next_launch < len(self._buckets):
+            bucket = self._buckets[self._next_launch]
+            if bucket.ready < bucket.num_slots:
+                break
+            self._launch_reduce(bucket)
+            self._next_launch += 1
 
     # ------------------------------------------------------------------ public API
 
@@ -308,8 +431,20 @@ class ZeRO1AdamW(torch.optim.Optimizer):
         return 1.0 if self.loss_scaler is None else self.loss_scaler.scale
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 - see class docstring
+        self._finish_reduces()  # a bucket sent without a step(): let its sends end before zeroing
+        self._reset_buckets()
         for buf in self._buffers:
             buf.grads.zero_()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients without sending them (DDP's no_sync()):
+        use it for every micro-batch but the last, whose backward then sends the sum."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
 
     def model_state_bytes(self) -> int:
         """Bytes this rank allocates for model states: the flat parameter and gradient
@@ -356,11 +491,9 @@ class ZeRO1AdamW(torch.optim.Optimizer):
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow=overflow)
         if not self.skipped:
-            self._update_shards(grad_norm=grad_norm, scale=scale, active=active)
-            clock("update")
-            self._gather_params()
-            clock("gather")
+            self._update_and_gather(grad_norm=grad_norm, scale=scale, active=active, clock=clock)
         self._had_grad = [False] * len(self._slots)
+        self._reset_buckets()
         for buf in self._buffers:
             buf.grad_shard = None
         return loss
@@ -385,10 +518,17 @@ class ZeRO1AdamW(torch.optim.Optimizer):
     # ------------------------------------------------------------------ the four beats
 
     def _reduce_gradients(self) -> None:
+        if self._buckets:
+            # buckets backward did not complete (overlap off, or a parameter without a gradient
+            # here) go now, in order; then every rank's own part is summed
+            for bucket in self._buckets[self._next_launch :]:
+                self._launch_reduce(bucket)
+            self._next_launch = len(self._buckets)
+            self._finish_reduces()
         for buf in self._buffers:
             shard = slice(buf.start, buf.start + buf.shard_numel)
-            if self.world_size == 1:
-                buf.grad_shard = buf.grads
+            if self.world_size == 1 or self.reduce_op == "p2p":
+                buf.grad_shard = buf.grads[shard]
             elif self.reduce_op == "all_reduce":
                 # all-reduce: flat grad (N*S,) summed on every rank; this rank reads its (S,)
                 dist.all_reduce(buf.grads, op=self._reduce_op(), group=self.process_group)
@@ -398,6 +538,78 @@ class ZeRO1AdamW(torch.optim.Optimizer):
                 out = buf.grads[shard] if self._reduce_avg else torch.empty_like(buf.grads[shard])
                 dist.reduce_scatter_single(out, buf.grads, op=self._reduce_op(), group=self.process_group)
                 buf.grad_shard = out
+
+    def _launch_reduce(self, bucket: _Bucket) -> None:
+        """Send each peer its part of the bucket; post receives of the peers' gradients of mine."""
+        buf, ops = bucket.buf, []
+        lo, hi = bucket.owned()
+        if lo < hi:
+            bucket.storage = self._recv_buffer(buf.grads, (len(self._peers)) * (hi - lo))
+            bucket.received = bucket.storage[: len(self._peers) * (hi - lo)].view(len(self._peers), hi - lo)
+            ops += [self._p2p(dist.irecv, bucket.received[k], peer, bucket.tag) for k, peer in enumerate(self._peers)]
+        for peer in self._peers:
+            a = max(bucket.lo, peer * buf.shard_numel)
+            b = min(bucket.hi, (peer + 1) * buf.shard_numel)
+            if a < b:
+                ops.append(self._p2p(dist.isend, buf.grads[a:b], peer, bucket.tag))
+        bucket.works = dist.batch_isend_irecv(ops) if ops else []
+        bucket.launched = True
+        self._in_flight.append(bucket)
+
+    def _recv_buffer(self, like: Tensor, numel: int) -> Tensor:
+        """A pooled receive buffer of at least `numel` elements. At most RECV_BUFFERS per dtype
+        exist: reused, not allocated per step (fresh memory costs page faults on every step);
+        when all are in use the oldest bucket in flight is finished first."""
+        free = self._recv_free.setdefault(like.dtype, [])
+        while not free and self._recv_count.get(like.dtype, 0) >= RECV_BUFFERS and self._in_flight:
+            self._finish_oldest()
+        if free:
+            buffer = free.pop()
+            if buffer.numel() >= numel:
+                return buffer
+        else:
+            self._recv_count[like.dtype] = self._recv_count.get(like.dtype, 0) + 1
+        return torch.empty(numel, dtype=like.dtype, device=like.device)  # (re)allocated at the largest size
+
+    def _p2p(self, op, tensor: Tensor, peer: int, tag: int) -> dist.P2POp:
+        if self.process_group is not None:
+            peer = dist.get_global_rank(self.process_group, peer)
+        return dist.P2POp(op, tensor, peer, self.process_group, tag)
+
+    def _finish_reduces(self) -> None:
+        """Wait for every launched bucket and sum the gradients of this rank's parts."""
+        while self._in_flight:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        """Wait for the oldest bucket in flight and sum, in place, the gradients of this rank's part.
+
+        The sum is g_0 + g_1 + ... + g_{N-1} folded left in rank order on every owner, however
+        the buckets were cut or timed: overlap on or off gives the same bits."""
+        bucket = self._in_flight.popleft()
+        for work in bucket.works:
+            work.wait()
+        bucket.works = []
+        if bucket.received is None:
+            return
+        lo, hi = bucket.owned()
+        mine, peers = bucket.buf.grads[lo:hi], dict(zip(self._peers, bucket.received))
+        if self.rank > 0:
+            before = peers[0]
+            for r in range(1, self.rank):
+                before.add_(peers[r])
+            mine.add_(before)  # (g_0 + ... + g_{r-1}) + g_r: addition commutes exactly
+        for r in range(self.rank + 1, self.world_size):
+            mine.add_(peers[r])
+        self._recv_free[bucket.storage.dtype].append(bucket.storage)
+        bucket.received = bucket.storage = None
+
+    def _reset_buckets(self) -> None:
+        assert not self._in_flight, "reset with reduces in flight"
+        for bucket in self._buckets:
+            bucket.ready, bucket.launched = 0, False
+        self._counted = [False] * len(self._slots)
+        self._next_launch = 0
 
     def _reduce_op(self) -> dist.ReduceOp:
         return dist.ReduceOp.AVG if self._reduce_avg else dist.ReduceOp.SUM
@@ -411,7 +623,7 @@ class ZeRO1AdamW(torch.optim.Optimizer):
         summing whole shards sums the owned elements only."""
         stats = torch.zeros(1 + len(self._slots), dtype=torch.float32, device=self.device)
         for buf in self._buffers:
-            stats[0] += torch.linalg.vector_norm(buf.grad_shard, dtype=torch.float32).square()
+            stats[0] += self._sum_of_squares(buf.grad_shard)
         stats[1:] = torch.tensor(self._had_grad, dtype=torch.float32)
         if self.world_size > 1:
             dist.all_reduce(stats, group=self.process_group)
@@ -419,31 +631,94 @@ class ZeRO1AdamW(torch.optim.Optimizer):
         grad_norm = math.sqrt(values[0]) / (self._grad_divisor() * scale)  # inf and nan pass through
         return grad_norm, [flag > 0 for flag in values[1:]]
 
-    def _update_shards(self, *, grad_norm: float, scale: float, active: list[bool]) -> None:
+    def _sum_of_squares(self, grad: Tensor) -> Tensor:
+        """Σ g² in fp32. A 16-bit gradient is upcast a chunk at a time into the scratch on a CPU
+        (vector_norm(dtype=float32) there takes ~5x as long); on a GPU vector_norm upcasts as it reads."""
+        if grad.dtype == torch.float32 or self.device.type != "cpu":
+            return torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+        total = torch.zeros((), dtype=torch.float32, device=grad.device)
+        scratch = self._upcast_scratch()
+        for a in range(0, grad.numel(), self._upcast_chunk):
+            chunk = scratch[: min(self._upcast_chunk, grad.numel() - a)].copy_(grad[a : a + self._upcast_chunk])
+            total += torch.dot(chunk, chunk)
+        return total
+
+    def _upcast_scratch(self) -> Tensor:
+        if self._scratch is None:
+            self._scratch = torch.empty(self._upcast_chunk, dtype=torch.float32, device=self.device)
+        return self._scratch
+
+    def _update_and_gather(self, *, grad_norm: float, scale: float, active: list[bool], clock) -> None:
+        """AdamW on this rank's shard, cast, gather. With overlap_gather each slice of the shard
+        is sent to the peers as soon as it is updated, while the next slice updates."""
         clip = 1.0
         if self.max_grad_norm is not None:
             clip = min(1.0, self.max_grad_norm / (grad_norm + _CLIP_EPS))
         # the kernel divides each gradient by this: sum -> mean, unscale, clip, in one pass
         grad_scale = torch.tensor(self._grad_divisor() * scale / clip, dtype=torch.float32, device=self.device)
-        for buf in self._buffers:
-            group = self.param_groups[buf.group_index]
-            master = buf.state.get("master", buf.param_shard())
-            # the fused kernel wants one dtype: a 16-bit shard is upcast a chunk at a time, so the
-            # update's transient stays at 4 bytes x UPDATE_CHUNK_NUMEL however large the shard
-            chunk = UPDATE_CHUNK_NUMEL if buf.grad_shard.dtype != torch.float32 else buf.shard_numel
-            for lo, hi, step in self._runs(buf, active):
-                step_t = torch.tensor(float(step), dtype=torch.float32, device=self.device)
-                for a in range(lo, hi, chunk):
-                    b = min(a + chunk, hi)
-                    torch._fused_adamw_(
-                        [master[a:b]], [buf.grad_shard[a:b].float()], [buf.state["exp_avg"][a:b]],
-                        [buf.state["exp_avg_sq"][a:b]], [], [step_t],
-                        lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
-                        weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=False,
-                        grad_scale=grad_scale, found_inf=None,
-                    )  # fmt: skip
-            if "master" in buf.state:
-                buf.param_shard().copy_(buf.state["master"])  # cast: fp32 shard -> model dtype
+        works: list[Any] = []
+        for b, buf in enumerate(self._buffers):
+            runs = self._runs(buf, active)
+            for i, (lo, hi) in enumerate(self._gather_slices(buf)):
+                self._update_slice(buf, runs, lo, hi, grad_scale=grad_scale)
+                if self.overlap_gather:
+                    works += self._launch_gather(buf, lo, hi, tag=self._gather_tag(b, i))
+        clock("update")
+        if self.overlap_gather:
+            for work in works:
+                work.wait()
+        else:
+            self._gather_params()
+        clock("gather")
+
+    def _gather_slices(self, buf: _FlatBuffer) -> list[tuple[int, int]]:
+        """The shard in slices (shard coordinates), the same on every rank: about eight, each
+        at most a bucket. The update runs slice by slice whether or not the gather overlaps it:
+        the fused kernel's results depend (in the last bit) on where a call starts, so both
+        modes cut the shard at the same places."""
+        size = buf.shard_numel
+        cap = max(1, int(self.bucket_cap_mb * 2**20) // buf.params.element_size())
+        step = max(min(cap, -(-size // 8)), min(cap, 1 << 16))  # no slice below 64 Ki elements unless the cap is
+        return [(lo, min(lo + step, size)) for lo in range(0, size, step)]
+
+    def _update_slice(self, buf: _FlatBuffer, runs: list[tuple[int, int, int]], lo: int, hi: int, *,
+                      grad_scale: Tensor) -> None:  # fmt: skip
+        """The fused AdamW kernel over [lo, hi) of the shard, then the cast to the model dtype."""
+        group = self.param_groups[buf.group_index]
+        master = buf.state.get("master", buf.param_shard())
+        grad = buf.grad_shard
+        upcast = grad.dtype != torch.float32
+        for run_lo, run_hi, step in runs:
+            run_lo, run_hi = max(run_lo, lo), min(run_hi, hi)
+            if run_lo >= run_hi:
+                continue
+            step_t = torch.tensor(float(step), dtype=torch.float32, device=self.device)
+            # the fused kernel wants one dtype: a 16-bit gradient is upcast a cache-sized chunk at a
+            # time into one reused scratch, so the update makes no full-size temporary
+            chunk = self._upcast_chunk if upcast else run_hi - run_lo
+            for a in range(run_lo, run_hi, chunk):
+                b = min(a + chunk, run_hi)
+                g = self._upcast_scratch()[: b - a].copy_(grad[a:b]) if upcast else grad[a:b]
+                torch._fused_adamw_(
+                    [master[a:b]], [g], [buf.state["exp_avg"][a:b]], [buf.state["exp_avg_sq"][a:b]], [], [step_t],
+                    lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
+                    weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=False,
+                    grad_scale=grad_scale, found_inf=None,
+                )  # fmt: skip
+        if "master" in buf.state:
+            buf.param_shard()[lo:hi].copy_(buf.state["master"][lo:hi])  # cast: fp32 shard -> model dtype
+
+    def _launch_gather(self, buf: _FlatBuffer, lo: int, hi: int, *, tag: int) -> list[Any]:
+        """Send slice [lo, hi) of this rank's shard to every peer; receive the same slice of theirs."""
+        size, ops = buf.shard_numel, []
+        for peer in self._peers:
+            ops.append(self._p2p(dist.irecv, buf.params[peer * size + lo : peer * size + hi], peer, tag))
+            ops.append(self._p2p(dist.isend, buf.params[buf.start + lo : buf.start + hi], peer, tag))
+        return dist.batch_isend_irecv(ops) if ops else []
+
+    @staticmethod
+    def _gather_tag(buffer_index: int, slice_index: int) -> int:
+        return _GATHER_TAG + (buffer_index << 12) + slice_index
 
     def _runs(self, buf: _FlatBuffer, active: list[bool]) -> list[tuple[int, int, int]]:
         """(lo, hi, step) ranges of the shard to update, after counting this step.
@@ -470,17 +745,23 @@ class ZeRO1AdamW(torch.optim.Optimizer):
     def _gather_params(self) -> None:
         if self.world_size == 1:
             return
-        for buf in self._buffers:
+        works = []
+        for b, buf in enumerate(self._buffers):
             shard = buf.param_shard()
-            if self.gather_op == "all_gather":
+            if self.gather_op == "p2p":
+                # every rank sends its updated slice to every peer, straight into their flat buffers
+                works += self._launch_gather(buf, 0, buf.shard_numel, tag=self._gather_tag(b, 0))
+            elif self.gather_op == "all_gather":
                 # all-gather: own shard (S,) -> flat params (N*S,) on every rank
-                source = shard if self._reduce_avg else shard.clone()  # in place only on NCCL
+                source = shard if self._nccl else shard.clone()  # in place only on NCCL
                 dist.all_gather_single(buf.params, source, group=self.process_group)
             else:
                 # all-reduce of buffers that are zero outside each rank's shard: x + 0 is exact
                 buf.params[: buf.start].zero_()
                 buf.params[buf.start + buf.shard_numel :].zero_()
                 dist.all_reduce(buf.params, group=self.process_group)
+        for work in works:
+            work.wait()
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -9,6 +9,8 @@ shard, and rank 0 marks the checkpoint complete once all shards are in place.
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import os
 import shutil
@@ -38,6 +40,9 @@ class OptimizerSpec:
     eps: float = 1e-8
     weight_decay: float = 0.1
     max_grad_norm: float | None = 1.0
+    overlap_comm: bool = False
+    """Send each gradient bucket's reduce during the backward (ZeRO1AdamW's overlap_comm)."""
+    bucket_cap_mb: float = 25.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -129,6 +134,7 @@ def train(
     opt = ZeRO1AdamW(
         decay_param_groups(model, weight_decay=hyper.weight_decay), lr=hyper.lr, betas=hyper.betas,
         eps=hyper.eps, process_group=process_group, max_grad_norm=hyper.max_grad_norm,
+        overlap_comm=hyper.overlap_comm, bucket_cap_mb=hyper.bucket_cap_mb,
     )  # fmt: skip
     first = 0
     if config.checkpoint_dir:
@@ -178,10 +184,12 @@ class _StepContext:
         activation_peak = 0
         for micro in range(accumulation):
             inputs, targets = (t.to(self.device) for t in self.batches.micro_batch(step, micro))
-            loss = meter.run(
-                lambda: self.model(inputs, targets) / accumulation,
-                lambda loss: self.opt.scale_loss(loss).backward(),
-            )
+            # every micro-batch but the last accumulates locally; the last one's backward sends
+            with self.opt.no_sync() if micro < accumulation - 1 else contextlib.nullcontext():
+                loss = meter.run(
+                    lambda: self.model(inputs, targets) / accumulation,
+                    lambda loss: self.opt.scale_loss(loss).backward(),
+                )
             loss_sum += loss.detach()
             activation_peak = max(activation_peak, meter.peak_bytes)
         self.opt.step()
