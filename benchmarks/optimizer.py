@@ -1,11 +1,12 @@
 """Optimizer speed and memory: ZeRO1AdamW beside DDP + AdamW and DDP + ZeroRedundancyOptimizer.
 
-    .venv/bin/python benchmarks/optimizer.py                 # the README's figures: ~25 minutes here
+    .venv/bin/python benchmarks/optimizer.py                 # the README's figures: ~50 minutes here
     .venv/bin/python benchmarks/optimizer.py --quick         # 10M model, N = 1 and 2, 5 steps: ~1 minute
+    .venv/bin/python benchmarks/optimizer.py --from-json benchmarks/results/optimizer.json   # reprint a run
 
 World sizes 1, 2 and 4 on gloo (spawned processes, one CPU thread each) train
 GPT-2-style decoders of ~10M, ~50M and ~120M parameters on the same random
-tokens, in bf16 mixed precision and in fp32, with four optimizer set-ups, one
+tokens, in bf16 mixed precision and in fp32, with five optimizer set-ups, one
 after another on the same model and data:
 
     (a)  DDP + torch.optim.AdamW(fused=True); in bf16 over a full fp32 master copy
