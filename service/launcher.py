@@ -97,6 +97,16 @@ class RayLauncher:
 
         return checkpointed_metrics(Path(self.checkpoint_dir(job_id)), after_step=after_step)
 
+    def discard_stored_metrics(self, job_id: int, *, through_step: int) -> None:
+        """Delete the job's pruned checkpoints whose rows are stored (see workers.train); a
+        failure to delete is logged, not raised: it costs disk, not data."""
+        from workers.train import discard_stored_metrics
+
+        try:
+            discard_stored_metrics(Path(self.checkpoint_dir(job_id)), through_step=through_step)
+        except OSError as exc:
+            log.warning("job %s: could not delete stored rows' checkpoint files: %s", job_id, exc)
+
     def launch(self, job: Job) -> None:
         """Start the job's current attempt; an attempt already started (the service stopped
         between launching it and committing) is adopted, not started twice."""

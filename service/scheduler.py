@@ -26,6 +26,7 @@ from service.models import Job, Metric
 
 log = logging.getLogger(__name__)
 
+_ALL_STEPS = 2**62
 _METRIC_FIELDS = ("step", "loss", "grad_norm", "loss_scale", "skipped", "step_time_s", "tokens_per_s",
                   "mem_peak_bytes", "mem_planned_bytes")  # fmt: skip
 
@@ -56,6 +57,7 @@ class Scheduler:
         self.db, self.launcher, self.total_gpus, self.interval_s = db, launcher, total_gpus, interval_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._stored: dict[int, int] = {}  # job id -> step through which its rows are now stored
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="zero1-scheduler", daemon=True)
@@ -80,20 +82,35 @@ class Scheduler:
                 log.exception("scheduler tick failed")
 
     def tick(self) -> None:
+        self._stored = {}  # a tick that raised rolled back what it noted
         with self.db.session() as session:
             for job in self._active(session):
                 self._advance(session, job)
             self._admit(session)
+        self._discard_stored()
 
     def drain(self) -> int:
         """One last collection of every active job's metrics, admitting nothing; rows stored."""
         with self.db.session() as session:
             return sum(store_metrics(session, job, self._poll(job)["metrics"]) for job in self._active(session))
 
+    def _stored_through(self, job: Job, step: int | None) -> None:
+        """Note that once this transaction commits, the rows of `job` through `step` are stored."""
+        if step is not None:
+            self._stored[job.id] = max(step, self._stored.get(job.id, step))
+
+    def _discard_stored(self) -> None:
+        """After a commit: the pruned checkpoints' rows now in the database are not needed for a
+        relaunch; delete them (never before the commit: a stop in between would lose them)."""
+        stored, self._stored = self._stored, {}
+        for job_id, step in stored.items():
+            self.launcher.discard_stored_metrics(job_id, through_step=step)
+
     def recover(self) -> None:
         """At start-up: adopt the supervisors that outlived the last service process, relaunch the
         active jobs whose supervisor is gone (an embedded Ray dies with the service), and end
         supervisors no active job owns. Queued jobs wait in the database as they were."""
+        self._stored = {}
         with self.db.session() as session:
             jobs = {job.id: job for job in self._active(session)}
             for job_id, attempt in self.launcher.supervisors():
@@ -109,6 +126,7 @@ class Scheduler:
                 if self.launcher.settings.ray_address is None:
                     cause += " (the embedded Ray cluster stops with the service)"
                 self._relaunch(session, job, cause=cause, retry=False)
+        self._discard_stored()
 
     @staticmethod
     def _active(session: Session) -> list[Job]:
@@ -120,15 +138,21 @@ class Scheduler:
             store_metrics(session, job, self._poll(job)["metrics"])
             transition(session, job, "cancelled", "cancelled by request: every rank stopped, GPUs freed")
             self.launcher.release(job.id, job.attempt)
+            self._stored_through(job, _ALL_STEPS)  # never relaunched: its saved rows are not needed
             return
         state = self._poll(job)
+        before = job.step
         store_metrics(session, job, state["metrics"])
+        every = job.spec.get("checkpoint_every") or 0
+        if every and job.step is not None and (before is None or (job.step + 1) // every > (before + 1) // every):
+            self._stored_through(job, job.step)  # a checkpoint interval's rows stored: once an interval
         status = state["status"]
         if job.status in ("starting", "restarting") and status in ("running", "succeeded"):
             transition(session, job, "running", _running_reason(job, nodes=len(set(state["nodes"]))))
         if status == "succeeded":
             transition(session, job, "succeeded", f"all {job.num_gpus} ranks finished step {job.steps - 1}")
             self.launcher.release(job.id, job.attempt)
+            self._stored_through(job, _ALL_STEPS)
         elif status in ("failed", "lost"):
             self._on_failure(session, job, state["error"])
 
@@ -141,6 +165,7 @@ class Scheduler:
             spent = f" after {job.num_retries} of max_retries {max_retries}" if max_retries else ""
             transition(session, job, "failed", f"{cause}{spent}")
             self.launcher.release(job.id, job.attempt)
+            self._stored_through(job, _ALL_STEPS)
             return
         job.num_retries += 1
         self._relaunch(session, job, cause=f"{cause}; retry {job.num_retries} of {max_retries}", retry=True)
@@ -153,6 +178,7 @@ class Scheduler:
         # were saved with the checkpoint: store them, or the surviving curve would have a gap
         saved = self.launcher.checkpointed_metrics(job.id, after_step=-1 if job.step is None else job.step)
         store_metrics(session, job, [row for row in saved if row["step"] < resume])
+        self._stored_through(job, resume - 1)
         supersede_after(session, job, resume_step=resume)
         where = f"checkpoint step {resume - 1}" if resume else "the start (no checkpoint yet)"
         if job.status != "restarting":

@@ -335,6 +335,13 @@ def test_an_embedded_ray_job_resumes_from_its_checkpoint_when_the_service_restar
         waited = wait_for(lambda: svc.get(f"/v1/jobs/{queued}"), lambda j: j["status"] == "succeeded",
                           what="the queued job")  # fmt: skip
         assert waited["attempt"] == 0
+        # the rows of the checkpoints keep_last pruned went once stored; the newest 3 stay whole
+        directory = svc.checkpoints / f"job-{job_id}"
+        wait_for(lambda: sorted(p.parent.name for p in directory.glob("step-*/pruned.json")), lambda left: not left,
+                 what="the stored rows of pruned checkpoints to be discarded", timeout_s=30)  # fmt: skip
+        assert sorted(p.parent.name for p in directory.glob("step-*/rank-*.pt")) == [
+            f"step-{step:09d}" for step in (159, 159, 179, 179, 199, 199)
+        ]
         record(f"service {sig.name}, embedded Ray", faults=1, jobs_accepted=2, jobs_stored=jobs_stored(svc.database_url),
                rows_expected=steps + 10, rows_stored=surviving_steps(svc.database_url, job_id)
                + surviving_steps(svc.database_url, queued))  # fmt: skip

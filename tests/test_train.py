@@ -13,7 +13,9 @@ from hypothesis import strategies as st
 from workers.data import Batches, MarkovSource, SyntheticSpec, TextSpec
 from workers.memory import GPTSpec, MLPSpec, Workload, breakdown
 from workers.models import build_model, saved_activation_bytes
-from workers.train import OptimizerSpec, TrainConfig, checkpointed_metrics, latest_checkpoint, train
+from workers.train import (
+    OptimizerSpec, TrainConfig, checkpointed_metrics, discard_stored_metrics, latest_checkpoint, train,
+)  # fmt: skip
 
 SMALL = GPTSpec(vocab_size=64, n_layer=2, n_head=2, n_embd=32, block_size=32)
 
@@ -178,10 +180,30 @@ def test_keep_last_prunes_older_checkpoints_and_a_crashs_leftovers(tmp_path):
                       keep_last=2)  # fmt: skip
     (tmp_path / "step-000000000").mkdir(parents=True)  # an unfinished checkpoint of an earlier crash
     train(cfg)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000007", "step-000000009"]
     assert latest_checkpoint(tmp_path) == (9, 1)
+    assert sorted(p.name for p in tmp_path.glob("step-*/rank-*.pt")) == ["rank-00000-of-00001.pt"] * 2
+    assert sorted(p.parent.name for p in tmp_path.glob("step-*/complete.json")) == ["step-000000007", "step-000000009"]
+    # the pruned ones keep only their rows, until the control plane says they are stored
+    assert sorted(p.parent.name for p in tmp_path.glob("step-*/pruned.json")) == [f"step-00000000{s}" for s in (1, 3, 5)]
+    assert [row["step"] for row in checkpointed_metrics(tmp_path, after_step=-1)] == list(range(10))
+    assert discard_stored_metrics(tmp_path, through_step=4) == [1, 3]
+    assert [row["step"] for row in checkpointed_metrics(tmp_path, after_step=-1)] == list(range(4, 10))
+    assert discard_stored_metrics(tmp_path, through_step=9) == [5]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000007", "step-000000009"]
     with pytest.raises(ValueError, match=r"keep_last \(-1\) >= 0"):
         TrainConfig(model=SMALL, steps=1, keep_last=-1)
+
+
+def test_a_relaunch_reads_back_rows_whose_checkpoints_were_pruned_before_they_were_stored(tmp_path):
+    """The ranks run ahead of the control plane; keep_last must not cost it rows it never got."""
+    rows: list[dict] = []
+    cfg = TrainConfig(model=SMALL, steps=12, precision="fp32", checkpoint_every=2, checkpoint_dir=str(tmp_path),
+                      keep_last=1)  # fmt: skip
+    train(cfg, on_metrics=rows.append)
+    assert latest_checkpoint(tmp_path) == (11, 1)
+    saved = checkpointed_metrics(tmp_path, after_step=2)  # the database stopped at step 2
+    assert [row["step"] for row in saved] == list(range(3, 12))
+    assert [row["loss"] for row in saved] == [row["loss"] for row in rows[3:]]
 
 
 def test_the_rows_since_the_last_checkpoint_are_saved_with_it(tmp_path):

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -9,6 +15,7 @@ import pytest
 import ray
 import torch
 
+from polling import wait_for as wait_until
 from workers.actors import JobSupervisor, Placement, PlacementError
 from workers.data import Batches
 from workers.memory import GPTSpec
@@ -51,6 +58,44 @@ def finished(state, rows) -> bool:
 
 def losses(rows: list[dict]) -> list[float]:
     return [r["loss"] for r in sorted(rows, key=lambda r: r["step"])]
+
+
+_ORPHAN = """
+import json, os, sys
+print(os.getpid(), flush=True)
+from workers.actors import parent_gone
+from workers.memory import GPTSpec
+from workers.train import TrainConfig, train
+
+spec = GPTSpec(vocab_size=64, n_layer=2, n_head=2, n_embd=32, block_size=32)
+config = TrainConfig(model=spec, steps=10**7, precision="fp32", checkpoint_every=5, checkpoint_dir=sys.argv[1])
+result = train(config, should_stop=parent_gone())
+print(json.dumps({"cancelled": result.cancelled, "last_step": result.last_step}), flush=True)
+"""
+
+
+def test_a_rank_stops_training_within_a_step_when_its_parent_dies(tmp_path):
+    """A Ray worker's parent is its raylet: an embedded Ray killed with the service must not
+    leave ranks training and writing checkpoints while the restarted service reads them."""
+    out = tmp_path / "result.json"
+    parent = subprocess.Popen(  # a parent that starts the rank, then waits on it until killed
+        [sys.executable, "-c", "import subprocess, sys; subprocess.run(sys.argv[1:])", sys.executable, "-c",
+         _ORPHAN, str(tmp_path / "ck")], stdout=out.open("w"),
+    )  # fmt: skip
+    try:
+        wait_until(lambda: latest_checkpoint(tmp_path / "ck"), lambda found: found is not None, what="a checkpoint",
+                   timeout_s=120)  # fmt: skip
+        parent.kill()
+        parent.wait(timeout=30)
+        lines = wait_until(lambda: out.read_text().splitlines(), lambda lines: len(lines) == 2,
+                           what="the orphaned rank to stop", timeout_s=60)  # fmt: skip
+        result = json.loads(lines[1])
+        assert result["cancelled"] and 4 <= result["last_step"] < 10**7 - 1, result
+        assert latest_checkpoint(tmp_path / "ck")[0] <= result["last_step"]
+    finally:  # a rank that did not stop is not left running
+        parent.kill()
+        with contextlib.suppress(ValueError, IndexError, ProcessLookupError):
+            os.kill(int(out.read_text().splitlines()[0]), signal.SIGKILL)
 
 
 def floor_of(cfg: TrainConfig) -> float:

@@ -10,11 +10,13 @@ kills every rank and frees the group.
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from collections.abc import Callable
 from typing import Any, Literal
 
 import ray
@@ -60,6 +62,16 @@ def _free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
+def parent_gone() -> Callable[[], bool]:
+    """A check, cheap enough for every step, that this process's parent has exited since the
+    call (the process was re-parented). A Ray worker's parent is its node's raylet: when a
+    service with an embedded Ray is killed, the raylet dies at once but the core worker only
+    notices seconds later, and meanwhile its loop would go on training and writing
+    checkpoints that the restarted service is reading to relaunch the job."""
+    parent = os.getppid()
+    return lambda: os.getppid() != parent
+
+
 class _MetricsSink:
     """Batches a rank's metric rows to the supervisor: every 50 rows or second, and at the end."""
 
@@ -85,6 +97,7 @@ class TrainWorker:
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank, self.world_size = rank, world_size
+        self.raylet_gone = parent_gone()
 
     def rendezvous(self) -> tuple[str, int, str]:
         """(address, free port, node id) on this worker's node: rank 0's become the group's."""
@@ -107,7 +120,10 @@ class TrainWorker:
         )  # fmt: skip
         sink = _MetricsSink(supervisor, self.rank)
         try:
-            result = train(config, rank=self.rank, world_size=self.world_size, on_metrics=sink)
+            result = train(config, rank=self.rank, world_size=self.world_size, on_metrics=sink,
+                           should_stop=self.raylet_gone)  # fmt: skip
+            if result.cancelled:  # the node's Ray is gone: no one to report to, no peer to wait for
+                os._exit(1)
             dist.barrier()  # leave together: gloo aborts a rank whose peer tears its pairs down first
             return result
         finally:

@@ -31,6 +31,7 @@ from workers.optim import ZeRO1AdamW, decay_param_groups
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 _COMPLETE = "complete.json"
+_PRUNED = "pruned.json"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -261,19 +262,42 @@ def save_checkpoint(
 
 
 def prune_checkpoints(root: Path, *, keep_last: int) -> list[int]:
-    """Delete all but the newest `keep_last` complete checkpoints, and any unfinished one older
-    than the newest complete (a crash's leftovers); the steps deleted."""
+    """Delete the shards of all but the newest `keep_last` complete checkpoints, and any
+    unfinished checkpoint older than the newest complete (a crash's leftovers); the steps pruned.
+
+    A pruned checkpoint keeps its metric rows (a few hundred bytes a step and rank) under a
+    pruned.json marker: the control plane may not have stored them yet (it polls behind the
+    ranks, and it can stop while they run on), and reads them back before a relaunch. It
+    discards them once stored (discard_stored_metrics)."""
     complete = sorted(int(m.parent.name.removeprefix("step-")) for m in root.glob(f"step-*/{_COMPLETE}"))
     if not complete:
         return []
     kept = set(complete[-keep_last:])
-    deleted = []
+    pruned = []
     for directory in root.glob("step-*"):
         step = int(directory.name.removeprefix("step-"))
-        if step not in kept and step < complete[-1]:
-            shutil.rmtree(directory, ignore_errors=True)
-            deleted.append(step)
-    return sorted(deleted)
+        if step in kept or step >= complete[-1] or (directory / _PRUNED).exists():
+            continue
+        marker = directory / _COMPLETE
+        if marker.exists():
+            os.replace(marker, directory / _PRUNED)  # no longer a checkpoint to resume from
+            for shard in directory.glob("rank-*.pt"):
+                shard.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(directory, ignore_errors=True)  # never complete: a later attempt redid its steps
+        pruned.append(step)
+    return sorted(pruned)
+
+
+def discard_stored_metrics(root: Path, *, through_step: int) -> list[int]:
+    """Delete the pruned checkpoints whose rows are all stored (step <= through_step); the steps."""
+    discarded = []
+    for marker in root.glob(f"step-*/{_PRUNED}"):
+        step = int(marker.parent.name.removeprefix("step-"))
+        if step <= through_step:
+            shutil.rmtree(marker.parent, ignore_errors=True)
+            discarded.append(step)
+    return sorted(discarded)
 
 
 def latest_checkpoint(root: Path) -> tuple[int, int] | None:
@@ -299,14 +323,14 @@ def resume(opt: ZeRO1AdamW, root: Path, *, rank: int, world_size: int) -> int:
 
 
 def checkpointed_metrics(root: Path, *, after_step: int) -> list[dict[str, Any]]:
-    """The rows (one per step, ranks merged) saved with the complete checkpoints of root for
-    the steps after `after_step`, in step order."""
+    """The rows (one per step, ranks merged) saved with the complete and pruned checkpoints of
+    root for the steps after `after_step`, in step order."""
     by_step: dict[int, dict[int, dict[str, Any]]] = {}
-    for marker in root.glob(f"step-*/{_COMPLETE}"):
-        meta = json.loads(marker.read_text())
-        if meta["step"] <= after_step:
+    saved = {marker.parent for name in (_COMPLETE, _PRUNED) for marker in root.glob(f"step-*/{name}")}
+    for directory in saved:
+        if int(directory.name.removeprefix("step-")) <= after_step:
             continue
-        for path in marker.parent.glob("rank-*.metrics.json"):
+        for path in directory.glob("rank-*.metrics.json"):
             for row in json.loads(path.read_text()):
                 if row["step"] > after_step:
                     by_step.setdefault(row["step"], {})[row["rank"]] = row
