@@ -39,8 +39,8 @@ class Settings(BaseSettings):
     """Directory under which each job keeps its checkpoints (job-<id>/); on a
     multi-node cluster it must be a filesystem every worker shares."""
     checkpoint_keep_last: int = Field(3, ge=1, le=1_000_000)
-    """Complete checkpoints each job keeps (the newest); older ones are deleted
-    as new ones complete."""
+    """Complete checkpoints each job keeps (the newest); older ones lose their
+    shards as new ones complete, and their saved rows once the database has them."""
     cpus_per_worker: float = Field(1.0, gt=0, le=1024)
     """CPUs each rank reserves beside its GPU."""
     placement_timeout_s: float = Field(120.0, gt=0, le=86_400)
