@@ -119,7 +119,8 @@ class RayCluster:
         total, available = ray.cluster_resources(), ray.available_resources()
         return ClusterCapacity(
             num_gpus=int(total.get("GPU", 0)),
-            num_gpus_free=int(available.get("GPU", 0)),
+            # rounded, not floored: a probe task holds 0.01 of a GPU for a moment (start-up, storage checks)
+            num_gpus_free=round(available.get("GPU", 0)),
             gpu_memory_bytes=self._gpu_memory_bytes or 0,
             simulated=self.simulated,
             nodes=sum(1 for node in ray.nodes() if node.get("Alive")),
