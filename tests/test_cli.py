@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from ports import free_port
 from service.cli import main
 
 ZERO1 = str(Path(sys.executable).with_name("zero1"))
@@ -76,12 +76,6 @@ def test_fractional_parameter_count_is_refused():
     assert out.returncode == 2 and "must be a whole number, got 7.5" in out.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 GPT_7B5 = {"kind": "gpt", "vocab_size": 59072, "n_layer": 36, "n_head": 32, "n_embd": 4096, "block_size": 2048}
 
 
@@ -98,7 +92,7 @@ def _wait_healthy(server: subprocess.Popen, base: str) -> dict:
 
 def test_serve_plans_admits_and_trains_as_a_user_would(tmp_path):
     """`zero1 serve` with an embedded Ray of 64 logical GPUs of 80 GB, driven over HTTP and by the CLI."""
-    port = _free_port()
+    port = free_port()
     env = {**ENV, "ZERO1_SIMULATED_GPUS": "64", "ZERO1_DATABASE_URL": f"sqlite:///{tmp_path / 'zero1.db'}",
            "ZERO1_CHECKPOINT_URI": str(tmp_path / "checkpoints"), "ZERO1_URL": f"http://127.0.0.1:{port}"}  # fmt: skip
     server = subprocess.Popen([ZERO1, "serve", "--port", str(port)], env=env, stderr=subprocess.PIPE, text=True)

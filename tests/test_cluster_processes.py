@@ -14,7 +14,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from polling import wait_for
+from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -65,12 +65,6 @@ def backup_command(database: str) -> list[str]:
 def service_env(*, gcs_port: int, database_url: str, checkpoints: Path) -> dict[str, str]:
     return {"ZERO1_RAY_ADDRESS": f"127.0.0.1:{gcs_port}", "ZERO1_DATABASE_URL": database_url,
             "ZERO1_CHECKPOINT_URI": str(checkpoints)}  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # --------------------------------------------------------------------------- processes

@@ -12,7 +12,6 @@ import os
 import re
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import httpx
 import pytest
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
+from ports import free_port
 from service.cluster import ClusterCapacity
 from service.dashboard import charts
 from service.dashboard.format import duration, human_bytes, significant
@@ -84,12 +84,6 @@ def _metric_row(step: int) -> dict:
             "mem_planned_bytes": 1_538_048}  # fmt: skip
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @dataclass
 class Server:
     base: str
@@ -131,7 +125,7 @@ def server(browser, tmp_path_factory) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("dashboard-server")
     database_url = f"sqlite:///{tmp / 'zero1.db'}"
     seed_jobs(database_url, count=SEEDED_JOBS)
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "ZERO1_DATABASE_URL": database_url, "ZERO1_CHECKPOINT_URI": str(tmp / "checkpoints"),
            "ZERO1_RAY_NAMESPACE": f"zero1-dashboard-{secrets.token_hex(4)}", "ZERO1_SIMULATED_GPUS": "4",
            "ZERO1_SIMULATED_GPU_MEMORY_GB": "80", "ZERO1_GPU_OVERHEAD_GB": "1", "ZERO1_CPUS_PER_WORKER": "0.5",

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from sqlalchemy import create_engine, text
 from conftest import make_settings
 from figures import record
 from polling import wait_for
+from ports import free_port
 from service.launcher import supervisor_name
 from service.main import create_app
 
@@ -186,17 +186,11 @@ def test_a_job_out_of_retries_fails_with_the_rank_node_and_cause(app):
 # --------------------------------------------------------------------------- the service stops
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class Service:
     """`zero1 serve` as a child process, with its log in a file."""
 
     def __init__(self, tmp_path: Path, **env: str) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.database_url = f"sqlite:///{tmp_path / 'zero1.db'}"
         self.checkpoints = tmp_path / "checkpoints"

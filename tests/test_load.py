@@ -13,7 +13,6 @@ import asyncio
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from sqlalchemy import create_engine, select
 from sqlalchemy.orm import Session
 
 from figures import record as record_figures
+from ports import free_port
 from service.models import Job, JobEvent
 
 ZERO1 = str(Path(sys.executable).with_name("zero1"))
@@ -172,12 +172,6 @@ async def cancel_all(load: Load) -> None:
         await asyncio.sleep(0.1)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _wait_healthy(server: subprocess.Popen, base: str) -> None:
     deadline = time.monotonic() + DEADLINE_S
     while True:  # poll until the server accepts connections, with a deadline
@@ -244,7 +238,7 @@ def report(load: Load, elapsed_s: float, num_requests: int, peak: int, statuses:
 
 
 def test_load_keeps_every_job_once_and_the_gpus_within_the_cluster(tmp_path):
-    port, database = _free_port(), tmp_path / "zero1.db"
+    port, database = free_port(), tmp_path / "zero1.db"
     env = {key: value for key, value in os.environ.items() if not key.startswith("ZERO1_")}  # RAY_TMPDIR stays
     env |= {"ZERO1_SIMULATED_GPUS": str(NUM_GPUS), "ZERO1_SIMULATED_GPU_MEMORY_GB": "80",
             "ZERO1_CPUS_PER_WORKER": "0.5", "ZERO1_SCHEDULER_INTERVAL_S": "0.05",
