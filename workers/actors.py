@@ -14,9 +14,9 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from collections.abc import Callable
 from typing import Any, Literal
 
 import ray

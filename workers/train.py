@@ -226,6 +226,10 @@ def _step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:09d}"
 
 
+def _step_of(directory: Path) -> int:
+    return int(directory.name.removeprefix("step-"))
+
+
 def _shard_file(root: Path, step: int, rank: int, world_size: int) -> Path:
     return _step_dir(root, step) / f"rank-{rank:05d}-of-{world_size:05d}.pt"
 
@@ -269,13 +273,13 @@ def prune_checkpoints(root: Path, *, keep_last: int) -> list[int]:
     pruned.json marker: the control plane may not have stored them yet (it polls behind the
     ranks, and it can stop while they run on), and reads them back before a relaunch. It
     discards them once stored (discard_stored_metrics)."""
-    complete = sorted(int(m.parent.name.removeprefix("step-")) for m in root.glob(f"step-*/{_COMPLETE}"))
+    complete = sorted(_step_of(m.parent) for m in root.glob(f"step-*/{_COMPLETE}"))
     if not complete:
         return []
     kept = set(complete[-keep_last:])
     pruned = []
     for directory in root.glob("step-*"):
-        step = int(directory.name.removeprefix("step-"))
+        step = _step_of(directory)
         if step in kept or step >= complete[-1] or (directory / _PRUNED).exists():
             continue
         marker = directory / _COMPLETE
@@ -293,7 +297,7 @@ def discard_stored_metrics(root: Path, *, through_step: int) -> list[int]:
     """Delete the pruned checkpoints whose rows are all stored (step <= through_step); the steps."""
     discarded = []
     for marker in root.glob(f"step-*/{_PRUNED}"):
-        step = int(marker.parent.name.removeprefix("step-"))
+        step = _step_of(marker.parent)
         if step <= through_step:
             shutil.rmtree(marker.parent, ignore_errors=True)
             discarded.append(step)
@@ -328,7 +332,7 @@ def checkpointed_metrics(root: Path, *, after_step: int) -> list[dict[str, Any]]
     by_step: dict[int, dict[int, dict[str, Any]]] = {}
     saved = {marker.parent for name in (_COMPLETE, _PRUNED) for marker in root.glob(f"step-*/{name}")}
     for directory in saved:
-        if int(directory.name.removeprefix("step-")) <= after_step:
+        if _step_of(directory) <= after_step:
             continue
         for path in directory.glob("rank-*.metrics.json"):
             for row in json.loads(path.read_text()):
