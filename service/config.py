@@ -6,7 +6,7 @@ import json
 from functools import lru_cache
 from typing import Annotated
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
@@ -41,12 +41,25 @@ class Settings(BaseSettings):
     checkpoint_keep_last: int = Field(3, ge=1, le=1_000_000)
     """Complete checkpoints each job keeps (the newest); older ones lose their
     shards as new ones complete, and their saved rows once the database has them."""
+    checkpoint_keep_finished: int = Field(1, ge=0, le=1_000_000)
+    """Complete checkpoints a finished job (succeeded, failed or cancelled) keeps, the newest;
+    0 deletes its checkpoint directory once its rows are stored."""
     cpus_per_worker: float = Field(1.0, gt=0, le=1024)
     """CPUs each rank reserves beside its GPU."""
     placement_timeout_s: float = Field(120.0, gt=0, le=86_400)
     """How long a job may wait for its ranks to be placed before it fails."""
+    rendezvous_timeout_s: float = Field(120.0, gt=0, le=86_400)
+    """How long a job's placed ranks may take to start and report their addresses."""
+    start_timeout_s: float = Field(600.0, gt=0, le=86_400)
+    """How long a job may stay starting or restarting before the attempt fails (a retry if it
+    has one left); at least placement_timeout_s + rendezvous_timeout_s."""
+    ray_rpc_timeout_s: float = Field(30.0, gt=0, le=3600)
+    """How long the service waits for a supervisor's answer; no answer is asked again, never
+    taken for a dead job."""
     scheduler_interval_s: float = Field(0.2, gt=0, le=60)
     """How often the scheduler admits queued jobs and collects metrics."""
+    scheduler_stale_s: float = Field(120.0, gt=0, le=86_400)
+    """/healthz answers 503 when the scheduler has not completed a tick for this long."""
     api_tokens: SecretStr | None = None
     """API tokens, comma-separated `user:token` or `user:token:admin` (tokens of 16+
     characters). Unset, with no token file: auth is off, for loopback use only."""
@@ -65,6 +78,16 @@ class Settings(BaseSettings):
     max_queued_jobs_per_user: int = Field(1000, ge=1, le=1_000_000)
     """Queued jobs one user (one token's user; everyone when auth is off) may have;
     a submit past it gets 429."""
+
+    @model_validator(mode="after")
+    def _start_after_placement(self) -> Settings:
+        floor = self.placement_timeout_s + self.rendezvous_timeout_s
+        if self.start_timeout_s < floor:
+            raise ValueError(
+                f"start_timeout_s ({self.start_timeout_s:g}) must be at least placement_timeout_s "
+                f"({self.placement_timeout_s:g}) + rendezvous_timeout_s ({self.rendezvous_timeout_s:g}) = {floor:g}"
+            )
+        return self
 
     @field_validator("data_roots", mode="before")
     @classmethod

@@ -11,9 +11,10 @@ import math
 import os
 from collections.abc import Sequence
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
+from sqlalchemy.orm.attributes import set_committed_value
 
 from service.cluster import ClusterCapacity
 from service.errors import ServiceError
@@ -35,15 +36,32 @@ _TRANSITIONS = {
 }
 
 
-def transition(session: Session, job: Job, to_status: str, reason: str) -> None:
-    """Move `job` to `to_status`, recording the event; terminal states are final."""
-    assert to_status in _TRANSITIONS.get(job.status, ()), f"job {job.id}: {job.status} -> {to_status}"
-    session.add(JobEvent(job_id=job.id, from_status=job.status, to_status=to_status, reason=reason))
-    job.status = to_status
+def transition(session: Session, job: Job, to_status: str, reason: str) -> bool:
+    """Move `job` to `to_status` if it is still in the status this session read, recording the event.
+
+    A compare-and-set: one UPDATE ... WHERE status = <the status read>. The API (cancelling a
+    queued job) and the scheduler (starting it) race for the same row; the loser's UPDATE
+    matches no row, and it gets False with `job` refreshed to what the winner wrote. Terminal
+    states are final."""
+    from_status = job.status
+    assert to_status in _TRANSITIONS.get(from_status, ()), f"job {job.id}: {from_status} -> {to_status}"
+    values: dict = {"status": to_status}
     if to_status == "starting" and job.started_at is None:
-        job.started_at = utcnow()
+        values["started_at"] = utcnow()
     if to_status in TERMINAL:
-        job.finished_at = utcnow()
+        values["finished_at"] = utcnow()
+    session.flush()  # a job added in this session gets its id and row first
+    result = session.execute(
+        update(Job).where(Job.id == job.id, Job.status == from_status).values(**values),
+        execution_options={"synchronize_session": False},
+    )
+    if result.rowcount != 1:
+        session.refresh(job)
+        return False
+    for key, value in values.items():
+        set_committed_value(job, key, value)
+    session.add(JobEvent(job_id=job.id, from_status=from_status, to_status=to_status, reason=reason))
+    return True
 
 
 # --------------------------------------------------------------------------- admission
@@ -248,15 +266,23 @@ def list_jobs(
 
 
 def cancel_job(session: Session, job_id: int) -> Job:
-    """A queued job ends now; an active one is stopped by the scheduler within a tick."""
+    """A queued job ends now; an active one is stopped by the scheduler within a tick.
+
+    The scheduler may start the job between this read and the write: the compare-and-set
+    then fails, and the job, now active, is flagged for the scheduler to stop instead."""
     job = get_job(session, job_id)
-    if job.status in TERMINAL:
-        raise ServiceError(f"job {job_id} is already {job.status}", status_code=409, error="conflict")
-    if job.status == "queued":
-        transition(session, job, "cancelled", "cancelled by request while queued")
-    else:
-        job.cancel_requested = True
-    return job
+    if job.status == "queued" and transition(session, job, "cancelled", "cancelled by request while queued"):
+        return job
+    if job.status in ACTIVE:  # a compare-and-set too: the job may have ended since it was read
+        flagged = session.execute(
+            update(Job).where(Job.id == job.id, Job.status.in_(ACTIVE)).values(cancel_requested=True),
+            execution_options={"synchronize_session": False},
+        )
+        if flagged.rowcount == 1:
+            set_committed_value(job, "cancel_requested", True)
+            return job
+        session.refresh(job)
+    raise ServiceError(f"job {job_id} is already {job.status}", status_code=409, error="conflict")
 
 
 def job_metrics(

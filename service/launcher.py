@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,13 @@ from workers.data import SyntheticSpec, TextSpec
 from workers.train import OptimizerSpec, TrainConfig
 
 log = logging.getLogger(__name__)
-_RPC_TIMEOUT_S = 30
+_ALL_STEPS = 2**62
 _STORAGE_TTL_S = 60.0
+
+
+def checkpoint_dirname(job_id: int, run_id: str | None) -> str:
+    """job-<id>-<run_id>; job-<id> for a job stored before run ids existed."""
+    return f"job-{job_id}" if run_id is None else f"job-{job_id}-{run_id}"
 
 
 def supervisor_name(job_id: int, attempt: int = 0) -> str:
@@ -28,7 +34,7 @@ def supervisor_name(job_id: int, attempt: int = 0) -> str:
 _NAME = re.compile(r"zero1-job-(\d+)-a(\d+)")
 
 
-def train_config(spec: JobSpec, *, checkpoint_dir: str, keep_last: int = 0) -> TrainConfig:
+def train_config(spec: JobSpec, *, checkpoint_dir: str, keep_last: int = 0, resume: bool = True) -> TrainConfig:
     """The workers' view of a job spec."""
     data = TextSpec(path=spec.data.path) if isinstance(spec.data, TextDataSpec) else SyntheticSpec(
         branching=spec.data.branching
@@ -41,7 +47,7 @@ def train_config(spec: JobSpec, *, checkpoint_dir: str, keep_last: int = 0) -> T
                                 bucket_cap_mb=opt.bucket_cap_mb),  # fmt: skip
         micro_batch_size=spec.micro_batch_size, global_batch_size=spec.global_batch_size, seq_len=spec.seq_len,
         seed=spec.seed, checkpoint_every=spec.checkpoint_every, checkpoint_dir=checkpoint_dir, keep_last=keep_last,
-        activation_checkpointing=spec.activation_checkpointing,
+        activation_checkpointing=spec.activation_checkpointing, resume=resume,
     )  # fmt: skip
 
 
@@ -54,14 +60,16 @@ class RayLauncher:
         self._storage_problems: dict[str, str] = {}
         self._storage_checked_at = -math.inf
 
-    def checkpoint_dir(self, job_id: int) -> str:
-        return str(Path(self.settings.checkpoint_uri).resolve() / f"job-{job_id}")
+    def checkpoint_dir(self, job: Job) -> Path:
+        """The job's own directory: job-<id>-<run_id>, which no later job can be given (ids repeat
+        after a database restore; run ids do not)."""
+        return Path(self.settings.checkpoint_uri).resolve() / checkpoint_dirname(job.id, job.run_id)
 
-    def resume_step(self, job_id: int) -> int:
+    def resume_step(self, job: Job) -> int:
         """The step a relaunch starts at: after the latest complete checkpoint, else 0."""
-        from workers.train import latest_checkpoint
+        from workers.checkpoints import latest_checkpoint
 
-        found = latest_checkpoint(Path(self.checkpoint_dir(job_id)))
+        found = latest_checkpoint(self.checkpoint_dir(job))
         return 0 if found is None else found[0] + 1
 
     def storage_problems(self) -> dict[str, str]:
@@ -82,7 +90,7 @@ class RayLauncher:
             for node in nodes
         ]
         try:
-            answers = ray.get(refs, timeout=_RPC_TIMEOUT_S)
+            answers = ray.get(refs, timeout=self.settings.ray_rpc_timeout_s)
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as exc:
             # not known either way: admit, and let a job that cannot checkpoint fail with the cause
             log.warning("could not probe the checkpoint storage: %s: %s", type(exc).__name__, exc)
@@ -91,40 +99,56 @@ class RayLauncher:
         self._storage_checked_at = time.monotonic()
         return self._storage_problems
 
-    def checkpointed_metrics(self, job_id: int, *, after_step: int) -> list[dict[str, Any]]:
-        """Rows saved with the job's checkpoints after `after_step` (see workers.train)."""
-        from workers.train import checkpointed_metrics
+    def checkpointed_metrics(self, job: Job, *, after_step: int) -> list[dict[str, Any]]:
+        """Rows saved with the job's checkpoints after `after_step` (see workers.checkpoints)."""
+        from workers.checkpoints import checkpointed_metrics
 
-        return checkpointed_metrics(Path(self.checkpoint_dir(job_id)), after_step=after_step)
+        return checkpointed_metrics(self.checkpoint_dir(job), after_step=after_step)
 
-    def discard_stored_metrics(self, job_id: int, *, through_step: int) -> None:
-        """Delete the job's pruned checkpoints whose rows are stored (see workers.train); a
+    def discard_stored_metrics(self, job: Job, *, through_step: int) -> None:
+        """Delete the job's pruned checkpoints whose rows are stored (see workers.checkpoints); a
         failure to delete is logged, not raised: it costs disk, not data."""
-        from workers.train import discard_stored_metrics
+        from workers.checkpoints import discard_stored_metrics
 
         try:
-            discard_stored_metrics(Path(self.checkpoint_dir(job_id)), through_step=through_step)
+            discard_stored_metrics(self.checkpoint_dir(job), through_step=through_step)
         except OSError as exc:
-            log.warning("job %s: could not delete stored rows' checkpoint files: %s", job_id, exc)
+            log.warning("job %s: could not delete stored rows' checkpoint files: %s", job.id, exc)
+
+    def retire(self, job: Job) -> None:
+        """A finished job (its rows stored) keeps its newest ZERO1_CHECKPOINT_KEEP_FINISHED complete
+        checkpoints and nothing else; with 0 its directory goes. Logged, not raised, on failure."""
+        from workers.checkpoints import discard_stored_metrics, prune_checkpoints
+
+        directory, keep = self.checkpoint_dir(job), self.settings.checkpoint_keep_finished
+        try:
+            if keep == 0:
+                shutil.rmtree(directory, ignore_errors=True)
+                return
+            if directory.exists():
+                prune_checkpoints(directory, keep_last=keep, keep_newest_unfinished=False)
+                discard_stored_metrics(directory, through_step=_ALL_STEPS)
+        except OSError as exc:
+            log.warning("job %s: could not prune the finished job's checkpoints: %s", job.id, exc)
 
     def launch(self, job: Job) -> None:
-        """Start the job's current attempt; an attempt already started (the service stopped
-        between launching it and committing) is adopted, not started twice."""
+        """Start the job's current attempt; an attempt already started is adopted, not started
+        twice. The supervisor places the ranks in the background; poll() reports how it went."""
         from workers.actors import JobSupervisor, Placement
 
         config = train_config(
-            JobSpec.model_validate(job.spec), checkpoint_dir=self.checkpoint_dir(job.id),
-            keep_last=self.settings.checkpoint_keep_last,
+            JobSpec.model_validate(job.spec), checkpoint_dir=str(self.checkpoint_dir(job)),
+            keep_last=self.settings.checkpoint_keep_last, resume=job.attempt > 0,
         )  # fmt: skip
         placement = Placement(
             num_workers=job.num_gpus, cpus_per_worker=self.settings.cpus_per_worker,
-            timeout_s=self.settings.placement_timeout_s,
+            timeout_s=self.settings.placement_timeout_s, rendezvous_timeout_s=self.settings.rendezvous_timeout_s,
         )  # fmt: skip
         supervisor = JobSupervisor.options(
             name=supervisor_name(job.id, job.attempt), namespace=self.settings.ray_namespace,
             lifetime="detached", get_if_exists=True, scheduling_strategy=_on_head_node(),
         ).remote(str(job.id), config, placement)  # fmt: skip
-        supervisor.start.remote()  # places the ranks in the background; poll() reports how it went
+        supervisor.start.remote()  # never raises: a start that fails is a "failed" status with its cause
         self._supervisors[(job.id, job.attempt)] = supervisor
 
     def _handle(self, job_id: int, attempt: int) -> Any | None:
@@ -141,33 +165,62 @@ class RayLauncher:
         return self._supervisors[key]
 
     def exists(self, job_id: int, attempt: int) -> bool:
-        """Whether the attempt's supervisor is alive in the Ray cluster (re-attaching to it)."""
+        """Whether the attempt's supervisor is alive in the Ray cluster (re-attaching to it). One
+        that does not answer in time counts as alive: relaunching beside a live one would run two
+        attempts at once; if it is dead, the next poll says so."""
         import ray
 
         supervisor = self._handle(job_id, attempt)
         if supervisor is None:
             return False
         try:
-            ray.get(supervisor.ping.remote(), timeout=_RPC_TIMEOUT_S)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            ray.get(supervisor.ping.remote(), timeout=self.settings.ray_rpc_timeout_s)
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+            log.warning("job %s: supervisor of attempt %s did not answer; taken as alive", job_id, attempt)
+        except ray.exceptions.RayActorError:
             self._supervisors.pop((job_id, attempt), None)
             return False
         return True
 
     def poll(self, job_id: int, attempt: int, *, after_step: int) -> dict[str, Any]:
-        """The supervisor's poll(after_step); status "lost" when it is gone."""
+        """The supervisor's poll(after_step); see poll_many."""
+        return self.poll_many([(job_id, attempt, after_step)])[(job_id, attempt)]
+
+    def poll_many(self, attempts: list[tuple[int, int, int]]) -> dict[tuple[int, int], dict[str, Any]]:
+        """(job id, attempt) -> the supervisor's poll(after_step) for each (job id, attempt,
+        after_step), asked of all at once and waited for together, at most ZERO1_RAY_RPC_TIMEOUT_S.
+
+        Status "lost" only when the supervisor is known dead (no such actor, or Ray says it died);
+        a supervisor that did not answer in time is "unknown": asked again next tick, never
+        taken for dead (a stalled head would otherwise fail every running job)."""
         import ray
 
-        supervisor = self._handle(job_id, attempt)
-        name = supervisor_name(job_id, attempt)
-        if supervisor is None:
-            return _lost(f"no supervisor {name} in the Ray cluster")
+        states, asked = {}, {}
+        for job_id, attempt, after_step in attempts:
+            supervisor = self._handle(job_id, attempt)
+            if supervisor is None:
+                states[(job_id, attempt)] = _lost(f"no supervisor {supervisor_name(job_id, attempt)} in the Ray cluster")
+            else:
+                asked[supervisor.poll.remote(after_step)] = (job_id, attempt)
+        ready = []
+        if asked:
+            ready, _ = ray.wait(list(asked), num_returns=len(asked), timeout=self.settings.ray_rpc_timeout_s)
+        for ref in asked:
+            states[asked[ref]] = self._answer(ref, *asked[ref]) if ref in ready else _unknown()
+        return states
+
+    def _answer(self, ref: Any, job_id: int, attempt: int) -> dict[str, Any]:
+        import ray
+
         try:
-            return ray.get(supervisor.poll.remote(after_step), timeout=_RPC_TIMEOUT_S)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+            return ray.get(ref, timeout=0)
+        except ray.exceptions.ActorUnavailableError:  # unreachable for now (restarting, a network blip)
+            return _unknown()
+        except ray.exceptions.RayActorError as exc:  # the actor died: a death
             self._supervisors.pop((job_id, attempt), None)
             cause = str(exc).strip().splitlines()
-            return _lost(f"supervisor {name} is unreachable: {type(exc).__name__}: {cause[0] if cause else ''}")
+            name = supervisor_name(job_id, attempt)
+            return _lost(f"supervisor {name} died: {type(exc).__name__}: {cause[0] if cause else ''}")
 
     def cancel(self, job_id: int, attempt: int) -> None:
         import ray
@@ -175,7 +228,7 @@ class RayLauncher:
         supervisor = self._handle(job_id, attempt)
         if supervisor is not None:
             try:
-                ray.get(supervisor.cancel.remote(), timeout=_RPC_TIMEOUT_S)
+                ray.get(supervisor.cancel.remote(), timeout=self.settings.ray_rpc_timeout_s)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 log.warning("job %s: supervisor gone while cancelling", job_id)
 
@@ -210,6 +263,10 @@ def _on_head_node() -> Any:
         if node["Alive"] and "node:__internal_head__" in node["Resources"]:
             return NodeAffinitySchedulingStrategy(node_id=node["NodeID"], soft=True)
     return "DEFAULT"
+
+
+def _unknown() -> dict[str, Any]:
+    return {"status": "unknown", "metrics": [], "nodes": [], "error": None}
 
 
 def _lost(message: str) -> dict[str, Any]:

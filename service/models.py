@@ -7,6 +7,7 @@ checks that these models and the migrations agree.
 from __future__ import annotations
 
 from datetime import UTC, datetime
+import uuid
 from typing import Any
 
 from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Dialect, Float, ForeignKey, Index, Integer, String, Text
@@ -19,6 +20,10 @@ BigId = BigInteger().with_variant(Integer(), "sqlite")
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -72,6 +77,9 @@ class Job(Base):
     error: Mapped[dict[str, Any] | None] = mapped_column(default=None)
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
     owner: Mapped[str | None] = mapped_column(String(200), default=None)
+    run_id: Mapped[str | None] = mapped_column(String(32), default=new_run_id)
+    """Random, never repeated: names the job's checkpoint directory (job ids repeat after a
+    database restore). Null for jobs stored before it existed (their directory is job-<id>)."""
     idempotency_key: Mapped[str | None] = mapped_column(String(200), unique=True, default=None)
     request_hash: Mapped[str | None] = mapped_column(String(64), default=None)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)

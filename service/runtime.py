@@ -21,7 +21,7 @@ class Runtime:
         self.launcher = RayLauncher(settings)
         self.scheduler = Scheduler(
             db=self.db, launcher=self.launcher, total_gpus=lambda: self.cluster.capacity().num_gpus,
-            interval_s=settings.scheduler_interval_s,
+            interval_s=settings.scheduler_interval_s, start_timeout_s=settings.start_timeout_s,
         )  # fmt: skip
 
     def start(self) -> None:

@@ -1,10 +1,15 @@
 """The scheduler: FIFO with gang admission, dispatch, state transitions and metrics ingestion.
 
-One thread ticks every ZERO1_SCHEDULER_INTERVAL_S. A tick is one transaction:
-it collects each active job's new metric rows and status from its supervisor,
-records the transitions, and starts queued jobs in submission order while
-their N GPUs are free (the head of the queue waits for its GPUs: no job
-overtakes it, so none starves). Running jobs never hold more GPUs than exist.
+One thread ticks every ZERO1_SCHEDULER_INTERVAL_S. A tick asks every active job's supervisor
+for its news at once (Ray, outside any transaction), then settles each job in a transaction of
+its own: its new metric rows and its transition. An error while settling one job fails that
+job alone; the others and the queue go on. Then it starts queued jobs in submission order while
+their N GPUs are free (the head of the queue waits for its GPUs: no job overtakes it, so none
+starves). Running jobs never hold more GPUs than exist.
+
+Ray is called only between transactions, never inside one: a slow Ray holds no database lock.
+Every status change is a compare-and-set (service.jobs.transition), so a cancel that races a
+start ends in one state: cancelled before the start commits, or flagged and stopped after.
 """
 
 from __future__ import annotations
@@ -12,7 +17,9 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import select, update
@@ -52,14 +59,33 @@ def _finite(value: Any) -> Any:
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
+@dataclass(frozen=True, slots=True)
+class _Settled:
+    """What a job's transaction decided, for the Ray and file work done after it commits."""
+
+    stored_through: int | None = None
+    """Rows through this step are stored once committed: their pruned checkpoints may go."""
+    ended: bool = False
+    """The job reached a terminal state: release its supervisor, retire its checkpoints."""
+    relaunch: bool = False
+    """A new attempt was recorded: release the old supervisor, launch the new one."""
+
+
 class Scheduler:
-    def __init__(self, *, db: Database, launcher: RayLauncher, total_gpus: Callable[[], int], interval_s: float):
+    def __init__(
+        self, *, db: Database, launcher: RayLauncher, total_gpus: Callable[[], int], interval_s: float,
+        start_timeout_s: float = 300.0, clock: Callable[[], float] = time.monotonic,
+    ) -> None:  # fmt: skip
         self.db, self.launcher, self.total_gpus, self.interval_s = db, launcher, total_gpus, interval_s
+        self.start_timeout_s, self.clock = start_timeout_s, clock
+        self.last_tick_at: float | None = None
+        """clock() when the last tick completed (when the scheduler started, before the first)."""
+        self._starting_since: dict[tuple[int, int], float] = {}  # (job, attempt) -> clock() first seen starting
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._stored: dict[int, int] = {}  # job id -> step through which its rows are now stored
 
     def start(self) -> None:
+        self.last_tick_at = self.clock()  # the age counts from here until the first tick completes
         self._thread = threading.Thread(target=self._loop, name="zero1-scheduler", daemon=True)
         self._thread.start()
 
@@ -74,6 +100,10 @@ class Scheduler:
         except Exception:  # noqa: BLE001 - shutting down: the supervisors keep the rows for the next start
             log.exception("drain at shutdown failed; the supervisors keep the unstored rows")
 
+    def tick_age_s(self) -> float | None:
+        """Seconds since the last tick completed (or since start, before the first); None if never started."""
+        return None if self.last_tick_at is None else self.clock() - self.last_tick_at
+
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
@@ -82,137 +112,204 @@ class Scheduler:
                 log.exception("scheduler tick failed")
 
     def tick(self) -> None:
-        self._stored = {}  # a tick that raised rolled back what it noted
-        with self.db.session() as session:
-            for job in self._active(session):
-                self._advance(session, job)
-            self._admit(session)
-        self._discard_stored()
+        """Settle every active job, each alone, then admit from the queue."""
+        jobs = self._active()
+        states = self.launcher.poll_many([(job.id, job.attempt, _after(job)) for job in jobs])
+        attempts = set(states)
+        self._starting_since = {key: at for key, at in self._starting_since.items() if key in attempts}
+        for job in jobs:
+            self._isolated(job, lambda job=job: self._advance(job, states[(job.id, job.attempt)]))
+        self._admit()  # a database that cannot be reached raises here: the tick does not count
+        self.last_tick_at = self.clock()
 
     def drain(self) -> int:
         """One last collection of every active job's metrics, admitting nothing; rows stored."""
-        with self.db.session() as session:
-            return sum(store_metrics(session, job, self._poll(job)["metrics"]) for job in self._active(session))
-
-    def _stored_through(self, job: Job, step: int | None) -> None:
-        """Note that once this transaction commits, the rows of `job` through `step` are stored."""
-        if step is not None:
-            self._stored[job.id] = max(step, self._stored.get(job.id, step))
-
-    def _discard_stored(self) -> None:
-        """After a commit: the pruned checkpoints' rows now in the database are not needed for a
-        relaunch; delete them (never before the commit: a stop in between would lose them)."""
-        stored, self._stored = self._stored, {}
-        for job_id, step in stored.items():
-            self.launcher.discard_stored_metrics(job_id, through_step=step)
+        jobs = self._active()
+        states = self.launcher.poll_many([(job.id, job.attempt, _after(job)) for job in jobs])
+        stored = 0
+        for job in jobs:
+            rows = states[(job.id, job.attempt)]["metrics"]
+            with self.db.session() as session:
+                if (fresh := _still_active(session, job)) is not None:
+                    stored += store_metrics(session, fresh, rows)
+        return stored
 
     def recover(self) -> None:
         """At start-up: adopt the supervisors that outlived the last service process, relaunch the
         active jobs whose supervisor is gone (an embedded Ray dies with the service), and end
         supervisors no active job owns. Queued jobs wait in the database as they were."""
-        self._stored = {}
+        jobs = {job.id: job for job in self._active()}
+        for job_id, attempt in self.launcher.supervisors():
+            job = jobs.get(job_id)
+            if job is None or attempt != job.attempt:
+                log.warning("ending orphaned supervisor of job %s attempt %s", job_id, attempt)
+                self.launcher.release(job_id, attempt)
+        for job in jobs.values():
+            if self.launcher.exists(job.id, job.attempt):
+                log.info("job %s: re-attached to attempt %s", job.id, job.attempt)
+                continue
+            cause = "the service restarted and this job's supervisor did not survive it"
+            if self.launcher.settings.ray_address is None:
+                cause += " (the embedded Ray cluster stops with the service)"
+            self._isolated(job, lambda job=job, cause=cause: self._settle(
+                job, lambda session, fresh: self._record_relaunch(session, fresh, cause=cause)))  # fmt: skip
+
+    # ----------------------------------------------------------------------- one job
+
+    def _active(self) -> list[Job]:
+        """The active jobs as they are now; detached, to be read between transactions."""
         with self.db.session() as session:
-            jobs = {job.id: job for job in self._active(session)}
-            for job_id, attempt in self.launcher.supervisors():
-                job = jobs.get(job_id)
-                if job is None or attempt != job.attempt:
-                    log.warning("ending orphaned supervisor of job %s attempt %s", job_id, attempt)
-                    self.launcher.release(job_id, attempt)
-            for job in jobs.values():
-                if self.launcher.exists(job.id, job.attempt):
-                    log.info("job %s: re-attached to attempt %s", job.id, job.attempt)
-                    continue
-                cause = "the service restarted and this job's supervisor did not survive it"
-                if self.launcher.settings.ray_address is None:
-                    cause += " (the embedded Ray cluster stops with the service)"
-                self._relaunch(session, job, cause=cause, retry=False)
-        self._discard_stored()
+            return list(session.scalars(select(Job).where(Job.status.in_(ACTIVE)).order_by(Job.id)))
 
-    @staticmethod
-    def _active(session: Session) -> list[Job]:
-        return list(session.scalars(select(Job).where(Job.status.in_(ACTIVE)).order_by(Job.id)))
+    def _isolated(self, job: Job, work: Callable[[], None]) -> None:
+        """Run one job's work; whatever it raises fails that job alone, with the cause."""
+        try:
+            work()
+        except Exception as exc:  # noqa: BLE001 - one job's fault must not stop the scheduler for all
+            log.exception("job %s: failing it alone", job.id)
+            self._fail_alone(job, exc)
 
-    def _advance(self, session: Session, job: Job) -> None:
+    def _fail_alone(self, job: Job, exc: Exception) -> None:
+        error = {"rank": None, "node_id": None, "exception": type(exc).__name__, "message": str(exc)}
+        reason = f"the scheduler could not handle this job: {type(exc).__name__}: {exc}"
+        try:
+            self._settle(job, lambda session, fresh: self._end(session, fresh, "failed", reason, error=error))
+        except Exception:  # noqa: BLE001 - e.g. the database is down: the next tick tries again
+            log.exception("job %s: could not record its failure", job.id)
+
+    def _settle(self, job: Job, write: Callable[[Session, Job], _Settled | None]) -> None:
+        """write(session, job) in a transaction of its own, on the job as it is now (skipped if it
+        has ended or moved to another attempt since it was read); then the Ray and file work it
+        decided, after the commit."""
+        with self.db.session() as session:
+            fresh = _still_active(session, job)
+            if fresh is None:
+                return
+            settled = write(session, fresh)
+        if settled is None:
+            return
+        if settled.stored_through is not None:
+            self.launcher.discard_stored_metrics(fresh, through_step=settled.stored_through)
+        if settled.ended:
+            self.launcher.release(job.id, job.attempt)
+            self.launcher.retire(fresh)
+        if settled.relaunch:
+            self.launcher.release(job.id, job.attempt)
+            self._launch(fresh, what="relaunch")
+
+    def _advance(self, job: Job, state: dict[str, Any]) -> None:
         if job.cancel_requested:
             self.launcher.cancel(job.id, job.attempt)
-            store_metrics(session, job, self._poll(job)["metrics"])
-            transition(session, job, "cancelled", "cancelled by request: every rank stopped, GPUs freed")
-            self.launcher.release(job.id, job.attempt)
-            self._stored_through(job, _ALL_STEPS)  # never relaunched: its saved rows are not needed
+            state = self.launcher.poll(job.id, job.attempt, after_step=_after(job))  # the rows up to the stop
+            reason = "cancelled by request: every rank stopped, GPUs freed"
+            self._settle(job, lambda session, fresh: self._end(session, fresh, "cancelled", reason, rows=state["metrics"]))
             return
-        state = self._poll(job)
+        if state["status"] == "unknown":  # no answer in time: ask again next tick, never take it for dead
+            return
+        if state["status"] == "starting" and self._start_overdue(job):
+            state = {**state, "status": "failed", "error": _start_timeout(job, self.start_timeout_s)}
+        self._settle(job, lambda session, fresh: self._progress(session, fresh, state))
+
+    def _start_overdue(self, job: Job) -> bool:
+        """Whether this attempt has been starting for longer than start_timeout_s (counted from
+        the first tick that saw it starting: a service restart starts the count again)."""
+        since = self._starting_since.setdefault((job.id, job.attempt), self.clock())
+        return self.clock() - since > self.start_timeout_s
+
+    def _progress(self, session: Session, job: Job, state: dict[str, Any]) -> _Settled | None:
         before = job.step
         store_metrics(session, job, state["metrics"])
+        stored_through = None
         every = job.spec.get("checkpoint_every") or 0
         if every and job.step is not None and (before is None or (job.step + 1) // every > (before + 1) // every):
-            self._stored_through(job, job.step)  # a checkpoint interval's rows stored: once an interval
+            stored_through = job.step  # a checkpoint interval's rows stored: once an interval
         status = state["status"]
         if job.status in ("starting", "restarting") and status in ("running", "succeeded"):
             transition(session, job, "running", _running_reason(job, nodes=len(set(state["nodes"]))))
         if status == "succeeded":
-            transition(session, job, "succeeded", f"all {job.num_gpus} ranks finished step {job.steps - 1}")
-            self.launcher.release(job.id, job.attempt)
-            self._stored_through(job, _ALL_STEPS)
-        elif status in ("failed", "lost"):
-            self._on_failure(session, job, state["error"])
+            return self._end(session, job, "succeeded", f"all {job.num_gpus} ranks finished step {job.steps - 1}")
+        if status in ("failed", "lost"):
+            return self._on_failure(session, job, state["error"])
+        return _Settled(stored_through=stored_through)
 
-    def _on_failure(self, session: Session, job: Job, error: dict[str, Any] | None) -> None:
+    def _end(
+        self, session: Session, job: Job, status: str, reason: str, *,
+        error: dict[str, Any] | None = None, rows: list[dict[str, Any]] = (),
+    ) -> _Settled | None:  # fmt: skip
+        """A terminal transition; None if the job changed status under us (nothing to do after)."""
+        store_metrics(session, job, list(rows))
+        if error is not None:
+            job.error = error
+        if not transition(session, job, status, reason):
+            return None
+        return _Settled(stored_through=_ALL_STEPS, ended=True)  # never relaunched: no saved row is needed
+
+    def _on_failure(self, session: Session, job: Job, error: dict[str, Any] | None) -> _Settled | None:
         """Retry from the last checkpoint while max_retries allows, else fail with the cause."""
         max_retries = job.spec.get("max_retries", 0)
         cause = _failure_reason(error)
         if job.num_retries >= max_retries:
-            job.error = error
             spent = f" after {job.num_retries} of max_retries {max_retries}" if max_retries else ""
-            transition(session, job, "failed", f"{cause}{spent}")
-            self.launcher.release(job.id, job.attempt)
-            self._stored_through(job, _ALL_STEPS)
-            return
+            return self._end(session, job, "failed", f"{cause}{spent}", error=error)
         job.num_retries += 1
-        self._relaunch(session, job, cause=f"{cause}; retry {job.num_retries} of {max_retries}", retry=True)
+        return self._record_relaunch(session, job, cause=f"{cause}; retry {job.num_retries} of {max_retries}")
 
-    def _relaunch(self, session: Session, job: Job, *, cause: str, retry: bool) -> None:
-        """A new attempt from the latest complete checkpoint; rows past it are superseded."""
-        self.launcher.release(job.id, job.attempt)
-        resume = self.launcher.resume_step(job.id)
+    def _record_relaunch(self, session: Session, job: Job, *, cause: str) -> _Settled | None:
+        """A new attempt from the latest complete checkpoint; rows past it are superseded. The
+        launch itself comes after the commit: a service that stops in between relaunches it."""
+        resume = self.launcher.resume_step(job)
         # rows up to the checkpoint that never reached the database (Ray stopped with the service)
         # were saved with the checkpoint: store them, or the surviving curve would have a gap
-        saved = self.launcher.checkpointed_metrics(job.id, after_step=-1 if job.step is None else job.step)
+        saved = self.launcher.checkpointed_metrics(job, after_step=_after(job))
         store_metrics(session, job, [row for row in saved if row["step"] < resume])
-        self._stored_through(job, resume - 1)
         supersede_after(session, job, resume_step=resume)
         where = f"checkpoint step {resume - 1}" if resume else "the start (no checkpoint yet)"
-        if job.status != "restarting":
-            transition(session, job, "restarting", f"{cause}: attempt {job.attempt + 1} resumes from {where}")
+        if job.status != "restarting" and not transition(
+            session, job, "restarting", f"{cause}: attempt {job.attempt + 1} resumes from {where}"
+        ):
+            return None
         job.attempt += 1
-        session.flush()
+        log.info("job %s: %s; attempt %s resumes from %s", job.id, cause, job.attempt, where)
+        return _Settled(stored_through=resume - 1, relaunch=True)
+
+    def _launch(self, job: Job, *, what: str) -> None:
+        """Start the job's current attempt on Ray; a launch Ray refuses fails this job alone."""
         try:
             self.launcher.launch(job)
-        except Exception as exc:  # noqa: BLE001 - a relaunch Ray refuses fails this job alone
-            log.exception("job %s: relaunch failed", job.id)
-            job.error = {"rank": None, "node_id": None, "exception": type(exc).__name__, "message": str(exc)}
-            transition(session, job, "failed", f"relaunch failed: {type(exc).__name__}: {exc}")
-        if not retry:
-            log.info("job %s: %s; relaunched as attempt %s", job.id, cause, job.attempt)
+        except Exception as exc:  # noqa: BLE001 - the queue goes on without it
+            log.exception("job %s: %s failed", job.id, what)
+            error = {"rank": None, "node_id": None, "exception": type(exc).__name__, "message": str(exc)}
+            reason = f"{'dispatch to Ray' if what == 'dispatch' else what} failed: {type(exc).__name__}: {exc}"
+            self._settle(job, lambda session, fresh: self._end(session, fresh, "failed", reason, error=error))
 
-    def _poll(self, job: Job) -> dict[str, Any]:
-        return self.launcher.poll(job.id, job.attempt, after_step=-1 if job.step is None else job.step)
+    # ----------------------------------------------------------------------- the queue
 
-    def _admit(self, session: Session) -> None:
-        free = self.total_gpus() - gpus_in_use(session)
+    def _admit(self) -> None:
+        """Start queued jobs in order while the head's GPUs are free: each start is committed
+        (a compare-and-set from queued) before Ray is asked to launch it."""
         head = select(Job).where(Job.status == "queued").order_by(Job.id).limit(1)
-        while (job := session.scalar(head)) is not None:  # only the head is read: the queue may be long
-            if job.num_gpus > free:
-                return  # strict FIFO: the head waits for its GPUs
-            transition(session, job, "starting", f"{job.num_gpus} GPUs free: placing {job.num_gpus} ranks")
-            session.flush()
-            try:
-                self.launcher.launch(job)
-            except Exception as exc:  # noqa: BLE001 - a job Ray refuses fails alone; the queue goes on
-                log.exception("job %s: dispatch failed", job.id)
-                job.error = {"rank": None, "node_id": None, "exception": type(exc).__name__, "message": str(exc)}
-                transition(session, job, "failed", f"dispatch to Ray failed: {type(exc).__name__}: {exc}")
-                continue
-            free -= job.num_gpus
+        while True:
+            total = self.total_gpus()
+            with self.db.session() as session:
+                job = session.scalar(head)  # only the head is read: the queue may be long
+                if job is None or job.num_gpus > total - gpus_in_use(session):
+                    return  # strict FIFO: the head waits for its GPUs
+                started = transition(session, job, "starting", f"{job.num_gpus} GPUs free: placing {job.num_gpus} ranks")
+            if started:  # else cancelled since it was read: the next head
+                self._launch(job, what="dispatch")
+
+
+def _still_active(session: Session, job: Job) -> Job | None:
+    """The job as stored now, if it is still in the attempt and an active status it was read in."""
+    fresh = session.get(Job, job.id, populate_existing=True)
+    if fresh is None or fresh.attempt != job.attempt or fresh.status not in ACTIVE:
+        return None
+    return fresh
+
+
+def _after(job: Job) -> int:
+    """The step through which the job's rows are stored (-1: none)."""
+    return -1 if job.step is None else job.step
 
 
 def supersede_after(session: Session, job: Job, *, resume_step: int) -> None:
@@ -229,6 +326,14 @@ def supersede_after(session: Session, job: Job, *, resume_step: int) -> None:
     )  # fmt: skip
     job.step = None if last is None else last.step
     job.latest = None if last is None else {k: getattr(last, k) for k in _METRIC_FIELDS}
+
+
+def _start_timeout(job: Job, timeout_s: float) -> dict[str, Any]:
+    message = (
+        f"attempt {job.attempt} did not start within {timeout_s:g} s (ZERO1_START_TIMEOUT_S): its ranks were "
+        "not all placed and running"
+    )
+    return {"rank": None, "node_id": None, "exception": "StartTimeout", "message": message}
 
 
 def _running_reason(job: Job, *, nodes: int) -> str:

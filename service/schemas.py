@@ -162,8 +162,12 @@ class PlanPublic(BaseModel):
 
 
 class HealthPublic(BaseModel):
-    status: Literal["ok"]
+    status: Literal["ok", "degraded"] = Field(
+        description="degraded (with status code 503): the scheduler has not completed a tick for "
+        "ZERO1_SCHEDULER_STALE_S, so no job is admitted, stopped or has its metrics stored."
+    )
     version: str
+    scheduler_tick_age_s: float | None = Field(description="Seconds since the scheduler last completed a tick.")
 
 
 class ErrorPublic(BaseModel):

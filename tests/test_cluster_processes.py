@@ -27,6 +27,7 @@ from sqlalchemy import create_engine, text
 
 from polling import wait_for
 from ports import free_port
+from stored import job_checkpoint_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -276,10 +277,12 @@ def test_a_job_spread_over_two_ray_nodes_trains_with_postgresql_and_shared_check
     listing = subprocess.run(["pg_restore", "--list", str(dump)], capture_output=True, text=True, check=True, timeout=60)
     assert "TABLE DATA public metrics" in listing.stdout and "TABLE DATA public job_events" in listing.stdout
 
-    # every checkpoint, each rank's shard and the marker, in the shared directory
-    job_dir = checkpoints / f"job-{job_id}"
-    expected = {f"step-{step:09d}" for step in range(every - 1, steps, every)}
-    assert {d.name for d in job_dir.glob("step-*") if (d / "complete.json").is_file()} == expected
+    # the finished job's checkpoint (ZERO1_CHECKPOINT_KEEP_FINISHED=1 keeps the final one), each
+    # rank's shard from both nodes and the marker, in the shared directory
+    job_dir = job_checkpoint_dir(database_url, checkpoints, job_id)
+    expected = {f"step-{steps - 1:09d}"}
+    assert steps % every == 0 and {d.name for d in job_dir.glob("step-*")} == expected
+    assert all((job_dir / name / "complete.json").is_file() for name in expected)
     for name in expected:
         shards = sorted(p.name for p in (job_dir / name).glob("rank-*.pt"))
         assert shards == [f"rank-{rank:05d}-of-{world_size:05d}.pt" for rank in range(world_size)]

@@ -29,6 +29,7 @@ from conftest import make_settings
 from figures import record
 from polling import wait_for
 from ports import free_port
+from stored import job_checkpoint_dir
 from service.launcher import supervisor_name
 from service.main import create_app
 
@@ -47,8 +48,8 @@ def kill_rank(namespace: str, job_id: int, attempt: int, rank: int) -> None:
     ray.kill(ray.get(supervisor.worker.remote(rank)), no_restart=True)
 
 
-def final_shards(checkpoints: Path, job_id: int, *, step: int) -> list[dict]:
-    directory = checkpoints / f"job-{job_id}" / f"step-{step:09d}"
+def final_shards(database_url: str, checkpoints: Path, job_id: int, *, step: int) -> list[dict]:
+    directory = job_checkpoint_dir(database_url, checkpoints, job_id) / f"step-{step:09d}"
     assert (directory / "complete.json").is_file(), f"no complete checkpoint at {directory}"
     return [torch.load(path, weights_only=False) for path in sorted(directory.glob("rank-*.pt"))]
 
@@ -148,7 +149,7 @@ def test_a_killed_rank_is_retried_from_its_checkpoint_and_ends_where_an_uninterr
     assert len(rows) == steps + len(superseded) == len(set((a, s) for a, s, _ in rows))
 
     wait_for(lambda: job(reference), lambda j: j["status"] == "succeeded", what="the reference run")
-    killed, clean = (final_shards(Path(settings.checkpoint_uri), j, step=steps - 1) for j in (victim, reference))
+    killed, clean = (final_shards(settings.database_url, Path(settings.checkpoint_uri), j, step=steps - 1) for j in (victim, reference))
     assert len(killed) == len(clean) == 2
     assert_same_state(killed, clean)  # bit for bit: parameters, moments and step counts
     record("a rank killed, retried", faults=1, jobs_accepted=2, jobs_stored=jobs_stored(settings.database_url),
@@ -241,7 +242,7 @@ def service(tmp_path: Path, **env: str) -> Iterator[Service]:
 
 
 def newest_checkpoint(svc: Service, job_id: int) -> int:
-    markers = list((svc.checkpoints / f"job-{job_id}").glob("step-*/complete.json"))
+    markers = list(job_checkpoint_dir(svc.database_url, svc.checkpoints, job_id).glob("step-*/complete.json"))
     return max((int(m.parent.name.removeprefix("step-")) for m in markers), default=-1)
 
 
@@ -329,13 +330,12 @@ def test_an_embedded_ray_job_resumes_from_its_checkpoint_when_the_service_restar
         waited = wait_for(lambda: svc.get(f"/v1/jobs/{queued}"), lambda j: j["status"] == "succeeded",
                           what="the queued job")  # fmt: skip
         assert waited["attempt"] == 0
-        # the rows of the checkpoints keep_last pruned went once stored; the newest 3 stay whole
-        directory = svc.checkpoints / f"job-{job_id}"
-        wait_for(lambda: sorted(p.parent.name for p in directory.glob("step-*/pruned.json")), lambda left: not left,
-                 what="the stored rows of pruned checkpoints to be discarded", timeout_s=30)  # fmt: skip
-        assert sorted(p.parent.name for p in directory.glob("step-*/rank-*.pt")) == [
-            f"step-{step:09d}" for step in (159, 159, 179, 179, 199, 199)
-        ]
+        # finished: the rows of pruned checkpoints went once stored, and of the complete ones
+        # only the final one stays (ZERO1_CHECKPOINT_KEEP_FINISHED=1), whole
+        directory = job_checkpoint_dir(svc.database_url, svc.checkpoints, job_id)
+        wait_for(lambda: sorted(p.name for p in directory.iterdir()), lambda left: left == ["step-000000199"],
+                 what="the finished job's checkpoints retired to the final one", timeout_s=30)  # fmt: skip
+        assert sorted(p.parent.name for p in directory.glob("step-*/rank-*.pt")) == ["step-000000199"] * 2
         record(f"service {sig.name}, embedded Ray", faults=1, jobs_accepted=2, jobs_stored=jobs_stored(svc.database_url),
                rows_expected=steps + 10, rows_stored=surviving_steps(svc.database_url, job_id)
                + surviving_steps(svc.database_url, queued))  # fmt: skip

@@ -10,12 +10,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from workers.checkpoints import checkpointed_metrics, discard_stored_metrics, latest_checkpoint
 from workers.data import Batches, MarkovSource, SyntheticSpec, TextSpec
 from workers.memory import GPTSpec, MLPSpec, Workload, breakdown
 from workers.models import build_model, saved_activation_bytes
-from workers.train import (
-    OptimizerSpec, TrainConfig, checkpointed_metrics, discard_stored_metrics, latest_checkpoint, train,
-)  # fmt: skip
+from workers.train import OptimizerSpec, TrainConfig, train
 
 SMALL = GPTSpec(vocab_size=64, n_layer=2, n_head=2, n_embd=32, block_size=32)
 

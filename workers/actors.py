@@ -23,7 +23,8 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from workers.train import TrainConfig, TrainResult, merge_ranks
+from workers.checkpoints import merge_ranks
+from workers.train import TrainConfig, TrainResult
 
 Strategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 _REPORT_EVERY_ROWS = 50
@@ -34,6 +35,10 @@ class PlacementError(RuntimeError):
     """The cluster could not place the job's ranks within the timeout."""
 
 
+class RendezvousError(RuntimeError):
+    """The placed ranks did not all start and report their address within the timeout."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Placement:
     num_workers: int
@@ -42,13 +47,15 @@ class Placement:
     cpus_per_worker: float = 1.0
     """CPUs each rank reserves beside its GPU; give a fraction on a CPU-only
     machine with logical GPUs."""
+    rendezvous_timeout_s: float = 120.0
+    """How long the placed ranks may take to start (their processes, imports) and report their address."""
     process_group_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
-        if self.num_workers < 1 or self.timeout_s <= 0 or self.cpus_per_worker < 0:
+        if self.num_workers < 1 or self.timeout_s <= 0 or self.cpus_per_worker < 0 or self.rendezvous_timeout_s <= 0:
             raise ValueError(
                 f"need num_workers ({self.num_workers}) >= 1, timeout_s ({self.timeout_s}) > 0, "
-                f"cpus_per_worker ({self.cpus_per_worker}) >= 0"
+                f"cpus_per_worker ({self.cpus_per_worker}) >= 0, rendezvous_timeout_s ({self.rendezvous_timeout_s}) > 0"
             )
 
     @property
@@ -153,26 +160,29 @@ class JobSupervisor:
         return self.status
 
     def start(self) -> None:
-        """Place the ranks (or raise PlacementError), rendezvous, and start training. Once:
-        a second call (a control plane adopting an attempt it launched) does nothing."""
+        """Place the ranks, rendezvous, and start training. Never raises: a start that fails
+        (placement or rendezvous past its timeout, a rank that dies starting) leaves status
+        "failed" with the cause and frees the placement group. Once: a second call (a control
+        plane adopting an attempt it launched) does nothing."""
         with self._lock:
             if self._started:
                 return
             self._started = True
+        try:
+            self._start()
+        except Exception as exc:  # noqa: BLE001 - every cause of a failed start is reported by poll()
+            self._fail(None, exc)
+
+    def _start(self) -> None:
         p = self.placement
         self._pg = placement_group([p.bundle] * p.num_workers, strategy=p.strategy)
         ready, _ = ray.wait([self._pg.ready()], timeout=p.timeout_s)
         if not ready:
-            self._release()
-            error = PlacementError(
+            raise PlacementError(
                 f"could not place {p.num_workers} ranks of {p.bundle} ({p.strategy}) within {p.timeout_s:g} s: "
                 f"requested GPU={p.num_workers}, CPU={p.num_workers * p.cpus_per_worker:g}; "
                 f"available {_resources(ray.available_resources())} of {_resources(ray.cluster_resources())}"
             )
-            with self._lock:
-                self.status = "failed"
-                self.error = {"rank": None, "node_id": None, "exception": "PlacementError", "message": str(error)}
-            raise error
         self._workers = [
             TrainWorker.options(
                 num_gpus=1, num_cpus=p.cpus_per_worker,
@@ -180,7 +190,13 @@ class JobSupervisor:
             ).remote(rank, p.num_workers)
             for rank in range(p.num_workers)
         ]  # fmt: skip
-        rendezvous = ray.get([w.rendezvous.remote() for w in self._workers])
+        try:
+            rendezvous = ray.get([w.rendezvous.remote() for w in self._workers], timeout=p.rendezvous_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise RendezvousError(
+                f"{p.num_workers} ranks were placed but did not all start within {p.rendezvous_timeout_s:g} s "
+                "(rendezvous_timeout_s)"
+            ) from None
         self._nodes = [node for _, _, node in rendezvous]
         address, port, _ = rendezvous[0]
         me = ray.get_runtime_context().current_actor
@@ -189,7 +205,12 @@ class JobSupervisor:
             for rank, w in enumerate(self._workers)
         }
         with self._lock:
-            self.status = "running"
+            cancelled = self.status != "starting"
+            if not cancelled:
+                self.status = "running"
+        if cancelled:  # while starting: the ranks made since cancel() released go too
+            self._release()
+            return
         threading.Thread(target=self._watch, args=(runs,), daemon=True, name=f"watch-{self.job_id}").start()
 
     def report(self, rank: int, rows: list[dict[str, Any]]) -> None:
@@ -240,18 +261,18 @@ class JobSupervisor:
                 self.status = "succeeded"
         self._release()
 
-    def _fail(self, rank: int, exc: Exception) -> None:
+    def _fail(self, rank: int | None, exc: Exception) -> None:
+        """Status "failed" with the cause (`rank` None: the start failed, no one rank), then free everything."""
         cause = str(exc).strip().splitlines()
         with self._lock:
-            if self.status == "cancelled":
-                return
-            self.status = "failed"
-            self.error = {
-                "rank": rank,
-                "node_id": self._nodes[rank] if rank < len(self._nodes) else None,
-                "exception": type(exc).__name__,
-                "message": cause[0] if cause else type(exc).__name__,
-            }
+            if self.status != "cancelled":  # a cancel wins: its ranks were killed on purpose
+                self.status = "failed"
+                self.error = {
+                    "rank": rank,
+                    "node_id": self._nodes[rank] if rank is not None and rank < len(self._nodes) else None,
+                    "exception": type(exc).__name__,
+                    "message": cause[0] if cause else type(exc).__name__,
+                }
         self._release()
 
     def _release(self) -> None:

@@ -10,10 +10,6 @@ shard, and rank 0 marks the checkpoint complete once all shards are in place.
 from __future__ import annotations
 
 import contextlib
-
-import json
-import os
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,14 +20,15 @@ import torch
 import torch.distributed as dist
 
 from workers import memory
+from workers.checkpoints import (
+    COMPLETE, atomic_write, latest_checkpoint, prune_checkpoints, shard_file, step_dir, write_json,
+)  # fmt: skip
 from workers.data import Batches, DataSpec, SyntheticSpec
 from workers.memory import GPTSpec, MLPSpec
 from workers.models import ActivationMeter, build_model
 from workers.optim import ZeRO1AdamW, decay_param_groups
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-_COMPLETE = "complete.json"
-_PRUNED = "pruned.json"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -69,6 +66,9 @@ class TrainConfig:
     keep_last: int = 0
     """Complete checkpoints kept (the newest ones); 0 keeps every one."""
     activation_checkpointing: bool = False
+    resume: bool = True
+    """Resume from the latest complete checkpoint in checkpoint_dir. A job's first attempt
+    (False) starts from scratch, and refuses a directory that already holds checkpoints."""
 
     def __post_init__(self) -> None:
         if self.precision not in DTYPES:
@@ -138,8 +138,13 @@ def train(
         overlap_comm=hyper.overlap_comm, bucket_cap_mb=hyper.bucket_cap_mb,
     )  # fmt: skip
     first = 0
-    if config.checkpoint_dir:
+    if config.checkpoint_dir and config.resume:
         first = resume(opt, Path(config.checkpoint_dir), rank=rank, world_size=world_size)
+    elif config.checkpoint_dir and (found := latest_checkpoint(Path(config.checkpoint_dir))) is not None:
+        raise ValueError(
+            f"checkpoint_dir {config.checkpoint_dir} already holds a checkpoint of step {found[0]}, and this run "
+            "starts from scratch (resume=False): it is another run's"
+        )
     context = _StepContext(
         model=model, opt=opt, batches=batches, device=device, rank=rank, world_size=world_size,
         process_group=process_group, planned_bytes=planned_bytes(config, world_size=world_size),
@@ -222,25 +227,6 @@ class _StepContext:
 # --------------------------------------------------------------------------- checkpoints
 
 
-def _step_dir(root: Path, step: int) -> Path:
-    return root / f"step-{step:09d}"
-
-
-def _step_of(directory: Path) -> int:
-    return int(directory.name.removeprefix("step-"))
-
-
-def _shard_file(root: Path, step: int, rank: int, world_size: int) -> Path:
-    return _step_dir(root, step) / f"rank-{rank:05d}-of-{world_size:05d}.pt"
-
-
-def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """write(tmp) then rename: a reader sees the old file or the whole new one, never a torn one."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    write(tmp)
-    os.replace(tmp, path)
-
-
 def save_checkpoint(
     opt: ZeRO1AdamW, root: Path, *, step: int, process_group: dist.ProcessGroup | None,
     metrics: list[dict[str, Any]] = (), keep_last: int = 0,
@@ -248,70 +234,19 @@ def save_checkpoint(
     """Every rank writes its shard and its metric rows since the last checkpoint; rank 0 then
     marks the step complete. The rows travel with the checkpoint: a control plane that lost
     them (it and Ray stopped together) reads them back before resuming after this step."""
-    directory = _step_dir(root, step)
+    directory = step_dir(root, step)
     directory.mkdir(parents=True, exist_ok=True)
     state = opt.state_dict()
-    shard = _shard_file(root, step, opt.rank, opt.world_size)
-    _atomic_write(shard, lambda tmp: torch.save(state, tmp))
-    rows = json.dumps(list(metrics), allow_nan=True)
-    _atomic_write(shard.with_suffix(".metrics.json"), lambda tmp: tmp.write_text(rows))
+    shard = shard_file(root, step, opt.rank, opt.world_size)
+    atomic_write(shard, lambda file: torch.save(state, file))
+    write_json(shard.with_suffix(".metrics.json"), list(metrics))
     if opt.world_size > 1:
         dist.barrier(group=process_group)  # every shard is in place before the checkpoint counts
     if opt.rank == 0:
-        meta = {"step": step, "world_size": opt.world_size, "format": state["format"]}
-        _atomic_write(directory / _COMPLETE, lambda tmp: tmp.write_text(json.dumps(meta)))
+        write_json(directory / COMPLETE, {"step": step, "world_size": opt.world_size, "format": state["format"]})
         if keep_last:
             prune_checkpoints(root, keep_last=keep_last)
     return directory
-
-
-def prune_checkpoints(root: Path, *, keep_last: int) -> list[int]:
-    """Delete the shards of all but the newest `keep_last` complete checkpoints, and any
-    unfinished checkpoint older than the newest complete (a crash's leftovers); the steps pruned.
-
-    A pruned checkpoint keeps its metric rows (a few hundred bytes a step and rank) under a
-    pruned.json marker: the control plane may not have stored them yet (it polls behind the
-    ranks, and it can stop while they run on), and reads them back before a relaunch. It
-    discards them once stored (discard_stored_metrics)."""
-    complete = sorted(_step_of(m.parent) for m in root.glob(f"step-*/{_COMPLETE}"))
-    if not complete:
-        return []
-    kept = set(complete[-keep_last:])
-    pruned = []
-    for directory in root.glob("step-*"):
-        step = _step_of(directory)
-        if step in kept or step >= complete[-1] or (directory / _PRUNED).exists():
-            continue
-        marker = directory / _COMPLETE
-        if marker.exists():
-            os.replace(marker, directory / _PRUNED)  # no longer a checkpoint to resume from
-            for shard in directory.glob("rank-*.pt"):
-                shard.unlink(missing_ok=True)
-        else:
-            shutil.rmtree(directory, ignore_errors=True)  # never complete: a later attempt redid its steps
-        pruned.append(step)
-    return sorted(pruned)
-
-
-def discard_stored_metrics(root: Path, *, through_step: int) -> list[int]:
-    """Delete the pruned checkpoints whose rows are all stored (step <= through_step); the steps."""
-    discarded = []
-    for marker in root.glob(f"step-*/{_PRUNED}"):
-        step = _step_of(marker.parent)
-        if step <= through_step:
-            shutil.rmtree(marker.parent, ignore_errors=True)
-            discarded.append(step)
-    return sorted(discarded)
-
-
-def latest_checkpoint(root: Path) -> tuple[int, int] | None:
-    """(step, world_size) of the newest complete checkpoint under root, or None."""
-    best = None
-    for marker in root.glob(f"step-*/{_COMPLETE}"):
-        meta = json.loads(marker.read_text())
-        if best is None or meta["step"] > best[0]:
-            best = (meta["step"], meta["world_size"])
-    return best
 
 
 def resume(opt: ZeRO1AdamW, root: Path, *, rank: int, world_size: int) -> int:
@@ -322,27 +257,5 @@ def resume(opt: ZeRO1AdamW, root: Path, *, rank: int, world_size: int) -> int:
     step, saved_world = found
     if saved_world != world_size:
         raise ValueError(f"checkpoint at step {step} was written by {saved_world} ranks, this run has {world_size}")
-    opt.load_state_dict(torch.load(_shard_file(root, step, rank, world_size), map_location=opt.device))
+    opt.load_state_dict(torch.load(shard_file(root, step, rank, world_size), map_location=opt.device))
     return step + 1
-
-
-def checkpointed_metrics(root: Path, *, after_step: int) -> list[dict[str, Any]]:
-    """The rows (one per step, ranks merged) saved with the complete and pruned checkpoints of
-    root for the steps after `after_step`, in step order."""
-    by_step: dict[int, dict[int, dict[str, Any]]] = {}
-    saved = {marker.parent for name in (_COMPLETE, _PRUNED) for marker in root.glob(f"step-*/{name}")}
-    for directory in saved:
-        if _step_of(directory) <= after_step:
-            continue
-        for path in directory.glob("rank-*.metrics.json"):
-            for row in json.loads(path.read_text()):
-                if row["step"] > after_step:
-                    by_step.setdefault(row["step"], {})[row["rank"]] = row
-    return [merge_ranks(by_step[step]) for step in sorted(by_step)]
-
-
-def merge_ranks(by_rank: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    """One step's row: rank 0's global values, with every rank's mem_peak_bytes as a list."""
-    row = {k: v for k, v in by_rank[0].items() if k != "rank"}
-    row["mem_peak_bytes"] = [by_rank[rank]["mem_peak_bytes"] for rank in sorted(by_rank)]
-    return row

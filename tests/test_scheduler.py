@@ -1,0 +1,361 @@
+"""The scheduler under races and faults: a cancel racing a start, one job's error, a stalled or
+dead supervisor, a start that never finishes, a reused job id, a scheduler that stops ticking.
+
+Each test injects its fault for real (two sessions on one row, an I/O error raised where the
+checkpoint is read, a supervisor that does not answer) and checks one consistent outcome.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import ray
+from fastapi.testclient import TestClient
+from sqlalchemy import select
+
+from conftest import make_settings
+from figures import record
+from polling import wait_for
+from service import jobs
+from service.cluster import ClusterCapacity
+from service.db import Database, upgrade
+from service.launcher import RayLauncher, checkpoint_dirname, supervisor_name
+from service.main import create_app
+from service.models import Job, JobEvent
+from service.scheduler import Scheduler
+from service.schemas import JobSpec
+from workers.memory import GB
+
+TINY = {"kind": "gpt", "vocab_size": 64, "n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32}
+FAST = {"lr": 0.003, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0, "max_grad_norm": 1.0}
+CLUSTER = ClusterCapacity(num_gpus=4, num_gpus_free=4, gpu_memory_bytes=80 * GB, simulated=True)
+
+
+def job_body(**overrides) -> dict:
+    return {"name": "sched", "model": TINY, "num_gpus": 2, "precision": "fp32", "optimizer": FAST,
+            "micro_batch_size": 2, "seed": 7, "steps": 10, **overrides}  # fmt: skip
+
+
+def queue_job(db: Database, **overrides) -> int:
+    """A queued job stored as POST /v1/jobs stores it; its id."""
+    spec = JobSpec.model_validate(job_body(**overrides))
+    plan = jobs.admit(spec, cluster=CLUSTER, overhead_bytes=GB)
+    with db.session() as session:
+        job, _ = jobs.submit_job(session, spec=spec, plan=plan, idempotency_key=None)
+        return job.id
+
+
+def statuses(db: Database, job_id: int) -> tuple[str, list[str]]:
+    """The job's status and the to_status of each of its events, in order."""
+    with db.session() as session:
+        job = session.get(Job, job_id)
+        events = session.scalars(select(JobEvent.to_status).where(JobEvent.job_id == job_id).order_by(JobEvent.id))
+        return job.status, list(events)
+
+
+# --------------------------------------------------------------------------- a cancel races a start
+
+
+def test_a_cancel_committed_first_makes_the_racing_start_lose(database):
+    job_id = queue_job(database)
+    with database.session() as scheduler:
+        job = scheduler.get(Job, job_id)  # the scheduler read the head of the queue: queued
+        with database.session() as api:
+            jobs.cancel_job(api, job_id)  # the API cancels and commits first
+        assert not jobs.transition(scheduler, job, "starting", "placing")
+        assert job.status == "cancelled"  # refreshed to what the winner wrote
+    assert statuses(database, job_id) == ("cancelled", ["queued", "cancelled"])
+    record("cancel commits before a racing start", faults=1, jobs_accepted=1, jobs_stored=1)
+
+
+def test_a_start_committed_first_turns_the_racing_cancel_into_a_stop_request(database):
+    job_id = queue_job(database)
+    with database.session() as api:
+        assert api.get(Job, job_id).status == "queued"  # the API read the job: queued
+        with database.session() as scheduler:
+            assert jobs.transition(scheduler, scheduler.get(Job, job_id), "starting", "placing")
+        job = jobs.cancel_job(api, job_id)  # the start committed first: the job is stopped, not overwritten
+        assert (job.status, job.cancel_requested) == ("starting", True)
+    assert statuses(database, job_id) == ("starting", ["queued", "starting"])
+    with database.session() as session:
+        assert session.get(Job, job_id).cancel_requested
+    record("start commits before a racing cancel", faults=1, jobs_accepted=1, jobs_stored=1)
+
+
+def test_cancelling_a_job_that_ended_since_it_was_read_is_a_409(database):
+    job_id = queue_job(database)
+    with database.session() as session:
+        job = session.get(Job, job_id)
+        jobs.transition(session, job, "starting", "placing")
+        jobs.transition(session, job, "running", "training")
+    with database.session() as api:
+        api.get(Job, job_id)  # read while running
+        with database.session() as scheduler:
+            jobs.transition(scheduler, scheduler.get(Job, job_id), "succeeded", "done")
+        with pytest.raises(jobs.ServiceError, match="already succeeded") as raised:
+            jobs.cancel_job(api, job_id)
+        assert raised.value.status_code == 409
+    with database.session() as session:
+        assert not session.get(Job, job_id).cancel_requested
+
+
+# --------------------------------------------------------------------------- the service's scheduler
+
+
+@pytest.fixture
+def app(ray_cluster, tmp_path) -> Iterator[tuple[TestClient, object]]:
+    settings = make_settings(tmp_path)
+    try:
+        with TestClient(create_app(settings), raise_server_exceptions=False) as client:
+            yield client, settings
+    finally:  # a test that failed midway leaves no job holding the session cluster's GPUs
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            if entry["namespace"] == settings.ray_namespace:
+                ray.kill(ray.get_actor(entry["name"], namespace=entry["namespace"]), no_restart=True)
+
+
+def _job(client: TestClient, job_id: int) -> dict:
+    return client.get(f"/v1/jobs/{job_id}").json()
+
+
+def _gpus_free() -> int:
+    return round(ray.available_resources().get("GPU", 0))
+
+
+def test_a_cancel_during_dispatch_ends_cancelled_with_no_supervisor_and_no_gpu_held(app):
+    """The cancel lands after the scheduler committed `starting` and before Ray launched the job:
+    the job ends cancelled, its supervisor is gone, and the GPUs it held are free and uncounted."""
+    client, settings = app
+    runtime = client.app.state.runtime
+    launch, cancelled_in_launch = runtime.launcher.launch, []
+
+    def cancel_then_launch(job: Job) -> None:
+        with runtime.db.session() as session:  # as POST /v1/jobs/{id}/cancel does, mid-dispatch
+            cancelled_in_launch.append(jobs.cancel_job(session, job.id).cancel_requested)
+        launch(job)
+
+    runtime.launcher.launch = cancel_then_launch
+    try:
+        job_id = client.post("/v1/jobs", json=job_body(steps=100_000)).json()["id"]
+        done = wait_for(lambda: _job(client, job_id), lambda j: j["status"] in jobs.TERMINAL, what="the job to end")
+    finally:
+        runtime.launcher.launch = launch
+    assert cancelled_in_launch == [True]  # the cancel saw `starting` and asked for a stop
+    assert done["status"] == "cancelled", done
+    events = client.get(f"/v1/jobs/{job_id}/events").json()["data"]
+    assert [e["to_status"] for e in events] == ["queued", "starting", "cancelled"]
+    wait_for(runtime.launcher.supervisors, lambda alive: all(job != job_id for job, _ in alive),
+             what="the job's supervisor to end")  # fmt: skip
+    with runtime.db.session() as session:
+        assert jobs.gpus_in_use(session) == 0
+    # the GPUs are free for real: a job of all 4 starts
+    full = client.post("/v1/jobs", json=job_body(num_gpus=4, steps=3)).json()["id"]
+    wait_for(lambda: _job(client, full), lambda j: j["status"] == "succeeded", what="a 4-GPU job to succeed")
+    record("cancel during dispatch", faults=1, jobs_accepted=2, jobs_stored=2)
+
+
+def test_one_jobs_error_fails_it_alone_and_the_others_and_the_queue_go_on(app):
+    """An I/O error while relaunching one job (its checkpoint storage fails) fails that job with
+    the cause; a job running beside it and one queued behind both finish."""
+    client, settings = app
+    runtime = client.app.state.runtime
+    read = runtime.launcher.checkpointed_metrics
+    victim = client.post("/v1/jobs", json=job_body(steps=100_000, checkpoint_every=5, max_retries=2)).json()["id"]
+    other = client.post("/v1/jobs", json=job_body(steps=60)).json()["id"]
+    queued = client.post("/v1/jobs", json=job_body(steps=3)).json()["id"]
+
+    def storage_fails_for_victim(job: Job, *, after_step: int):
+        if job.id == victim:
+            raise OSError(5, "Input/output error", str(runtime.launcher.checkpoint_dir(job)))
+        return read(job, after_step=after_step)
+
+    runtime.launcher.checkpointed_metrics = storage_fails_for_victim
+    try:
+        wait_for(lambda: _job(client, victim), lambda j: (j["step"] or 0) >= 5, what="the victim training")
+        supervisor = ray.get_actor(supervisor_name(victim, 0), namespace=settings.ray_namespace)
+        ray.kill(ray.get(supervisor.worker.remote(1)), no_restart=True)  # its retry reads the checkpoint
+        failed = wait_for(lambda: _job(client, victim), lambda j: j["status"] in jobs.TERMINAL, what="the victim")
+        ends = {j: wait_for(lambda j=j: _job(client, j), lambda x: x["status"] in jobs.TERMINAL, what=f"job {j}")
+                for j in (other, queued)}  # fmt: skip
+    finally:
+        runtime.launcher.checkpointed_metrics = read
+    assert failed["status"] == "failed" and failed["error"]["exception"] == "OSError", failed
+    assert "Input/output error" in failed["error"]["message"]
+    assert [e["status"] for e in ends.values()] == ["succeeded", "succeeded"]
+    assert ends[other]["step"] == 59
+    assert client.get("/healthz").json()["status"] == "ok"
+    record("one job's storage fails", faults=2, jobs_accepted=3, jobs_stored=3)
+
+
+def test_healthz_says_degraded_while_the_scheduler_completes_no_tick(ray_cluster, tmp_path):
+    settings = make_settings(tmp_path, scheduler_stale_s=0.5)
+    with TestClient(create_app(settings), raise_server_exceptions=False) as client:
+        scheduler = client.app.state.runtime.scheduler
+        assert client.get("/healthz").status_code == 200
+        admit = scheduler._admit
+
+        def database_unreachable() -> None:
+            raise OSError("could not connect to the database")
+
+        scheduler._admit = database_unreachable
+        try:
+            r = wait_for(lambda: client.get("/healthz"), lambda r: r.status_code == 503, what="healthz 503")
+        finally:
+            scheduler._admit = admit
+        assert r.json()["status"] == "degraded" and r.json()["scheduler_tick_age_s"] > 0.5
+        wait_for(lambda: client.get("/healthz"), lambda r: r.status_code == 200, what="healthz ok again")
+
+
+# --------------------------------------------------------------------------- supervisors that stall or never start
+
+
+@ray.remote(num_cpus=0, max_concurrency=4)
+class StandInSupervisor:
+    """Answers poll() as a supervisor would, with `status`, or not at all until released."""
+
+    def __init__(self, status: str) -> None:
+        self.status = status
+        self.answering = threading.Event()
+        self.answering.set()
+
+    def stall(self) -> None:
+        self.answering.clear()
+
+    def resume(self) -> None:
+        self.answering.set()
+
+    def poll(self, after_step: int = -1) -> dict:
+        self.answering.wait()
+        return {"status": self.status, "error": None, "metrics": [], "nodes": []}
+
+    def ping(self) -> str:
+        return self.status
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def bare(ray_cluster, tmp_path) -> Iterator[tuple[Scheduler, Database, object, FakeClock]]:
+    """A scheduler of its own (not ticking by itself) on a fresh database, with a fake clock."""
+    settings = make_settings(tmp_path, ray_rpc_timeout_s=0.5)
+    upgrade(settings.database_url)
+    db, clock = Database(settings.database_url), FakeClock()
+    scheduler = Scheduler(db=db, launcher=RayLauncher(settings), total_gpus=lambda: 0, interval_s=1,
+                          start_timeout_s=settings.start_timeout_s, clock=clock)  # fmt: skip
+    try:
+        yield scheduler, db, settings, clock
+    finally:
+        db.dispose()
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            if entry["namespace"] == settings.ray_namespace:
+                ray.kill(ray.get_actor(entry["name"], namespace=entry["namespace"]), no_restart=True)
+
+
+def _as(db: Database, job_id: int, *path: str) -> None:
+    with db.session() as session:
+        job = session.get(Job, job_id)
+        for status in path:
+            assert jobs.transition(session, job, status, "set up by the test")
+
+
+def _stand_in(settings, job_id: int, status: str):
+    return StandInSupervisor.options(name=supervisor_name(job_id, 0), namespace=settings.ray_namespace,
+                                     lifetime="detached").remote(status)  # fmt: skip
+
+
+def test_a_supervisor_that_does_not_answer_in_time_is_asked_again_not_taken_for_dead(bare):
+    scheduler, db, settings, _ = bare
+    job_id = queue_job(db)
+    _as(db, job_id, "starting", "running")
+    supervisor = _stand_in(settings, job_id, "running")
+    ray.get(supervisor.stall.remote())
+
+    scheduler.tick()  # no answer within ray_rpc_timeout_s (0.5 s): a stall, not a death
+    assert statuses(db, job_id) == ("running", ["queued", "starting", "running"])
+    assert ray.get(supervisor.ping.remote()) == "running"  # not killed
+
+    ray.get(supervisor.resume.remote())
+    scheduler.tick()
+    assert statuses(db, job_id)[0] == "running"
+
+    ray.kill(supervisor, no_restart=True)  # a death is a death
+    scheduler.tick()
+    status, events = statuses(db, job_id)
+    assert (status, events[-1]) == ("failed", "failed")
+    with db.session() as session:
+        error = session.get(Job, job_id).error
+    assert error["exception"] == "SupervisorLost" and "died" in error["message"], error
+    record("a supervisor stalls past the RPC timeout", faults=1, jobs_accepted=1, jobs_stored=1)
+
+
+def test_a_job_starting_past_its_deadline_fails_with_the_cause_and_its_supervisor_ends(bare):
+    scheduler, db, settings, clock = bare
+    job_id = queue_job(db)
+    _as(db, job_id, "starting")
+    supervisor = _stand_in(settings, job_id, "starting")  # placed nothing, says "starting" forever
+
+    scheduler.tick()
+    clock.now += settings.start_timeout_s  # exactly the deadline: not past it
+    scheduler.tick()
+    assert statuses(db, job_id)[0] == "starting"
+    clock.now += 1
+    scheduler.tick()
+    assert statuses(db, job_id) == ("failed", ["queued", "starting", "failed"])
+    with db.session() as session:
+        error = session.get(Job, job_id).error
+    assert error["exception"] == "StartTimeout"
+    assert f"did not start within {settings.start_timeout_s:g} s" in error["message"]
+    with pytest.raises(ray.exceptions.RayActorError):  # released: a placement group it held goes with it
+        ray.get(supervisor.ping.remote(), timeout=30)
+    record("a start that never finishes", faults=1, jobs_accepted=1, jobs_stored=1)
+
+
+# --------------------------------------------------------------------------- a job id used again
+
+
+def test_a_new_job_with_a_reused_id_trains_from_scratch_in_a_directory_of_its_own(ray_cluster, tmp_path):
+    """A database restored from an older backup hands out job id 1 again: the new job 1 must not
+    resume the old job 1's checkpoint, nor take its rows into its curve."""
+    checkpoints = tmp_path / "checkpoints"
+    body = job_body(steps=20, checkpoint_every=5)
+    runs = []
+    for database in ("before.db", "restored.db"):
+        settings = make_settings(tmp_path, database_url=f"sqlite:///{tmp_path / database}",
+                                 checkpoint_uri=str(checkpoints))  # fmt: skip
+        with TestClient(create_app(settings), raise_server_exceptions=False) as client:
+            job_id = client.post("/v1/jobs", json=body).json()["id"]
+            done = wait_for(lambda: _job(client, job_id), lambda j: j["status"] in jobs.TERMINAL, what="the job")
+            curve = client.get(f"/v1/jobs/{job_id}/metrics").json()["data"]
+            with client.app.state.runtime.db.session() as session:
+                run_id = session.get(Job, job_id).run_id
+        runs.append((job_id, done, curve, run_id))
+    (first_id, _, first_curve, first_run), (again_id, again, again_curve, again_run) = runs
+    assert first_id == again_id == 1 and first_run != again_run
+    assert again["status"] == "succeeded" and again["attempt"] == 0
+    assert [m["step"] for m in again_curve] == list(range(20)) and {m["attempt"] for m in again_curve} == {0}
+    assert again_curve[0]["loss"] == first_curve[0]["loss"]  # the same seed from scratch, not a resumed model
+    # each in its own directory; a finished job keeps its final checkpoint only (ZERO1_CHECKPOINT_KEEP_FINISHED=1)
+    for run_id in (first_run, again_run):
+        directory = checkpoints / checkpoint_dirname(1, run_id)
+        assert sorted(p.name for p in directory.iterdir()) == ["step-000000019"]
+    record("a job id used again after a restore", faults=1, jobs_accepted=2, jobs_stored=2,
+           rows_expected=20, rows_stored=len(again_curve))  # fmt: skip
+
+
+def test_a_finished_job_keeps_no_checkpoint_with_keep_finished_0(ray_cluster, tmp_path):
+    settings = make_settings(tmp_path, checkpoint_keep_finished=0)
+    with TestClient(create_app(settings), raise_server_exceptions=False) as client:
+        job_id = client.post("/v1/jobs", json=job_body(steps=6, checkpoint_every=2)).json()["id"]
+        wait_for(lambda: _job(client, job_id), lambda j: j["status"] == "succeeded", what="the job")
+        with client.app.state.runtime.db.session() as session:
+            directory = client.app.state.runtime.launcher.checkpoint_dir(session.get(Job, job_id))
+    assert isinstance(directory, Path) and not directory.exists()

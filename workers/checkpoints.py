@@ -1,0 +1,146 @@
+"""The checkpoint directory's layout, and reading it: standard library only, so the control plane
+reads checkpoints without loading torch.
+
+    <checkpoint_uri>/job-<id>-<run_id>/
+        step-000000099/
+            rank-00000-of-00002.pt            a rank's optimizer shard (workers.train writes it)
+            rank-00000-of-00002.metrics.json  that rank's metric rows since the previous checkpoint
+            complete.json                     rank 0's marker once every shard is in place
+            pruned.json                       instead of complete.json: shards deleted, rows kept
+
+A marker or rows file that cannot be read (a torn write on a filesystem that lost it) makes
+that checkpoint not count, with a warning: the one before it is used, never an exception that
+would stop the control plane.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+log = logging.getLogger(__name__)
+
+COMPLETE = "complete.json"
+PRUNED = "pruned.json"
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:09d}"
+
+
+def step_of(directory: Path) -> int:
+    return int(directory.name.removeprefix("step-"))
+
+
+def shard_file(root: Path, step: int, rank: int, world_size: int) -> Path:
+    return step_dir(root, step) / f"rank-{rank:05d}-of-{world_size:05d}.pt"
+
+
+def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+    """write(file) to a temporary file, fsync it, rename it over `path`, fsync the directory: a
+    reader sees the old file or the whole new one, never a torn one, even after a power loss."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as file:
+        write(file)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(tmp, path)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+def write_json(path: Path, value: Any) -> None:
+    atomic_write(path, lambda file: file.write(json.dumps(value, allow_nan=True).encode()))
+
+
+def _read_json(path: Path) -> Any | None:
+    """The file's JSON, or None (logged) when it is missing, torn or unreadable."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        log.warning("ignoring unreadable checkpoint file %s: %s: %s", path, type(exc).__name__, exc)
+        return None
+
+
+def latest_checkpoint(root: Path) -> tuple[int, int] | None:
+    """(step, world_size) of the newest complete checkpoint under root, or None."""
+    best = None
+    for marker in root.glob(f"step-*/{COMPLETE}"):
+        meta = _read_json(marker)
+        if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
+            continue
+        if best is None or meta["step"] > best[0]:
+            best = (meta["step"], meta["world_size"])
+    return best
+
+
+def prune_checkpoints(root: Path, *, keep_last: int, keep_newest_unfinished: bool = True) -> list[int]:
+    """Delete the shards of all but the newest `keep_last` complete checkpoints, and any
+    unfinished checkpoint older than the newest complete (a crash's leftovers); the steps pruned.
+    A running job keeps an unfinished one newer than its newest complete (being written now);
+    a finished job (keep_newest_unfinished=False) does not.
+
+    A pruned checkpoint keeps its metric rows (a few hundred bytes a step and rank) under a
+    pruned.json marker: the control plane may not have stored them yet (it polls behind the
+    ranks, and it can stop while they run on), and reads them back before a relaunch. It
+    discards them once stored (discard_stored_metrics)."""
+    complete = sorted(step_of(m.parent) for m in root.glob(f"step-*/{COMPLETE}"))
+    kept = set(complete[-keep_last:])
+    newest = complete[-1] if complete else -1
+    pruned = []
+    for directory in root.glob("step-*"):
+        step = step_of(directory)
+        if step in kept or (keep_newest_unfinished and step >= newest) or (directory / PRUNED).exists():
+            continue
+        marker = directory / COMPLETE
+        if marker.exists():
+            os.replace(marker, directory / PRUNED)  # no longer a checkpoint to resume from
+            for shard in directory.glob("rank-*.pt"):
+                shard.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(directory, ignore_errors=True)  # never complete: a later attempt redid its steps
+        pruned.append(step)
+    return sorted(pruned)
+
+
+def discard_stored_metrics(root: Path, *, through_step: int) -> list[int]:
+    """Delete the pruned checkpoints whose rows are all stored (step <= through_step); the steps."""
+    discarded = []
+    for marker in root.glob(f"step-*/{PRUNED}"):
+        step = step_of(marker.parent)
+        if step <= through_step:
+            shutil.rmtree(marker.parent, ignore_errors=True)
+            discarded.append(step)
+    return sorted(discarded)
+
+
+def checkpointed_metrics(root: Path, *, after_step: int) -> list[dict[str, Any]]:
+    """The rows (one per step, ranks merged) saved with the complete and pruned checkpoints of
+    root for the steps after `after_step`, in step order."""
+    by_step: dict[int, dict[int, dict[str, Any]]] = {}
+    saved = {marker.parent for name in (COMPLETE, PRUNED) for marker in root.glob(f"step-*/{name}")}
+    for directory in saved:
+        if step_of(directory) <= after_step:
+            continue
+        for path in directory.glob("rank-*.metrics.json"):
+            for row in _read_json(path) or []:
+                if row["step"] > after_step:
+                    by_step.setdefault(row["step"], {})[row["rank"]] = row
+    # a step some rank's file lacks (torn) is left out rather than stored with a rank missing
+    complete = [step for step in sorted(by_step) if 0 in by_step[step]]
+    return [merge_ranks(by_step[step]) for step in complete]
+
+
+def merge_ranks(by_rank: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """One step's row: rank 0's global values, with every rank's mem_peak_bytes as a list."""
+    row = {k: v for k, v in by_rank[0].items() if k != "rank"}
+    row["mem_peak_bytes"] = [by_rank[rank]["mem_peak_bytes"] for rank in sorted(by_rank)]
+    return row
