@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -161,6 +162,38 @@ def test_an_incomplete_checkpoint_is_ignored(tmp_path):
     (tmp_path / "step-000000003" / "complete.json").unlink()  # as if rank 0 died before marking it
     assert latest_checkpoint(tmp_path) == (1, 1)
     assert train(cfg).first_step == 2
+
+
+def test_a_torn_checkpoint_marker_or_rows_file_is_skipped_not_raised(tmp_path):
+    """A marker or rows file cut short (a write a crash lost) makes that checkpoint not count:
+    the one before it is used, and no reader raises (the control plane reads these every relaunch)."""
+    rows: list[dict] = []
+    cfg = TrainConfig(model=SMALL, steps=4, precision="fp32", checkpoint_every=2, checkpoint_dir=str(tmp_path))
+    train(cfg, on_metrics=rows.append)
+    (tmp_path / "step-000000003" / "complete.json").write_text('{"step": 3, "wor')
+    (tmp_path / "step-000000001" / "rank-00000-of-00001.metrics.json").write_text('[{"step": 0, ')
+    assert latest_checkpoint(tmp_path) == (1, 1)
+    assert [row["step"] for row in checkpointed_metrics(tmp_path, after_step=-1)] == [2, 3]
+    assert train(cfg).first_step == 2
+
+
+def test_every_checkpoint_file_is_fsynced_before_it_is_renamed_into_place(tmp_path, monkeypatch):
+    """A rename can reach the disk before the data it names: without fsync a power loss leaves a
+    complete.json (or a shard) of zero length under its final name."""
+    synced: list[str] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
+    train(TrainConfig(model=SMALL, steps=1, precision="fp32", checkpoint_dir=str(tmp_path)))
+    assert str(tmp_path / "step-000000000") in synced  # the directory too: its new entries survive a power loss
+    assert any(Path(path).name.startswith(".complete.json.tmp") for path in synced)
+    assert any(Path(path).name.startswith(".rank-00000-of-00001.pt.tmp") for path in synced)
+
+
+def test_a_first_run_refuses_a_directory_that_holds_another_runs_checkpoints(tmp_path):
+    train(TrainConfig(model=SMALL, steps=2, precision="fp32", checkpoint_dir=str(tmp_path)))
+    fresh = TrainConfig(model=SMALL, steps=4, precision="fp32", checkpoint_dir=str(tmp_path), resume=False)
+    with pytest.raises(ValueError, match=r"already holds a checkpoint of step 1, and this run starts from scratch"):
+        train(fresh)
 
 
 def test_a_16_bit_gpt_can_compute_in_fp32():
