@@ -36,8 +36,9 @@ class Settings(BaseSettings):
     ray_namespace: str = "zero1"
     """Ray namespace of this deployment's job supervisors (zero1-job-<id>)."""
     checkpoint_uri: str = ".zero1/checkpoints"
-    """Directory under which each job keeps its checkpoints (job-<id>/); on a
-    multi-node cluster it must be a filesystem every worker shares."""
+    """Directory under which each job keeps its checkpoints (job-<id>-<run id>/: a
+    random run id, so a job id reused after a database restore never meets another
+    job's checkpoints); on a multi-node cluster a filesystem every worker shares."""
     checkpoint_keep_last: int = Field(3, ge=1, le=1_000_000)
     """Complete checkpoints each job keeps (the newest); older ones lose their
     shards as new ones complete, and their saved rows once the database has them."""
