@@ -329,7 +329,29 @@ def main(argv: list[str] | None = None) -> int:
         "plan": _cmd_plan, "serve": _cmd_serve, "submit": _cmd_submit, "jobs": _cmd_jobs, "status": _cmd_status,
         "watch": _cmd_watch, "cancel": _cmd_cancel, "db": _cmd_db,
     }  # fmt: skip
-    return commands[args.command](args)
+    try:
+        return commands[args.command](args)
+    except BrokenPipeError:  # `zero1 jobs | head -3`: the reader left, which is no error
+        _silence_stdout()
+        return 0
+    except Exception as exc:
+        import httpx
+
+        if not isinstance(exc, httpx.TransportError):
+            raise
+        print(
+            f"zero1 {args.command}: cannot reach the zero1 API at {args.url} ({type(exc).__name__}: {exc}). "
+            "Start it with `zero1 serve` (or `make run`), or point ZERO1_URL or --url at a running one.",
+            file=sys.stderr,
+        )
+        return 1
+
+
+def _silence_stdout() -> None:
+    """Send what is still buffered for stdout to /dev/null: the flush at exit would fail on the
+    closed pipe and print a traceback (https://docs.python.org/3/library/signal.html#note-on-sigpipe)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 
 
 if __name__ == "__main__":

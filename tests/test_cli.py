@@ -141,3 +141,26 @@ def test_readme_lists_every_setting():
     readme = (ROOT / "README.md").read_text()
     table = readme.split("<!-- env-table -->\n", 1)[1].split("\n<!-- /env-table -->", 1)[0]
     assert table == env_table()
+
+
+@pytest.mark.parametrize("command", [["jobs"], ["status", "1"], ["watch", "1"], ["cancel", "1"]])
+def test_a_client_command_with_no_server_says_where_it_looked_and_how_to_point_it(command):
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    result = subprocess.run([ZERO1, *command, "--url", url], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr  # one line, no traceback
+    assert f"cannot reach the zero1 API at {url}" in lines[0]
+    assert "zero1 serve" in lines[0] and "ZERO1_URL" in lines[0] and "--url" in lines[0]
+
+
+def test_output_into_a_closed_pipe_is_no_error():
+    """`zero1 plan ... | head -1`: the reader went away, so the rest of the output goes nowhere, quietly."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # every write to the pipe now fails with EPIPE
+    try:
+        result = subprocess.run([ZERO1, "plan", "--params", "7.5e9"], stdout=write_end, stderr=subprocess.PIPE,
+                                text=True, timeout=60)  # fmt: skip
+    finally:
+        os.close(write_end)
+    assert (result.returncode, result.stderr) == (0, "")
