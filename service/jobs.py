@@ -294,15 +294,25 @@ def job_metrics(
         base = base.where(Metric.step > after_step)
     first = 0 if after_step is None else after_step + 1
     if max_points is not None and job.step is not None and job.step - first + 1 > max_points:
-        # every stride-th step and the last, looked up by (job_id, step): no scan of the whole curve
-        stride = math.ceil((job.step - first + 1) / max_points)
-        wanted = {*range(-(-first // stride) * stride, job.step + 1, stride), job.step}
-        base = base.where(Metric.step.in_(sorted(wanted)))
+        # looked up by (job_id, step): no scan of the whole curve
+        base = base.where(Metric.step.in_(thinned_steps(first, job.step, max_points=max_points)))
     rows = list(session.scalars(base.order_by(Metric.step).limit(limit + 1)))
     more = len(rows) > limit
     rows = rows[:limit]
     data = [MetricPublic.model_validate(row, from_attributes=True) for row in rows]
     return data, (rows[-1].step if more else None)
+
+
+def thinned_steps(first: int, last: int, *, max_points: int) -> list[int]:
+    """At most max_points of the steps first..last: the multiples of the smallest stride that
+    fits, and the last. Multiples of the stride, not offsets from `first`, so that the points a
+    chart already has stay points as it pages on."""
+    stride = max(1, math.ceil((last - first + 1) / max_points))
+    while True:
+        wanted = sorted({*range(-(-first // stride) * stride, last + 1, stride), last})
+        if len(wanted) <= max_points:
+            return wanted
+        stride += 1
 
 
 def job_events(session: Session, job: Job) -> list[EventPublic]:

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import make_settings
+from service.jobs import thinned_steps
 from service.main import create_app
 
 TINY = {"kind": "gpt", "vocab_size": 64, "n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32}
@@ -75,7 +76,7 @@ def test_a_job_runs_to_success_with_every_metric_stored(app_client):
     page = app_client.get(f"/v1/jobs/{job['id']}/metrics", params={"after_step": 9, "limit": 10}).json()
     assert [m["step"] for m in page["data"]] == list(range(10, 20)) and page["next_after_step"] == 19
     thin = app_client.get(f"/v1/jobs/{job['id']}/metrics", params={"max_points": 5}).json()["data"]
-    assert [m["step"] for m in thin] == [0, 8, 16, 24, 32, 39]
+    assert [m["step"] for m in thin] == [0, 10, 20, 30, 39]  # at most max_points, the last included
 
     events = app_client.get(f"/v1/jobs/{job['id']}/events").json()["data"]
     assert [(e["from_status"], e["to_status"]) for e in events] == [
@@ -254,3 +255,18 @@ def test_a_submit_is_refused_when_the_gpu_nodes_cannot_write_checkpoints(ray_clu
             assert f"ZERO1_CHECKPOINT_URI ({blocker / 'checkpoints'}) is not writable from 2 GPU node(s)" in body["message"]
             assert "NotADirectoryError" in body["message"]
         assert client.get("/v1/jobs").json()["data"] == []
+
+
+@given(first=st.integers(0, 5_000), span=st.integers(0, 20_000), max_points=st.integers(2, 10_000))
+def test_a_thinned_curve_has_at_most_max_points_and_ends_at_the_last_step(first, span, max_points):
+    last = first + span
+    steps = thinned_steps(first, last, max_points=max_points)
+    assert len(steps) <= max_points and steps[-1] == last
+    assert steps == sorted(set(steps)) and first <= steps[0]
+    if span + 1 <= max_points:  # nothing to thin
+        assert steps == list(range(first, last + 1))
+
+
+def test_max_points_100_of_101_steps_gives_at_most_100():
+    assert len(thinned_steps(0, 100, max_points=100)) <= 100
+    assert thinned_steps(0, 3, max_points=3) == [0, 2, 3]
