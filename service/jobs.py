@@ -127,7 +127,7 @@ def _what_fits(plan: memory.Plan, *, cluster: ClusterCapacity, request, overhead
     if plan.min_gpus is None:
         floor = memory.bytes_per_param(plan.precision)
         text = (
-            f"; ZeRO stage 1 fits on no number of GPUs: the replicated fp16/bf16 weights and gradients "
+            f"; ZeRO stage 1 fits on no number of GPUs: the replicated {plan.precision} weights and gradients "
             f"alone are {sum(floor) * plan.num_params / GB:.2f} GB"
         )
     elif plan.min_gpus > cluster.num_gpus:

@@ -184,6 +184,11 @@ def test_a_model_that_does_not_fit_is_rejected_with_what_would(sqlite_client):
     assert body["plan"]["num_params"] == 7_464_116_224
     assert "min_gpus" in body["message"] and "the cluster has 4" in body["message"]
     assert "stage 2 on N >=" in body["message"]
+    gpt3 = {"kind": "gpt", "vocab_size": 50257, "n_layer": 96, "n_head": 96, "n_embd": 12288, "block_size": 2048}
+    for precision, bytes_per_param in (("fp32", 8), ("bf16", 4)):
+        never = sqlite_client.post("/v1/jobs", json=job_body(model=gpt3, num_gpus=4, precision=precision)).json()
+        floor_gb = bytes_per_param * never["plan"]["num_params"] / 1e9
+        assert f"the replicated {precision} weights and gradients alone are {floor_gb:.2f} GB" in never["message"]
     too_many = sqlite_client.post("/v1/jobs", json=job_body(num_gpus=8))
     assert too_many.status_code == 422 and "exceeds the cluster's 4 GPUs" in too_many.json()["message"]
     assert sqlite_client.get("/v1/jobs").json()["data"] == []
