@@ -38,7 +38,7 @@ COPY --chown=zero1:zero1 service ./service
 COPY --chown=zero1:zero1 workers ./workers
 COPY --chown=zero1:zero1 migrations ./migrations
 COPY --chown=zero1:zero1 examples ./examples
-RUN pip install --constraint /tmp/constraints.txt --editable . "ray[default]" \
+RUN pip install --constraint /tmp/constraints.txt . "ray[default]" \
     && python -c "import service.main, workers.actors, torch, ray; print('torch', torch.__version__, 'ray', ray.__version__)"
 
 USER zero1

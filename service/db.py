@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from importlib import resources
 from pathlib import Path
 
 from alembic import command
@@ -11,7 +12,8 @@ from alembic.config import Config
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
-MIGRATIONS_DIR = Path(__file__).resolve().parents[1] / "migrations"
+# the top-level migrations/ folder, installed as the package zero1_migrations (pyproject.toml)
+MIGRATIONS_DIR = Path(str(resources.files("zero1_migrations")))
 
 
 def make_engine(url: str) -> Engine:

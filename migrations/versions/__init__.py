@@ -1,0 +1,1 @@
+"""One module per revision: the only way the schema changes."""

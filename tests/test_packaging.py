@@ -1,0 +1,93 @@
+"""zero1 as a deployer installs it: a wheel, without extras, in a fresh virtual environment.
+
+The development install is editable with the dev extras, which hides a module left out of the
+wheel or a dependency only the extras bring. This test builds the wheel, installs it alone (and
+torch, as the Makefile does) in a new venv, and runs the commands a deployer runs.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import httpx
+import pytest
+
+from polling import wait_for
+from ports import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCH_SPEC = os.environ.get("TORCH_SPEC", "torch==2.13.0")  # as the Makefile installs it
+
+
+def _run(*args: str | Path, **kwargs) -> subprocess.CompletedProcess:
+    result = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=600, **kwargs)
+    assert result.returncode == 0, f"{args}: {result.stdout}\n{result.stderr}"
+    return result
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    _run(sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", out, ROOT)
+    (built,) = out.glob("zero1-*.whl")
+    return built
+
+
+@pytest.fixture(scope="module")
+def venv(wheel, tmp_path_factory) -> Path:
+    """A new venv with the wheel (no extras) and torch: its bin/ directory."""
+    root = tmp_path_factory.mktemp("venv")
+    _run(sys.executable, "-m", "venv", root)
+    pip = [root / "bin" / "python", "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    _run(*pip, TORCH_SPEC)
+    _run(*pip, wheel)
+    return root / "bin"
+
+
+def test_the_wheel_holds_every_module_the_templates_and_the_migrations(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    sources = [p for folder in ("service", "workers") for p in (ROOT / folder).rglob("*") if p.is_file()]
+    expected = {str(p.relative_to(ROOT)) for p in sources if "__pycache__" not in p.parts}
+    expected |= {f"zero1_migrations/{p.relative_to(ROOT / 'migrations')}" for p in (ROOT / "migrations").rglob("*")
+                 if p.is_file() and "__pycache__" not in p.parts}  # fmt: skip
+    assert expected - names == set()
+    assert "zero1_migrations/versions/0001_initial.py" in names and "zero1_migrations/env.py" in names
+
+
+def test_a_wheel_installed_without_extras_migrates_serves_plans_and_lists(venv, tmp_path):
+    env = {key: value for key, value in os.environ.items() if not key.startswith("ZERO1_")}
+    env |= {"ZERO1_DATABASE_URL": f"sqlite:///{tmp_path / 'zero1.db'}", "ZERO1_CHECKPOINT_URI": str(tmp_path / "ck"),
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONPATH": ""}  # fmt: skip
+    zero1 = venv / "zero1"
+    elsewhere = {"env": env, "cwd": tmp_path}  # not the checkout: nothing may come from the source tree
+
+    assert "database at revision head" in _run(zero1, "db", "upgrade", **elsewhere).stdout
+    plan = _run(zero1, "plan", "--params", "7.5e9", "--gpus", "64", **elsewhere).stdout
+    assert "total             31.406        31,406,250,000" in plan.splitlines()
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with open(tmp_path / "serve.log", "w") as log:
+        server = subprocess.Popen([zero1, "serve", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                                  **elsewhere)  # fmt: skip
+    try:
+        health = wait_for(lambda: _health(url), lambda h: h is not None or server.poll() is not None,
+                          what="zero1 serve from the wheel to answer /healthz", timeout_s=120)  # fmt: skip
+        assert health is not None and health["status"] == "ok", (tmp_path / "serve.log").read_text()[-3000:]
+        jobs = _run(zero1, "jobs", "--url", url, **elsewhere).stdout
+        assert jobs.split() == ["id", "status", "step/steps", "gpus", "loss", "name"]
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    assert server.returncode in (0, -15)
+
+
+def _health(url: str) -> dict | None:
+    try:
+        return httpx.get(f"{url}/healthz", timeout=2).json()
+    except httpx.HTTPError:
+        return None
