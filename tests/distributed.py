@@ -16,11 +16,21 @@ def _entry(rank: int, world_size: int, backend: str, init_file: str, fn: Callabl
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
-        # gloo aborts a process ("terminate called without an active exception") when a peer
-        # tears its pairs down while this rank's are still in use: leave together
-        dist.barrier()
+        leave_together(world_size)
     finally:
         dist.destroy_process_group()
+
+
+def leave_together(world_size: int) -> None:
+    """gloo aborts a process ("terminate called without an active exception") when a peer tears
+    its pairs down while this rank's are still in use. A gloo barrier alone leaves a window: a rank
+    may return from it while a peer is still finishing it. The store's counter closes it: once it
+    reaches world_size, every rank has finished every gloo operation."""
+    dist.barrier()
+    store = dist.distributed_c10d._get_default_store()
+    if store.add("left", 1) == world_size:  # the last one to finish lets everyone go
+        store.set("all-left", "1")
+    store.wait(["all-left"])
 
 
 def run_ranks(world_size: int, fn: Callable, *args, backend: str = "gloo") -> None:
