@@ -14,6 +14,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from service.config import get_settings
+from service.schemas import MAX_TEXT_DIGITS, too_many_digits
 from workers.memory import GB, PRECISIONS, OPTIMIZERS, STAGES
 
 
@@ -23,6 +24,8 @@ def _count(text: str) -> int:
         value = Decimal(text)
     except InvalidOperation:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if too_many_digits(value):
+        raise argparse.ArgumentTypeError(f"must have at most {MAX_TEXT_DIGITS} digits, got {text}")
     if not value.is_finite() or value != value.to_integral_value():
         raise argparse.ArgumentTypeError(f"must be a whole number, got {text}")
     return int(value)

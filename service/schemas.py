@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from datetime import datetime
+from decimal import Decimal
 from typing import Annotated, Literal
 
 from pydantic import (
@@ -18,6 +19,15 @@ Stage = Literal[0, 1, 2, 3]
 
 MAX_NUM_GPUS = 1 << 20
 MAX_GPU_MEMORY_GB = 1e6
+MAX_TEXT_DIGITS = 30
+"""Digits a number typed as text (the planner's form, the CLI) may have: more than any field's bound needs
+(2**63 - 1 has 19); int() of 1e1000000 takes time quadratic in its million digits, holding the GIL."""
+
+
+def too_many_digits(value: Decimal) -> bool:
+    """More than MAX_TEXT_DIGITS significant digits, or 10**MAX_TEXT_DIGITS or more; asked before int() expands it."""
+    # adjusted() is the exponent of the leading digit: 1e1000000 is measured without being expanded
+    return value.adjusted() >= MAX_TEXT_DIGITS or len(value.as_tuple().digits) > MAX_TEXT_DIGITS
 
 
 def _a_number(value: object) -> object:

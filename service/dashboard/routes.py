@@ -25,7 +25,7 @@ from service.dashboard import charts
 from service.dashboard.format import FILTERS, elapsed_s
 from service.errors import ServiceError, describe_validation_errors
 from service.planning import make_plan, plan_public
-from service.schemas import JobPublic, JobStatus, PlanRequest
+from service.schemas import JobPublic, JobStatus, PlanRequest, too_many_digits
 from workers.memory import GB
 
 HERE = Path(__file__).resolve().parent
@@ -129,7 +129,8 @@ _GPT_FIELDS = ("vocab_size", "n_layer", "n_head", "n_embd", "block_size")
 
 
 def _number(text: str) -> int | float | str | None:
-    """'7.5e9' -> 7500000000, '80' -> 80, '0.5' -> 0.5, '' -> None; anything else is left for validation to name."""
+    """'7.5e9' -> 7500000000, '80' -> 80, '0.5' -> 0.5, '' -> None; anything else, including a number of more
+    than MAX_TEXT_DIGITS digits, is left for validation to name."""
     cleaned = text.strip().replace(",", "").replace("_", "")
     if not cleaned:
         return None
@@ -137,7 +138,7 @@ def _number(text: str) -> int | float | str | None:
         value = Decimal(cleaned)
     except InvalidOperation:
         return text
-    if not value.is_finite():
+    if not value.is_finite() or too_many_digits(value):
         return text
     return int(value) if value == value.to_integral_value() else float(value)
 
