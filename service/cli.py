@@ -299,19 +299,27 @@ def _cmd_cancel(args: argparse.Namespace) -> int:
 def _cmd_db(args: argparse.Namespace) -> int:
     from service.db import upgrade
 
-    upgrade(get_settings().database_url)
+    try:
+        upgrade(get_settings().database_url)
+    except ValueError as error:  # a placeholder password: a message, not a traceback
+        print(f"zero1 db upgrade: {error}", file=sys.stderr)
+        return 2
     print(f"database at revision head: {get_settings().database_url}")
     return 0
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from service.auth import check_bind, load_tokens
+    from service.cluster import check_ray_auth_token
+    from service.db import check_url
 
     settings = get_settings()
     host = args.host or settings.host
-    try:  # before anything starts: a bad token entry or an open bind is a message, not a traceback
+    try:  # before anything starts: a bad token entry, an open bind or a placeholder is a message, not a traceback
         tokens = load_tokens(settings)
         check_bind(host, tokens=tokens)
+        check_ray_auth_token(os.environ)
+        check_url(settings.database_url)
     except ValueError as error:
         print(f"zero1 serve: {error}", file=sys.stderr)
         return 2

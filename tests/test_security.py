@@ -6,6 +6,7 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+import re
 import secrets
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from conftest import make_settings
 from service import auth
 from service.auth import TOKEN_COOKIE, check_bind, is_loopback, load_tokens
 from service.cli import main
-from service.cluster import ClusterCapacity
+from service.cluster import ClusterCapacity, RayCluster
 from service.db import Database, upgrade
 from service.errors import ServiceError
 from service.jobs import admit, submit_job
@@ -337,6 +338,73 @@ def test_a_token_is_compared_with_every_entry(monkeypatch):
     monkeypatch.setattr(hmac, "compare_digest", lambda a, b: calls.append(1) or a == b)
     assert table.lookup(ALICE).user == "alice"  # the first entry
     assert len(calls) == 3
+
+
+# --------------------------------------------------------------------------- .env.example's placeholders
+
+
+def env_example() -> dict[str, str]:
+    """.env.example's variables (name -> value), as `cp .env.example .env` would deploy them."""
+    lines = (Path(__file__).parents[1] / ".env.example").read_text().splitlines()
+    return dict(line.split("=", 1) for line in lines if line.strip() and not line.lstrip().startswith("#"))
+
+
+def test_the_example_api_tokens_stop_the_app_naming_the_entry_not_the_token(tmp_path):
+    example = env_example()["ZERO1_API_TOKENS"]
+    with pytest.raises(ValueError) as error:
+        create_app(make_settings(tmp_path, api_tokens=example))
+    assert "ZERO1_API_TOKENS entry 1 (user ops): the token is a placeholder" in str(error.value)
+    assert all(entry.split(":")[1] not in str(error.value) for entry in example.split(","))
+
+
+@pytest.mark.parametrize("token", ["CHANGE-ME-0123456789abcdef", "0123456789abcdef_Change_Me", "xchangemex0123456789"])
+def test_a_token_with_the_placeholder_mark_is_refused_in_any_spelling(token):
+    with pytest.raises(ValueError) as error:
+        auth.parse_entry(f"carol:{token}", where="ZERO1_API_TOKENS entry 3")
+    assert str(error.value).startswith("ZERO1_API_TOKENS entry 3 (user carol): the token is a placeholder")
+    assert token not in str(error.value)
+
+
+def test_the_example_ray_token_stops_zero1_before_it_connects_to_ray(ray_cluster, tmp_path, monkeypatch):
+    token = env_example()["RAY_AUTH_TOKEN"]
+    monkeypatch.setenv("RAY_AUTH_TOKEN", token)
+    cluster = RayCluster(make_settings(tmp_path))
+    with pytest.raises(ValueError) as error:
+        cluster.connect()
+    assert str(error.value).startswith("RAY_AUTH_TOKEN is a placeholder")
+    assert token not in str(error.value) and not cluster.owned
+
+
+def test_the_example_postgres_password_is_refused_before_connecting():
+    password = env_example()["POSTGRES_PASSWORD"]
+    url = f"postgresql+psycopg://zero1:{password}@127.0.0.1:5432/zero1_{secrets.token_hex(8)}"
+    for open_database in (Database, upgrade):
+        with pytest.raises(ValueError) as error:
+            open_database(url)
+        assert str(error.value).startswith("ZERO1_DATABASE_URL: the password is a placeholder"), error.value
+        assert password not in str(error.value)
+
+
+def test_serve_and_db_upgrade_refuse_the_example_env_as_it_is():
+    """What the api container of `cp .env.example .env && docker compose up` runs, one placeholder at a time."""
+    example = env_example()
+    url = f"postgresql+psycopg://zero1:{example['POSTGRES_PASSWORD']}@127.0.0.1:5432/zero1_{secrets.token_hex(8)}"
+    env = {**example, "ZERO1_DATABASE_URL": url, "RAY_AUTH_MODE": "token"}
+    clean = {key: value for key, value in os.environ.items() if not key.startswith(("ZERO1_", "RAY_AUTH"))}
+    migrate = subprocess.run([ZERO1, "db", "upgrade"], env={**clean, **env}, capture_output=True, text=True, timeout=60)
+    assert migrate.returncode == 2, migrate.stderr
+    assert migrate.stderr.startswith("zero1 db upgrade: ZERO1_DATABASE_URL: the password is a placeholder")
+    outputs = [migrate.stdout + migrate.stderr]
+    steps = [({}, "ZERO1_API_TOKENS entry 1 (user ops): the token is a placeholder"),
+             ({"ZERO1_API_TOKENS": f"ops:{ROOT}:admin"}, "RAY_AUTH_TOKEN is a placeholder"),
+             ({"RAY_AUTH_TOKEN": secrets.token_urlsafe(32)}, "ZERO1_DATABASE_URL: the password is a placeholder")]  # fmt: skip
+    for replaced, refused in steps:  # each placeholder replaced in turn: the next one is refused
+        env |= replaced
+        out = _serve("--host", "0.0.0.0", "--port", "1", **env)
+        assert out.returncode == 2 and out.stderr.startswith(f"zero1 serve: {refused}"), out.stderr
+        outputs.append(out.stdout + out.stderr)
+    placeholders = [part for value in example.values() for part in re.split("[:,]", value) if "change-me" in part]
+    assert len(placeholders) == 4 and not [p for p in placeholders if any(p in output for output in outputs)]
 
 
 # --------------------------------------------------------------------------- data roots
