@@ -297,14 +297,18 @@ def _cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def _cmd_db(args: argparse.Namespace) -> int:
+    from sqlalchemy import make_url
+
     from service.db import upgrade
 
+    url = get_settings().database_url
     try:
-        upgrade(get_settings().database_url)
+        upgrade(url)
     except ValueError as error:  # a placeholder password: a message, not a traceback
         print(f"zero1 db upgrade: {error}", file=sys.stderr)
         return 2
-    print(f"database at revision head: {get_settings().database_url}")
+    # the password stays out of the output, which goes to container logs
+    print(f"database at revision head: {make_url(url).render_as_string(hide_password=True)}")
     return 0
 
 
