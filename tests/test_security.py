@@ -23,6 +23,7 @@ from service import auth
 from service.auth import TOKEN_COOKIE, check_bind, is_loopback, load_tokens
 from service.cli import main
 from service.cluster import ClusterCapacity, RayCluster
+from service.dashboard.lockout import MAX_FAILURES, WINDOW_S, LoginLockout, client_key
 from service.db import Database, upgrade
 from service.errors import ServiceError
 from service.jobs import admit, submit_job
@@ -278,6 +279,47 @@ def test_login_refuses_a_wrong_token_and_redirects_only_within_the_site(secured)
     secured.cookies.clear()
     logout = secured.post("/logout", follow_redirects=False)
     assert logout.status_code == 303 and f'{TOKEN_COOKIE}=""' in logout.headers["set-cookie"]
+
+
+def test_login_locks_a_client_out_after_10_wrong_tokens_within_a_minute(secured):
+    """A locked-out client gets 429 even with a valid token (else guessing would go on at full speed),
+    until its oldest failure is WINDOW_S old; other addresses are not locked out."""
+    now_s = [1000.0]
+    saved, secured.app.state.login_lockout = secured.app.state.login_lockout, LoginLockout(clock=lambda: now_s[0])
+    try:
+        for _ in range(MAX_FAILURES):  # one a second
+            now_s[0] += 1
+            assert secured.post("/login", data={"token": "w" * 32}, follow_redirects=False).status_code == 401
+        wait_s = int(1001 + WINDOW_S - now_s[0])  # until the first failure is WINDOW_S old
+        for token in ("w" * 32, BOB):
+            locked = secured.post("/login", data={"token": token, "next": "/"}, follow_redirects=False)
+            assert locked.status_code == 429 and locked.headers["retry-after"] == str(wait_s)
+            assert f"10 wrong tokens within 60 s: try again in {wait_s} s" in locked.text
+            assert "set-cookie" not in locked.headers and token not in locked.text
+        elsewhere = TestClient(secured.app, client=("203.0.113.7", 50000))
+        assert elsewhere.post("/login", data={"token": "w" * 32}, follow_redirects=False).status_code == 401
+        now_s[0] += wait_s
+        again = secured.post("/login", data={"token": BOB}, follow_redirects=False)
+        assert again.status_code == 303 and again.headers["set-cookie"].startswith(f"{TOKEN_COOKIE}={BOB};")
+    finally:
+        secured.app.state.login_lockout = saved
+        secured.cookies.clear()
+
+
+def test_the_login_lockout_remembers_a_bounded_number_of_clients():
+    now_s = [0.0]
+    lockout = LoginLockout(max_failures=2, window_s=60, max_clients=3, clock=lambda: now_s[0])
+    for host in ("10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4"):
+        now_s[0] += 1
+        lockout.record_failure(host)
+        lockout.record_failure(host)
+    assert len(lockout) == 3  # 10.0.0.1, whose last failure is the oldest, was forgotten
+    assert lockout.retry_after_s("10.0.0.1") == 0 and lockout.retry_after_s("10.0.0.4") == 60
+    now_s[0] += 60
+    assert lockout.retry_after_s("10.0.0.4") == 0 and len(lockout) == 2  # 10.0.0.4's failures expired
+    # an IPv6 host usually holds a whole /64: its addresses are one client
+    assert client_key("2001:db8::1") == client_key("2001:db8::ffff:2") == "2001:db8::/64"
+    assert client_key("192.0.2.1") == "192.0.2.1" and client_key(None) == "unknown"
 
 
 def test_tokens_are_never_logged_nor_echoed(secured, caplog):
