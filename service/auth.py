@@ -40,7 +40,7 @@ class Principal:
 ANONYMOUS = Principal(user=None, admin=True)
 """Every caller while auth is off: as before tokens existed, anyone may cancel anything."""
 PUBLIC = Principal(user=None, admin=False)
-"""A caller without a token on a read that ZERO1_PUBLIC_READ opened."""
+"""A caller without a token on a read that ZERO1_PUBLIC_READ opened: it sees the jobs, not their details."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,10 +190,11 @@ class Authenticator:
         return principal, from_cookie
 
     def reader(self, request: Request) -> Principal:
-        """Who may read: anyone while auth is off or ZERO1_PUBLIC_READ is set, else a token's user."""
+        """Who may read: anyone while auth is off; with ZERO1_PUBLIC_READ, a caller without a token too (as
+        PUBLIC, who sees no job's details); else a token's user. A token sent is always checked."""
         if not self.tokens.enabled:
             return ANONYMOUS
-        if self.public_read:
+        if self.public_read and credentials(request)[0] is None:
             return PUBLIC
         return self._identify(request)[0]
 

@@ -248,10 +248,12 @@ def _cmd_status(args: argparse.Namespace) -> int:
         response = client.get(f"/v1/jobs/{args.job_id}")
         if (code := _api_error(response)) is not None:
             return code
-        events = client.get(f"/v1/jobs/{args.job_id}/events").json()["data"]
+        events = client.get(f"/v1/jobs/{args.job_id}/events")
     job = response.json()
     print(json.dumps({k: v for k, v in job.items() if k not in ("spec", "plan")}, indent=2))
-    for event in events:
+    if not events.is_success:  # another user's job: its events are its owner's and admins'
+        return 0
+    for event in events.json()["data"]:
         print(f"{event['at']}  {event['from_status'] or '-':>10} -> {event['to_status']:<10}  {event['reason']}")
     return 0
 

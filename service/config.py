@@ -66,8 +66,9 @@ class Settings(BaseSettings):
     """File of API tokens, one `user:token[:admin]` a line, `#` comments; adds to
     ZERO1_API_TOKENS."""
     public_read: bool = False
-    """With tokens: let anyone read (GET /v1/*, /metrics, the dashboard); submitting
-    and cancelling still need a token."""
+    """With tokens: let anyone read (GET /v1/*, /metrics, the dashboard) without one: jobs'
+    names, owners, states and progress, not their specs, metrics or events; submitting and
+    cancelling still need a token."""
     data_roots: Annotated[list[str], NoDecode] = ["data"]
     """Directories a `text` job's data.path must resolve into (symlinks followed),
     comma-separated or a JSON list; relative ones are under the service's working

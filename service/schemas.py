@@ -273,10 +273,14 @@ JobStatus = Literal["queued", "starting", "running", "restarting", "succeeded", 
 
 
 class JobPublic(BaseModel):
+    """A job as a reader sees it: everyone sees who holds the GPUs (name, owner, status, GPUs, progress, plan);
+    spec, latest and error are null for all but the job's owner and admins."""
+
     id: int
     name: str
     status: JobStatus
-    spec: dict
+    spec: dict | None = Field(description="The JobSpec as submitted (data.path resolved); null unless the caller "
+                              "owns the job or is an admin.")
     plan: dict
     num_gpus: int
     created_at: datetime
@@ -284,8 +288,10 @@ class JobPublic(BaseModel):
     finished_at: datetime | None
     step: int | None = Field(description="Last step with stored metrics.")
     steps: int
-    latest: dict | None = Field(description="The last metrics row.")
-    error: dict | None
+    latest: dict | None = Field(description="The last metrics row; null before it, and unless the caller owns the "
+                                "job or is an admin.")
+    error: dict | None = Field(description="Why the job failed (rank, node, exception); null unless it did, and "
+                               "unless the caller owns the job or is an admin.")
     attempt: int = Field(description="0 for the first launch, +1 for each relaunch (a retry, or a recovery after a "
                          "service restart).")
     num_retries: int = Field(0, description="Relaunches after a worker failure; at most spec.max_retries.")

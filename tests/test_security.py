@@ -26,8 +26,9 @@ from service.cluster import ClusterCapacity, RayCluster
 from service.dashboard.lockout import MAX_FAILURES, WINDOW_S, LoginLockout, client_key
 from service.db import Database, upgrade
 from service.errors import ServiceError
-from service.jobs import admit, submit_job
+from service.jobs import admit, job_public, submit_job
 from service.main import create_app
+from service.models import Job, JobEvent
 from service.schemas import JobSpec
 from workers.memory import GB
 
@@ -168,6 +169,32 @@ def test_public_read_opens_reads_but_not_writes(public):
     assert "security" not in schema["/v1/jobs"]["get"] and schema["/v1/jobs"]["post"]["security"]
 
 
+def seed_cancelled_job(client: TestClient, *, owner: str) -> int:
+    """A job of `owner` stored already cancelled, so that the scheduler never starts it."""
+    spec = JobSpec.model_validate(job_body(name=f"{owner}'s run"))
+    cluster = ClusterCapacity(num_gpus=4, num_gpus_free=4, gpu_memory_bytes=80 * GB, simulated=True)
+    plan = admit(spec, cluster=cluster, overhead_bytes=GB).model_dump(mode="json")
+    with client.app.state.runtime.db.session() as session:
+        job = Job(name=spec.name, status="cancelled", spec=spec.model_dump(mode="json"), plan=plan, num_gpus=4,
+                  steps=spec.steps, owner=owner)  # fmt: skip
+        session.add(job)
+        session.flush()
+        session.add(JobEvent(job_id=job.id, from_status=None, to_status="cancelled", reason="seeded"))
+        return job.id
+
+
+def test_public_read_shows_the_shared_view_only_and_a_token_still_says_who_reads(public):
+    job_id = seed_cancelled_job(public, owner="alice")
+    shared = public.get(f"/v1/jobs/{job_id}").json()
+    assert (shared["name"], shared["owner"], shared["status"], shared["spec"]) == ("alice's run", "alice", "cancelled", None)
+    assert [j["spec"] for j in public.get("/v1/jobs").json()["data"] if j["id"] == job_id] == [None]
+    for path in (f"/v1/jobs/{job_id}/metrics", f"/v1/jobs/{job_id}/events", f"/jobs/{job_id}"):
+        assert public.get(path).status_code == 404, path
+    assert public.get(f"/v1/jobs/{job_id}", headers=bearer(ALICE)).json()["spec"]["name"] == "alice's run"
+    assert public.get(f"/v1/jobs/{job_id}/events", headers=bearer(ALICE)).json()["data"][0]["reason"] == "seeded"
+    assert public.get(f"/v1/jobs/{job_id}", headers=bearer("x" * 40)).status_code == 401  # a wrong token is told so
+
+
 # --------------------------------------------------------------------------- owners and limits
 
 
@@ -187,6 +214,62 @@ def test_jobs_record_their_owner_and_only_the_owner_or_an_admin_cancels(secured,
     assert by_admin.status_code == 202 and by_admin.json()["status"] == "cancelled"
     own = submit(secured, BOB, name="bobs")
     assert secured.post(f"/v1/jobs/{own['id']}/cancel", headers=bearer(BOB)).json()["status"] == "cancelled"
+
+
+def test_a_jobs_spec_metrics_and_events_are_for_its_owner_and_admins_only(secured, blocker, data_root):
+    """Everyone sees who holds the GPUs; only the owner and admins see what a job reads, its curves and events."""
+    corpus = os.path.realpath(data_root / "corpus.txt")
+    job = submit(secured, ALICE, name="alices run", data={"kind": "text", "path": corpus})
+    own = submit(secured, BOB, name="bobs run")
+    try:
+        for token in (ALICE, ROOT):
+            assert secured.get(f"/v1/jobs/{job['id']}", headers=bearer(token)).json()["spec"]["data"]["path"] == corpus
+            for path in (f"/v1/jobs/{job['id']}/metrics", f"/v1/jobs/{job['id']}/events", f"/jobs/{job['id']}"):
+                assert secured.get(path, headers=bearer(token)).status_code == 200, path
+        shared = secured.get(f"/v1/jobs/{job['id']}", headers=bearer(BOB)).json()
+        assert (shared["name"], shared["owner"], shared["status"], shared["num_gpus"], shared["steps"]) == (
+            "alices run", "alice", "queued", 4, 1_000_000)  # fmt: skip
+        assert (shared["spec"], shared["latest"], shared["error"]) == (None, None, None)
+        assert shared["plan"] == job["plan"]  # sizes only
+        listed = {j["id"]: j for j in secured.get("/v1/jobs", headers=bearer(BOB)).json()["data"]}
+        assert listed[job["id"]]["spec"] is None and listed[blocker["id"]]["spec"] is None
+        assert listed[own["id"]]["spec"]["name"] == "bobs run"
+        for part in ("metrics", "events"):  # as if there were no such job
+            hidden = secured.get(f"/v1/jobs/{job['id']}/{part}", headers=bearer(BOB))
+            assert hidden.status_code == 404 and hidden.json()["message"] == f"no job with id {job['id']}"
+        page = secured.get(f"/jobs/{job['id']}", headers=bearer(BOB))
+        assert page.status_code == 404 and f"no job with id {job['id']}" in page.text and corpus not in page.text
+        table = secured.get("/", headers=bearer(BOB))
+        assert table.status_code == 200 and "alices run" in table.text
+        assert corpus not in table.text + secured.get("/metrics", headers=bearer(BOB)).text
+    finally:
+        cancel_all(secured, [job, own])
+
+
+def test_only_the_owner_admins_and_auth_off_see_a_jobs_details(tmp_path):
+    url = f"sqlite:///{tmp_path / 'zero1.db'}"
+    upgrade(url)
+    db = Database(url)
+    cluster = ClusterCapacity(num_gpus=4, num_gpus_free=4, gpu_memory_bytes=80 * GB, simulated=True)
+    spec = JobSpec.model_validate(job_body())
+    readers = {"alice": auth.Principal(user="alice"), "root": auth.Principal(user="root", admin=True),
+               "auth off": auth.ANONYMOUS, "bob": auth.Principal(user="bob"), "public read": auth.PUBLIC}  # fmt: skip
+    try:
+        with db.session() as session:
+            job, _ = submit_job(session, spec=spec, plan=admit(spec, cluster=cluster, overhead_bytes=GB),
+                                idempotency_key=None, owner="alice")  # fmt: skip
+            job.latest, job.error = {"step": 3, "loss": 2.5}, {"exception": "RuntimeError", "message": "in alice's data"}
+            views = {who: job_public(job, position=1, principal=principal) for who, principal in readers.items()}
+    finally:
+        db.dispose()
+    for who, view in views.items():
+        private = (view.spec, view.latest, view.error)
+        if who in ("alice", "root", "auth off"):
+            assert private == (spec.model_dump(mode="json"), {"step": 3, "loss": 2.5}, job.error), who
+        else:
+            assert private == (None, None, None), who
+        assert (view.name, view.owner, view.status, view.queue_position, view.plan) == (
+            "sec", "alice", "queued", 1, views["alice"].plan), who  # fmt: skip
 
 
 def test_queued_jobs_per_user_are_limited(secured, blocker):
@@ -550,6 +633,9 @@ def test_the_cli_sends_zero1_token(secured, blocker, monkeypatch, capsys):
         assert main(["jobs"]) == 1 and "401 this endpoint needs an API token" in capsys.readouterr().err
         monkeypatch.setenv("ZERO1_TOKEN", BOB)
         assert main(["jobs"]) == 0 and f"{job['id']:>6}  queued" in capsys.readouterr().out
+        assert main(["status", str(job["id"])]) == 0  # the shared view, without alice's events
+        status = capsys.readouterr().out
+        assert '"owner": "alice"' in status and "submitted" not in status
         assert main(["cancel", str(job["id"])]) == 1
         assert f"403 job {job['id']} belongs to alice" in capsys.readouterr().err
         monkeypatch.setenv("ZERO1_TOKEN", ALICE)
