@@ -18,7 +18,7 @@ from pathlib import Path
 
 from fastapi import Request
 
-from service.config import Settings
+from service.config import PLACEHOLDER_RULE, Settings, is_placeholder
 from service.errors import ServiceError
 
 TOKEN_COOKIE = "zero1_token"
@@ -26,6 +26,7 @@ CSRF_HEADER = "X-Zero1-CSRF"
 MIN_TOKEN_CHARS = 16
 _USER = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,199}")  # fits Job.owner (200 characters)
 _CHALLENGE = {"WWW-Authenticate": "Bearer"}
+MAKE_ONE = "make one with: python -c 'import secrets; print(secrets.token_urlsafe(32))'"
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +40,7 @@ class Principal:
 ANONYMOUS = Principal(user=None, admin=True)
 """Every caller while auth is off: as before tokens existed, anyone may cancel anything."""
 PUBLIC = Principal(user=None, admin=False)
-"""A caller without a token on a read that ZERO1_PUBLIC_READ opened."""
+"""A caller without a token on a read that ZERO1_PUBLIC_READ opened: it sees the jobs, not their details."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +79,10 @@ class TokenTable:
 
 
 def parse_entry(text: str, *, where: str) -> _Entry:
-    """'user:token' or 'user:token:admin'; an error names `where` and the user, never the token."""
+    """'user:token' or 'user:token:admin'; an error names `where` and the user, never the token.
+
+    A token of .env.example (see config.PLACEHOLDER) is refused: `cp .env.example .env` would otherwise
+    serve with an admin token everyone knows."""
     fields = text.split(":")
     if len(fields) not in (2, 3):
         raise ValueError(f"{where}: expected user:token or user:token:admin, got {len(fields)} ':'-separated fields")
@@ -89,9 +93,10 @@ def parse_entry(text: str, *, where: str) -> _Entry:
         raise ValueError(f"{where}: the user must be 1-200 of A-Z a-z 0-9 _ . @ - (starting with a letter or digit)")
     if len(token) < MIN_TOKEN_CHARS:
         raise ValueError(
-            f"{where} (user {user}): the token has {len(token)} characters, fewer than {MIN_TOKEN_CHARS}; "
-            "make one with: python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+            f"{where} (user {user}): the token has {len(token)} characters, fewer than {MIN_TOKEN_CHARS}; {MAKE_ONE}"
         )
+    if is_placeholder(token):
+        raise ValueError(f"{where} (user {user}): the token is a placeholder ({PLACEHOLDER_RULE}); {MAKE_ONE}")
     principal = Principal(user=user, admin=len(fields) == 3)
     return _Entry(digest=hashlib.sha256(token.encode()).digest(), principal=principal)
 
@@ -185,10 +190,11 @@ class Authenticator:
         return principal, from_cookie
 
     def reader(self, request: Request) -> Principal:
-        """Who may read: anyone while auth is off or ZERO1_PUBLIC_READ is set, else a token's user."""
+        """Who may read: anyone while auth is off; with ZERO1_PUBLIC_READ, a caller without a token too (as
+        PUBLIC, who sees no job's details); else a token's user. A token sent is always checked."""
         if not self.tokens.enabled:
             return ANONYMOUS
-        if self.public_read:
+        if self.public_read and credentials(request)[0] is None:
             return PUBLIC
         return self._identify(request)[0]
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from service.config import get_settings
+from service.schemas import MAX_TEXT_DIGITS, too_many_digits
 from workers.memory import GB, PRECISIONS, OPTIMIZERS, STAGES
 
 
@@ -23,6 +24,8 @@ def _count(text: str) -> int:
         value = Decimal(text)
     except InvalidOperation:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if too_many_digits(value):
+        raise argparse.ArgumentTypeError(f"must have at most {MAX_TEXT_DIGITS} digits, got {text}")
     if not value.is_finite() or value != value.to_integral_value():
         raise argparse.ArgumentTypeError(f"must be a whole number, got {text}")
     return int(value)
@@ -245,10 +248,12 @@ def _cmd_status(args: argparse.Namespace) -> int:
         response = client.get(f"/v1/jobs/{args.job_id}")
         if (code := _api_error(response)) is not None:
             return code
-        events = client.get(f"/v1/jobs/{args.job_id}/events").json()["data"]
+        events = client.get(f"/v1/jobs/{args.job_id}/events")
     job = response.json()
     print(json.dumps({k: v for k, v in job.items() if k not in ("spec", "plan")}, indent=2))
-    for event in events:
+    if not events.is_success:  # another user's job: its events are its owner's and admins'
+        return 0
+    for event in events.json()["data"]:
         print(f"{event['at']}  {event['from_status'] or '-':>10} -> {event['to_status']:<10}  {event['reason']}")
     return 0
 
@@ -294,21 +299,33 @@ def _cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def _cmd_db(args: argparse.Namespace) -> int:
+    from sqlalchemy import make_url
+
     from service.db import upgrade
 
-    upgrade(get_settings().database_url)
-    print(f"database at revision head: {get_settings().database_url}")
+    url = get_settings().database_url
+    try:
+        upgrade(url)
+    except ValueError as error:  # a placeholder password: a message, not a traceback
+        print(f"zero1 db upgrade: {error}", file=sys.stderr)
+        return 2
+    # the password stays out of the output, which goes to container logs
+    print(f"database at revision head: {make_url(url).render_as_string(hide_password=True)}")
     return 0
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from service.auth import check_bind, load_tokens
+    from service.cluster import check_ray_auth_token
+    from service.db import check_url
 
     settings = get_settings()
     host = args.host or settings.host
-    try:  # before anything starts: a bad token entry or an open bind is a message, not a traceback
+    try:  # before anything starts: a bad token entry, an open bind or a placeholder is a message, not a traceback
         tokens = load_tokens(settings)
         check_bind(host, tokens=tokens)
+        check_ray_auth_token(os.environ)
+        check_url(settings.database_url)
     except ValueError as error:
         print(f"zero1 serve: {error}", file=sys.stderr)
         return 2

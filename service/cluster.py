@@ -7,9 +7,10 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from service.config import Settings
+from service.config import PLACEHOLDER_RULE, Settings, is_placeholder
 from workers.memory import gpu_memory_bytes_from_gb
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ class RayCluster:
             _restore(handlers)
 
     def _connect(self) -> None:
+        check_ray_auth_token(os.environ)
         if self.settings.ray_address is None:
             # read by Ray at import: its nodes, GCS and actors then bind 127.0.0.1
             os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -132,6 +134,15 @@ class RayCluster:
         if self.owned:
             ray.shutdown()
             self.owned = False
+
+
+def check_ray_auth_token(environ: Mapping[str, str]) -> None:
+    """Refuse .env.example's RAY_AUTH_TOKEN: anyone who read the example could run code on the cluster."""
+    if is_placeholder(environ.get("RAY_AUTH_TOKEN", "")):
+        raise ValueError(
+            f"RAY_AUTH_TOKEN is a placeholder ({PLACEHOLDER_RULE}): set the same secret of your own on every "
+            "Ray node and the API, e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+        )
 
 
 def _signal_handlers() -> dict[int, object]:

@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import json
+import re
 from functools import lru_cache
 from typing import Annotated
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+PLACEHOLDER = re.compile(r"change[-_]?me", re.IGNORECASE)
+"""The mark of .env.example's values: a secret that has it is known to everyone who read the example."""
+PLACEHOLDER_RULE = "it contains change-me (or change_me, changeme, in any case), the mark of .env.example's placeholders"
+
+
+def is_placeholder(secret: str) -> bool:
+    return PLACEHOLDER.search(secret) is not None
 
 
 class Settings(BaseSettings):
@@ -16,7 +26,8 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="ZERO1_", use_attribute_docstrings=True, extra="ignore")
 
     database_url: str = "sqlite:///.zero1/zero1.db"
-    """SQLAlchemy URL of the database; PostgreSQL: postgresql+psycopg://user@host/db."""
+    """SQLAlchemy URL of the database; PostgreSQL: postgresql+psycopg://user@host/db. A password
+    with .env.example's mark `change-me` is refused."""
     host: str = "127.0.0.1"
     """Address `zero1 serve` binds to."""
     port: int = Field(8000, ge=1, le=65535)
@@ -63,13 +74,15 @@ class Settings(BaseSettings):
     """/healthz answers 503 when the scheduler has not completed a tick for this long."""
     api_tokens: SecretStr | None = None
     """API tokens, comma-separated `user:token` or `user:token:admin` (tokens of 16+
-    characters). Unset, with no token file: auth is off, for loopback use only."""
+    characters, none with .env.example's mark `change-me`). Unset, with no token file: auth is
+    off, for loopback use only."""
     api_tokens_file: str | None = None
     """File of API tokens, one `user:token[:admin]` a line, `#` comments; adds to
     ZERO1_API_TOKENS."""
     public_read: bool = False
-    """With tokens: let anyone read (GET /v1/*, /metrics, the dashboard); submitting
-    and cancelling still need a token."""
+    """With tokens: let anyone read (GET /v1/*, /metrics, the dashboard) without one: jobs'
+    names, owners, states and progress, not their specs, metrics or events; submitting and
+    cancelling still need a token."""
     data_roots: Annotated[list[str], NoDecode] = ["data"]
     """Directories a `text` job's data.path must resolve into (symlinks followed),
     comma-separated or a JSON list; relative ones are under the service's working

@@ -9,15 +9,28 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, create_engine, event, make_url
 from sqlalchemy.orm import Session, sessionmaker
+
+from service.config import PLACEHOLDER_RULE, is_placeholder
 
 # the top-level migrations/ folder, installed as the package zero1_migrations (pyproject.toml)
 MIGRATIONS_DIR = Path(str(resources.files("zero1_migrations")))
 
 
+def check_url(url: str) -> None:
+    """Refuse .env.example's POSTGRES_PASSWORD: a database anyone who read the example could log in to."""
+    password = make_url(url).password
+    if password is not None and is_placeholder(password):
+        raise ValueError(
+            f"ZERO1_DATABASE_URL: the password is a placeholder ({PLACEHOLDER_RULE}); "
+            "set POSTGRES_PASSWORD in .env (or the URL's password) to a secret of your own"
+        )
+
+
 def make_engine(url: str) -> Engine:
     """An engine for `url`; SQLite gets WAL, foreign keys and a busy timeout for the API's threads."""
+    check_url(url)
     if url.startswith("sqlite"):
         database = url.split("///", 1)[-1]
         if database and database != ":memory:":
@@ -50,6 +63,7 @@ def alembic_config(url: str) -> Config:
 
 def upgrade(url: str, revision: str = "head") -> None:
     """Apply the migrations: the only way the schema is created or changed."""
+    check_url(url)  # migrations/env.py makes its own engine
     command.upgrade(alembic_config(url), revision)
 
 

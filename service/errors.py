@@ -7,6 +7,7 @@ numbers, "detail": [...]?}; an expected failure is a 4xx, never a 500.
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -79,16 +80,20 @@ async def _service_error(_: Request, exc: ServiceError) -> JSONResponse:
 
 async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     if isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's 400 for a JSON body that is not UTF-8
-        return _not_utf8(exc.__cause__)
+        return _invalid_json(f"not UTF-8 ({exc.__cause__.reason} at byte {exc.__cause__.start})")
+    if isinstance(exc.__cause__, ValueError):
+        # the other ValueError json.loads raises besides JSONDecodeError (a 422 already): an integer
+        # literal longer than Python converts (https://docs.python.org/3/library/stdtypes.html#int-max-str-digits)
+        return _invalid_json(f"an integer of more than {sys.get_int_max_str_digits()} digits")
     code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code, "http_error")
     return JSONResponse(
         {"error": code, "message": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers
     )
 
 
-def _not_utf8(error: UnicodeDecodeError) -> JSONResponse:
-    """A 422 like any other body that is not JSON, naming the first bad byte."""
-    message = f"invalid JSON: not UTF-8 ({error.reason} at byte {error.start})"
+def _invalid_json(reason: str) -> JSONResponse:
+    """A 422 like any other body that is not JSON (FastAPI's own is a 400 with no reason)."""
+    message = f"invalid JSON: {reason}"
     detail = [{"field": "body", "message": message, "type": "json_invalid"}]
     return JSONResponse({"error": "invalid_request", "message": f"body: {message}", "detail": detail}, status_code=422)
 

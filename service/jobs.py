@@ -16,6 +16,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
+from service.auth import Principal
 from service.cluster import ClusterCapacity
 from service.errors import ServiceError
 from service.models import Job, JobEvent, Metric, utcnow
@@ -217,7 +218,25 @@ def _replay(job: Job, digest: str, key: str, *, owner: str | None) -> Job:
 def get_job(session: Session, job_id: int) -> Job:
     job = session.get(Job, job_id)
     if job is None:
-        raise ServiceError(f"no job with id {job_id}", status_code=404, error="not_found")
+        raise _no_job(job_id)
+    return job
+
+
+def _no_job(job_id: int) -> ServiceError:
+    return ServiceError(f"no job with id {job_id}", status_code=404, error="not_found")
+
+
+def can_see(principal: Principal, job: Job) -> bool:
+    """Whether `principal` sees the job's details (spec, last metrics row, error, metrics, events): its owner
+    and admins do; everyone sees the rest, so that all know who holds the GPUs."""
+    return principal.admin or (principal.user is not None and principal.user == job.owner)
+
+
+def get_visible_job(session: Session, job_id: int, *, principal: Principal) -> Job:
+    """The job whose details `principal` may read; another's is a 404 as if it did not exist."""
+    job = get_job(session, job_id)
+    if not can_see(principal, job):
+        raise _no_job(job_id)
     return job
 
 
@@ -228,13 +247,15 @@ def queue_position(session: Session, job: Job) -> int | None:
     return ahead + 1
 
 
-def job_public(job: Job, *, position: int | None) -> JobPublic:
-    """The API's view of a job; `position` is its queue_position (see queue_position)."""
+def job_public(job: Job, *, position: int | None, principal: Principal) -> JobPublic:
+    """The job as `principal` sees it (its details null unless can_see); `position` is its queue_position."""
+    mine = can_see(principal, job)
     return JobPublic(
-        id=job.id, name=job.name, status=job.status, spec=job.spec, plan=job.plan, num_gpus=job.num_gpus,
-        created_at=job.created_at, started_at=job.started_at, finished_at=job.finished_at, step=job.step,
-        steps=job.steps, latest=_finite(job.latest), error=job.error, attempt=job.attempt,
-        num_retries=job.num_retries, queue_position=position, owner=job.owner,
+        id=job.id, name=job.name, status=job.status, spec=job.spec if mine else None, plan=job.plan,
+        num_gpus=job.num_gpus, created_at=job.created_at, started_at=job.started_at, finished_at=job.finished_at,
+        step=job.step, steps=job.steps, latest=_finite(job.latest) if mine else None,
+        error=job.error if mine else None, attempt=job.attempt, num_retries=job.num_retries,
+        queue_position=position, owner=job.owner,
     )  # fmt: skip
 
 
@@ -246,9 +267,9 @@ def _finite(row: dict | None) -> dict | None:
 
 
 def list_jobs(
-    session: Session, *, statuses: list[str] | None, limit: int, cursor: int | None
+    session: Session, *, statuses: list[str] | None, limit: int, cursor: int | None, principal: Principal
 ) -> tuple[list[JobPublic], str | None]:
-    """Newest first; the cursor is the id the next page starts below."""
+    """Newest first, as `principal` sees them; the cursor is the id the next page starts below."""
     query = select(Job).order_by(Job.id.desc()).limit(limit + 1)
     if statuses:
         query = query.where(Job.status.in_(statuses))
@@ -261,7 +282,7 @@ def list_jobs(
     if any(j.status == "queued" for j in jobs):  # one query for the whole queue, not one per job
         queue = session.scalars(select(Job.id).where(Job.status == "queued").order_by(Job.id))
         positions = {job_id: i + 1 for i, job_id in enumerate(queue)}
-    data = [job_public(j, position=positions.get(j.id)) for j in jobs]
+    data = [job_public(j, position=positions.get(j.id), principal=principal) for j in jobs]
     return data, (str(jobs[-1].id) if more else None)
 
 

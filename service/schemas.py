@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from datetime import datetime
+from decimal import Decimal
 from typing import Annotated, Literal
 
 from pydantic import (
@@ -18,6 +19,15 @@ Stage = Literal[0, 1, 2, 3]
 
 MAX_NUM_GPUS = 1 << 20
 MAX_GPU_MEMORY_GB = 1e6
+MAX_TEXT_DIGITS = 30
+"""Digits a number typed as text (the planner's form, the CLI) may have: more than any field's bound needs
+(2**63 - 1 has 19); int() of 1e1000000 takes time quadratic in its million digits, holding the GIL."""
+
+
+def too_many_digits(value: Decimal) -> bool:
+    """More than MAX_TEXT_DIGITS significant digits, or 10**MAX_TEXT_DIGITS or more; asked before int() expands it."""
+    # adjusted() is the exponent of the leading digit: 1e1000000 is measured without being expanded
+    return value.adjusted() >= MAX_TEXT_DIGITS or len(value.as_tuple().digits) > MAX_TEXT_DIGITS
 
 
 def _a_number(value: object) -> object:
@@ -267,10 +277,14 @@ JobStatus = Literal["queued", "starting", "running", "restarting", "succeeded", 
 
 
 class JobPublic(BaseModel):
+    """A job as a reader sees it: everyone sees who holds the GPUs (name, owner, status, GPUs, progress, plan);
+    spec, latest and error are null for all but the job's owner and admins."""
+
     id: int
     name: str
     status: JobStatus
-    spec: dict
+    spec: dict | None = Field(description="The JobSpec as submitted (data.path resolved); null unless the caller "
+                              "owns the job or is an admin.")
     plan: dict
     num_gpus: int
     created_at: datetime
@@ -278,8 +292,10 @@ class JobPublic(BaseModel):
     finished_at: datetime | None
     step: int | None = Field(description="Last step with stored metrics.")
     steps: int
-    latest: dict | None = Field(description="The last metrics row.")
-    error: dict | None
+    latest: dict | None = Field(description="The last metrics row; null before it, and unless the caller owns the "
+                                "job or is an admin.")
+    error: dict | None = Field(description="Why the job failed (rank, node, exception); null unless it did, and "
+                               "unless the caller owns the job or is an admin.")
     attempt: int = Field(description="0 for the first launch, +1 for each relaunch (a retry, or a recovery after a "
                          "service restart).")
     num_retries: int = Field(0, description="Relaunches after a worker failure; at most spec.max_retries.")

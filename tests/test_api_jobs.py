@@ -232,6 +232,22 @@ def test_bad_requests_are_4xx_json(sqlite_client, method, path, kwargs, status, 
     assert text in r.json()["message"]
 
 
+HUGE_NUMBERS = {"9" * 5000: "body: invalid JSON: an integer of more than 4300 digits",
+                "1e1000000": "Input should be a finite number (got inf)",
+                "-1e1000000": "Input should be a finite number (got -inf)"}  # fmt: skip
+
+
+@pytest.mark.parametrize("number", HUGE_NUMBERS, ids=["5000 digits", "1e1000000", "-1e1000000"])
+def test_a_huge_json_number_is_a_422_at_once(sqlite_client, number):
+    bodies = {"/v1/plan": f'{{"num_params": {number}}}',
+              "/v1/jobs": json.dumps(job_body(steps=0)).replace('"steps": 0', f'"steps": {number}')}  # fmt: skip
+    for path, body in bodies.items():
+        start = time.monotonic()
+        r = sqlite_client.post(path, content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 422, r.text
+        assert HUGE_NUMBERS[number] in r.json()["message"] and time.monotonic() - start < 1
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     body=st.dictionaries(

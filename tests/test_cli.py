@@ -76,6 +76,29 @@ def test_fractional_parameter_count_is_refused():
     assert out.returncode == 2 and "must be a whole number, got 7.5" in out.stderr
 
 
+@pytest.mark.parametrize("params", ["1e1000000", "1e5000", "9" * 31])
+def test_a_parameter_count_of_more_than_30_digits_is_refused_at_once(params, capsys):
+    start = time.monotonic()
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "--params", params])
+    assert exit_.value.code == 2 and time.monotonic() - start < 1
+    assert f"must have at most 30 digits, got {params}" in capsys.readouterr().err
+
+
+def test_db_upgrade_names_the_database_but_not_its_password(monkeypatch, capsys):
+    from service import config, db
+
+    monkeypatch.setenv("ZERO1_DATABASE_URL", "postgresql+psycopg://zero1:Not-A-Real-Secret-42@db.example:5432/zero1")
+    monkeypatch.setattr(db, "upgrade", lambda url: None)  # the output is the point here, not the migration
+    config.get_settings.cache_clear()
+    try:
+        assert main(["db", "upgrade"]) == 0
+    finally:
+        config.get_settings.cache_clear()
+    out = capsys.readouterr().out
+    assert out == "database at revision head: postgresql+psycopg://zero1:***@db.example:5432/zero1\n"
+
+
 GPT_7B5 = {"kind": "gpt", "vocab_size": 59072, "n_layer": 36, "n_head": 32, "n_embd": 4096, "block_size": 2048}
 
 

@@ -14,6 +14,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from ports import free_port
 from service.cluster import ClusterCapacity
 from service.dashboard import charts
 from service.dashboard.format import duration, human_bytes, significant
-from service.dashboard.routes import TABLE_LIMIT, table_order
+from service.dashboard.routes import TABLE_LIMIT, _number, table_order
 from service.db import Database, upgrade
 from service.jobs import admit, submit_job, transition
 from service.scheduler import store_metrics
@@ -401,6 +402,37 @@ def test_the_planner_form_shows_the_breakdown_and_the_sweep(ui, server):
     assert page.evaluate("window.zero1FirstLoad") is True, "the page reloaded"
     ui.screenshot(page, "planner-gpt")
     ui.assert_no_console_errors()
+
+
+@pytest.mark.parametrize("num_gpus", ["1e1000000", "1e5000", "9" * 5000])
+def test_a_huge_number_in_the_planner_is_a_422_at_once_while_other_routes_answer(server, num_gpus):
+    """int() of 1e1000000 would hold the server's GIL for tens of seconds; repr() of 1e5000 as an int raises."""
+    answers: list[tuple[int, str, float]] = []
+
+    def plan() -> None:
+        start = time.monotonic()
+        response = httpx.get(f"{server.base}/plan", params={"num_gpus": num_gpus}, timeout=120)
+        answers.append((response.status_code, response.text, time.monotonic() - start))
+
+    thread = threading.Thread(target=plan)
+    thread.start()
+    health_s = []
+    for _ in range(5):  # while the plan is asked for: every route must keep answering
+        start = time.monotonic()
+        assert httpx.get(f"{server.base}/healthz", timeout=10).status_code == 200
+        health_s.append(time.monotonic() - start)
+    thread.join(timeout=120)
+    [(status, text, elapsed_s)] = answers
+    assert status == 422 and "num_gpus: Input should be a number" in text
+    assert elapsed_s < 1 and max(health_s) < 1, (elapsed_s, health_s)
+
+
+@pytest.mark.parametrize("text", ["1e1000000", "-1e1000000", "1e5000", "9" * 5000, "1" + "0" * 30, "0." + "1" * 31])
+def test_the_planner_leaves_a_number_of_more_than_30_digits_to_validation(text):
+    start = time.monotonic()
+    assert _number(text) == text
+    assert time.monotonic() - start < 0.5
+    assert _number("9" * 30) == int("9" * 30) and _number("7.5e9") == 7_500_000_000 and _number("0.5") == 0.5
 
 
 # --------------------------------------------------------------------------- filter, no JavaScript, phone, weight

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+import re
 import secrets
 import subprocess
 import sys
@@ -21,11 +22,13 @@ from conftest import make_settings
 from service import auth
 from service.auth import TOKEN_COOKIE, check_bind, is_loopback, load_tokens
 from service.cli import main
-from service.cluster import ClusterCapacity
+from service.cluster import ClusterCapacity, RayCluster
+from service.dashboard.lockout import MAX_FAILURES, WINDOW_S, LoginLockout, client_key
 from service.db import Database, upgrade
 from service.errors import ServiceError
-from service.jobs import admit, submit_job
+from service.jobs import admit, job_public, submit_job
 from service.main import create_app
+from service.models import Job, JobEvent
 from service.schemas import JobSpec
 from workers.memory import GB
 
@@ -166,6 +169,32 @@ def test_public_read_opens_reads_but_not_writes(public):
     assert "security" not in schema["/v1/jobs"]["get"] and schema["/v1/jobs"]["post"]["security"]
 
 
+def seed_cancelled_job(client: TestClient, *, owner: str) -> int:
+    """A job of `owner` stored already cancelled, so that the scheduler never starts it."""
+    spec = JobSpec.model_validate(job_body(name=f"{owner}'s run"))
+    cluster = ClusterCapacity(num_gpus=4, num_gpus_free=4, gpu_memory_bytes=80 * GB, simulated=True)
+    plan = admit(spec, cluster=cluster, overhead_bytes=GB).model_dump(mode="json")
+    with client.app.state.runtime.db.session() as session:
+        job = Job(name=spec.name, status="cancelled", spec=spec.model_dump(mode="json"), plan=plan, num_gpus=4,
+                  steps=spec.steps, owner=owner)  # fmt: skip
+        session.add(job)
+        session.flush()
+        session.add(JobEvent(job_id=job.id, from_status=None, to_status="cancelled", reason="seeded"))
+        return job.id
+
+
+def test_public_read_shows_the_shared_view_only_and_a_token_still_says_who_reads(public):
+    job_id = seed_cancelled_job(public, owner="alice")
+    shared = public.get(f"/v1/jobs/{job_id}").json()
+    assert (shared["name"], shared["owner"], shared["status"], shared["spec"]) == ("alice's run", "alice", "cancelled", None)
+    assert [j["spec"] for j in public.get("/v1/jobs").json()["data"] if j["id"] == job_id] == [None]
+    for path in (f"/v1/jobs/{job_id}/metrics", f"/v1/jobs/{job_id}/events", f"/jobs/{job_id}"):
+        assert public.get(path).status_code == 404, path
+    assert public.get(f"/v1/jobs/{job_id}", headers=bearer(ALICE)).json()["spec"]["name"] == "alice's run"
+    assert public.get(f"/v1/jobs/{job_id}/events", headers=bearer(ALICE)).json()["data"][0]["reason"] == "seeded"
+    assert public.get(f"/v1/jobs/{job_id}", headers=bearer("x" * 40)).status_code == 401  # a wrong token is told so
+
+
 # --------------------------------------------------------------------------- owners and limits
 
 
@@ -185,6 +214,62 @@ def test_jobs_record_their_owner_and_only_the_owner_or_an_admin_cancels(secured,
     assert by_admin.status_code == 202 and by_admin.json()["status"] == "cancelled"
     own = submit(secured, BOB, name="bobs")
     assert secured.post(f"/v1/jobs/{own['id']}/cancel", headers=bearer(BOB)).json()["status"] == "cancelled"
+
+
+def test_a_jobs_spec_metrics_and_events_are_for_its_owner_and_admins_only(secured, blocker, data_root):
+    """Everyone sees who holds the GPUs; only the owner and admins see what a job reads, its curves and events."""
+    corpus = os.path.realpath(data_root / "corpus.txt")
+    job = submit(secured, ALICE, name="alices run", data={"kind": "text", "path": corpus})
+    own = submit(secured, BOB, name="bobs run")
+    try:
+        for token in (ALICE, ROOT):
+            assert secured.get(f"/v1/jobs/{job['id']}", headers=bearer(token)).json()["spec"]["data"]["path"] == corpus
+            for path in (f"/v1/jobs/{job['id']}/metrics", f"/v1/jobs/{job['id']}/events", f"/jobs/{job['id']}"):
+                assert secured.get(path, headers=bearer(token)).status_code == 200, path
+        shared = secured.get(f"/v1/jobs/{job['id']}", headers=bearer(BOB)).json()
+        assert (shared["name"], shared["owner"], shared["status"], shared["num_gpus"], shared["steps"]) == (
+            "alices run", "alice", "queued", 4, 1_000_000)  # fmt: skip
+        assert (shared["spec"], shared["latest"], shared["error"]) == (None, None, None)
+        assert shared["plan"] == job["plan"]  # sizes only
+        listed = {j["id"]: j for j in secured.get("/v1/jobs", headers=bearer(BOB)).json()["data"]}
+        assert listed[job["id"]]["spec"] is None and listed[blocker["id"]]["spec"] is None
+        assert listed[own["id"]]["spec"]["name"] == "bobs run"
+        for part in ("metrics", "events"):  # as if there were no such job
+            hidden = secured.get(f"/v1/jobs/{job['id']}/{part}", headers=bearer(BOB))
+            assert hidden.status_code == 404 and hidden.json()["message"] == f"no job with id {job['id']}"
+        page = secured.get(f"/jobs/{job['id']}", headers=bearer(BOB))
+        assert page.status_code == 404 and f"no job with id {job['id']}" in page.text and corpus not in page.text
+        table = secured.get("/", headers=bearer(BOB))
+        assert table.status_code == 200 and "alices run" in table.text
+        assert corpus not in table.text + secured.get("/metrics", headers=bearer(BOB)).text
+    finally:
+        cancel_all(secured, [job, own])
+
+
+def test_only_the_owner_admins_and_auth_off_see_a_jobs_details(tmp_path):
+    url = f"sqlite:///{tmp_path / 'zero1.db'}"
+    upgrade(url)
+    db = Database(url)
+    cluster = ClusterCapacity(num_gpus=4, num_gpus_free=4, gpu_memory_bytes=80 * GB, simulated=True)
+    spec = JobSpec.model_validate(job_body())
+    readers = {"alice": auth.Principal(user="alice"), "root": auth.Principal(user="root", admin=True),
+               "auth off": auth.ANONYMOUS, "bob": auth.Principal(user="bob"), "public read": auth.PUBLIC}  # fmt: skip
+    try:
+        with db.session() as session:
+            job, _ = submit_job(session, spec=spec, plan=admit(spec, cluster=cluster, overhead_bytes=GB),
+                                idempotency_key=None, owner="alice")  # fmt: skip
+            job.latest, job.error = {"step": 3, "loss": 2.5}, {"exception": "RuntimeError", "message": "in alice's data"}
+            views = {who: job_public(job, position=1, principal=principal) for who, principal in readers.items()}
+    finally:
+        db.dispose()
+    for who, view in views.items():
+        private = (view.spec, view.latest, view.error)
+        if who in ("alice", "root", "auth off"):
+            assert private == (spec.model_dump(mode="json"), {"step": 3, "loss": 2.5}, job.error), who
+        else:
+            assert private == (None, None, None), who
+        assert (view.name, view.owner, view.status, view.queue_position, view.plan) == (
+            "sec", "alice", "queued", 1, views["alice"].plan), who  # fmt: skip
 
 
 def test_queued_jobs_per_user_are_limited(secured, blocker):
@@ -279,6 +364,47 @@ def test_login_refuses_a_wrong_token_and_redirects_only_within_the_site(secured)
     assert logout.status_code == 303 and f'{TOKEN_COOKIE}=""' in logout.headers["set-cookie"]
 
 
+def test_login_locks_a_client_out_after_10_wrong_tokens_within_a_minute(secured):
+    """A locked-out client gets 429 even with a valid token (else guessing would go on at full speed),
+    until its oldest failure is WINDOW_S old; other addresses are not locked out."""
+    now_s = [1000.0]
+    saved, secured.app.state.login_lockout = secured.app.state.login_lockout, LoginLockout(clock=lambda: now_s[0])
+    try:
+        for _ in range(MAX_FAILURES):  # one a second
+            now_s[0] += 1
+            assert secured.post("/login", data={"token": "w" * 32}, follow_redirects=False).status_code == 401
+        wait_s = int(1001 + WINDOW_S - now_s[0])  # until the first failure is WINDOW_S old
+        for token in ("w" * 32, BOB):
+            locked = secured.post("/login", data={"token": token, "next": "/"}, follow_redirects=False)
+            assert locked.status_code == 429 and locked.headers["retry-after"] == str(wait_s)
+            assert f"10 wrong tokens within 60 s: try again in {wait_s} s" in locked.text
+            assert "set-cookie" not in locked.headers and token not in locked.text
+        elsewhere = TestClient(secured.app, client=("203.0.113.7", 50000))
+        assert elsewhere.post("/login", data={"token": "w" * 32}, follow_redirects=False).status_code == 401
+        now_s[0] += wait_s
+        again = secured.post("/login", data={"token": BOB}, follow_redirects=False)
+        assert again.status_code == 303 and again.headers["set-cookie"].startswith(f"{TOKEN_COOKIE}={BOB};")
+    finally:
+        secured.app.state.login_lockout = saved
+        secured.cookies.clear()
+
+
+def test_the_login_lockout_remembers_a_bounded_number_of_clients():
+    now_s = [0.0]
+    lockout = LoginLockout(max_failures=2, window_s=60, max_clients=3, clock=lambda: now_s[0])
+    for host in ("10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4"):
+        now_s[0] += 1
+        lockout.record_failure(host)
+        lockout.record_failure(host)
+    assert len(lockout) == 3  # 10.0.0.1, whose last failure is the oldest, was forgotten
+    assert lockout.retry_after_s("10.0.0.1") == 0 and lockout.retry_after_s("10.0.0.4") == 60
+    now_s[0] += 60
+    assert lockout.retry_after_s("10.0.0.4") == 0 and len(lockout) == 2  # 10.0.0.4's failures expired
+    # an IPv6 host usually holds a whole /64: its addresses are one client
+    assert client_key("2001:db8::1") == client_key("2001:db8::ffff:2") == "2001:db8::/64"
+    assert client_key("192.0.2.1") == "192.0.2.1" and client_key(None) == "unknown"
+
+
 def test_tokens_are_never_logged_nor_echoed(secured, caplog):
     caplog.set_level(logging.DEBUG)
     wrong = "never-a-token-" + secrets.token_hex(16)
@@ -337,6 +463,73 @@ def test_a_token_is_compared_with_every_entry(monkeypatch):
     monkeypatch.setattr(hmac, "compare_digest", lambda a, b: calls.append(1) or a == b)
     assert table.lookup(ALICE).user == "alice"  # the first entry
     assert len(calls) == 3
+
+
+# --------------------------------------------------------------------------- .env.example's placeholders
+
+
+def env_example() -> dict[str, str]:
+    """.env.example's variables (name -> value), as `cp .env.example .env` would deploy them."""
+    lines = (Path(__file__).parents[1] / ".env.example").read_text().splitlines()
+    return dict(line.split("=", 1) for line in lines if line.strip() and not line.lstrip().startswith("#"))
+
+
+def test_the_example_api_tokens_stop_the_app_naming_the_entry_not_the_token(tmp_path):
+    example = env_example()["ZERO1_API_TOKENS"]
+    with pytest.raises(ValueError) as error:
+        create_app(make_settings(tmp_path, api_tokens=example))
+    assert "ZERO1_API_TOKENS entry 1 (user ops): the token is a placeholder" in str(error.value)
+    assert all(entry.split(":")[1] not in str(error.value) for entry in example.split(","))
+
+
+@pytest.mark.parametrize("token", ["CHANGE-ME-0123456789abcdef", "0123456789abcdef_Change_Me", "xchangemex0123456789"])
+def test_a_token_with_the_placeholder_mark_is_refused_in_any_spelling(token):
+    with pytest.raises(ValueError) as error:
+        auth.parse_entry(f"carol:{token}", where="ZERO1_API_TOKENS entry 3")
+    assert str(error.value).startswith("ZERO1_API_TOKENS entry 3 (user carol): the token is a placeholder")
+    assert token not in str(error.value)
+
+
+def test_the_example_ray_token_stops_zero1_before_it_connects_to_ray(ray_cluster, tmp_path, monkeypatch):
+    token = env_example()["RAY_AUTH_TOKEN"]
+    monkeypatch.setenv("RAY_AUTH_TOKEN", token)
+    cluster = RayCluster(make_settings(tmp_path))
+    with pytest.raises(ValueError) as error:
+        cluster.connect()
+    assert str(error.value).startswith("RAY_AUTH_TOKEN is a placeholder")
+    assert token not in str(error.value) and not cluster.owned
+
+
+def test_the_example_postgres_password_is_refused_before_connecting():
+    password = env_example()["POSTGRES_PASSWORD"]
+    url = f"postgresql+psycopg://zero1:{password}@127.0.0.1:5432/zero1_{secrets.token_hex(8)}"
+    for open_database in (Database, upgrade):
+        with pytest.raises(ValueError) as error:
+            open_database(url)
+        assert str(error.value).startswith("ZERO1_DATABASE_URL: the password is a placeholder"), error.value
+        assert password not in str(error.value)
+
+
+def test_serve_and_db_upgrade_refuse_the_example_env_as_it_is():
+    """What the api container of `cp .env.example .env && docker compose up` runs, one placeholder at a time."""
+    example = env_example()
+    url = f"postgresql+psycopg://zero1:{example['POSTGRES_PASSWORD']}@127.0.0.1:5432/zero1_{secrets.token_hex(8)}"
+    env = {**example, "ZERO1_DATABASE_URL": url, "RAY_AUTH_MODE": "token"}
+    clean = {key: value for key, value in os.environ.items() if not key.startswith(("ZERO1_", "RAY_AUTH"))}
+    migrate = subprocess.run([ZERO1, "db", "upgrade"], env={**clean, **env}, capture_output=True, text=True, timeout=60)
+    assert migrate.returncode == 2, migrate.stderr
+    assert migrate.stderr.startswith("zero1 db upgrade: ZERO1_DATABASE_URL: the password is a placeholder")
+    outputs = [migrate.stdout + migrate.stderr]
+    steps = [({}, "ZERO1_API_TOKENS entry 1 (user ops): the token is a placeholder"),
+             ({"ZERO1_API_TOKENS": f"ops:{ROOT}:admin"}, "RAY_AUTH_TOKEN is a placeholder"),
+             ({"RAY_AUTH_TOKEN": secrets.token_urlsafe(32)}, "ZERO1_DATABASE_URL: the password is a placeholder")]  # fmt: skip
+    for replaced, refused in steps:  # each placeholder replaced in turn: the next one is refused
+        env |= replaced
+        out = _serve("--host", "0.0.0.0", "--port", "1", **env)
+        assert out.returncode == 2 and out.stderr.startswith(f"zero1 serve: {refused}"), out.stderr
+        outputs.append(out.stdout + out.stderr)
+    placeholders = [part for value in example.values() for part in re.split("[:,]", value) if "change-me" in part]
+    assert len(placeholders) == 4 and not [p for p in placeholders if any(p in output for output in outputs)]
 
 
 # --------------------------------------------------------------------------- data roots
@@ -440,6 +633,9 @@ def test_the_cli_sends_zero1_token(secured, blocker, monkeypatch, capsys):
         assert main(["jobs"]) == 1 and "401 this endpoint needs an API token" in capsys.readouterr().err
         monkeypatch.setenv("ZERO1_TOKEN", BOB)
         assert main(["jobs"]) == 0 and f"{job['id']:>6}  queued" in capsys.readouterr().out
+        assert main(["status", str(job["id"])]) == 0  # the shared view, without alice's events
+        status = capsys.readouterr().out
+        assert '"owner": "alice"' in status and "submitted" not in status
         assert main(["cancel", str(job["id"])]) == 1
         assert f"403 job {job['id']} belongs to alice" in capsys.readouterr().err
         monkeypatch.setenv("ZERO1_TOKEN", ALICE)

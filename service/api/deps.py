@@ -62,4 +62,6 @@ def require_writer(request: Request, authenticator: AuthenticatorDep) -> Princip
     return authenticator.writer(request)
 
 
+ReaderDep = Annotated[Principal, Depends(require_reader)]
+"""Who reads: it decides which jobs' details (spec, metrics, events) the reader sees (jobs.can_see)."""
 PrincipalDep = Annotated[Principal, Depends(require_writer)]

@@ -6,13 +6,16 @@ the page and dashboard.js's calls to /v1 (which add X-Zero1-CSRF for cancelling)
 
 from __future__ import annotations
 
+import math
+from typing import Annotated
 from urllib.parse import parse_qs, quote
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 
 from service.api.deps import AuthenticatorDep
 from service.auth import TOKEN_COOKIE, Principal
+from service.dashboard.lockout import LoginLockout, client_key
 from service.dashboard.routes import templates
 from service.errors import ServiceError
 
@@ -46,8 +49,16 @@ async def _to_login(_: Request, exc: LoginRequired) -> RedirectResponse:
 
 
 def install_login(app: FastAPI) -> None:
+    app.state.login_lockout = LoginLockout()
     app.add_exception_handler(LoginRequired, _to_login)
     app.include_router(router)
+
+
+def get_lockout(request: Request) -> LoginLockout:
+    return request.app.state.login_lockout
+
+
+LockoutDep = Annotated[LoginLockout, Depends(get_lockout)]
 
 
 def _local(path: str | None) -> str:
@@ -57,9 +68,20 @@ def _local(path: str | None) -> str:
     return path
 
 
-def _form(request: Request, *, next_path: str, error: str | None, status_code: int = 200) -> HTMLResponse:
+def _form(
+    request: Request, *, next_path: str, error: str | None, status_code: int = 200, headers: dict | None = None
+) -> HTMLResponse:
     context = {"page": "login", "next": _local(next_path), "error": error}
-    return templates.TemplateResponse(request, "login.html", context, status_code=status_code)
+    return templates.TemplateResponse(request, "login.html", context, status_code=status_code, headers=headers)
+
+
+def _locked_out(request: Request, *, next_path: str, lockout: LoginLockout, wait_s: float) -> HTMLResponse:
+    seconds = math.ceil(wait_s)
+    error = (
+        f"{lockout.max_failures} wrong tokens within {lockout.window_s:g} s: try again in {seconds} s. "
+        "Until then no token is checked from this address."
+    )
+    return _form(request, next_path=next_path, error=error, status_code=429, headers={"Retry-After": str(seconds)})
 
 
 @router.get("/login", response_class=HTMLResponse)
@@ -70,14 +92,21 @@ def login_page(request: Request, authenticator: AuthenticatorDep, next: str = "/
 
 
 @router.post("/login", response_class=HTMLResponse)
-async def login(request: Request, authenticator: AuthenticatorDep):
-    """Check the token; set it as an HttpOnly, SameSite=Strict cookie and go where the user was going."""
+async def login(request: Request, authenticator: AuthenticatorDep, lockout: LockoutDep):
+    """Check the token; set it as an HttpOnly, SameSite=Strict cookie and go where the user was going.
+
+    A client with too many recent failures gets a 429 without its token being checked, a valid one
+    included: else a guesser would go on at full speed, only reading the answers later."""
     form = parse_qs((await request.body())[:MAX_FORM_BYTES].decode(errors="replace"))
     token, next_path = form.get("token", [""])[0].strip(), _local(form.get("next", ["/"])[0])
     if not authenticator.tokens.enabled:
         return RedirectResponse(next_path, status_code=303)
+    client = client_key(request.client.host if request.client else None)
+    if (wait_s := lockout.retry_after_s(client)) > 0:
+        return _locked_out(request, next_path=next_path, lockout=lockout, wait_s=wait_s)
     principal = authenticator.tokens.lookup(token) if token else None
     if principal is None:  # the form is drawn again empty: the token typed is never echoed
+        lockout.record_failure(client)
         return _form(request, next_path=next_path, error="That token is not valid.", status_code=401)
     response = RedirectResponse(next_path, status_code=303)
     response.set_cookie(

@@ -2,7 +2,8 @@
 
 Each page is rendered whole on the server from the same service.jobs and service.planning
 functions the /v1 API uses, so it reads without JavaScript; dashboard.js then keeps it live
-by polling the /v1 endpoints.
+by polling the /v1 endpoints. A page that depends on who reads takes ReaderDep, as the API does:
+by then the router's require_page_reader has sent a browser without a token to /login.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
 from service import jobs
-from service.api.deps import ClusterDep, SessionDep, SettingsDep
+from service.api.deps import ClusterDep, ReaderDep, SessionDep, SettingsDep
+from service.auth import Principal
 from service.dashboard import charts
 from service.dashboard.format import FILTERS, elapsed_s
 from service.errors import ServiceError, describe_validation_errors
 from service.planning import make_plan, plan_public
-from service.schemas import JobPublic, JobStatus, PlanRequest
+from service.schemas import JobPublic, JobStatus, PlanRequest, too_many_digits
 from workers.memory import GB
 
 HERE = Path(__file__).resolve().parent
@@ -61,29 +63,35 @@ def table_order(job: JobPublic) -> tuple[int, int, int]:
     return group, job.queue_position or 0, -job.id
 
 
-def table_jobs(session: Session, *, status: str | None) -> list[JobPublic]:
+def table_jobs(session: Session, *, status: str | None, principal: Principal) -> list[JobPublic]:
     """The newest TABLE_LIMIT jobs (of `status`, if given) and every active one, in table order."""
     statuses = [status] if status else None
-    recent, _ = jobs.list_jobs(session, statuses=statuses, limit=TABLE_LIMIT, cursor=None)
+    recent, _ = jobs.list_jobs(session, statuses=statuses, limit=TABLE_LIMIT, cursor=None, principal=principal)
     active_statuses = [s for s in jobs.ACTIVE if status in (None, s)]
     # active jobs hold GPUs, so there are never more of them than GPUs; 500 is the API's page limit
-    active = jobs.list_jobs(session, statuses=active_statuses, limit=500, cursor=None)[0] if active_statuses else []
+    active = (
+        jobs.list_jobs(session, statuses=active_statuses, limit=500, cursor=None, principal=principal)[0]
+        if active_statuses else []
+    )  # fmt: skip
     return sorted({job.id: job for job in [*recent, *active]}.values(), key=table_order)
 
 
-def queued_count(session: Session) -> int:
+def queued_count(session: Session, *, principal: Principal) -> int:
     """The newest queued job's queue position is the length of the queue."""
-    newest, _ = jobs.list_jobs(session, statuses=["queued"], limit=1, cursor=None)
+    newest, _ = jobs.list_jobs(session, statuses=["queued"], limit=1, cursor=None, principal=principal)
     return newest[0].queue_position if newest else 0
 
 
 @router.get("/", response_class=HTMLResponse)
-def jobs_page(request: Request, session: SessionDep, cluster: ClusterDep, status: str | None = None):
+def jobs_page(
+    request: Request, session: SessionDep, cluster: ClusterDep, principal: ReaderDep, status: str | None = None
+):
     """The cluster strip and the jobs table, filtered by ?status= (an unknown status shows all)."""
     status = status if status in STATUSES else None
     context = {
         "page": "jobs", "cluster": cluster, "gpus_in_use": jobs.gpus_in_use(session),
-        "queued": queued_count(session), "jobs": table_jobs(session, status=status), "status": status,
+        "queued": queued_count(session, principal=principal), "status": status,
+        "jobs": table_jobs(session, status=status, principal=principal),
         "statuses": STATUSES, "now": datetime.now(UTC), "elapsed_s": elapsed_s, "table_limit": TABLE_LIMIT,
     }  # fmt: skip
     return templates.TemplateResponse(request, "jobs.html", context)
@@ -93,13 +101,14 @@ def jobs_page(request: Request, session: SessionDep, cluster: ClusterDep, status
 
 
 @router.get("/jobs/{job_id}", response_class=HTMLResponse)
-def job_page(request: Request, job_id: int, session: SessionDep):
-    """Progress, loss and step-time curves, the memory panel, the events and the spec of one job."""
+def job_page(request: Request, job_id: int, session: SessionDep, principal: ReaderDep):
+    """Progress, loss and step-time curves, the memory panel, the events and the spec of one job: its owner's
+    and admins' only; to others the not-found page, as GET /v1/jobs/{id}/events answers them."""
     try:
-        job = jobs.get_job(session, job_id)
+        job = jobs.get_visible_job(session, job_id, principal=principal)
     except ServiceError as error:
         return templates.TemplateResponse(request, "not_found.html", {"message": error.message}, status_code=404)
-    public = jobs.job_public(job, position=jobs.queue_position(session, job))
+    public = jobs.job_public(job, position=jobs.queue_position(session, job), principal=principal)
     metrics, _ = jobs.job_metrics(session, job, after_step=None, limit=10 * MAX_POINTS, max_points=MAX_POINTS)
     plan = public.plan
     per_gpu, gpu_memory_bytes = plan["per_gpu"], plan["gpu_memory_bytes"]
@@ -129,7 +138,8 @@ _GPT_FIELDS = ("vocab_size", "n_layer", "n_head", "n_embd", "block_size")
 
 
 def _number(text: str) -> int | float | str | None:
-    """'7.5e9' -> 7500000000, '80' -> 80, '0.5' -> 0.5, '' -> None; anything else is left for validation to name."""
+    """'7.5e9' -> 7500000000, '80' -> 80, '0.5' -> 0.5, '' -> None; anything else, including a number of more
+    than MAX_TEXT_DIGITS digits, is left for validation to name."""
     cleaned = text.strip().replace(",", "").replace("_", "")
     if not cleaned:
         return None
@@ -137,7 +147,7 @@ def _number(text: str) -> int | float | str | None:
         value = Decimal(cleaned)
     except InvalidOperation:
         return text
-    if not value.is_finite():
+    if not value.is_finite() or too_many_digits(value):
         return text
     return int(value) if value == value.to_integral_value() else float(value)
 

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Header, Path, Query, Response
 from pydantic import BaseModel
 
 from service import jobs
-from service.api.deps import ClusterDep, PrincipalDep, RuntimeDep, SessionDep, SettingsDep
+from service.api.deps import ClusterDep, PrincipalDep, ReaderDep, RuntimeDep, SessionDep, SettingsDep
 from service.auth import check_can_cancel
 from service.schemas import (
     DryRunPublic, ErrorPublic, EventsPublic, JobPublic, JobSpec, JobsPublic, JobStatus, MetricsPublic,
@@ -58,26 +58,28 @@ def submit_job(
         session, spec=spec, plan=plan, idempotency_key=idempotency_key, owner=principal.user,
         max_queued=settings.max_queued_jobs_per_user,
     )  # fmt: skip
-    public = jobs.job_public(job, position=jobs.queue_position(session, job))
+    public = jobs.job_public(job, position=jobs.queue_position(session, job), principal=principal)
     return _json(public, status_code=201 if created else 200)  # 200: the job this key and body created before
 
 
 @router.get("", response_model=JobsPublic, responses=_ERRORS)
 def list_jobs(
     session: SessionDep,
+    principal: ReaderDep,
     status: Annotated[list[JobStatus] | None, Query()] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     cursor: Annotated[int | None, Query(ge=0, le=_MAX_ID, description="next_cursor of the previous page")] = None,
 ) -> Response:
-    """Newest first, optionally only some statuses (repeat ?status=)."""
-    data, next_cursor = jobs.list_jobs(session, statuses=status, limit=limit, cursor=cursor)
+    """Newest first, optionally only some statuses (repeat ?status=); others' jobs without their details."""
+    data, next_cursor = jobs.list_jobs(session, statuses=status, limit=limit, cursor=cursor, principal=principal)
     return _json(JobsPublic(data=data, next_cursor=next_cursor))
 
 
 @router.get("/{job_id}", response_model=JobPublic, responses=_ERRORS)
-def get_job(job_id: JobId, session: SessionDep) -> Response:
+def get_job(job_id: JobId, session: SessionDep, principal: ReaderDep) -> Response:
+    """Anyone's job; spec, latest and error only to its owner and admins."""
     job = jobs.get_job(session, job_id)
-    return _json(jobs.job_public(job, position=jobs.queue_position(session, job)))
+    return _json(jobs.job_public(job, position=jobs.queue_position(session, job), principal=principal))
 
 
 @router.post("/{job_id}/cancel", status_code=202, response_model=JobPublic, responses=_ERRORS)
@@ -85,25 +87,29 @@ def cancel_job(job_id: JobId, session: SessionDep, principal: PrincipalDep) -> R
     """A queued job is cancelled at once; a running one within a scheduler tick. Its owner or an admin only."""
     check_can_cancel(principal, job_id=job_id, owner=jobs.get_job(session, job_id).owner)
     job = jobs.cancel_job(session, job_id)
-    return _json(jobs.job_public(job, position=None), status_code=202)
+    return _json(jobs.job_public(job, position=None, principal=principal), status_code=202)
 
 
 @router.get("/{job_id}/metrics", response_model=MetricsPublic, responses=_ERRORS)
 def job_metrics(
     job_id: JobId,
     session: SessionDep,
+    principal: ReaderDep,
     after_step: Annotated[int | None, Query(ge=-1, le=_MAX_STEP)] = None,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
     max_points: Annotated[int | None, Query(ge=2, le=10_000)] = None,
 ) -> Response:
-    """Per-step metrics of the surviving attempt, oldest first; max_points thins them evenly."""
-    job = jobs.get_job(session, job_id)
+    """Per-step metrics of the surviving attempt, oldest first; max_points thins them evenly. Its owner's and
+    admins' only: to others a 404, as if there were no such job."""
+    job = jobs.get_visible_job(session, job_id, principal=principal)
     data, next_after = jobs.job_metrics(session, job, after_step=after_step, limit=limit, max_points=max_points)
     return _json(MetricsPublic(data=data, next_after_step=next_after))
 
 
 @router.get("/{job_id}/events", response_model=EventsPublic, responses=_ERRORS)
-def job_events(job_id: JobId, session: SessionDep) -> Response:
-    return _json(EventsPublic(data=jobs.job_events(session, jobs.get_job(session, job_id))))
+def job_events(job_id: JobId, session: SessionDep, principal: ReaderDep) -> Response:
+    """The job's state changes and why; its owner's and admins' only (a 404 to others, as for metrics)."""
+    job = jobs.get_visible_job(session, job_id, principal=principal)
+    return _json(EventsPublic(data=jobs.job_events(session, job)))
 
 

@@ -1,0 +1,73 @@
+"""How many wrong tokens one client may try at POST /login: a bound on guessing, kept in bounded memory.
+
+The API's Authorization header answers the same question and is not limited here: what keeps a
+token out of reach there is its length (auth.MIN_TOKEN_CHARS).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+
+MAX_FAILURES = 10
+"""Wrong tokens one client may send within WINDOW_S; its next try is a 429 until the oldest is WINDOW_S old."""
+WINDOW_S = 60.0
+MAX_CLIENTS = 10_000
+"""Clients remembered at once; past it the one whose last failure is oldest is forgotten, so a flood of
+addresses costs at most MAX_CLIENTS x MAX_FAILURES timestamps."""
+
+
+def client_key(host: str | None) -> str:
+    """The client a limit applies to: its IPv4 address, or its IPv6 /64 (a host usually holds the whole /64)."""
+    try:
+        address = ipaddress.ip_address(host or "")
+    except ValueError:
+        return host or "unknown"
+    if address.version == 6:
+        return str(ipaddress.ip_network(f"{address}/64", strict=False))
+    return str(address)
+
+
+class LoginLockout:
+    """Each client's failed logins within the last `window_s`; `max_failures` of them lock it out.
+
+    Used from the login route, an `async def`, so every call runs on the event loop's one thread: no lock.
+    """
+
+    def __init__(
+        self, *, max_failures: int = MAX_FAILURES, window_s: float = WINDOW_S, max_clients: int = MAX_CLIENTS,
+        clock: Callable[[], float] = time.monotonic,
+    ):  # fmt: skip
+        self.max_failures, self.window_s, self.max_clients, self.clock = max_failures, window_s, max_clients, clock
+        # client -> times of its failures within the window, oldest first; clients in order of their last failure
+        self._failures: OrderedDict[str, deque[float]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._failures)
+
+    def retry_after_s(self, client: str) -> float:
+        """Seconds until `client` may try again: 0 unless it has `max_failures` failures within the window."""
+        times = self._recent(client)
+        if len(times) < self.max_failures:
+            return 0.0
+        return times[0] + self.window_s - self.clock()
+
+    def record_failure(self, client: str) -> None:
+        times = self._recent(client)
+        times.append(self.clock())
+        self._failures.pop(client, None)
+        self._failures[client] = times  # last: the most recent failure
+        while len(self._failures) > self.max_clients:
+            self._failures.popitem(last=False)
+
+    def _recent(self, client: str) -> deque[float]:
+        """`client`'s failures within the window; a client with none left is forgotten."""
+        times = self._failures.get(client, deque(maxlen=self.max_failures))
+        horizon = self.clock() - self.window_s
+        while times and times[0] <= horizon:
+            times.popleft()
+        if not times:
+            self._failures.pop(client, None)
+        return times
