@@ -41,7 +41,7 @@ def train_config(spec: JobSpec, *, checkpoint_dir: str, keep_last: int = 0) -> T
                                 bucket_cap_mb=opt.bucket_cap_mb),  # fmt: skip
         micro_batch_size=spec.micro_batch_size, global_batch_size=spec.global_batch_size, seq_len=spec.seq_len,
         seed=spec.seed, checkpoint_every=spec.checkpoint_every, checkpoint_dir=checkpoint_dir, keep_last=keep_last,
-        activation_checkpointing=spec.activation_checkpointing,
+        activation_checkpointing=spec.activation_checkpointing, max_nonfinite_steps=spec.max_nonfinite_steps,
     )  # fmt: skip
 
 

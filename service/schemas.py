@@ -10,7 +10,7 @@ from pydantic import (
     AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, field_validator, model_validator,
 )  # fmt: skip
 
-from workers import memory
+from workers import limits, memory
 
 Precision = Literal["fp16", "bf16", "fp32"]
 OptimizerName = Literal["adamw", "adam", "sgd_momentum", "sgd"]
@@ -229,6 +229,11 @@ class JobSpec(_Body):
     seed: Int = Field(0, ge=0, le=2**63 - 1)
     checkpoint_every: Int = Field(0, ge=0, le=100_000_000, description="0: a checkpoint at the end only.")
     max_retries: Int = Field(0, ge=0, le=100)
+    max_nonfinite_steps: Int = Field(
+        limits.DEFAULT_MAX_NONFINITE_STEPS, ge=1, le=1_000_000,
+        description="Steps in a row with a nan or inf gradient norm (each skipped) after which the job fails; "
+        "fp16's loss scaler may skip up to 16 in a row at the start.",
+    )  # fmt: skip
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:
@@ -298,7 +303,7 @@ class MetricPublic(BaseModel):
     step: int
     attempt: int
     loss: float | None
-    grad_norm: float | None = Field(description="Null when not finite (an fp16 overflow).")
+    grad_norm: float | None = Field(description="Null when not finite (a skipped step).")
     loss_scale: float
     skipped: bool
     step_time_s: float

@@ -234,6 +234,56 @@ def test_fp16_overflow_skips_the_step_on_every_rank_and_halves_the_scale():
     run_ranks(2, _overflow_skips_on_every_rank)
 
 
+def _poison_one_element(param: torch.Tensor, value: float):
+    """Every gradient of `param` gets `value` in its first element, before it reaches .grad; the hook's handle."""
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        grad.view(-1)[0] = value
+        return grad
+
+    return param.register_hook(hook)
+
+
+def _state_of(opt: ZeRO1AdamW) -> list[torch.Tensor]:
+    return [opt._state(buf, kind).clone() for buf in opt._buffers for kind in ("master", "exp_avg", "exp_avg_sq")]
+
+
+def _nonfinite_norm_skips_on_every_rank(rank: int, world_size: int, dtype: torch.dtype, bad: float) -> None:
+    """No loss scaler (bf16, fp32): a nan or inf in one element of rank 1's gradient skips the
+    step on every rank, changing nothing, and the next clean step is the one an optimizer that
+    never saw the bad step takes."""
+    model, clean = make_model(dtype), make_model(dtype)
+    opt = ZeRO1AdamW(decay_param_groups(model, weight_decay=0.1), **HYPER, max_grad_norm=MAX_NORM)
+    clean_opt = ZeRO1AdamW(decay_param_groups(clean, weight_decay=0.1), **HYPER, max_grad_norm=MAX_NORM)
+    assert opt.loss_scaler is None
+    train_zero1(rank, world_size, model, opt, steps=2, first_step=0)
+    train_zero1(rank, world_size, clean, clean_opt, steps=2, first_step=0)
+    params, state, counts = _params(model), _state_of(opt), [s.step for s in opt._slots]
+
+    poison = contextlib.nullcontext()
+    if rank == 1:  # fc1.weight's first element is in rank 0's shard: the bad value crosses ranks
+        poison = _poison_one_element(model.fc1.weight, bad)
+    train_zero1(rank, world_size, model, opt, steps=1, first_step=2)
+    assert opt.skipped and not math.isfinite(opt.grad_norm), (rank, opt.grad_norm)
+    assert all(torch.equal(p, q) for p, q in zip(_params(model), params))
+    assert all(torch.equal(t, u) for t, u in zip(_state_of(opt), state))
+    assert [s.step for s in opt._slots] == counts
+
+    if rank == 1:
+        poison.remove()  # the gradients are clean again
+    train_zero1(rank, world_size, model, opt, steps=1, first_step=3)
+    train_zero1(rank, world_size, clean, clean_opt, steps=1, first_step=3)
+    assert not opt.skipped and opt.grad_norm == clean_opt.grad_norm
+    assert all(torch.equal(p, q) for p, q in zip(_params(model), _params(clean)))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_nonfinite_grad_norm_skips_the_step_on_every_rank_without_a_loss_scaler(dtype, bad):
+    run_ranks(2, _nonfinite_norm_skips_on_every_rank, dtype, bad)
+
+
 def test_loss_scaler_grows_after_its_interval():
     scaler = DynamicLossScaler(scale=8.0, growth_interval=3)
     for _ in range(3):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 
@@ -10,11 +11,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import workers.train
+from distributed import run_ranks
+from workers import limits
 from workers.data import Batches, MarkovSource, SyntheticSpec, TextSpec
 from workers.memory import GPTSpec, MLPSpec, Workload, breakdown
 from workers.models import build_model, saved_activation_bytes
 from workers.train import (
-    OptimizerSpec, TrainConfig, checkpointed_metrics, discard_stored_metrics, latest_checkpoint, train,
+    NonFiniteError, OptimizerSpec, TrainConfig, checkpointed_metrics, discard_stored_metrics, latest_checkpoint,
+    save_checkpoint, train,
 )  # fmt: skip
 
 SMALL = GPTSpec(vocab_size=64, n_layer=2, n_head=2, n_embd=32, block_size=32)
@@ -214,3 +219,104 @@ def test_the_rows_since_the_last_checkpoint_are_saved_with_it(tmp_path):
     saved = checkpointed_metrics(tmp_path, after_step=3)
     assert [row["step"] for row in saved] == [4, 5, 6] and saved[0] == merged
     assert checkpointed_metrics(tmp_path, after_step=6) == []
+
+
+# --------------------------------------------------------------------------- non-finite gradients
+
+TINY = GPTSpec(vocab_size=16, n_layer=1, n_head=1, n_embd=8, block_size=8)
+
+
+def nan_loss_at(bad_steps: range):
+    """A build_model for train() whose model's loss (hence its every gradient) is nan at those steps."""
+
+    def poisoned(*args, **kwargs):
+        model = build_model(*args, **kwargs)
+        forwards = itertools.count()  # one micro-batch a step: the forward's count is the step
+        model.register_forward_hook(lambda module, inputs, loss: loss * math.nan if next(forwards) in bad_steps else loss)
+        return model
+
+    return poisoned
+
+
+def _nonfinite_training_fails(rank: int, world_size: int, root: str, precision: str) -> None:
+    workers.train.build_model = nan_loss_at(range(5, 10**6) if rank == 1 else range(0))  # a process of its own
+    cfg = TrainConfig(model=TINY, steps=20, precision=precision, micro_batch_size=4, checkpoint_every=2,
+                      checkpoint_dir=root, keep_last=2, max_nonfinite_steps=3)  # fmt: skip
+    rows: list[dict] = []
+    message = (r"3 steps in a row had a non-finite gradient norm \(max_nonfinite_steps = 3\) at step 7: "
+               r"steps 5-7 were skipped")  # fmt: skip
+    with pytest.raises(NonFiniteError, match=message):
+        train(cfg, rank=rank, world_size=world_size, on_metrics=rows.append)
+    assert [r["step"] for r in rows] == list(range(8))
+    assert [r["skipped"] for r in rows] == [False] * 5 + [True] * 3  # on both ranks
+    assert all(math.isfinite(r["grad_norm"]) for r in rows[:5]) and math.isnan(rows[5]["grad_norm"])
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_a_run_whose_gradients_stay_nan_fails_and_keeps_its_good_checkpoints(tmp_path, precision):
+    """Before: a nan global norm stepped the master weights to nan, the run went on to succeed,
+    and pruning deleted the checkpoints from before the nan. Now the bad steps are skipped, the
+    run fails after max_nonfinite_steps of them, and the checkpoint due at step 5 (a skipped
+    step) is not written: steps 1 and 3 stay, complete."""
+    run_ranks(2, _nonfinite_training_fails, str(tmp_path), precision)
+    assert latest_checkpoint(tmp_path) == (3, 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000001", "step-000000003"]
+    assert len(list(tmp_path.glob("step-*/complete.json"))) == 2
+    for shard in tmp_path.glob("step-*/rank-*.pt"):
+        state = torch.load(shard)
+        assert all(torch.isfinite(buf[kind]).all() for buf in state["buffers"] for kind in ("master", "exp_avg"))
+
+
+def test_a_checkpoint_due_at_a_skipped_step_is_written_at_the_next_clean_one(tmp_path, monkeypatch):
+    monkeypatch.setattr(workers.train, "build_model", nan_loss_at(range(5, 6)))
+    cfg = TrainConfig(model=TINY, steps=8, precision="bf16", micro_batch_size=4, checkpoint_every=2,
+                      checkpoint_dir=str(tmp_path), max_nonfinite_steps=2)  # fmt: skip
+    rows: list[dict] = []
+    train(cfg, on_metrics=rows.append)
+    assert [r["skipped"] for r in rows] == [False] * 5 + [True] + [False] * 2
+    assert sorted(p.parent.name for p in tmp_path.glob("step-*/complete.json")) == [
+        "step-000000001", "step-000000003", "step-000000006", "step-000000007"
+    ]  # fmt: skip
+    assert [r["step"] for r in checkpointed_metrics(tmp_path, after_step=3)] == [4, 5, 6, 7]
+
+
+def _nonfinite_state_is_not_saved(rank: int, world_size: int, root: str) -> None:
+    model = build_model(TINY, dtype=torch.bfloat16)
+    from workers.optim import ZeRO1AdamW  # noqa: PLC0415
+
+    opt = ZeRO1AdamW(model.parameters())
+    save_checkpoint(opt, Path(root), step=0, process_group=None)  # finite: written
+    if rank == 1:
+        opt._buffers[0].state["exp_avg_sq"][3] = math.inf  # one element, on one rank
+    with pytest.raises(NonFiniteError, match=r"step 2: 1 of the optimizer state's elements are nan or inf "
+                                             r"\(master 0, exp_avg 0, exp_avg_sq 1\)"):  # fmt: skip
+        save_checkpoint(opt, Path(root), step=2, process_group=None, keep_last=1)
+
+
+def test_a_checkpoint_of_nonfinite_state_is_refused_on_every_rank_before_anything_is_written(tmp_path):
+    run_ranks(2, _nonfinite_state_is_not_saved, str(tmp_path))
+    assert latest_checkpoint(tmp_path) == (0, 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000000"]  # nothing of step 2, none pruned
+
+
+def job_body(**overrides) -> dict:
+    """A job as POST /v1/jobs takes it: TINY on one GPU."""
+    model = {"kind": "gpt", "vocab_size": 16, "n_layer": 1, "n_head": 1, "n_embd": 8, "block_size": 8}
+    return {"name": "tiny", "model": model, "num_gpus": 1, "steps": 10, **overrides}
+
+
+def test_max_nonfinite_steps_has_one_default_above_the_fp16_scalers_back_off():
+    from service.launcher import train_config  # noqa: PLC0415
+    from service.schemas import JobSpec  # noqa: PLC0415
+    from workers.optim import DynamicLossScaler  # noqa: PLC0415
+
+    scaler = DynamicLossScaler()
+    halvings = math.log(scaler.min_scale / scaler.scale, scaler.backoff_factor)  # 2**16 -> 1: 16 skips in a row
+    assert limits.DEFAULT_MAX_NONFINITE_STEPS > halvings
+    assert TrainConfig(model=TINY, steps=1).max_nonfinite_steps == limits.DEFAULT_MAX_NONFINITE_STEPS
+    assert JobSpec.model_fields["max_nonfinite_steps"].default == limits.DEFAULT_MAX_NONFINITE_STEPS
+    with pytest.raises(ValueError, match=r"max_nonfinite_steps \(0\) >= 1"):
+        TrainConfig(model=TINY, steps=1, max_nonfinite_steps=0)
+    assert JobSpec.model_validate(job_body()).max_nonfinite_steps == limits.DEFAULT_MAX_NONFINITE_STEPS
+    spec = JobSpec.model_validate(job_body(max_nonfinite_steps=7))
+    assert train_config(spec, checkpoint_dir="unused").max_nonfinite_steps == 7

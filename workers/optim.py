@@ -210,8 +210,12 @@ class ZeRO1AdamW(torch.optim.Optimizer):
         opt.zero_grad()
 
     `grad_norm` (the global norm before clipping) and `skipped` describe the
-    last step; with record_phase_times=True, `phase_times_s` splits it into
-    reduce (with the norm's all-reduce), update (with the cast) and gather. fp16 models get dynamic loss scaling; bf16 and fp32 need none.
+    last step. A step whose global norm is not finite (nan or inf) is skipped on
+    every rank, with or without a loss scaler: no parameter, state or step count
+    changes (the loss scaler, if any, backs off). With record_phase_times=True,
+    `phase_times_s` splits a step into reduce (with the norm's all-reduce), update
+    (with the cast) and gather. fp16 models get dynamic loss scaling; bf16 and
+    fp32 need none.
     zero_grad() always zeroes in place: the gradients are views of a flat
     buffer and stay so (set_to_none is ignored).
 
@@ -486,8 +490,13 @@ class ZeRO1AdamW(torch.optim.Optimizer):
         self._reduce_gradients()
         grad_norm, active = self._global_grad_stats(scale)
         clock("reduce")
+        # the norm comes from one all-reduce, so every rank holds the same value and skips, or
+        # steps, with the others: a nan or inf anywhere in any rank's gradients reaches the sum
+        # of squares of the rank owning that element, and squares are >= 0, so no inf - inf can
+        # cancel it. An fp16 overflow, or a bf16/fp32 blow-up: stepping would write nan into the
+        # master weights, or clip by max_grad_norm / inf = 0 and divide by it
         overflow = not math.isfinite(grad_norm)
-        self.grad_norm, self.skipped = grad_norm, overflow and self.loss_scaler is not None
+        self.grad_norm, self.skipped = grad_norm, overflow
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow=overflow)
         if not self.skipped:
@@ -764,6 +773,18 @@ class ZeRO1AdamW(torch.optim.Optimizer):
             work.wait()
 
     # ------------------------------------------------------------------ checkpoints
+
+    def nonfinite_state_numel(self) -> dict[str, int]:
+        """nan or inf elements of the fp32 state (master, exp_avg, exp_avg_sq) over all ranks, by
+        kind: one all-reduce of three counts, so every rank gets the same answer. Every rank must
+        call it. A full pass over the shard: once per checkpoint, not per step."""
+        counts = torch.zeros(len(_STATE_KINDS), dtype=torch.int64, device=self.device)
+        for buf in self._buffers:
+            for i, kind in enumerate(_STATE_KINDS):
+                counts[i] += torch.isfinite(self._state(buf, kind)).logical_not().sum()
+        if self.world_size > 1:
+            dist.all_reduce(counts, group=self.process_group)
+        return dict(zip(_STATE_KINDS, counts.tolist()))
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard (owned elements only, padding is never saved) and its layout."""
