@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +30,16 @@ def supervisor_name(job_id: int, attempt: int = 0) -> str:
 _NAME = re.compile(r"zero1-job-(\d+)-a(\d+)")
 
 
-def train_config(spec: JobSpec, *, checkpoint_dir: str, keep_last: int = 0) -> TrainConfig:
-    """The workers' view of a job spec."""
-    data = TextSpec(path=spec.data.path) if isinstance(spec.data, TextDataSpec) else SyntheticSpec(
-        branching=spec.data.branching
-    )  # fmt: skip
+def train_config(
+    spec: JobSpec, *, checkpoint_dir: str, keep_last: int = 0, data_roots: Sequence[str] = ()
+) -> TrainConfig:
+    """The workers' view of a job spec. A text job carries the data roots, resolved here (a
+    relative root is under the service's working directory), for the ranks to check again
+    where they read the file: none given, they read none."""
+    if isinstance(spec.data, TextDataSpec):
+        data = TextSpec(path=spec.data.path, roots=tuple(os.path.realpath(root) for root in data_roots))
+    else:
+        data = SyntheticSpec(branching=spec.data.branching)
     opt = spec.optimizer
     return TrainConfig(
         model=spec.model.to_spec(), steps=spec.steps, data=data, precision=spec.precision,
@@ -114,7 +121,7 @@ class RayLauncher:
 
         config = train_config(
             JobSpec.model_validate(job.spec), checkpoint_dir=self.checkpoint_dir(job.id),
-            keep_last=self.settings.checkpoint_keep_last,
+            keep_last=self.settings.checkpoint_keep_last, data_roots=self.settings.data_roots,
         )  # fmt: skip
         placement = Placement(
             num_workers=job.num_gpus, cpus_per_worker=self.settings.cpus_per_worker,

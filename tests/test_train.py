@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import itertools
 import math
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -14,7 +18,7 @@ from hypothesis import strategies as st
 import workers.train
 from distributed import run_ranks
 from workers import limits
-from workers.data import Batches, MarkovSource, SyntheticSpec, TextSpec
+from workers.data import MAX_TEXT_BYTES, Batches, MarkovSource, SyntheticSpec, TextSpec, _open_nofollow, read_text
 from workers.memory import GPTSpec, MLPSpec, Workload, breakdown
 from workers.models import build_model, saved_activation_bytes
 from workers.train import (
@@ -114,6 +118,116 @@ def test_text_data_is_character_level(tmp_path):
     too_small = GPTSpec(vocab_size=4, n_layer=1, n_head=1, n_embd=8, block_size=8)
     with pytest.raises(ValueError, match="has 9 distinct characters, more than vocab_size \\(4\\)"):
         batches(1, 0, micro=2, data=TextSpec(path=str(path)), model=too_small)
+
+
+@contextlib.contextmanager
+def fails_if_blocked(seconds: int = 10):
+    """A read that blocks (a FIFO without a writer) fails the test instead of hanging it."""
+
+    def stop(signum, frame):
+        raise TimeoutError(f"blocked for {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.fixture
+def data_root(tmp_path) -> Path:
+    root = tmp_path / "data"
+    root.mkdir()
+    (root / "corpus.txt").write_text("hello zero one! " * 20, encoding="utf-8")
+    (tmp_path / "secret.txt").write_text("outside the roots " * 20, encoding="utf-8")
+    return root
+
+
+def text_batches(path: Path, **spec) -> Batches:
+    return batches(1, 0, micro=2, data=TextSpec(path=str(path), **spec))
+
+
+def test_a_text_file_inside_the_data_roots_is_read(data_root):
+    b = text_batches(data_root / "corpus.txt", roots=(str(data_root),))
+    assert b.source.chars == sorted(set("hello zero one! "))
+    (data_root / "crlf.txt").write_bytes(b"a\r\nb\rc\n" * 10)  # newlines as Path.read_text gives them
+    assert read_text(TextSpec(path=str(data_root / "crlf.txt"), roots=(str(data_root),))) == "a\nb\nc\n" * 10
+
+
+def test_a_text_file_swapped_for_a_symlink_out_of_the_roots_is_refused(data_root):
+    corpus = data_root / "corpus.txt"
+    text_batches(corpus, roots=(str(data_root),))  # checked at submit: inside
+    corpus.unlink()
+    corpus.symlink_to(data_root.parent / "secret.txt")  # swapped before the rank reads it
+    with pytest.raises(ValueError, match=rf"data.path '{corpus}' resolves to {data_root.parent / 'secret.txt'}, "
+                                         rf"outside the data roots \['{data_root}'\]"):  # fmt: skip
+        text_batches(corpus, roots=(str(data_root),))
+
+
+def test_a_symlink_to_dev_zero_is_refused(data_root):
+    link = data_root / "zero.txt"
+    link.symlink_to("/dev/zero")
+    with pytest.raises(ValueError, match=r"resolves to /dev/zero, outside the data roots"):
+        text_batches(link, roots=(str(data_root),))
+    with fails_if_blocked(), pytest.raises(ValueError, match=r"\(/dev/zero\) is not a regular file \(mode c"):
+        text_batches(link)  # no roots: still not read, not even the first byte
+
+
+def test_a_fifo_or_a_directory_is_refused(data_root):
+    fifo = data_root / "fifo.txt"
+    os.mkfifo(fifo)
+    with fails_if_blocked(), pytest.raises(ValueError, match=rf"'{fifo}' \({fifo}\) is not a regular file \(mode p"):
+        text_batches(fifo, roots=(str(data_root),))
+    (data_root / "dir.txt").mkdir()
+    with pytest.raises(ValueError, match=r"dir.txt\) is not a regular file \(mode d"):
+        text_batches(data_root / "dir.txt", roots=(str(data_root),))
+
+
+def test_a_text_file_above_the_size_limit_is_refused(data_root):
+    corpus = data_root / "corpus.txt"  # 320 bytes
+    assert len(read_text(TextSpec(path=str(corpus), max_bytes=320))) == 320
+    with pytest.raises(ValueError, match=rf"data.path '{corpus}' is 320 bytes, above the limit of 319 bytes"):
+        text_batches(corpus, roots=(str(data_root),), max_bytes=319)
+    assert TextSpec(path="x").max_bytes == MAX_TEXT_BYTES == 1 << 30
+    with pytest.raises(ValueError, match=r"max_bytes \(0\) >= 1"):
+        TextSpec(path="x", max_bytes=0)
+    with pytest.raises(ValueError, match=r"data roots must be absolute .* got \['data'\]"):
+        TextSpec(path="x", roots=("data",))
+
+
+def test_a_component_swapped_for_a_symlink_after_the_check_is_not_followed(data_root):
+    """The window between realpath and open: the rank opens the path it resolved, component by
+    component from its root, following no symlink, so a swap inside that window fails to open."""
+    (data_root / "sub").mkdir()
+    (data_root / "sub" / "corpus.txt").write_text("x" * 100)
+    fd = _open_nofollow(str(data_root / "sub" / "corpus.txt"), root=str(data_root))
+    os.close(fd)
+    (data_root / "sub" / "corpus.txt").unlink()
+    (data_root / "sub" / "corpus.txt").symlink_to(data_root.parent / "secret.txt")
+    with pytest.raises(OSError) as last:
+        _open_nofollow(str(data_root / "sub" / "corpus.txt"), root=str(data_root))
+    assert last.value.errno == errno.ELOOP
+    (data_root / "sub").rename(data_root / "moved")
+    (data_root / "sub").symlink_to(data_root.parent)  # a directory swapped for a link out of the root
+    with pytest.raises(OSError) as middle:
+        _open_nofollow(str(data_root / "sub" / "secret.txt"), root=str(data_root))
+    assert middle.value.errno in (errno.ELOOP, errno.ENOTDIR)
+
+
+def test_the_launcher_passes_the_data_roots_resolved(tmp_path, monkeypatch, data_root):
+    from service.launcher import train_config  # noqa: PLC0415
+    from service.schemas import JobSpec  # noqa: PLC0415
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere")
+    spec = JobSpec.model_validate(job_body(data={"kind": "text", "path": str(data_root / "corpus.txt")}))
+    config = train_config(spec, checkpoint_dir="unused", data_roots=["data", str(tmp_path / "link")])
+    assert config.data == TextSpec(path=str(data_root / "corpus.txt"),
+                                   roots=(str(data_root), str(tmp_path / "elsewhere")))  # fmt: skip
+    assert train_config(spec, checkpoint_dir="unused").data.roots == ()  # none given: nothing is read
 
 
 def test_training_reports_every_metric_and_its_planned_memory():
