@@ -207,7 +207,10 @@ class OptimizerConfig(_Body):
         description="Send each gradient bucket's reduce during the backward (ZeRO1AdamW's overlap_comm; "
         "off by default: README, 'The ZeRO-1 optimizer').",
     )
-    bucket_cap_mb: Float = Field(25.0, gt=0, le=4096, allow_inf_nan=False, description="Largest gradient bucket, MB.")
+    bucket_cap_mb: Float = Field(
+        limits.DEFAULT_BUCKET_CAP_MB, ge=limits.MIN_BUCKET_CAP_MB, le=4096, allow_inf_nan=False,
+        description=f"Largest gradient bucket, MiB (at least {limits.MIN_BUCKET_CAP_MB:g}).",
+    )  # fmt: skip
 
 
 class JobSpec(_Body):

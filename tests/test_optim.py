@@ -75,6 +75,15 @@ def schedule(step: int) -> float:
 HYPER = {"lr": 3e-2, "betas": (0.9, 0.95), "eps": 1e-8}
 MAX_NORM = 0.5
 TINY_BUCKET_MB = 30 * 4 / 2**20  # 30 fp32 elements: TinyNet's 301-element buffer in several buckets
+
+
+class SmallBuckets(ZeRO1AdamW):
+    """ZeRO1AdamW that accepts TINY_BUCKET_MB, far below what a job may ask (MIN_BUCKET_CAP_MB):
+    the bucketing of a 301-element model is the same code as that of a large one."""
+
+    min_bucket_cap_mb = TINY_BUCKET_MB
+
+
 OVERLAP = {  # overlap on: both reduce and gather, with buckets small enough to cut TinyNet many ways
     False: {},
     True: {"overlap_comm": True, "overlap_gather": True, "bucket_cap_mb": TINY_BUCKET_MB},
@@ -94,7 +103,7 @@ def train_zero1(rank, world_size, model, opt, *, steps, first_step):
 
 def _fp32_matches_adamw(rank: int, world_size: int, steps: int, overlap: bool = False) -> None:
     model = make_model()
-    opt = ZeRO1AdamW(decay_param_groups(model, weight_decay=0.1), **HYPER, max_grad_norm=MAX_NORM, **OVERLAP[overlap])
+    opt = SmallBuckets(decay_param_groups(model, weight_decay=0.1), **HYPER, max_grad_norm=MAX_NORM, **OVERLAP[overlap])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
 
     ref = make_model()
@@ -152,7 +161,7 @@ def test_workers_exports_the_optimizer():
 def _mixed_matches_master_reference(rank: int, world_size: int, dtype: torch.dtype, steps: int,
                                     overlap: bool) -> None:  # fmt: skip
     model = make_model(dtype)
-    opt = ZeRO1AdamW(decay_param_groups(model, weight_decay=0.1), **HYPER, max_grad_norm=MAX_NORM, **OVERLAP[overlap])
+    opt = SmallBuckets(decay_param_groups(model, weight_decay=0.1), **HYPER, max_grad_norm=MAX_NORM, **OVERLAP[overlap])
     assert (opt.loss_scaler is not None) == (dtype == torch.float16)
     if opt.loss_scaler is not None:
         opt.loss_scaler.scale = 1024.0  # no overflow: the reference never skips
@@ -418,7 +427,7 @@ def _overlap_changes_no_bits(rank: int, world_size: int, dtype: torch.dtype) -> 
         "all_reduce": {"reduce_op": "all_reduce", "gather_op": "all_reduce"},
     }.items():
         model = make_model(dtype)
-        opt = ZeRO1AdamW(decay_param_groups(model, weight_decay=0.1), **HYPER, max_grad_norm=MAX_NORM, **kwargs)
+        opt = SmallBuckets(decay_param_groups(model, weight_decay=0.1), **HYPER, max_grad_norm=MAX_NORM, **kwargs)
         if name == "overlap":
             assert opt.overlap_comm and opt.overlap_gather and len(opt._buckets) >= 5
             assert len(opt._gather_slices(opt._buffers[0])) > 1
@@ -447,7 +456,7 @@ def test_overlap_on_or_off_gives_the_same_bits(world_size, dtype):
 
 def _buckets_go_during_backward(rank: int, world_size: int) -> None:
     model = make_model()
-    opt = ZeRO1AdamW(decay_param_groups(model, weight_decay=0.1), **HYPER, overlap_comm=True,
+    opt = SmallBuckets(decay_param_groups(model, weight_decay=0.1), **HYPER, overlap_comm=True,
                      bucket_cap_mb=TINY_BUCKET_MB)  # fmt: skip
     buckets = opt._buckets
     # reverse parameter order, at most the cap unless one parameter is larger, each parameter once
@@ -482,7 +491,7 @@ def _accumulation(rank: int, world_size: int) -> None:
     results = []
     for micro in (1, 4):
         model = make_model()
-        opt = ZeRO1AdamW(decay_param_groups(model, weight_decay=0.1), **HYPER, overlap_comm=True,
+        opt = SmallBuckets(decay_param_groups(model, weight_decay=0.1), **HYPER, overlap_comm=True,
                          bucket_cap_mb=TINY_BUCKET_MB)  # fmt: skip
         for step in range(4):
             idx, target = rank_slice(rank, world_size, step)
@@ -499,7 +508,7 @@ def _accumulation(rank: int, world_size: int) -> None:
 
     # a second backward outside no_sync() after a bucket went is an error, as in DDP
     model = make_model()
-    opt = ZeRO1AdamW(decay_param_groups(model, weight_decay=0.1), **HYPER, overlap_comm=True,
+    opt = SmallBuckets(decay_param_groups(model, weight_decay=0.1), **HYPER, overlap_comm=True,
                      bucket_cap_mb=TINY_BUCKET_MB)  # fmt: skip
     idx, target = rank_slice(rank, world_size, 0)
     loss_on(model, idx, target, 0).backward()
@@ -519,8 +528,27 @@ def test_overlap_needs_point_to_point_collectives():
         ZeRO1AdamW(make_model().parameters(), overlap_comm=True, reduce_op="all_reduce")
     with pytest.raises(ValueError, match="overlap_gather needs reduce_op and gather_op 'p2p'.*'all_gather'"):
         ZeRO1AdamW(make_model().parameters(), overlap_gather=True, gather_op="all_gather")
-    with pytest.raises(ValueError, match="bucket_cap_mb must be > 0, got 0"):
-        ZeRO1AdamW(make_model().parameters(), bucket_cap_mb=0)
+
+
+def test_bucket_cap_has_one_lower_bound_in_the_optimizer_and_the_api():
+    """A cap of 1e-9 MB was accepted: one bucket, and one fused update launch, per element and step."""
+    from pydantic import ValidationError  # noqa: PLC0415
+
+    from service.schemas import JobSpec, OptimizerConfig  # noqa: PLC0415
+    from workers.train import OptimizerSpec  # noqa: PLC0415
+
+    for tiny in (1e-9, 0.0):
+        with pytest.raises(ValueError, match=rf"bucket_cap_mb \({tiny}\) must be >= 1.0 MiB"):
+            ZeRO1AdamW(make_model().parameters(), bucket_cap_mb=tiny)
+        with pytest.raises(ValidationError, match=r"bucket_cap_mb\n  Input should be greater than or equal to 1"):
+            OptimizerConfig(bucket_cap_mb=tiny)
+    from workers import limits  # noqa: PLC0415
+
+    assert ZeRO1AdamW(make_model().parameters(), bucket_cap_mb=limits.MIN_BUCKET_CAP_MB).bucket_cap_mb == 1.0
+    assert OptimizerConfig(bucket_cap_mb=limits.MIN_BUCKET_CAP_MB).bucket_cap_mb == 1.0
+    defaults = (ZeRO1AdamW(make_model().parameters()).bucket_cap_mb, OptimizerSpec().bucket_cap_mb,
+                JobSpec.model_fields["optimizer"].default.bucket_cap_mb)  # fmt: skip
+    assert defaults == (limits.DEFAULT_BUCKET_CAP_MB,) * 3
 
 
 # ----------------------------------------------------------------------- input checks

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from workers.limits import DEFAULT_BUCKET_CAP_MB, MIN_BUCKET_CAP_MB
 from workers.memory import SHARD_ALIGNMENT_NUMEL, padded_numel
 
 ReduceOp = Literal["auto", "p2p", "reduce_scatter", "all_reduce"]
@@ -47,7 +48,6 @@ _CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
 # on a GPU 4 Mi, few enough kernel launches
 UPCAST_CHUNK_NUMEL = {"cpu": 1 << 16, "cuda": 1 << 22}
 RECV_BUFFERS = 2  # receive buffers per dtype for p2p reduces in flight; a third bucket waits for one
-DEFAULT_BUCKET_CAP_MB = 25.0  # as DDP's bucket_cap_mb
 _GATHER_TAG = 1 << 20  # p2p tags: reduce buckets count from 0, gather chunks from here
 
 
@@ -235,6 +235,10 @@ class ZeRO1AdamW(torch.optim.Optimizer):
     outside no_sync() after a bucket has gone is an error, as in DDP.
     """
 
+    min_bucket_cap_mb: float = MIN_BUCKET_CAP_MB
+    """The smallest bucket_cap_mb accepted (workers/limits.py). Tests that cut a model of a few
+    hundred elements into many buckets lower it in a subclass."""
+
     def __init__(
         self,
         params,
@@ -259,8 +263,11 @@ class ZeRO1AdamW(torch.optim.Optimizer):
             raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
         if alignment_numel < 1:
             raise ValueError(f"alignment_numel must be >= 1, got {alignment_numel}")
-        if not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        if not bucket_cap_mb >= self.min_bucket_cap_mb:
+            raise ValueError(
+                f"bucket_cap_mb ({bucket_cap_mb}) must be >= {self.min_bucket_cap_mb} MiB: every bucket is a send "
+                "per peer and every slice of the update a kernel launch, each step"
+            )
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         for group in self.param_groups:
             _check_hyperparameters(**{k: group[k] for k in ("lr", "betas", "eps", "weight_decay")})

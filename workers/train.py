@@ -43,7 +43,7 @@ class OptimizerSpec:
     max_grad_norm: float | None = 1.0
     overlap_comm: bool = False
     """Send each gradient bucket's reduce during the backward (ZeRO1AdamW's overlap_comm)."""
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: float = limits.DEFAULT_BUCKET_CAP_MB
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
