@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 import shutil
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +36,16 @@ def supervisor_name(job_id: int, attempt: int = 0) -> str:
 _NAME = re.compile(r"zero1-job-(\d+)-a(\d+)")
 
 
-def train_config(spec: JobSpec, *, checkpoint_dir: str, keep_last: int = 0, resume: bool = True) -> TrainConfig:
-    """The workers' view of a job spec."""
-    data = TextSpec(path=spec.data.path) if isinstance(spec.data, TextDataSpec) else SyntheticSpec(
-        branching=spec.data.branching
-    )  # fmt: skip
+def train_config(
+    spec: JobSpec, *, checkpoint_dir: str, keep_last: int = 0, resume: bool = True, data_roots: Sequence[str] = ()
+) -> TrainConfig:
+    """The workers' view of a job spec. A text job carries the data roots, resolved here (a
+    relative root is under the service's working directory), for the ranks to check again
+    where they read the file: none given, they read none."""
+    if isinstance(spec.data, TextDataSpec):
+        data = TextSpec(path=spec.data.path, roots=tuple(os.path.realpath(root) for root in data_roots))
+    else:
+        data = SyntheticSpec(branching=spec.data.branching)
     opt = spec.optimizer
     return TrainConfig(
         model=spec.model.to_spec(), steps=spec.steps, data=data, precision=spec.precision,
@@ -47,7 +54,8 @@ def train_config(spec: JobSpec, *, checkpoint_dir: str, keep_last: int = 0, resu
                                 bucket_cap_mb=opt.bucket_cap_mb),  # fmt: skip
         micro_batch_size=spec.micro_batch_size, global_batch_size=spec.global_batch_size, seq_len=spec.seq_len,
         seed=spec.seed, checkpoint_every=spec.checkpoint_every, checkpoint_dir=checkpoint_dir, keep_last=keep_last,
-        activation_checkpointing=spec.activation_checkpointing, resume=resume,
+        activation_checkpointing=spec.activation_checkpointing, max_nonfinite_steps=spec.max_nonfinite_steps,
+        resume=resume,
     )  # fmt: skip
 
 
@@ -138,7 +146,7 @@ class RayLauncher:
 
         config = train_config(
             JobSpec.model_validate(job.spec), checkpoint_dir=str(self.checkpoint_dir(job)),
-            keep_last=self.settings.checkpoint_keep_last, resume=job.attempt > 0,
+            keep_last=self.settings.checkpoint_keep_last, resume=job.attempt > 0, data_roots=self.settings.data_roots,
         )  # fmt: skip
         placement = Placement(
             num_workers=job.num_gpus, cpus_per_worker=self.settings.cpus_per_worker,

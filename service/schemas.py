@@ -11,7 +11,7 @@ from pydantic import (
     AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, field_validator, model_validator,
 )  # fmt: skip
 
-from workers import memory
+from workers import limits, memory
 
 Precision = Literal["fp16", "bf16", "fp32"]
 OptimizerName = Literal["adamw", "adam", "sgd_momentum", "sgd"]
@@ -221,7 +221,10 @@ class OptimizerConfig(_Body):
         description="Send each gradient bucket's reduce during the backward (ZeRO1AdamW's overlap_comm; "
         "off by default: README, 'The ZeRO-1 optimizer').",
     )
-    bucket_cap_mb: Float = Field(25.0, gt=0, le=4096, allow_inf_nan=False, description="Largest gradient bucket, MB.")
+    bucket_cap_mb: Float = Field(
+        limits.DEFAULT_BUCKET_CAP_MB, ge=limits.MIN_BUCKET_CAP_MB, le=4096, allow_inf_nan=False,
+        description=f"Largest gradient bucket, MiB (at least {limits.MIN_BUCKET_CAP_MB:g}).",
+    )  # fmt: skip
 
 
 class JobSpec(_Body):
@@ -243,6 +246,11 @@ class JobSpec(_Body):
     seed: Int = Field(0, ge=0, le=2**63 - 1)
     checkpoint_every: Int = Field(0, ge=0, le=100_000_000, description="0: a checkpoint at the end only.")
     max_retries: Int = Field(0, ge=0, le=100)
+    max_nonfinite_steps: Int = Field(
+        limits.DEFAULT_MAX_NONFINITE_STEPS, ge=1, le=1_000_000,
+        description="Steps in a row with a nan or inf gradient norm (each skipped) after which the job fails; "
+        "fp16's loss scaler may skip up to 16 in a row at the start.",
+    )  # fmt: skip
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:
@@ -318,7 +326,7 @@ class MetricPublic(BaseModel):
     step: int
     attempt: int
     loss: float | None
-    grad_norm: float | None = Field(description="Null when not finite (an fp16 overflow).")
+    grad_norm: float | None = Field(description="Null when not finite (a skipped step).")
     loss_scale: float
     skipped: bool
     step_time_s: float

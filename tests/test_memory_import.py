@@ -1,4 +1,5 @@
-"""The planner loads with the standard library alone: no torch, no Ray, no pydantic."""
+"""The planner, and the job limits the API shares with the workers, load with the standard library
+alone: no torch, no Ray, no pydantic."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ sys.meta_path.insert(0, RefuseThirdParty())
 from workers.memory import GB, Workload, plan
 result = plan(Workload.from_num_params(7_500_000_000), num_gpus=64, gpu_memory_bytes=80 * GB)
 assert result.per_gpu.total_bytes == 31_406_250_000, result
+import workers.limits  # service/schemas.py takes its defaults and bounds from there
 loaded = sorted(m for m in sys.modules if m.partition(".")[0] in {"torch", "ray", "pydantic", "numpy"})
 assert not loaded, loaded
 print("ok")

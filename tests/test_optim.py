@@ -75,6 +75,15 @@ def schedule(step: int) -> float:
 HYPER = {"lr": 3e-2, "betas": (0.9, 0.95), "eps": 1e-8}
 MAX_NORM = 0.5
 TINY_BUCKET_MB = 30 * 4 / 2**20  # 30 fp32 elements: TinyNet's 301-element buffer in several buckets
+
+
+class SmallBuckets(ZeRO1AdamW):
+    """ZeRO1AdamW that accepts TINY_BUCKET_MB, far below what a job may ask (MIN_BUCKET_CAP_MB):
+    the bucketing of a 301-element model is the same code as that of a large one."""
+
+    min_bucket_cap_mb = TINY_BUCKET_MB
+
+
 OVERLAP = {  # overlap on: both reduce and gather, with buckets small enough to cut TinyNet many ways
     False: {},
     True: {"overlap_comm": True, "overlap_gather": True, "bucket_cap_mb": TINY_BUCKET_MB},
@@ -94,7 +103,7 @@ def train_zero1(rank, world_size, model, opt, *, steps, first_step):
 
 def _fp32_matches_adamw(rank: int, world_size: int, steps: int, overlap: bool = False) -> None:
     model = make_model()
-    opt = ZeRO1AdamW(decay_param_groups(model, weight_decay=0.1), **HYPER, max_grad_norm=MAX_NORM, **OVERLAP[overlap])
+    opt = SmallBuckets(decay_param_groups(model, weight_decay=0.1), **HYPER, max_grad_norm=MAX_NORM, **OVERLAP[overlap])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
 
     ref = make_model()
@@ -152,7 +161,7 @@ def test_workers_exports_the_optimizer():
 def _mixed_matches_master_reference(rank: int, world_size: int, dtype: torch.dtype, steps: int,
                                     overlap: bool) -> None:  # fmt: skip
     model = make_model(dtype)
-    opt = ZeRO1AdamW(decay_param_groups(model, weight_decay=0.1), **HYPER, max_grad_norm=MAX_NORM, **OVERLAP[overlap])
+    opt = SmallBuckets(decay_param_groups(model, weight_decay=0.1), **HYPER, max_grad_norm=MAX_NORM, **OVERLAP[overlap])
     assert (opt.loss_scaler is not None) == (dtype == torch.float16)
     if opt.loss_scaler is not None:
         opt.loss_scaler.scale = 1024.0  # no overflow: the reference never skips
@@ -232,6 +241,56 @@ def _overflow_skips_on_every_rank(rank: int, world_size: int) -> None:
 
 def test_fp16_overflow_skips_the_step_on_every_rank_and_halves_the_scale():
     run_ranks(2, _overflow_skips_on_every_rank)
+
+
+def _poison_one_element(param: torch.Tensor, value: float):
+    """Every gradient of `param` gets `value` in its first element, before it reaches .grad; the hook's handle."""
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        grad.view(-1)[0] = value
+        return grad
+
+    return param.register_hook(hook)
+
+
+def _state_of(opt: ZeRO1AdamW) -> list[torch.Tensor]:
+    return [opt._state(buf, kind).clone() for buf in opt._buffers for kind in ("master", "exp_avg", "exp_avg_sq")]
+
+
+def _nonfinite_norm_skips_on_every_rank(rank: int, world_size: int, dtype: torch.dtype, bad: float) -> None:
+    """No loss scaler (bf16, fp32): a nan or inf in one element of rank 1's gradient skips the
+    step on every rank, changing nothing, and the next clean step is the one an optimizer that
+    never saw the bad step takes."""
+    model, clean = make_model(dtype), make_model(dtype)
+    opt = ZeRO1AdamW(decay_param_groups(model, weight_decay=0.1), **HYPER, max_grad_norm=MAX_NORM)
+    clean_opt = ZeRO1AdamW(decay_param_groups(clean, weight_decay=0.1), **HYPER, max_grad_norm=MAX_NORM)
+    assert opt.loss_scaler is None
+    train_zero1(rank, world_size, model, opt, steps=2, first_step=0)
+    train_zero1(rank, world_size, clean, clean_opt, steps=2, first_step=0)
+    params, state, counts = _params(model), _state_of(opt), [s.step for s in opt._slots]
+
+    poison = contextlib.nullcontext()
+    if rank == 1:  # fc1.weight's first element is in rank 0's shard: the bad value crosses ranks
+        poison = _poison_one_element(model.fc1.weight, bad)
+    train_zero1(rank, world_size, model, opt, steps=1, first_step=2)
+    assert opt.skipped and not math.isfinite(opt.grad_norm), (rank, opt.grad_norm)
+    assert all(torch.equal(p, q) for p, q in zip(_params(model), params))
+    assert all(torch.equal(t, u) for t, u in zip(_state_of(opt), state))
+    assert [s.step for s in opt._slots] == counts
+
+    if rank == 1:
+        poison.remove()  # the gradients are clean again
+    train_zero1(rank, world_size, model, opt, steps=1, first_step=3)
+    train_zero1(rank, world_size, clean, clean_opt, steps=1, first_step=3)
+    assert not opt.skipped and opt.grad_norm == clean_opt.grad_norm
+    assert all(torch.equal(p, q) for p, q in zip(_params(model), _params(clean)))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_nonfinite_grad_norm_skips_the_step_on_every_rank_without_a_loss_scaler(dtype, bad):
+    run_ranks(2, _nonfinite_norm_skips_on_every_rank, dtype, bad)
 
 
 def test_loss_scaler_grows_after_its_interval():
@@ -368,7 +427,7 @@ def _overlap_changes_no_bits(rank: int, world_size: int, dtype: torch.dtype) -> 
         "all_reduce": {"reduce_op": "all_reduce", "gather_op": "all_reduce"},
     }.items():
         model = make_model(dtype)
-        opt = ZeRO1AdamW(decay_param_groups(model, weight_decay=0.1), **HYPER, max_grad_norm=MAX_NORM, **kwargs)
+        opt = SmallBuckets(decay_param_groups(model, weight_decay=0.1), **HYPER, max_grad_norm=MAX_NORM, **kwargs)
         if name == "overlap":
             assert opt.overlap_comm and opt.overlap_gather and len(opt._buckets) >= 5
             assert len(opt._gather_slices(opt._buffers[0])) > 1
@@ -397,7 +456,7 @@ def test_overlap_on_or_off_gives_the_same_bits(world_size, dtype):
 
 def _buckets_go_during_backward(rank: int, world_size: int) -> None:
     model = make_model()
-    opt = ZeRO1AdamW(decay_param_groups(model, weight_decay=0.1), **HYPER, overlap_comm=True,
+    opt = SmallBuckets(decay_param_groups(model, weight_decay=0.1), **HYPER, overlap_comm=True,
                      bucket_cap_mb=TINY_BUCKET_MB)  # fmt: skip
     buckets = opt._buckets
     # reverse parameter order, at most the cap unless one parameter is larger, each parameter once
@@ -432,7 +491,7 @@ def _accumulation(rank: int, world_size: int) -> None:
     results = []
     for micro in (1, 4):
         model = make_model()
-        opt = ZeRO1AdamW(decay_param_groups(model, weight_decay=0.1), **HYPER, overlap_comm=True,
+        opt = SmallBuckets(decay_param_groups(model, weight_decay=0.1), **HYPER, overlap_comm=True,
                          bucket_cap_mb=TINY_BUCKET_MB)  # fmt: skip
         for step in range(4):
             idx, target = rank_slice(rank, world_size, step)
@@ -449,7 +508,7 @@ def _accumulation(rank: int, world_size: int) -> None:
 
     # a second backward outside no_sync() after a bucket went is an error, as in DDP
     model = make_model()
-    opt = ZeRO1AdamW(decay_param_groups(model, weight_decay=0.1), **HYPER, overlap_comm=True,
+    opt = SmallBuckets(decay_param_groups(model, weight_decay=0.1), **HYPER, overlap_comm=True,
                      bucket_cap_mb=TINY_BUCKET_MB)  # fmt: skip
     idx, target = rank_slice(rank, world_size, 0)
     loss_on(model, idx, target, 0).backward()
@@ -469,8 +528,27 @@ def test_overlap_needs_point_to_point_collectives():
         ZeRO1AdamW(make_model().parameters(), overlap_comm=True, reduce_op="all_reduce")
     with pytest.raises(ValueError, match="overlap_gather needs reduce_op and gather_op 'p2p'.*'all_gather'"):
         ZeRO1AdamW(make_model().parameters(), overlap_gather=True, gather_op="all_gather")
-    with pytest.raises(ValueError, match="bucket_cap_mb must be > 0, got 0"):
-        ZeRO1AdamW(make_model().parameters(), bucket_cap_mb=0)
+
+
+def test_bucket_cap_has_one_lower_bound_in_the_optimizer_and_the_api():
+    """A cap of 1e-9 MB was accepted: one bucket, and one fused update launch, per element and step."""
+    from pydantic import ValidationError  # noqa: PLC0415
+
+    from service.schemas import JobSpec, OptimizerConfig  # noqa: PLC0415
+    from workers.train import OptimizerSpec  # noqa: PLC0415
+
+    for tiny in (1e-9, 0.0):
+        with pytest.raises(ValueError, match=rf"bucket_cap_mb \({tiny}\) must be >= 1.0 MiB"):
+            ZeRO1AdamW(make_model().parameters(), bucket_cap_mb=tiny)
+        with pytest.raises(ValidationError, match=r"bucket_cap_mb\n  Input should be greater than or equal to 1"):
+            OptimizerConfig(bucket_cap_mb=tiny)
+    from workers import limits  # noqa: PLC0415
+
+    assert ZeRO1AdamW(make_model().parameters(), bucket_cap_mb=limits.MIN_BUCKET_CAP_MB).bucket_cap_mb == 1.0
+    assert OptimizerConfig(bucket_cap_mb=limits.MIN_BUCKET_CAP_MB).bucket_cap_mb == 1.0
+    defaults = (ZeRO1AdamW(make_model().parameters()).bucket_cap_mb, OptimizerSpec().bucket_cap_mb,
+                JobSpec.model_fields["optimizer"].default.bucket_cap_mb)  # fmt: skip
+    assert defaults == (limits.DEFAULT_BUCKET_CAP_MB,) * 3
 
 
 # ----------------------------------------------------------------------- input checks

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import itertools
 import math
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -11,11 +15,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import workers.train
+from distributed import run_ranks
+from workers import limits
 from workers.checkpoints import checkpointed_metrics, discard_stored_metrics, latest_checkpoint
-from workers.data import Batches, MarkovSource, SyntheticSpec, TextSpec
+from workers.data import MAX_TEXT_BYTES, Batches, MarkovSource, SyntheticSpec, TextSpec, _open_nofollow, read_text
 from workers.memory import GPTSpec, MLPSpec, Workload, breakdown
 from workers.models import build_model, saved_activation_bytes
-from workers.train import OptimizerSpec, TrainConfig, train
+from workers.train import NonFiniteError, OptimizerSpec, TrainConfig, save_checkpoint, train
 
 SMALL = GPTSpec(vocab_size=64, n_layer=2, n_head=2, n_embd=32, block_size=32)
 
@@ -109,6 +116,116 @@ def test_text_data_is_character_level(tmp_path):
     too_small = GPTSpec(vocab_size=4, n_layer=1, n_head=1, n_embd=8, block_size=8)
     with pytest.raises(ValueError, match="has 9 distinct characters, more than vocab_size \\(4\\)"):
         batches(1, 0, micro=2, data=TextSpec(path=str(path)), model=too_small)
+
+
+@contextlib.contextmanager
+def fails_if_blocked(seconds: int = 10):
+    """A read that blocks (a FIFO without a writer) fails the test instead of hanging it."""
+
+    def stop(signum, frame):
+        raise TimeoutError(f"blocked for {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.fixture
+def data_root(tmp_path) -> Path:
+    root = tmp_path / "data"
+    root.mkdir()
+    (root / "corpus.txt").write_text("hello zero one! " * 20, encoding="utf-8")
+    (tmp_path / "secret.txt").write_text("outside the roots " * 20, encoding="utf-8")
+    return root
+
+
+def text_batches(path: Path, **spec) -> Batches:
+    return batches(1, 0, micro=2, data=TextSpec(path=str(path), **spec))
+
+
+def test_a_text_file_inside_the_data_roots_is_read(data_root):
+    b = text_batches(data_root / "corpus.txt", roots=(str(data_root),))
+    assert b.source.chars == sorted(set("hello zero one! "))
+    (data_root / "crlf.txt").write_bytes(b"a\r\nb\rc\n" * 10)  # newlines as Path.read_text gives them
+    assert read_text(TextSpec(path=str(data_root / "crlf.txt"), roots=(str(data_root),))) == "a\nb\nc\n" * 10
+
+
+def test_a_text_file_swapped_for_a_symlink_out_of_the_roots_is_refused(data_root):
+    corpus = data_root / "corpus.txt"
+    text_batches(corpus, roots=(str(data_root),))  # checked at submit: inside
+    corpus.unlink()
+    corpus.symlink_to(data_root.parent / "secret.txt")  # swapped before the rank reads it
+    with pytest.raises(ValueError, match=rf"data.path '{corpus}' resolves to {data_root.parent / 'secret.txt'}, "
+                                         rf"outside the data roots \['{data_root}'\]"):  # fmt: skip
+        text_batches(corpus, roots=(str(data_root),))
+
+
+def test_a_symlink_to_dev_zero_is_refused(data_root):
+    link = data_root / "zero.txt"
+    link.symlink_to("/dev/zero")
+    with pytest.raises(ValueError, match=r"resolves to /dev/zero, outside the data roots"):
+        text_batches(link, roots=(str(data_root),))
+    with fails_if_blocked(), pytest.raises(ValueError, match=r"\(/dev/zero\) is not a regular file \(mode c"):
+        text_batches(link)  # no roots: still not read, not even the first byte
+
+
+def test_a_fifo_or_a_directory_is_refused(data_root):
+    fifo = data_root / "fifo.txt"
+    os.mkfifo(fifo)
+    with fails_if_blocked(), pytest.raises(ValueError, match=rf"'{fifo}' \({fifo}\) is not a regular file \(mode p"):
+        text_batches(fifo, roots=(str(data_root),))
+    (data_root / "dir.txt").mkdir()
+    with pytest.raises(ValueError, match=r"dir.txt\) is not a regular file \(mode d"):
+        text_batches(data_root / "dir.txt", roots=(str(data_root),))
+
+
+def test_a_text_file_above_the_size_limit_is_refused(data_root):
+    corpus = data_root / "corpus.txt"  # 320 bytes
+    assert len(read_text(TextSpec(path=str(corpus), max_bytes=320))) == 320
+    with pytest.raises(ValueError, match=rf"data.path '{corpus}' is 320 bytes, above the limit of 319 bytes"):
+        text_batches(corpus, roots=(str(data_root),), max_bytes=319)
+    assert TextSpec(path="x").max_bytes == MAX_TEXT_BYTES == 1 << 30
+    with pytest.raises(ValueError, match=r"max_bytes \(0\) >= 1"):
+        TextSpec(path="x", max_bytes=0)
+    with pytest.raises(ValueError, match=r"data roots must be absolute .* got \['data'\]"):
+        TextSpec(path="x", roots=("data",))
+
+
+def test_a_component_swapped_for_a_symlink_after_the_check_is_not_followed(data_root):
+    """The window between realpath and open: the rank opens the path it resolved, component by
+    component from its root, following no symlink, so a swap inside that window fails to open."""
+    (data_root / "sub").mkdir()
+    (data_root / "sub" / "corpus.txt").write_text("x" * 100)
+    fd = _open_nofollow(str(data_root / "sub" / "corpus.txt"), root=str(data_root))
+    os.close(fd)
+    (data_root / "sub" / "corpus.txt").unlink()
+    (data_root / "sub" / "corpus.txt").symlink_to(data_root.parent / "secret.txt")
+    with pytest.raises(OSError) as last:
+        _open_nofollow(str(data_root / "sub" / "corpus.txt"), root=str(data_root))
+    assert last.value.errno == errno.ELOOP
+    (data_root / "sub").rename(data_root / "moved")
+    (data_root / "sub").symlink_to(data_root.parent)  # a directory swapped for a link out of the root
+    with pytest.raises(OSError) as middle:
+        _open_nofollow(str(data_root / "sub" / "secret.txt"), root=str(data_root))
+    assert middle.value.errno in (errno.ELOOP, errno.ENOTDIR)
+
+
+def test_the_launcher_passes_the_data_roots_resolved(tmp_path, monkeypatch, data_root):
+    from service.launcher import train_config  # noqa: PLC0415
+    from service.schemas import JobSpec  # noqa: PLC0415
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere")
+    spec = JobSpec.model_validate(job_body(data={"kind": "text", "path": str(data_root / "corpus.txt")}))
+    config = train_config(spec, checkpoint_dir="unused", data_roots=["data", str(tmp_path / "link")])
+    assert config.data == TextSpec(path=str(data_root / "corpus.txt"),
+                                   roots=(str(data_root), str(tmp_path / "elsewhere")))  # fmt: skip
+    assert train_config(spec, checkpoint_dir="unused").data.roots == ()  # none given: nothing is read
 
 
 def test_training_reports_every_metric_and_its_planned_memory():
@@ -246,3 +363,104 @@ def test_the_rows_since_the_last_checkpoint_are_saved_with_it(tmp_path):
     saved = checkpointed_metrics(tmp_path, after_step=3)
     assert [row["step"] for row in saved] == [4, 5, 6] and saved[0] == merged
     assert checkpointed_metrics(tmp_path, after_step=6) == []
+
+
+# --------------------------------------------------------------------------- non-finite gradients
+
+TINY = GPTSpec(vocab_size=16, n_layer=1, n_head=1, n_embd=8, block_size=8)
+
+
+def nan_loss_at(bad_steps: range):
+    """A build_model for train() whose model's loss (hence its every gradient) is nan at those steps."""
+
+    def poisoned(*args, **kwargs):
+        model = build_model(*args, **kwargs)
+        forwards = itertools.count()  # one micro-batch a step: the forward's count is the step
+        model.register_forward_hook(lambda module, inputs, loss: loss * math.nan if next(forwards) in bad_steps else loss)
+        return model
+
+    return poisoned
+
+
+def _nonfinite_training_fails(rank: int, world_size: int, root: str, precision: str) -> None:
+    workers.train.build_model = nan_loss_at(range(5, 10**6) if rank == 1 else range(0))  # a process of its own
+    cfg = TrainConfig(model=TINY, steps=20, precision=precision, micro_batch_size=4, checkpoint_every=2,
+                      checkpoint_dir=root, keep_last=2, max_nonfinite_steps=3)  # fmt: skip
+    rows: list[dict] = []
+    message = (r"3 steps in a row had a non-finite gradient norm \(max_nonfinite_steps = 3\) at step 7: "
+               r"steps 5-7 were skipped")  # fmt: skip
+    with pytest.raises(NonFiniteError, match=message):
+        train(cfg, rank=rank, world_size=world_size, on_metrics=rows.append)
+    assert [r["step"] for r in rows] == list(range(8))
+    assert [r["skipped"] for r in rows] == [False] * 5 + [True] * 3  # on both ranks
+    assert all(math.isfinite(r["grad_norm"]) for r in rows[:5]) and math.isnan(rows[5]["grad_norm"])
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_a_run_whose_gradients_stay_nan_fails_and_keeps_its_good_checkpoints(tmp_path, precision):
+    """Before: a nan global norm stepped the master weights to nan, the run went on to succeed,
+    and pruning deleted the checkpoints from before the nan. Now the bad steps are skipped, the
+    run fails after max_nonfinite_steps of them, and the checkpoint due at step 5 (a skipped
+    step) is not written: steps 1 and 3 stay, complete."""
+    run_ranks(2, _nonfinite_training_fails, str(tmp_path), precision)
+    assert latest_checkpoint(tmp_path) == (3, 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000001", "step-000000003"]
+    assert len(list(tmp_path.glob("step-*/complete.json"))) == 2
+    for shard in tmp_path.glob("step-*/rank-*.pt"):
+        state = torch.load(shard)
+        assert all(torch.isfinite(buf[kind]).all() for buf in state["buffers"] for kind in ("master", "exp_avg"))
+
+
+def test_a_checkpoint_due_at_a_skipped_step_is_written_at_the_next_clean_one(tmp_path, monkeypatch):
+    monkeypatch.setattr(workers.train, "build_model", nan_loss_at(range(5, 6)))
+    cfg = TrainConfig(model=TINY, steps=8, precision="bf16", micro_batch_size=4, checkpoint_every=2,
+                      checkpoint_dir=str(tmp_path), max_nonfinite_steps=2)  # fmt: skip
+    rows: list[dict] = []
+    train(cfg, on_metrics=rows.append)
+    assert [r["skipped"] for r in rows] == [False] * 5 + [True] + [False] * 2
+    assert sorted(p.parent.name for p in tmp_path.glob("step-*/complete.json")) == [
+        "step-000000001", "step-000000003", "step-000000006", "step-000000007"
+    ]  # fmt: skip
+    assert [r["step"] for r in checkpointed_metrics(tmp_path, after_step=3)] == [4, 5, 6, 7]
+
+
+def _nonfinite_state_is_not_saved(rank: int, world_size: int, root: str) -> None:
+    model = build_model(TINY, dtype=torch.bfloat16)
+    from workers.optim import ZeRO1AdamW  # noqa: PLC0415
+
+    opt = ZeRO1AdamW(model.parameters())
+    save_checkpoint(opt, Path(root), step=0, process_group=None)  # finite: written
+    if rank == 1:
+        opt._buffers[0].state["exp_avg_sq"][3] = math.inf  # one element, on one rank
+    with pytest.raises(NonFiniteError, match=r"step 2: 1 of the optimizer state's elements are nan or inf "
+                                             r"\(master 0, exp_avg 0, exp_avg_sq 1\)"):  # fmt: skip
+        save_checkpoint(opt, Path(root), step=2, process_group=None, keep_last=1)
+
+
+def test_a_checkpoint_of_nonfinite_state_is_refused_on_every_rank_before_anything_is_written(tmp_path):
+    run_ranks(2, _nonfinite_state_is_not_saved, str(tmp_path))
+    assert latest_checkpoint(tmp_path) == (0, 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000000"]  # nothing of step 2, none pruned
+
+
+def job_body(**overrides) -> dict:
+    """A job as POST /v1/jobs takes it: TINY on one GPU."""
+    model = {"kind": "gpt", "vocab_size": 16, "n_layer": 1, "n_head": 1, "n_embd": 8, "block_size": 8}
+    return {"name": "tiny", "model": model, "num_gpus": 1, "steps": 10, **overrides}
+
+
+def test_max_nonfinite_steps_has_one_default_above_the_fp16_scalers_back_off():
+    from service.launcher import train_config  # noqa: PLC0415
+    from service.schemas import JobSpec  # noqa: PLC0415
+    from workers.optim import DynamicLossScaler  # noqa: PLC0415
+
+    scaler = DynamicLossScaler()
+    halvings = math.log(scaler.min_scale / scaler.scale, scaler.backoff_factor)  # 2**16 -> 1: 16 skips in a row
+    assert limits.DEFAULT_MAX_NONFINITE_STEPS > halvings
+    assert TrainConfig(model=TINY, steps=1).max_nonfinite_steps == limits.DEFAULT_MAX_NONFINITE_STEPS
+    assert JobSpec.model_fields["max_nonfinite_steps"].default == limits.DEFAULT_MAX_NONFINITE_STEPS
+    with pytest.raises(ValueError, match=r"max_nonfinite_steps \(0\) >= 1"):
+        TrainConfig(model=TINY, steps=1, max_nonfinite_steps=0)
+    assert JobSpec.model_validate(job_body()).max_nonfinite_steps == limits.DEFAULT_MAX_NONFINITE_STEPS
+    spec = JobSpec.model_validate(job_body(max_nonfinite_steps=7))
+    assert train_config(spec, checkpoint_dir="unused").max_nonfinite_steps == 7

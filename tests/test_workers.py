@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,9 +17,11 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from polling import wait_for as wait_until
-from workers.actors import JobSupervisor, Placement, PlacementError
+from workers.actors import JobSupervisor, Placement, PlacementError, join_process_group, open_rendezvous_store
 from workers.checkpoints import latest_checkpoint
 from workers.data import Batches
 from workers.memory import GPTSpec
@@ -98,6 +102,48 @@ def test_a_rank_stops_training_within_a_step_when_its_parent_dies(tmp_path):
         parent.kill()
         with contextlib.suppress(ValueError, IndexError, ProcessLookupError):
             os.kill(int(out.read_text().splitlines()[0]), signal.SIGKILL)
+
+
+def _rank_over_the_store(rank: int, world_size: int, ports_out, ports_in, sums) -> None:
+    """TrainWorker's rendezvous and run, without Ray: rank 0 opens the store and reports its
+    port; the others get the port from the driver, as from the supervisor."""
+    torch.set_num_threads(1)
+    store = open_rendezvous_store("127.0.0.1", world_size=world_size) if rank == 0 else None
+    if store is not None:
+        ports_out.put(store.port)
+    port = store.port if store is not None else ports_in.get(timeout=60)
+    join_process_group(rank=rank, world_size=world_size, address="127.0.0.1", port=port, store=store, timeout_s=60)
+    try:
+        total = torch.tensor([rank + 1.0])
+        dist.all_reduce(total)
+        sums.put((rank, total.item()))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_rank_0s_port_is_held_from_the_rendezvous_until_the_group_forms():
+    """Before: rank 0 bound port 0, closed the socket and returned the number, and any process
+    could take the port before init_process_group bound it again (every rank's init then failed
+    with EADDRINUSE). Now the port belongs to rank 0's store from the moment it is chosen."""
+    ctx = mp.get_context("spawn")
+    ports_out, ports_in, sums = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    ranks = [ctx.Process(target=_rank_over_the_store, args=(rank, 2, ports_out, ports_in, sums)) for rank in range(2)]
+    for process in ranks:
+        process.start()
+    try:
+        port = ports_out.get(timeout=60)
+        with socket.socket() as squatter, pytest.raises(OSError) as taken:  # between rendezvous and init
+            squatter.bind(("127.0.0.1", port))
+        assert taken.value.errno == errno.EADDRINUSE
+        ports_in.put(port)
+        assert sorted(sums.get(timeout=60) for _ in ranks) == [(0, 3.0), (1, 3.0)]
+    finally:
+        for process in ranks:
+            process.join(timeout=60)
+            if process.is_alive():
+                process.kill()
+    assert [process.exitcode for process in ranks] == [0, 0]
 
 
 def floor_of(cfg: TrainConfig) -> float:

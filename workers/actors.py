@@ -11,7 +11,6 @@ kills every rank and frees the group.
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -63,10 +62,33 @@ class Placement:
         return {"GPU": 1.0, "CPU": self.cpus_per_worker}
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+def open_rendezvous_store(host: str, *, world_size: int) -> Any:
+    """Rank 0's torch.distributed store, listening on a port the kernel picks (port 0).
+
+    The port is held from the moment it is chosen until the store is dropped. The old way
+    (bind port 0, close the socket, hand the number to init_process_group) left it free in
+    between, for any process to take: then every rank's init failed with EADDRINUSE. Retrying
+    would need every rank to agree on a new port; holding it needs nothing. wait_for_workers=False:
+    the store is opened before the ranks start, and they connect in init."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False)
+
+
+def join_process_group(*, rank: int, world_size: int, address: str, port: int, store: Any, timeout_s: float) -> None:
+    """init_process_group over rank 0's store: rank 0 passes its own, the others connect to
+    address:port. NCCL when this process sees CUDA, else gloo: never decided from Ray's GPU ids,
+    since a logical GPU has no CUDA behind it."""
+    import torch
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=timeout_s)
+    if store is None:
+        store = dist.TCPStore(address, port, world_size, is_master=False, timeout=timeout)
+    else:
+        store.set_timeout(timeout)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
 def parent_gone() -> Callable[[], bool]:
@@ -105,11 +127,16 @@ class TrainWorker:
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank, self.world_size = rank, world_size
         self.raylet_gone = parent_gone()
+        self._store = None  # rank 0's rendezvous store, from rendezvous() to the end of run()
 
     def rendezvous(self) -> tuple[str, int, str]:
-        """(address, free port, node id) on this worker's node: rank 0's become the group's."""
+        """(address, port, node id) on this worker's node: rank 0's become the group's. Rank 0
+        opens the group's store here and holds its port; the other ranks' port is 0 (unused)."""
         address = ray.util.get_node_ip_address()
-        return address, _free_port(address), ray.get_runtime_context().get_node_id()
+        if self.rank == 0:
+            self._store = open_rendezvous_store(address, world_size=self.world_size)
+        port = self._store.port if self._store is not None else 0
+        return address, port, ray.get_runtime_context().get_node_id()
 
     def run(self, config: TrainConfig, address: str, port: int, supervisor: Any, pg_timeout_s: float) -> TrainResult:
         import torch
@@ -117,14 +144,10 @@ class TrainWorker:
 
         from workers.train import train
 
-        # never decided from Ray's GPU ids: a logical GPU has no CUDA behind it
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
         if not torch.cuda.is_available():
             torch.set_num_threads(1)
-        dist.init_process_group(
-            backend, init_method=f"tcp://{address}:{port}", rank=self.rank, world_size=self.world_size,
-            timeout=timedelta(seconds=pg_timeout_s),
-        )  # fmt: skip
+        join_process_group(rank=self.rank, world_size=self.world_size, address=address, port=port,
+                           store=self._store, timeout_s=pg_timeout_s)  # fmt: skip
         sink = _MetricsSink(supervisor, self.rank)
         try:
             result = train(config, rank=self.rank, world_size=self.world_size, on_metrics=sink,
@@ -136,6 +159,7 @@ class TrainWorker:
         finally:
             sink.flush()
             dist.destroy_process_group()
+            self._store = None  # rank 0: its port is free again
 
 
 @ray.remote(num_cpus=0, max_concurrency=8)

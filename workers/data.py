@@ -7,6 +7,10 @@ only its own slice of it.
 
 from __future__ import annotations
 
+import errno
+import io
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +20,9 @@ from torch import Tensor
 from workers.memory import GPTSpec, MLPSpec
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, step, index) over 63 bits
+MAX_TEXT_BYTES = 1 << 30
+"""Largest text file a rank reads by default (1 GiB: enwik9 fits)."""
+_READ_CHUNK_BYTES = 1 << 20
 
 
 def sample_seed(seed: int, step: int, index: int) -> int:
@@ -37,6 +44,20 @@ class TextSpec:
     """Characters of a local UTF-8 file."""
 
     path: str
+    roots: tuple[str, ...] | None = None
+    """Absolute directories the file must resolve into (symlinks followed), checked again where a
+    rank opens it: the service passes ZERO1_DATA_ROOTS. None: anywhere (a caller's own file)."""
+    max_bytes: int = MAX_TEXT_BYTES
+    """Largest file read, in bytes."""
+
+    def __post_init__(self) -> None:
+        if self.max_bytes < 1:
+            raise ValueError(f"need max_bytes ({self.max_bytes}) >= 1")
+        relative = [root for root in self.roots or () if not os.path.isabs(root)]
+        if relative:
+            raise ValueError(
+                f"data roots must be absolute (a rank's working directory is not the service's), got {relative}"
+            )
 
 
 DataSpec = SyntheticSpec | TextSpec
@@ -83,14 +104,99 @@ class MarkovSource:
         return out
 
 
+def read_text(spec: TextSpec) -> str:
+    """The text of spec.path, read the way it was checked.
+
+    The service checks data.path at submit, but a rank reads it later, on its own node: by then
+    the file may have been swapped for a symlink (out of the roots, to /dev/zero) or a FIFO. So
+    the rank resolves it again, checks it is inside a root, opens it without following a symlink
+    in any component (a swap after the check fails to open), and reads it only if the opened file
+    is a regular one of at most max_bytes. Newlines are translated as by Path.read_text.
+    """
+    real = os.path.realpath(spec.path)
+    root = _root_of(real, spec)
+    try:
+        fd = _open_nofollow(real, root=root)
+    except OSError as exc:
+        swapped = exc.errno in (errno.ELOOP, errno.ENOTDIR)
+        why = "a component is now a symbolic link (swapped after the check?)" if swapped else exc.strerror
+        raise ValueError(f"data.path {spec.path!r}: cannot open {real}: {why}; data roots {_roots(spec)}") from exc
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(
+                f"data.path {spec.path!r} ({real}) is not a regular file (mode {stat.filemode(info.st_mode)}); "
+                f"data roots {_roots(spec)}"
+            )
+        if info.st_size > spec.max_bytes:
+            raise ValueError(
+                f"data.path {spec.path!r} is {info.st_size} bytes, above the limit of {spec.max_bytes} bytes"
+            )
+        data = _read_at_most(fd, spec.max_bytes + 1)
+    finally:
+        os.close(fd)
+    if len(data) > spec.max_bytes:
+        raise ValueError(f"data.path {spec.path!r} grew past the limit of {spec.max_bytes} bytes while it was read")
+    return io.TextIOWrapper(io.BytesIO(data), encoding="utf-8").read()
+
+
+def _roots(spec: TextSpec) -> list[str] | None:
+    return None if spec.roots is None else [os.path.realpath(root) for root in spec.roots]
+
+
+def _root_of(real: str, spec: TextSpec) -> str | None:
+    """The data root that `real` (a resolved path) is inside; None when the spec has no roots."""
+    roots = _roots(spec)
+    if roots is None:
+        return None
+    for root in roots:
+        if os.path.commonpath([real, root]) == root:
+            return root
+    raise ValueError(
+        f"data.path {spec.path!r} resolves to {real}, outside the data roots {roots} "
+        "(ZERO1_DATA_ROOTS; checked again where a rank reads it)"
+    )
+
+
+def _open_nofollow(real: str, *, root: str | None) -> int:
+    """A read-only fd of `real` (a resolved path), opened component by component from `root` with
+    O_NOFOLLOW (only the last component without a root), so that a component swapped for a
+    symlink after the realpath check fails to open (ELOOP, ENOTDIR). O_NONBLOCK: a FIFO opens at
+    once instead of waiting for a writer, and is then refused as not a regular file."""
+    nofollow = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    if root is None:
+        return os.open(real, nofollow | os.O_NONBLOCK)
+    parts = Path(real).relative_to(root).parts
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        try:
+            child = os.open(part, nofollow | (os.O_NONBLOCK if last else os.O_DIRECTORY), dir_fd=fd)
+        finally:
+            os.close(fd)
+        fd = child
+    return fd  # the root itself when real is the root: a directory, refused by the caller
+
+
+def _read_at_most(fd: int, limit_bytes: int) -> bytes:
+    chunks, total = [], 0
+    while total < limit_bytes:
+        chunk = os.read(fd, min(_READ_CHUNK_BYTES, limit_bytes - total))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        total += len(chunk)
+    return b"".join(chunks)
+
+
 class TextSource:
     """Character-level windows of a text file; the vocabulary is its sorted characters."""
 
-    def __init__(self, *, path: str | Path, vocab_size: int) -> None:
-        text = Path(path).read_text(encoding="utf-8")
+    def __init__(self, *, spec: TextSpec, vocab_size: int) -> None:
+        text = read_text(spec)
         chars = sorted(set(text))
         if len(chars) > vocab_size:
-            raise ValueError(f"{path} has {len(chars)} distinct characters, more than vocab_size ({vocab_size})")
+            raise ValueError(f"{spec.path} has {len(chars)} distinct characters, more than vocab_size ({vocab_size})")
         index = {c: i for i, c in enumerate(chars)}
         self.tokens = torch.tensor([index[c] for c in text], dtype=torch.int64)
         self.chars = chars
@@ -141,7 +247,7 @@ class Batches:
         else:
             self.seq_len = model.block_size if seq_len is None else seq_len
             if isinstance(data, TextSpec):
-                self.source = TextSource(path=data.path, vocab_size=model.vocab_size)
+                self.source = TextSource(spec=data, vocab_size=model.vocab_size)
             else:
                 self.source = MarkovSource(vocab_size=model.vocab_size, branching=data.branching, seed=seed)
 

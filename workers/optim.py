@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from workers.limits import DEFAULT_BUCKET_CAP_MB, MIN_BUCKET_CAP_MB
 from workers.memory import SHARD_ALIGNMENT_NUMEL, padded_numel
 
 ReduceOp = Literal["auto", "p2p", "reduce_scatter", "all_reduce"]
@@ -47,7 +48,6 @@ _CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
 # on a GPU 4 Mi, few enough kernel launches
 UPCAST_CHUNK_NUMEL = {"cpu": 1 << 16, "cuda": 1 << 22}
 RECV_BUFFERS = 2  # receive buffers per dtype for p2p reduces in flight; a third bucket waits for one
-DEFAULT_BUCKET_CAP_MB = 25.0  # as DDP's bucket_cap_mb
 _GATHER_TAG = 1 << 20  # p2p tags: reduce buckets count from 0, gather chunks from here
 
 
@@ -210,8 +210,12 @@ class ZeRO1AdamW(torch.optim.Optimizer):
         opt.zero_grad()
 
     `grad_norm` (the global norm before clipping) and `skipped` describe the
-    last step; with record_phase_times=True, `phase_times_s` splits it into
-    reduce (with the norm's all-reduce), update (with the cast) and gather. fp16 models get dynamic loss scaling; bf16 and fp32 need none.
+    last step. A step whose global norm is not finite (nan or inf) is skipped on
+    every rank, with or without a loss scaler: no parameter, state or step count
+    changes (the loss scaler, if any, backs off). With record_phase_times=True,
+    `phase_times_s` splits a step into reduce (with the norm's all-reduce), update
+    (with the cast) and gather. fp16 models get dynamic loss scaling; bf16 and
+    fp32 need none.
     zero_grad() always zeroes in place: the gradients are views of a flat
     buffer and stay so (set_to_none is ignored).
 
@@ -230,6 +234,10 @@ class ZeRO1AdamW(torch.optim.Optimizer):
     with overlap: run all but the last backward under no_sync(). A second backward
     outside no_sync() after a bucket has gone is an error, as in DDP.
     """
+
+    min_bucket_cap_mb: float = MIN_BUCKET_CAP_MB
+    """The smallest bucket_cap_mb accepted (workers/limits.py). Tests that cut a model of a few
+    hundred elements into many buckets lower it in a subclass."""
 
     def __init__(
         self,
@@ -255,8 +263,11 @@ class ZeRO1AdamW(torch.optim.Optimizer):
             raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
         if alignment_numel < 1:
             raise ValueError(f"alignment_numel must be >= 1, got {alignment_numel}")
-        if not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        if not bucket_cap_mb >= self.min_bucket_cap_mb:
+            raise ValueError(
+                f"bucket_cap_mb ({bucket_cap_mb}) must be >= {self.min_bucket_cap_mb} MiB: every bucket is a send "
+                "per peer and every slice of the update a kernel launch, each step"
+            )
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         for group in self.param_groups:
             _check_hyperparameters(**{k: group[k] for k in ("lr", "betas", "eps", "weight_decay")})
@@ -486,8 +497,13 @@ class ZeRO1AdamW(torch.optim.Optimizer):
         self._reduce_gradients()
         grad_norm, active = self._global_grad_stats(scale)
         clock("reduce")
+        # the norm comes from one all-reduce, so every rank holds the same value and skips, or
+        # steps, with the others: a nan or inf anywhere in any rank's gradients reaches the sum
+        # of squares of the rank owning that element, and squares are >= 0, so no inf - inf can
+        # cancel it. An fp16 overflow, or a bf16/fp32 blow-up: stepping would write nan into the
+        # master weights, or clip by max_grad_norm / inf = 0 and divide by it
         overflow = not math.isfinite(grad_norm)
-        self.grad_norm, self.skipped = grad_norm, overflow and self.loss_scaler is not None
+        self.grad_norm, self.skipped = grad_norm, overflow
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow=overflow)
         if not self.skipped:
@@ -764,6 +780,18 @@ class ZeRO1AdamW(torch.optim.Optimizer):
             work.wait()
 
     # ------------------------------------------------------------------ checkpoints
+
+    def nonfinite_state_numel(self) -> dict[str, int]:
+        """nan or inf elements of the fp32 state (master, exp_avg, exp_avg_sq) over all ranks, by
+        kind: one all-reduce of three counts, so every rank gets the same answer. Every rank must
+        call it. A full pass over the shard: once per checkpoint, not per step."""
+        counts = torch.zeros(len(_STATE_KINDS), dtype=torch.int64, device=self.device)
+        for buf in self._buffers:
+            for i, kind in enumerate(_STATE_KINDS):
+                counts[i] += torch.isfinite(self._state(buf, kind)).logical_not().sum()
+        if self.world_size > 1:
+            dist.all_reduce(counts, group=self.process_group)
+        return dict(zip(_STATE_KINDS, counts.tolist()))
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard (owned elements only, padding is never saved) and its layout."""

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from workers import memory
+from workers import limits, memory
 from workers.checkpoints import (
     COMPLETE, atomic_write, latest_checkpoint, prune_checkpoints, shard_file, step_dir, write_json,
 )  # fmt: skip
@@ -40,7 +40,7 @@ class OptimizerSpec:
     max_grad_norm: float | None = 1.0
     overlap_comm: bool = False
     """Send each gradient bucket's reduce during the backward (ZeRO1AdamW's overlap_comm)."""
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: float = limits.DEFAULT_BUCKET_CAP_MB
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -69,6 +69,9 @@ class TrainConfig:
     resume: bool = True
     """Resume from the latest complete checkpoint in checkpoint_dir. A job's first attempt
     (False) starts from scratch, and refuses a directory that already holds checkpoints."""
+    max_nonfinite_steps: int = limits.DEFAULT_MAX_NONFINITE_STEPS
+    """Steps in a row with a nan or inf global gradient norm (each skipped: it changes nothing)
+    after which the run fails with NonFiniteError. Counted from 0 again after a resume."""
 
     def __post_init__(self) -> None:
         if self.precision not in DTYPES:
@@ -78,9 +81,16 @@ class TrainConfig:
                 f"need steps ({self.steps}) >= 1, micro_batch_size ({self.micro_batch_size}) >= 1, "
                 f"checkpoint_every ({self.checkpoint_every}) >= 0, keep_last ({self.keep_last}) >= 0"
             )
+        if self.max_nonfinite_steps < 1:
+            raise ValueError(f"need max_nonfinite_steps ({self.max_nonfinite_steps}) >= 1")
 
     def global_batch(self, world_size: int) -> int:
         return self.global_batch_size or self.micro_batch_size * world_size
+
+
+class NonFiniteError(RuntimeError):
+    """The gradients stayed nan or inf for max_nonfinite_steps steps, or the optimizer state is
+    not finite where a checkpoint would save it: the run fails rather than train on, or save, nothing."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -152,6 +162,8 @@ def train(
     )  # fmt: skip
     last = first - 1
     since_checkpoint: list[dict[str, Any]] = []
+    skipped = 0  # steps skipped in a row (nan/inf norm); a resumed run counts from 0 again
+    due = False
     for step in range(first, config.steps):
         if should_stop():
             return TrainResult(rank=rank, first_step=first, last_step=last, cancelled=True)
@@ -159,13 +171,33 @@ def train(
         on_metrics(row)
         since_checkpoint.append(row)
         last = step
+        skipped = _count_skipped(skipped, row, limit=config.max_nonfinite_steps)
         done = step + 1 == config.steps
-        due = config.checkpoint_every and (step + 1) % config.checkpoint_every == 0
-        if config.checkpoint_dir and (done or due):
+        due = due or bool(config.checkpoint_every and (step + 1) % config.checkpoint_every == 0)
+        # a checkpoint falling on a skipped step waits for the next clean one: written now, it would
+        # hold the same weights under a later step and, with keep_last, prune the ones from before
+        # the trouble began. The last step's is written anyway: the skips changed nothing
+        if config.checkpoint_dir and (done or (due and not skipped)):
             save_checkpoint(opt, Path(config.checkpoint_dir), step=step, process_group=process_group,
                             metrics=since_checkpoint, keep_last=config.keep_last)  # fmt: skip
-            since_checkpoint = []
+            since_checkpoint, due = [], False
     return TrainResult(rank=rank, first_step=first, last_step=last, cancelled=False)
+
+
+def _count_skipped(skipped: int, row: dict[str, Any], *, limit: int) -> int:
+    """Steps skipped in a row, this one included; NonFiniteError at `limit`. Every rank skips
+    the same steps (the norm is all-reduced), so every rank raises at the same step."""
+    if not row["skipped"]:
+        return 0
+    skipped += 1
+    if skipped >= limit:
+        step = row["step"]
+        raise NonFiniteError(
+            f"{skipped} steps in a row had a non-finite gradient norm (max_nonfinite_steps = {limit}) at step "
+            f"{step}: steps {step - skipped + 1}-{step} were skipped (grad_norm {row['grad_norm']}, loss "
+            f"{row['loss']}, loss_scale {row['loss_scale']}); lower the learning rate or check the data"
+        )
+    return skipped
 
 
 @dataclass(kw_only=True, slots=True)
@@ -234,6 +266,7 @@ def save_checkpoint(
     """Every rank writes its shard and its metric rows since the last checkpoint; rank 0 then
     marks the step complete. The rows travel with the checkpoint: a control plane that lost
     them (it and Ray stopped together) reads them back before resuming after this step."""
+    _refuse_nonfinite_state(opt, step=step)
     directory = step_dir(root, step)
     directory.mkdir(parents=True, exist_ok=True)
     state = opt.state_dict()
@@ -247,6 +280,19 @@ def save_checkpoint(
         if keep_last:
             prune_checkpoints(root, keep_last=keep_last)
     return directory
+
+
+def _refuse_nonfinite_state(opt: ZeRO1AdamW, *, step: int) -> None:
+    """NonFiniteError on every rank, before anything is written, if any rank's fp32 state holds a
+    nan or inf: a resume would start from it, and pruning would delete the good checkpoints."""
+    counts = opt.nonfinite_state_numel()
+    total = sum(counts.values())
+    if total:
+        by_kind = ", ".join(f"{kind} {n}" for kind, n in counts.items())
+        raise NonFiniteError(
+            f"not saving the checkpoint of step {step}: {total} of the optimizer state's elements are nan or inf "
+            f"({by_kind}) over {opt.world_size} rank(s)"
+        )
 
 
 def resume(opt: ZeRO1AdamW, root: Path, *, rank: int, world_size: int) -> int:

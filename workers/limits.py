@@ -1,0 +1,20 @@
+"""Defaults and bounds of a job that the API checks and the workers apply, one source of each.
+
+Standard library only: service/schemas.py takes them from here without loading torch.
+"""
+
+from __future__ import annotations
+
+DEFAULT_MAX_NONFINITE_STEPS = 50
+"""Steps in a row whose global gradient norm may be nan or inf (each one skipped) before a run
+fails. Above the 16 that fp16's loss scaler may skip in a row while its scale comes down from
+2**16 to 1 (workers/optim.py, DynamicLossScaler), with room for a scale that has grown since."""
+
+DEFAULT_BUCKET_CAP_MB = 25.0
+"""Largest gradient bucket of ZeRO1AdamW's overlapped reduce, MiB (as DDP's bucket_cap_mb)."""
+
+MIN_BUCKET_CAP_MB = 1.0
+"""Smallest bucket_cap_mb a job or ZeRO1AdamW accepts, MiB: DDP's first bucket, the smallest it
+ever makes (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES). The cap also sizes the slices of the
+fused update, so each bucket costs a send per peer and each slice a kernel launch, every step:
+a cap of a few bytes meant one of each per element."""
