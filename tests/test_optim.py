@@ -12,6 +12,7 @@ from torch import nn
 from torch.testing import assert_close
 
 from distributed import run_ranks
+from figures import record
 from workers import memory
 from workers.optim import DynamicLossScaler, ZeRO1AdamW, decay_param_groups
 
@@ -291,6 +292,7 @@ def _nonfinite_norm_skips_on_every_rank(rank: int, world_size: int, dtype: torch
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_a_nonfinite_grad_norm_skips_the_step_on_every_rank_without_a_loss_scaler(dtype, bad):
     run_ranks(2, _nonfinite_norm_skips_on_every_rank, dtype, bad)
+    record(f"{bad} gradient on one rank, {str(dtype).removeprefix('torch.')}: the step skipped on every rank", faults=1)
 
 
 def test_loss_scaler_grows_after_its_interval():

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import workers.train
 from distributed import run_ranks
+from figures import record
 from workers import limits
 from workers.checkpoints import checkpointed_metrics, discard_stored_metrics, latest_checkpoint
 from workers.data import MAX_TEXT_BYTES, Batches, MarkovSource, SyntheticSpec, TextSpec, _open_nofollow, read_text
@@ -162,6 +163,7 @@ def test_a_text_file_swapped_for_a_symlink_out_of_the_roots_is_refused(data_root
     with pytest.raises(ValueError, match=rf"data.path '{corpus}' resolves to {data_root.parent / 'secret.txt'}, "
                                          rf"outside the data roots \['{data_root}'\]"):  # fmt: skip
         text_batches(corpus, roots=(str(data_root),))
+    record("data.path swapped for a symlink out of the roots after submit", faults=1)
 
 
 def test_a_symlink_to_dev_zero_is_refused(data_root):
@@ -409,6 +411,7 @@ def test_a_run_whose_gradients_stay_nan_fails_and_keeps_its_good_checkpoints(tmp
     for shard in tmp_path.glob("step-*/rank-*.pt"):
         state = torch.load(shard)
         assert all(torch.isfinite(buf[kind]).all() for buf in state["buffers"] for kind in ("master", "exp_avg"))
+    record(f"gradients nan from step 5, {precision}: failed, good checkpoints kept", faults=1)
 
 
 def test_a_checkpoint_due_at_a_skipped_step_is_written_at_the_next_clean_one(tmp_path, monkeypatch):

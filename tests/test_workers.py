@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from figures import record
 from polling import wait_for as wait_until
 from workers.actors import JobSupervisor, Placement, PlacementError, join_process_group, open_rendezvous_store
 from workers.checkpoints import latest_checkpoint
@@ -144,6 +145,7 @@ def test_rank_0s_port_is_held_from_the_rendezvous_until_the_group_forms():
             if process.is_alive():
                 process.kill()
     assert [process.exitcode for process in ranks] == [0, 0]
+    record("another socket goes for rank 0's rendezvous port", faults=1)
 
 
 def floor_of(cfg: TrainConfig) -> float:
