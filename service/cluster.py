@@ -157,7 +157,21 @@ def _restore(handlers: dict[int, object]) -> None:
             signal.signal(sig, handler)
 
 
-def _cuda_device_count() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+def _cuda_device_count(driver_dir: str = "/proc/driver/nvidia/gpus") -> int:
+    """NVIDIA GPUs this process may use, counted without loading torch into the API process: the
+    driver's devices, no more than CUDA_VISIBLE_DEVICES names when it is set (CUDA stops at the
+    first entry that is not a device: "0,1,-1,2" shows two)."""
+    try:
+        present = len(os.listdir(driver_dir))
+    except OSError:  # no NVIDIA driver
+        return 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return present
+    named = 0
+    for entry in visible.split(","):
+        entry = entry.strip()
+        if not (entry.isdigit() or entry.startswith(("GPU-", "MIG-"))):
+            break
+        named += 1
+    return min(named, present)

@@ -26,6 +26,7 @@ from service.schemas import (
 )  # fmt: skip
 from workers import memory
 from workers.memory import GB
+from workers.records import finite_or_none
 
 ACTIVE = ("starting", "running", "restarting")
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -260,10 +261,8 @@ def job_public(job: Job, *, position: int | None, principal: Principal) -> JobPu
 
 
 def _finite(row: dict | None) -> dict | None:
-    """JSON has no inf or nan: such values (an fp16 overflow's grad_norm) become null."""
-    if row is None:
-        return None
-    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+    """A row stored before non-finite values were nulled on the way in (JSON has no inf or nan)."""
+    return None if row is None else {k: finite_or_none(v) for k, v in row.items()}
 
 
 def list_jobs(

@@ -4,19 +4,16 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import re
 import shutil
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from service.config import Settings
 from service.models import Job
-from service.schemas import JobSpec, TextDataSpec
-from workers.data import SyntheticSpec, TextSpec
-from workers.train import OptimizerSpec, TrainConfig
+from service.schemas import JobSpec
+from workers.records import MetricRow, RankError
 
 log = logging.getLogger(__name__)
 _ALL_STEPS = 2**62
@@ -34,29 +31,6 @@ def supervisor_name(job_id: int, attempt: int = 0) -> str:
 
 
 _NAME = re.compile(r"zero1-job-(\d+)-a(\d+)")
-
-
-def train_config(
-    spec: JobSpec, *, checkpoint_dir: str, keep_last: int = 0, resume: bool = True, data_roots: Sequence[str] = ()
-) -> TrainConfig:
-    """The workers' view of a job spec. A text job carries the data roots, resolved here (a
-    relative root is under the service's working directory), for the ranks to check again
-    where they read the file: none given, they read none."""
-    if isinstance(spec.data, TextDataSpec):
-        data = TextSpec(path=spec.data.path, roots=tuple(os.path.realpath(root) for root in data_roots))
-    else:
-        data = SyntheticSpec(branching=spec.data.branching)
-    opt = spec.optimizer
-    return TrainConfig(
-        model=spec.model.to_spec(), steps=spec.steps, data=data, precision=spec.precision,
-        optimizer=OptimizerSpec(lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay,
-                                max_grad_norm=opt.max_grad_norm, overlap_comm=opt.overlap_comm,
-                                bucket_cap_mb=opt.bucket_cap_mb),  # fmt: skip
-        micro_batch_size=spec.micro_batch_size, global_batch_size=spec.global_batch_size, seq_len=spec.seq_len,
-        seed=spec.seed, checkpoint_every=spec.checkpoint_every, checkpoint_dir=checkpoint_dir, keep_last=keep_last,
-        activation_checkpointing=spec.activation_checkpointing, max_nonfinite_steps=spec.max_nonfinite_steps,
-        resume=resume,
-    )  # fmt: skip
 
 
 class RayLauncher:
@@ -107,7 +81,7 @@ class RayLauncher:
         self._storage_checked_at = time.monotonic()
         return self._storage_problems
 
-    def checkpointed_metrics(self, job: Job, *, after_step: int) -> list[dict[str, Any]]:
+    def checkpointed_metrics(self, job: Job, *, after_step: int) -> list[MetricRow]:
         """Rows saved with the job's checkpoints after `after_step` (see workers.checkpoints)."""
         from workers.checkpoints import checkpointed_metrics
 
@@ -144,9 +118,9 @@ class RayLauncher:
         twice. The supervisor places the ranks in the background; poll() reports how it went."""
         from workers.actors import JobSupervisor, Placement
 
-        config = train_config(
-            JobSpec.model_validate(job.spec), checkpoint_dir=str(self.checkpoint_dir(job)),
-            keep_last=self.settings.checkpoint_keep_last, resume=job.attempt > 0, data_roots=self.settings.data_roots,
+        config = JobSpec.model_validate(job.spec).to_config(
+            checkpoint_dir=str(self.checkpoint_dir(job)), keep_last=self.settings.checkpoint_keep_last,
+            resume=job.attempt > 0, data_roots=self.settings.data_roots,
         )  # fmt: skip
         placement = Placement(
             num_workers=job.num_gpus, cpus_per_worker=self.settings.cpus_per_worker,
@@ -278,5 +252,4 @@ def _unknown() -> dict[str, Any]:
 
 
 def _lost(message: str) -> dict[str, Any]:
-    return {"status": "lost", "metrics": [], "nodes": [],
-            "error": {"rank": None, "node_id": None, "exception": "SupervisorLost", "message": message}}  # fmt: skip
+    return {"status": "lost", "metrics": [], "nodes": [], "error": RankError(exception="SupervisorLost", message=message)}

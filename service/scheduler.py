@@ -15,7 +15,6 @@ start ends in one state: cancelled before the start commits, or flagged and stop
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -30,33 +29,27 @@ from service.db import Database
 from service.jobs import ACTIVE, gpus_in_use, transition
 from service.launcher import RayLauncher
 from service.models import Job, Metric
+from workers.records import STORED_FIELDS, MetricRow, RankError
 
 log = logging.getLogger(__name__)
 
 _ALL_STEPS = 2**62
-_METRIC_FIELDS = ("step", "loss", "grad_norm", "loss_scale", "skipped", "step_time_s", "tokens_per_s",
-                  "mem_peak_bytes", "mem_planned_bytes")  # fmt: skip
 
 
-def store_metrics(session: Session, job: Job, rows: list[dict[str, Any]]) -> int:
+def store_metrics(session: Session, job: Job, rows: list[MetricRow]) -> int:
     """Insert one attempt's rows (a row already stored is skipped), note the latest on the job;
     the number of rows given."""
     if not rows:
         return 0
-    values = [{**{k: _finite(row[k]) for k in _METRIC_FIELDS}, "job_id": job.id, "attempt": job.attempt}
-              for row in rows]  # fmt: skip
+    values = [{**row.stored(), "job_id": job.id, "attempt": job.attempt} for row in rows]
     dialect = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite
     statement = dialect.insert(Metric).on_conflict_do_nothing(index_elements=["job_id", "attempt", "step"])
     session.execute(statement, values)
-    last = max(values, key=lambda v: v["step"])
-    if job.step is None or last["step"] >= job.step:
-        job.step = last["step"]
-        job.latest = {k: last[k] for k in _METRIC_FIELDS}
+    last = max(rows, key=lambda row: row.step)
+    if job.step is None or last.step >= job.step:
+        job.step = last.step
+        job.latest = last.stored()
     return len(values)
-
-
-def _finite(value: Any) -> Any:
-    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +163,7 @@ class Scheduler:
             self._fail_alone(job, exc)
 
     def _fail_alone(self, job: Job, exc: Exception) -> None:
-        error = {"rank": None, "node_id": None, "exception": type(exc).__name__, "message": str(exc)}
+        error = RankError.of(exc)
         reason = f"the scheduler could not handle this job: {type(exc).__name__}: {exc}"
         try:
             self._settle(job, lambda session, fresh: self._end(session, fresh, "failed", reason, error=error))
@@ -234,20 +227,20 @@ class Scheduler:
 
     def _end(
         self, session: Session, job: Job, status: str, reason: str, *,
-        error: dict[str, Any] | None = None, rows: list[dict[str, Any]] = (),
+        error: RankError | None = None, rows: list[MetricRow] = (),
     ) -> _Settled | None:  # fmt: skip
         """A terminal transition; None if the job changed status under us (nothing to do after)."""
         store_metrics(session, job, list(rows))
         if error is not None:
-            job.error = error
+            job.error = error.to_json()
         if not transition(session, job, status, reason):
             return None
         return _Settled(stored_through=_ALL_STEPS, ended=True)  # never relaunched: no saved row is needed
 
-    def _on_failure(self, session: Session, job: Job, error: dict[str, Any] | None) -> _Settled | None:
+    def _on_failure(self, session: Session, job: Job, error: RankError | None) -> _Settled | None:
         """Retry from the last checkpoint while max_retries allows, else fail with the cause."""
         max_retries = job.spec.get("max_retries", 0)
-        cause = _failure_reason(error)
+        cause = "failed" if error is None else error.reason()
         if job.num_retries >= max_retries:
             spent = f" after {job.num_retries} of max_retries {max_retries}" if max_retries else ""
             return self._end(session, job, "failed", f"{cause}{spent}", error=error)
@@ -261,7 +254,7 @@ class Scheduler:
         # rows up to the checkpoint that never reached the database (Ray stopped with the service)
         # were saved with the checkpoint: store them, or the surviving curve would have a gap
         saved = self.launcher.checkpointed_metrics(job, after_step=_after(job))
-        store_metrics(session, job, [row for row in saved if row["step"] < resume])
+        store_metrics(session, job, [row for row in saved if row.step < resume])
         supersede_after(session, job, resume_step=resume)
         where = f"checkpoint step {resume - 1}" if resume else "the start (no checkpoint yet)"
         if job.status != "restarting" and not transition(
@@ -278,7 +271,7 @@ class Scheduler:
             self.launcher.launch(job)
         except Exception as exc:  # noqa: BLE001 - the queue goes on without it
             log.exception("job %s: %s failed", job.id, what)
-            error = {"rank": None, "node_id": None, "exception": type(exc).__name__, "message": str(exc)}
+            error = RankError.of(exc)
             reason = f"{'dispatch to Ray' if what == 'dispatch' else what} failed: {type(exc).__name__}: {exc}"
             self._settle(job, lambda session, fresh: self._end(session, fresh, "failed", reason, error=error))
 
@@ -325,25 +318,18 @@ def supersede_after(session: Session, job: Job, *, resume_step: int) -> None:
         .order_by(Metric.step.desc()).limit(1)
     )  # fmt: skip
     job.step = None if last is None else last.step
-    job.latest = None if last is None else {k: getattr(last, k) for k in _METRIC_FIELDS}
+    job.latest = None if last is None else {k: getattr(last, k) for k in STORED_FIELDS}
 
 
-def _start_timeout(job: Job, timeout_s: float) -> dict[str, Any]:
+def _start_timeout(job: Job, timeout_s: float) -> RankError:
     message = (
         f"attempt {job.attempt} did not start within {timeout_s:g} s (ZERO1_START_TIMEOUT_S): its ranks were "
         "not all placed and running"
     )
-    return {"rank": None, "node_id": None, "exception": "StartTimeout", "message": message}
+    return RankError(exception="StartTimeout", message=message)
 
 
 def _running_reason(job: Job, *, nodes: int) -> str:
     if job.status == "restarting":
         return f"attempt {job.attempt}: {job.num_gpus} ranks placed on {nodes} node(s), resumed"
     return f"{job.num_gpus} ranks placed on {nodes} node(s) and training"
-
-
-def _failure_reason(error: dict[str, Any] | None) -> str:
-    if not error:
-        return "failed"
-    where = f"rank {error['rank']} on node {error['node_id']}: " if error.get("rank") is not None else ""
-    return f"{where}{error.get('exception')}: {error.get('message')}"

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Sequence
 from datetime import datetime
 from decimal import Decimal
 from typing import Annotated, Literal
@@ -12,6 +14,7 @@ from pydantic import (
 )  # fmt: skip
 
 from workers import limits, memory
+from workers.config import OptimizerSpec, SyntheticSpec, TextSpec, TrainConfig, default_of
 
 Precision = Literal["fp16", "bf16", "fp32"]
 OptimizerName = Literal["adamw", "adam", "sgd_momentum", "sgd"]
@@ -195,7 +198,12 @@ class SyntheticDataSpec(_Body):
     """A random Markov chain over the vocabulary (GPT) or a random teacher's labels (MLP)."""
 
     kind: Literal["synthetic"]
-    branching: Int = Field(4, ge=1, le=1_000_000, description="Successors per token: lower is easier.")
+    branching: Int = Field(
+        default_of(SyntheticSpec, "branching"), ge=1, le=1_000_000, description="Successors per token: lower is easier."
+    )
+
+    def to_spec(self, *, data_roots: Sequence[str] = ()) -> SyntheticSpec:  # noqa: ARG002 - one signature for every kind
+        return SyntheticSpec(branching=self.branching)
 
 
 class TextDataSpec(_Body):
@@ -204,27 +212,43 @@ class TextDataSpec(_Body):
     kind: Literal["text"]
     path: Text = Field(min_length=1, max_length=4096)
 
+    def to_spec(self, *, data_roots: Sequence[str] = ()) -> TextSpec:
+        """With the data roots resolved here (a relative root is under the service's working directory),
+        for the ranks to check again where they read the file: none given, they read none."""
+        return TextSpec(path=self.path, roots=tuple(os.path.realpath(root) for root in data_roots))
+
 
 DataSpec = Annotated[SyntheticDataSpec | TextDataSpec, Field(discriminator="kind")]
 DATA_KINDS = ("synthetic", "text")
 
 
+def _opt(name: str):
+    return default_of(OptimizerSpec, name)
+
+
 class OptimizerConfig(_Body):
-    lr: Float = Field(3e-4, gt=0, le=10, allow_inf_nan=False)
+    lr: Float = Field(_opt("lr"), gt=0, le=10, allow_inf_nan=False)
     betas: tuple[Annotated[Float, Field(ge=0, lt=1, allow_inf_nan=False)],
-                 Annotated[Float, Field(ge=0, lt=1, allow_inf_nan=False)]] = (0.9, 0.95)  # fmt: skip
-    eps: Float = Field(1e-8, ge=0, le=1, allow_inf_nan=False)
-    weight_decay: Float = Field(0.1, ge=0, le=10, allow_inf_nan=False)
-    max_grad_norm: Float | None = Field(1.0, gt=0, le=1e6, allow_inf_nan=False)
+                 Annotated[Float, Field(ge=0, lt=1, allow_inf_nan=False)]] = _opt("betas")  # fmt: skip
+    eps: Float = Field(_opt("eps"), ge=0, le=1, allow_inf_nan=False)
+    weight_decay: Float = Field(_opt("weight_decay"), ge=0, le=10, allow_inf_nan=False)
+    max_grad_norm: Float | None = Field(_opt("max_grad_norm"), gt=0, le=1e6, allow_inf_nan=False)
     overlap_comm: Bool = Field(
-        False,
+        _opt("overlap_comm"),
         description="Send each gradient bucket's reduce during the backward (ZeRO1AdamW's overlap_comm; "
-        "off by default: README, 'The ZeRO-1 optimizer').",
+        "off by default: docs/optimizer.md).",
     )
     bucket_cap_mb: Float = Field(
-        limits.DEFAULT_BUCKET_CAP_MB, ge=limits.MIN_BUCKET_CAP_MB, le=4096, allow_inf_nan=False,
+        _opt("bucket_cap_mb"), ge=limits.MIN_BUCKET_CAP_MB, le=4096, allow_inf_nan=False,
         description=f"Largest gradient bucket, MiB (at least {limits.MIN_BUCKET_CAP_MB:g}).",
     )  # fmt: skip
+
+    def to_spec(self) -> OptimizerSpec:
+        return OptimizerSpec(**self.model_dump() | {"betas": tuple(self.betas)})
+
+
+def _train(name: str):
+    return default_of(TrainConfig, name)
 
 
 class JobSpec(_Body):
@@ -234,20 +258,22 @@ class JobSpec(_Body):
     model: ModelSpec
     data: DataSpec = SyntheticDataSpec(kind="synthetic")
     num_gpus: Int = Field(ge=1, le=MAX_NUM_GPUS, description="Data-parallel world size N.")
-    precision: Precision = "bf16"
+    precision: Precision = _train("precision")
     optimizer: OptimizerConfig = OptimizerConfig()
     steps: Int = Field(ge=1, le=100_000_000)
-    micro_batch_size: Int = Field(1, ge=1, le=1_000_000)
+    micro_batch_size: Int = Field(_train("micro_batch_size"), ge=1, le=1_000_000)
     global_batch_size: Int | None = Field(
         None, ge=1, le=100_000_000, description="Default micro_batch_size x num_gpus; more accumulates gradients."
     )
     seq_len: Int | None = Field(None, ge=1, le=100_000_000, description="GPT only; default block_size.")
-    activation_checkpointing: Bool = False
-    seed: Int = Field(0, ge=0, le=2**63 - 1)
-    checkpoint_every: Int = Field(0, ge=0, le=100_000_000, description="0: a checkpoint at the end only.")
+    activation_checkpointing: Bool = _train("activation_checkpointing")
+    seed: Int = Field(_train("seed"), ge=0, le=2**63 - 1)
+    checkpoint_every: Int = Field(
+        _train("checkpoint_every"), ge=0, le=100_000_000, description="0: a checkpoint at the end only."
+    )
     max_retries: Int = Field(0, ge=0, le=100)
     max_nonfinite_steps: Int = Field(
-        limits.DEFAULT_MAX_NONFINITE_STEPS, ge=1, le=1_000_000,
+        _train("max_nonfinite_steps"), ge=1, le=1_000_000,
         description="Steps in a row with a nan or inf gradient norm (each skipped) after which the job fails; "
         "fp16's loss scaler may skip up to 16 in a row at the start.",
     )  # fmt: skip
@@ -271,6 +297,19 @@ class JobSpec(_Body):
         if num_params > memory.MAX_NUM_PARAMS:
             raise ValueError(f"model has {num_params:,} parameters, above the limit of {memory.MAX_NUM_PARAMS:,}")
         return self
+
+    def to_config(
+        self, *, checkpoint_dir: str, keep_last: int = 0, resume: bool = True, data_roots: Sequence[str] = ()
+    ) -> TrainConfig:
+        """The workers' view of this job: every field converted once, here."""
+        return TrainConfig(
+            model=self.model.to_spec(), steps=self.steps, data=self.data.to_spec(data_roots=data_roots),
+            precision=self.precision, optimizer=self.optimizer.to_spec(), micro_batch_size=self.micro_batch_size,
+            global_batch_size=self.global_batch_size, seq_len=self.seq_len, seed=self.seed,
+            checkpoint_every=self.checkpoint_every, checkpoint_dir=checkpoint_dir, keep_last=keep_last,
+            activation_checkpointing=self.activation_checkpointing, max_nonfinite_steps=self.max_nonfinite_steps,
+            resume=resume,
+        )  # fmt: skip
 
     def plan_request(self) -> PlanRequest:
         """The capacity plan this job is admitted by: ZeRO stage 1 at N = num_gpus."""

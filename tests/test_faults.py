@@ -395,7 +395,7 @@ def test_shutdown_drains_the_rows_the_supervisors_hold(ray_cluster, tmp_path):
         supervisor = ray.get_actor(supervisor_name(job_id, 0), namespace=settings.ray_namespace)
         held = wait_for(lambda: ray.get(supervisor.poll.remote(stored)), lambda s: len(s["metrics"]) >= 20,
                         what="rows the database does not have")  # fmt: skip
-        held_steps = [row["step"] for row in held["metrics"]]
+        held_steps = [row.step for row in held["metrics"]]
         assert held_steps[0] == stored + 1
     try:
         rows = metric_rows(settings.database_url, job_id)

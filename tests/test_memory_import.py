@@ -1,5 +1,6 @@
-"""The planner, and the job limits the API shares with the workers, load with the standard library
-alone: no torch, no Ray, no pydantic."""
+"""The planner, and what the API shares with the workers (a job's configuration and limits, the rows
+and errors ranks report, the checkpoint layout), load with the standard library alone: no torch,
+no Ray, no pydantic. And the API process itself never loads torch."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from workers.memory import GB, Workload, plan
 result = plan(Workload.from_num_params(7_500_000_000), num_gpus=64, gpu_memory_bytes=80 * GB)
 assert result.per_gpu.total_bytes == 31_406_250_000, result
 import workers.limits  # service/schemas.py takes its defaults and bounds from there
+import workers.config, workers.records, workers.checkpoints  # the control plane builds and reads these
 loaded = sorted(m for m in sys.modules if m.partition(".")[0] in {"torch", "ray", "pydantic", "numpy"})
 assert not loaded, loaded
 print("ok")
@@ -38,3 +40,33 @@ def test_memory_model_imports_only_the_standard_library():
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+_API = r"""
+import sys
+import service.main, service.cli
+from service.main import create_app
+create_app()  # the routes, the dashboard, the settings: still no torch
+print(sorted(m for m in sys.modules if m.partition(".")[0] == "torch"))
+"""
+
+
+def test_the_api_process_does_not_import_torch():
+    """Plans, lists and submits need no torch: only Ray workers load it (340 MB of RSS otherwise)."""
+    out = subprocess.run([sys.executable, "-c", _API], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_embedded_cluster_counts_gpus_without_torch(tmp_path, monkeypatch):
+    from service.cluster import _cuda_device_count
+
+    driver = tmp_path / "gpus"
+    assert _cuda_device_count(str(driver)) == 0  # no driver: logical GPUs instead
+    for bus in ("0000:17:00.0", "0000:65:00.0", "0000:ca:00.0"):
+        (driver / bus).mkdir(parents=True)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert _cuda_device_count(str(driver)) == 3
+    for visible, count in (("0,2", 2), ("1,-1,2", 1), ("", 0), ("GPU-8d1f", 1), ("0,1,2,3", 3)):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        assert _cuda_device_count(str(driver)) == count, visible

@@ -268,8 +268,11 @@ def _as(db: Database, job_id: int, *path: str) -> None:
 
 
 def _stand_in(settings, job_id: int, status: str):
-    return StandInSupervisor.options(name=supervisor_name(job_id, 0), namespace=settings.ray_namespace,
-                                     lifetime="detached").remote(status)  # fmt: skip
+    """The stand-in, once it answers (its process started: a first poll then never times out)."""
+    supervisor = StandInSupervisor.options(name=supervisor_name(job_id, 0), namespace=settings.ray_namespace,
+                                           lifetime="detached").remote(status)  # fmt: skip
+    assert ray.get(supervisor.ping.remote(), timeout=60) == status
+    return supervisor
 
 
 def test_a_supervisor_that_does_not_answer_in_time_is_asked_again_not_taken_for_dead(bare):

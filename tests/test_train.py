@@ -23,6 +23,7 @@ from workers.checkpoints import checkpointed_metrics, discard_stored_metrics, la
 from workers.data import MAX_TEXT_BYTES, Batches, MarkovSource, SyntheticSpec, TextSpec, _open_nofollow, read_text
 from workers.memory import GPTSpec, MLPSpec, Workload, breakdown
 from workers.models import build_model, saved_activation_bytes
+from workers.records import MetricRow
 from workers.train import NonFiniteError, OptimizerSpec, TrainConfig, save_checkpoint, train
 
 SMALL = GPTSpec(vocab_size=64, n_layer=2, n_head=2, n_embd=32, block_size=32)
@@ -217,38 +218,38 @@ def test_a_component_swapped_for_a_symlink_after_the_check_is_not_followed(data_
 
 
 def test_the_launcher_passes_the_data_roots_resolved(tmp_path, monkeypatch, data_root):
-    from service.launcher import train_config  # noqa: PLC0415
     from service.schemas import JobSpec  # noqa: PLC0415
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "elsewhere")
     spec = JobSpec.model_validate(job_body(data={"kind": "text", "path": str(data_root / "corpus.txt")}))
-    config = train_config(spec, checkpoint_dir="unused", data_roots=["data", str(tmp_path / "link")])
+    config = spec.to_config(checkpoint_dir="unused", data_roots=["data", str(tmp_path / "link")])
     assert config.data == TextSpec(path=str(data_root / "corpus.txt"),
                                    roots=(str(data_root), str(tmp_path / "elsewhere")))  # fmt: skip
-    assert train_config(spec, checkpoint_dir="unused").data.roots == ()  # none given: nothing is read
+    assert spec.to_config(checkpoint_dir="unused").data.roots == ()  # none given: nothing is read
 
 
 def test_training_reports_every_metric_and_its_planned_memory():
     cfg = TrainConfig(model=SMALL, steps=3, precision="bf16", micro_batch_size=4, global_batch_size=8)
-    rows: list[dict] = []
+    rows: list[MetricRow] = []
     result = train(cfg, on_metrics=rows.append)
     assert (result.first_step, result.last_step, result.cancelled) == (0, 2, False)
-    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r.step for r in rows] == [0, 1, 2]
     keys = {"step", "rank", "loss", "grad_norm", "loss_scale", "skipped", "step_time_s", "tokens_per_s",
             "mem_peak_bytes", "mem_planned_bytes"}  # fmt: skip
-    assert all(set(r) == keys for r in rows)
+    assert all(set(r.to_json()) == keys and r.rank == 0 for r in rows)
     plan = breakdown(Workload.from_model(SMALL, precision="bf16", micro_batch_size=4), num_gpus=1, stage=1)
-    assert rows[0]["mem_planned_bytes"] == plan.total_bytes
-    assert rows[0]["mem_peak_bytes"] == pytest.approx(plan.total_bytes, rel=0.02)
-    assert rows[0]["tokens_per_s"] == pytest.approx(8 * 32 / rows[0]["step_time_s"])
+    assert rows[0].mem_planned_bytes == plan.total_bytes
+    (peak,) = rows[0].mem_peak_bytes  # this rank's own
+    assert peak == pytest.approx(plan.total_bytes, rel=0.02)
+    assert rows[0].tokens_per_s == pytest.approx(8 * 32 / rows[0].step_time_s)
 
 
 def test_fp16_training_uses_loss_scaling():
-    rows: list[dict] = []
+    rows: list[MetricRow] = []
     train(TrainConfig(model=SMALL, steps=2, precision="fp16"), on_metrics=rows.append)
-    assert rows[0]["loss_scale"] == 2.0**16 and all(math.isfinite(r["loss"]) for r in rows)
+    assert rows[0].loss_scale == 2.0**16 and all(math.isfinite(r.loss) for r in rows)
 
 
 def final_state(root: Path) -> dict:
@@ -265,7 +266,7 @@ def test_a_stopped_run_resumes_from_its_last_complete_checkpoint(tmp_path):
 
     stopped = TrainConfig(**base, checkpoint_dir=str(tmp_path / "stopped"))
     seen: list[int] = []
-    result = train(stopped, on_metrics=lambda row: seen.append(row["step"]), should_stop=lambda: len(seen) == 8)
+    result = train(stopped, on_metrics=lambda row: seen.append(row.step), should_stop=lambda: len(seen) == 8)
     assert result.cancelled and result.last_step == 7
     assert latest_checkpoint(tmp_path / "stopped") == (4, 1)
     resumed = train(stopped)
@@ -286,13 +287,13 @@ def test_an_incomplete_checkpoint_is_ignored(tmp_path):
 def test_a_torn_checkpoint_marker_or_rows_file_is_skipped_not_raised(tmp_path):
     """A marker or rows file cut short (a write a crash lost) makes that checkpoint not count:
     the one before it is used, and no reader raises (the control plane reads these every relaunch)."""
-    rows: list[dict] = []
+    rows: list[MetricRow] = []
     cfg = TrainConfig(model=SMALL, steps=4, precision="fp32", checkpoint_every=2, checkpoint_dir=str(tmp_path))
     train(cfg, on_metrics=rows.append)
     (tmp_path / "step-000000003" / "complete.json").write_text('{"step": 3, "wor')
     (tmp_path / "step-000000001" / "rank-00000-of-00001.metrics.json").write_text('[{"step": 0, ')
     assert latest_checkpoint(tmp_path) == (1, 1)
-    assert [row["step"] for row in checkpointed_metrics(tmp_path, after_step=-1)] == [2, 3]
+    assert [row.step for row in checkpointed_metrics(tmp_path, after_step=-1)] == [2, 3]
     assert train(cfg).first_step == 2
 
 
@@ -336,9 +337,9 @@ def test_keep_last_prunes_older_checkpoints_and_a_crashs_leftovers(tmp_path):
     assert sorted(p.parent.name for p in tmp_path.glob("step-*/complete.json")) == ["step-000000007", "step-000000009"]
     # the pruned ones keep only their rows, until the control plane says they are stored
     assert sorted(p.parent.name for p in tmp_path.glob("step-*/pruned.json")) == [f"step-00000000{s}" for s in (1, 3, 5)]
-    assert [row["step"] for row in checkpointed_metrics(tmp_path, after_step=-1)] == list(range(10))
+    assert [row.step for row in checkpointed_metrics(tmp_path, after_step=-1)] == list(range(10))
     assert discard_stored_metrics(tmp_path, through_step=4) == [1, 3]
-    assert [row["step"] for row in checkpointed_metrics(tmp_path, after_step=-1)] == list(range(4, 10))
+    assert [row.step for row in checkpointed_metrics(tmp_path, after_step=-1)] == list(range(4, 10))
     assert discard_stored_metrics(tmp_path, through_step=9) == [5]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000007", "step-000000009"]
     with pytest.raises(ValueError, match=r"keep_last \(-1\) >= 0"):
@@ -347,23 +348,23 @@ def test_keep_last_prunes_older_checkpoints_and_a_crashs_leftovers(tmp_path):
 
 def test_a_relaunch_reads_back_rows_whose_checkpoints_were_pruned_before_they_were_stored(tmp_path):
     """The ranks run ahead of the control plane; keep_last must not cost it rows it never got."""
-    rows: list[dict] = []
+    rows: list[MetricRow] = []
     cfg = TrainConfig(model=SMALL, steps=12, precision="fp32", checkpoint_every=2, checkpoint_dir=str(tmp_path),
                       keep_last=1)  # fmt: skip
     train(cfg, on_metrics=rows.append)
     assert latest_checkpoint(tmp_path) == (11, 1)
     saved = checkpointed_metrics(tmp_path, after_step=2)  # the database stopped at step 2
-    assert [row["step"] for row in saved] == list(range(3, 12))
-    assert [row["loss"] for row in saved] == [row["loss"] for row in rows[3:]]
+    assert [row.step for row in saved] == list(range(3, 12))
+    assert [row.loss for row in saved] == [row.loss for row in rows[3:]]
 
 
 def test_the_rows_since_the_last_checkpoint_are_saved_with_it(tmp_path):
-    rows: list[dict] = []
+    rows: list[MetricRow] = []
     cfg = TrainConfig(model=SMALL, steps=7, precision="fp32", checkpoint_every=3, checkpoint_dir=str(tmp_path))
     train(cfg, on_metrics=rows.append)
-    merged = {k: v for k, v in rows[4].items() if k != "rank"} | {"mem_peak_bytes": [rows[4]["mem_peak_bytes"]]}
+    merged = MetricRow.merge({0: rows[4]})  # one rank: its own row, rank None
     saved = checkpointed_metrics(tmp_path, after_step=3)
-    assert [row["step"] for row in saved] == [4, 5, 6] and saved[0] == merged
+    assert [row.step for row in saved] == [4, 5, 6] and saved[0] == merged
     assert checkpointed_metrics(tmp_path, after_step=6) == []
 
 
@@ -388,14 +389,14 @@ def _nonfinite_training_fails(rank: int, world_size: int, root: str, precision: 
     workers.train.build_model = nan_loss_at(range(5, 10**6) if rank == 1 else range(0))  # a process of its own
     cfg = TrainConfig(model=TINY, steps=20, precision=precision, micro_batch_size=4, checkpoint_every=2,
                       checkpoint_dir=root, keep_last=2, max_nonfinite_steps=3)  # fmt: skip
-    rows: list[dict] = []
+    rows: list[MetricRow] = []
     message = (r"3 steps in a row had a non-finite gradient norm \(max_nonfinite_steps = 3\) at step 7: "
                r"steps 5-7 were skipped")  # fmt: skip
     with pytest.raises(NonFiniteError, match=message):
         train(cfg, rank=rank, world_size=world_size, on_metrics=rows.append)
-    assert [r["step"] for r in rows] == list(range(8))
-    assert [r["skipped"] for r in rows] == [False] * 5 + [True] * 3  # on both ranks
-    assert all(math.isfinite(r["grad_norm"]) for r in rows[:5]) and math.isnan(rows[5]["grad_norm"])
+    assert [r.step for r in rows] == list(range(8))
+    assert [r.skipped for r in rows] == [False] * 5 + [True] * 3  # on both ranks
+    assert all(math.isfinite(r.grad_norm) for r in rows[:5]) and math.isnan(rows[5].grad_norm)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
@@ -418,13 +419,13 @@ def test_a_checkpoint_due_at_a_skipped_step_is_written_at_the_next_clean_one(tmp
     monkeypatch.setattr(workers.train, "build_model", nan_loss_at(range(5, 6)))
     cfg = TrainConfig(model=TINY, steps=8, precision="bf16", micro_batch_size=4, checkpoint_every=2,
                       checkpoint_dir=str(tmp_path), max_nonfinite_steps=2)  # fmt: skip
-    rows: list[dict] = []
+    rows: list[MetricRow] = []
     train(cfg, on_metrics=rows.append)
-    assert [r["skipped"] for r in rows] == [False] * 5 + [True] + [False] * 2
+    assert [r.skipped for r in rows] == [False] * 5 + [True] + [False] * 2
     assert sorted(p.parent.name for p in tmp_path.glob("step-*/complete.json")) == [
         "step-000000001", "step-000000003", "step-000000006", "step-000000007"
     ]  # fmt: skip
-    assert [r["step"] for r in checkpointed_metrics(tmp_path, after_step=3)] == [4, 5, 6, 7]
+    assert [r.step for r in checkpointed_metrics(tmp_path, after_step=3)] == [4, 5, 6, 7]
 
 
 def _nonfinite_state_is_not_saved(rank: int, world_size: int, root: str) -> None:
@@ -453,7 +454,6 @@ def job_body(**overrides) -> dict:
 
 
 def test_max_nonfinite_steps_has_one_default_above_the_fp16_scalers_back_off():
-    from service.launcher import train_config  # noqa: PLC0415
     from service.schemas import JobSpec  # noqa: PLC0415
     from workers.optim import DynamicLossScaler  # noqa: PLC0415
 
@@ -466,4 +466,4 @@ def test_max_nonfinite_steps_has_one_default_above_the_fp16_scalers_back_off():
         TrainConfig(model=TINY, steps=1, max_nonfinite_steps=0)
     assert JobSpec.model_validate(job_body()).max_nonfinite_steps == limits.DEFAULT_MAX_NONFINITE_STEPS
     spec = JobSpec.model_validate(job_body(max_nonfinite_steps=7))
-    assert train_config(spec, checkpoint_dir="unused").max_nonfinite_steps == 7
+    assert spec.to_config(checkpoint_dir="unused").max_nonfinite_steps == 7

@@ -51,7 +51,7 @@ def wait_for(supervisor, *, until, timeout_s: float = 120.0) -> tuple[dict, list
     rows: list[dict] = []
     deadline = time.monotonic() + timeout_s
     while True:
-        state = ray.get(supervisor.poll.remote(rows[-1]["step"] if rows else -1))
+        state = ray.get(supervisor.poll.remote(rows[-1].step if rows else -1))
         rows += state["metrics"]
         if until(state, rows):
             return state, rows
@@ -64,7 +64,7 @@ def finished(state, rows) -> bool:
 
 
 def losses(rows: list[dict]) -> list[float]:
-    return [r["loss"] for r in sorted(rows, key=lambda r: r["step"])]
+    return [r.loss for r in sorted(rows, key=lambda r: r.step)]
 
 
 _ORPHAN = """
@@ -158,14 +158,14 @@ def test_a_small_gpt_learns_toward_the_source_entropy(ray_cluster, num_workers):
     cfg = config(micro_batch_size=16 // num_workers)
     state, rows = wait_for(start_job(cfg, num_workers=num_workers), until=finished)
     assert state["status"] == "succeeded", state["error"]
-    assert [r["step"] for r in rows] == list(range(200))  # every step, once, with every rank's memory
-    assert all(len(r["mem_peak_bytes"]) == num_workers for r in rows)
+    assert [r.step for r in rows] == list(range(200))  # every step, once, with every rank's memory
+    assert all(len(r.mem_peak_bytes) == num_workers for r in rows)
     curve = losses(rows)
     floor = floor_of(cfg)
     # from log(64) = 4.16 nats to within 0.3 nats of the Markov chain's entropy (1.07)
     assert curve[0] > 4.0 and max(curve[-10:]) < floor + 0.3, (curve[0], curve[-10:], floor)
     for row in rows:  # the planner's bytes and the measurement agree to 2% on every rank
-        assert row["mem_peak_bytes"] == pytest.approx([row["mem_planned_bytes"]] * num_workers, rel=0.02)
+        assert row.mem_peak_bytes == pytest.approx([row.mem_planned_bytes] * num_workers, rel=0.02)
 
 
 def test_world_size_1_and_2_give_the_same_loss_curve(ray_cluster):
@@ -174,7 +174,7 @@ def test_world_size_1_and_2_give_the_same_loss_curve(ray_cluster):
     train(cfg, on_metrics=single.append)  # one rank, two micro-batches per step
     state, rows = wait_for(start_job(cfg, num_workers=2), until=finished)
     assert state["status"] == "succeeded", state["error"]
-    torch.testing.assert_close(losses(rows), [r["loss"] for r in single], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(losses(rows), [r.loss for r in single], rtol=1e-5, atol=1e-6)
 
 
 def test_ranks_spread_over_two_nodes_match_one_node(ray_cluster):
@@ -192,9 +192,9 @@ def test_unplaceable_job_fails_within_its_timeout(ray_cluster):
     ray.get(supervisor.start.remote())  # never raises: the failure is the status poll() reports
     assert time.monotonic() - start < 10
     state = ray.get(supervisor.poll.remote())
-    assert state["status"] == "failed" and state["error"]["exception"] == PlacementError.__name__
+    assert state["status"] == "failed" and state["error"].exception == PlacementError.__name__
     assert re.fullmatch(r"could not place 5 ranks .* within 2 s: requested GPU=5, CPU=2.5; "
-                        r"available GPU=\d+, CPU=[\d.]+ of GPU=4, CPU=8", state["error"]["message"]), state["error"]
+                        r"available GPU=\d+, CPU=[\d.]+ of GPU=4, CPU=8", state["error"].message), state["error"]
 
 
 def test_ranks_that_do_not_start_in_time_fail_the_start_and_free_the_gpus(ray_cluster):
@@ -205,8 +205,8 @@ def test_ranks_that_do_not_start_in_time_fail_the_start_and_free_the_gpus(ray_cl
     ray.get(supervisor.start.remote(), timeout=60)
     state = ray.get(supervisor.poll.remote())
     assert state["status"] == "failed", state
-    assert state["error"]["exception"] == "RendezvousError" and state["error"]["rank"] is None
-    assert "did not all start within 0.001 s" in state["error"]["message"]
+    assert state["error"].exception == "RendezvousError" and state["error"].rank is None
+    assert "did not all start within 0.001 s" in state["error"].message
     wait_until(_gpus_free, lambda free: free == 4, what="the placement group's 2 GPUs back")
 
 
@@ -242,20 +242,20 @@ def test_a_killed_rank_fails_the_job_and_a_restart_resumes_exactly(ray_cluster, 
 
     cfg = config(steps=steps, checkpoint_every=10, checkpoint_dir=str(tmp_path / "killed"))
     supervisor = start_job(cfg, num_workers=2)
-    wait_for(supervisor, until=lambda state, rows: any(r["step"] >= 30 for r in rows))
+    wait_for(supervisor, until=lambda state, rows: any(r.step >= 30 for r in rows))
     ray.kill(ray.get(supervisor.worker.remote(1)))
     killed_at = time.monotonic()
     state, _ = wait_for(supervisor, until=finished, timeout_s=30)
     assert time.monotonic() - killed_at < 10, "the failure took more than a few seconds to surface"
     assert state["status"] == "failed"
-    assert state["error"]["rank"] == 1 and state["error"]["node_id"] == state["nodes"][1]
-    assert state["error"]["exception"] == "ActorDiedError", state["error"]
+    assert state["error"].rank == 1 and state["error"].node_id == state["nodes"][1]
+    assert state["error"].exception == "ActorDiedError", state["error"]
     resumed_from = latest_checkpoint(tmp_path / "killed")[0] + 1
     assert 0 < resumed_from < steps
 
     state, rows = wait_for(start_job(cfg, num_workers=2, job_id="retry"), until=finished)
     assert state["status"] == "succeeded", state["error"]
-    assert min(r["step"] for r in rows) == resumed_from
+    assert min(r.step for r in rows) == resumed_from
     for resumed, uninterrupted in zip(final_shards(tmp_path / "killed"), final_shards(tmp_path / "reference")):
         for got, want in zip(resumed["buffers"], uninterrupted["buffers"]):
             for kind in ("master", "exp_avg", "exp_avg_sq"):

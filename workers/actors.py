@@ -22,8 +22,8 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from workers.checkpoints import merge_ranks
-from workers.train import TrainConfig, TrainResult
+from workers.config import TrainConfig
+from workers.records import MetricRow, RankError, TrainResult
 
 Strategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 _REPORT_EVERY_ROWS = 50
@@ -106,10 +106,10 @@ class _MetricsSink:
 
     def __init__(self, supervisor: Any, rank: int) -> None:
         self.supervisor, self.rank = supervisor, rank
-        self.rows: list[dict[str, Any]] = []
+        self.rows: list[MetricRow] = []
         self.sent_at = time.monotonic()
 
-    def __call__(self, row: dict[str, Any]) -> None:
+    def __call__(self, row: MetricRow) -> None:
         self.rows.append(row)
         if len(self.rows) >= _REPORT_EVERY_ROWS or time.monotonic() - self.sent_at >= _REPORT_EVERY_S:
             self.supervisor.report.remote(self.rank, self.rows)
@@ -169,10 +169,10 @@ class JobSupervisor:
     def __init__(self, job_id: str, config: TrainConfig, placement: Placement) -> None:
         self.job_id, self.config, self.placement = job_id, config, placement
         self.status = "starting"
-        self.error: dict[str, Any] | None = None
+        self.error: RankError | None = None
         self.results: dict[int, TrainResult] = {}
         self._lock = threading.Lock()
-        self._metrics: list[dict[str, Any]] = []
+        self._metrics: list[MetricRow] = []
         self._partial: dict[int, dict[int, dict[str, Any]]] = {}  # step -> rank -> row
         self._workers: list[Any] = []
         self._nodes: list[str] = []
@@ -237,14 +237,14 @@ class JobSupervisor:
             return
         threading.Thread(target=self._watch, args=(runs,), daemon=True, name=f"watch-{self.job_id}").start()
 
-    def report(self, rank: int, rows: list[dict[str, Any]]) -> None:
+    def report(self, rank: int, rows: list[MetricRow]) -> None:
         """Rows of one rank; a step is handed on once every rank has reported it."""
         with self._lock:
             for row in rows:
-                by_rank = self._partial.setdefault(row["step"], {})
+                by_rank = self._partial.setdefault(row.step, {})
                 by_rank[rank] = row
                 if len(by_rank) == self.placement.num_workers:
-                    self._metrics.append(merge_ranks(self._partial.pop(row["step"])))
+                    self._metrics.append(MetricRow.merge(self._partial.pop(row.step)))
 
     def poll(self, after_step: int = -1) -> dict[str, Any]:
         """Status, error, and the steps after `after_step` completed on every rank: one row a
@@ -254,7 +254,7 @@ class JobSupervisor:
         caller that failed to store a batch gets it again on its next poll.
         """
         with self._lock:
-            self._metrics = [row for row in self._metrics if row["step"] > after_step]
+            self._metrics = [row for row in self._metrics if row.step > after_step]
             return {"status": self.status, "error": self.error, "metrics": list(self._metrics),
                     "nodes": list(self._nodes)}  # fmt: skip
 
@@ -287,16 +287,11 @@ class JobSupervisor:
 
     def _fail(self, rank: int | None, exc: Exception) -> None:
         """Status "failed" with the cause (`rank` None: the start failed, no one rank), then free everything."""
-        cause = str(exc).strip().splitlines()
         with self._lock:
             if self.status != "cancelled":  # a cancel wins: its ranks were killed on purpose
                 self.status = "failed"
-                self.error = {
-                    "rank": rank,
-                    "node_id": self._nodes[rank] if rank is not None and rank < len(self._nodes) else None,
-                    "exception": type(exc).__name__,
-                    "message": cause[0] if cause else type(exc).__name__,
-                }
+                node_id = self._nodes[rank] if rank is not None and rank < len(self._nodes) else None
+                self.error = RankError.of(exc, rank=rank, node_id=node_id)
         self._release()
 
     def _release(self) -> None:

@@ -23,6 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from workers.records import MetricRow
+
 log = logging.getLogger(__name__)
 
 COMPLETE = "complete.json"
@@ -122,25 +124,18 @@ def discard_stored_metrics(root: Path, *, through_step: int) -> list[int]:
     return sorted(discarded)
 
 
-def checkpointed_metrics(root: Path, *, after_step: int) -> list[dict[str, Any]]:
+def checkpointed_metrics(root: Path, *, after_step: int) -> list[MetricRow]:
     """The rows (one per step, ranks merged) saved with the complete and pruned checkpoints of
     root for the steps after `after_step`, in step order."""
-    by_step: dict[int, dict[int, dict[str, Any]]] = {}
+    by_step: dict[int, dict[int, MetricRow]] = {}
     saved = {marker.parent for name in (COMPLETE, PRUNED) for marker in root.glob(f"step-*/{name}")}
     for directory in saved:
         if step_of(directory) <= after_step:
             continue
         for path in directory.glob("rank-*.metrics.json"):
-            for row in _read_json(path) or []:
-                if row["step"] > after_step:
-                    by_step.setdefault(row["step"], {})[row["rank"]] = row
-    # a step some rank's file lacks (torn) is left out rather than stored with a rank missing
+            for row in map(MetricRow.from_json, _read_json(path) or []):
+                if row.step > after_step:
+                    by_step.setdefault(row.step, {})[row.rank] = row
+    # a step without rank 0's row (its file torn) is left out: the global values are rank 0's
     complete = [step for step in sorted(by_step) if 0 in by_step[step]]
-    return [merge_ranks(by_step[step]) for step in complete]
-
-
-def merge_ranks(by_rank: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    """One step's row: rank 0's global values, with every rank's mem_peak_bytes as a list."""
-    row = {k: v for k, v in by_rank[0].items() if k != "rank"}
-    row["mem_peak_bytes"] = [by_rank[rank]["mem_peak_bytes"] for rank in sorted(by_rank)]
-    return row
+    return [MetricRow.merge(by_step[step]) for step in complete]

@@ -11,17 +11,15 @@ import errno
 import io
 import os
 import stat
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from workers.config import MAX_TEXT_BYTES, DataSource, SyntheticSpec, TextSpec
 from workers.memory import GPTSpec, MLPSpec
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, step, index) over 63 bits
-MAX_TEXT_BYTES = 1 << 30
-"""Largest text file a rank reads by default (1 GiB: enwik9 fits)."""
 _READ_CHUNK_BYTES = 1 << 20
 
 
@@ -30,37 +28,6 @@ def sample_seed(seed: int, step: int, index: int) -> int:
     return ((seed * _MIX + step) * _MIX + index) % (1 << 63)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SyntheticSpec:
-    """A random Markov chain over the vocabulary (GPT), or a random linear
-    teacher's labels (MLP): learnable, with a known floor for the loss."""
-
-    branching: int = 4
-    """Successors each token can have (GPT); fewer means lower entropy."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TextSpec:
-    """Characters of a local UTF-8 file."""
-
-    path: str
-    roots: tuple[str, ...] | None = None
-    """Absolute directories the file must resolve into (symlinks followed), checked again where a
-    rank opens it: the service passes ZERO1_DATA_ROOTS. None: anywhere (a caller's own file)."""
-    max_bytes: int = MAX_TEXT_BYTES
-    """Largest file read, in bytes."""
-
-    def __post_init__(self) -> None:
-        if self.max_bytes < 1:
-            raise ValueError(f"need max_bytes ({self.max_bytes}) >= 1")
-        relative = [root for root in self.roots or () if not os.path.isabs(root)]
-        if relative:
-            raise ValueError(
-                f"data roots must be absolute (a rank's working directory is not the service's), got {relative}"
-            )
-
-
-DataSpec = SyntheticSpec | TextSpec
 
 
 class MarkovSource:
@@ -226,7 +193,7 @@ class Batches:
     """Rank r's micro-batches of each global batch."""
 
     def __init__(
-        self, *, model: GPTSpec | MLPSpec, data: DataSpec, seed: int, seq_len: int | None,
+        self, *, model: GPTSpec | MLPSpec, data: DataSource, seed: int, seq_len: int | None,
         global_batch_size: int, micro_batch_size: int, rank: int, world_size: int,
     ) -> None:  # fmt: skip
         per_rank, rest = divmod(global_batch_size, world_size)

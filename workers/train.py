@@ -12,95 +12,28 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from workers import limits, memory
+from workers import memory
 from workers.checkpoints import (
     COMPLETE, atomic_write, latest_checkpoint, prune_checkpoints, shard_file, step_dir, write_json,
 )  # fmt: skip
-from workers.data import Batches, DataSpec, SyntheticSpec
-from workers.memory import GPTSpec, MLPSpec
+from workers.config import OptimizerSpec, TrainConfig
+from workers.data import Batches
 from workers.models import ActivationMeter, build_model
 from workers.optim import ZeRO1AdamW, decay_param_groups
+from workers.records import MetricRow, TrainResult
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class OptimizerSpec:
-    lr: float = 3e-4
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    max_grad_norm: float | None = 1.0
-    overlap_comm: bool = False
-    """Send each gradient bucket's reduce during the backward (ZeRO1AdamW's overlap_comm)."""
-    bucket_cap_mb: float = limits.DEFAULT_BUCKET_CAP_MB
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TrainConfig:
-    """What one job trains; the same on every rank."""
-
-    model: GPTSpec | MLPSpec
-    steps: int
-    data: DataSpec = field(default_factory=SyntheticSpec)
-    precision: str = "bf16"
-    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
-    micro_batch_size: int = 1
-    global_batch_size: int | None = None
-    """Samples per step over all ranks; default micro_batch_size x world size
-    (more means gradient accumulation)."""
-    seq_len: int | None = None
-    """GPT only; default block_size."""
-    seed: int = 0
-    checkpoint_every: int = 0
-    """Steps between checkpoints; 0 checkpoints only at the end."""
-    checkpoint_dir: str | None = None
-    """Where checkpoints go; None keeps none."""
-    keep_last: int = 0
-    """Complete checkpoints kept (the newest ones); 0 keeps every one."""
-    activation_checkpointing: bool = False
-    resume: bool = True
-    """Resume from the latest complete checkpoint in checkpoint_dir. A job's first attempt
-    (False) starts from scratch, and refuses a directory that already holds checkpoints."""
-    max_nonfinite_steps: int = limits.DEFAULT_MAX_NONFINITE_STEPS
-    """Steps in a row with a nan or inf global gradient norm (each skipped: it changes nothing)
-    after which the run fails with NonFiniteError. Counted from 0 again after a resume."""
-
-    def __post_init__(self) -> None:
-        if self.precision not in DTYPES:
-            raise ValueError(f"precision must be one of {tuple(DTYPES)}, got {self.precision!r}")
-        if self.steps < 1 or self.micro_batch_size < 1 or self.checkpoint_every < 0 or self.keep_last < 0:
-            raise ValueError(
-                f"need steps ({self.steps}) >= 1, micro_batch_size ({self.micro_batch_size}) >= 1, "
-                f"checkpoint_every ({self.checkpoint_every}) >= 0, keep_last ({self.keep_last}) >= 0"
-            )
-        if self.max_nonfinite_steps < 1:
-            raise ValueError(f"need max_nonfinite_steps ({self.max_nonfinite_steps}) >= 1")
-
-    def global_batch(self, world_size: int) -> int:
-        return self.global_batch_size or self.micro_batch_size * world_size
 
 
 class NonFiniteError(RuntimeError):
     """The gradients stayed nan or inf for max_nonfinite_steps steps, or the optimizer state is
     not finite where a checkpoint would save it: the run fails rather than train on, or save, nothing."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TrainResult:
-    rank: int
-    first_step: int
-    """The step this run started at (> 0 after a resume)."""
-    last_step: int
-    """The last step completed; -1 if none."""
-    cancelled: bool
 
 
 def default_device() -> torch.device:
@@ -127,7 +60,7 @@ def train(
     world_size: int = 1,
     process_group: dist.ProcessGroup | None = None,
     device: torch.device | None = None,
-    on_metrics: Callable[[dict[str, Any]], None] = lambda row: None,
+    on_metrics: Callable[[MetricRow], None] = lambda row: None,
     should_stop: Callable[[], bool] = lambda: False,
 ) -> TrainResult:
     """Train `config` as `rank` of `world_size`, resuming from the latest complete checkpoint."""
@@ -161,7 +94,7 @@ def train(
         tokens_per_step=config.global_batch(world_size) * batches.seq_len,
     )  # fmt: skip
     last = first - 1
-    since_checkpoint: list[dict[str, Any]] = []
+    since_checkpoint: list[MetricRow] = []
     skipped = 0  # steps skipped in a row (nan/inf norm); a resumed run counts from 0 again
     due = False
     for step in range(first, config.steps):
@@ -184,18 +117,18 @@ def train(
     return TrainResult(rank=rank, first_step=first, last_step=last, cancelled=False)
 
 
-def _count_skipped(skipped: int, row: dict[str, Any], *, limit: int) -> int:
+def _count_skipped(skipped: int, row: MetricRow, *, limit: int) -> int:
     """Steps skipped in a row, this one included; NonFiniteError at `limit`. Every rank skips
     the same steps (the norm is all-reduced), so every rank raises at the same step."""
-    if not row["skipped"]:
+    if not row.skipped:
         return 0
     skipped += 1
     if skipped >= limit:
-        step = row["step"]
+        step = row.step
         raise NonFiniteError(
             f"{skipped} steps in a row had a non-finite gradient norm (max_nonfinite_steps = {limit}) at step "
-            f"{step}: steps {step - skipped + 1}-{step} were skipped (grad_norm {row['grad_norm']}, loss "
-            f"{row['loss']}, loss_scale {row['loss_scale']}); lower the learning rate or check the data"
+            f"{step}: steps {step - skipped + 1}-{step} were skipped (grad_norm {row.grad_norm}, loss "
+            f"{row.loss}, loss_scale {row.loss_scale}); lower the learning rate or check the data"
         )
     return skipped
 
@@ -212,7 +145,7 @@ class _StepContext:
     planned_bytes: int
     tokens_per_step: int
 
-    def run_step(self, step: int) -> dict[str, Any]:
+    def run_step(self, step: int) -> MetricRow:
         start = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -242,18 +175,11 @@ class _StepContext:
         else:
             mem_peak = self.opt.model_state_bytes() + activation_peak
         step_time_s = time.perf_counter() - start
-        return {
-            "step": step,
-            "rank": self.rank,
-            "loss": loss_value,
-            "grad_norm": self.opt.grad_norm,
-            "loss_scale": self.opt.loss_scale,
-            "skipped": self.opt.skipped,
-            "step_time_s": step_time_s,
-            "tokens_per_s": self.tokens_per_step / step_time_s,
-            "mem_peak_bytes": mem_peak,
-            "mem_planned_bytes": self.planned_bytes,
-        }
+        return MetricRow(
+            step=step, rank=self.rank, loss=loss_value, grad_norm=self.opt.grad_norm, loss_scale=self.opt.loss_scale,
+            skipped=self.opt.skipped, step_time_s=step_time_s, tokens_per_s=self.tokens_per_step / step_time_s,
+            mem_peak_bytes=(mem_peak,), mem_planned_bytes=self.planned_bytes,
+        )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -261,7 +187,7 @@ class _StepContext:
 
 def save_checkpoint(
     opt: ZeRO1AdamW, root: Path, *, step: int, process_group: dist.ProcessGroup | None,
-    metrics: list[dict[str, Any]] = (), keep_last: int = 0,
+    metrics: list[MetricRow] = (), keep_last: int = 0,
 ) -> Path:
     """Every rank writes its shard and its metric rows since the last checkpoint; rank 0 then
     marks the step complete. The rows travel with the checkpoint: a control plane that lost
@@ -272,7 +198,7 @@ def save_checkpoint(
     state = opt.state_dict()
     shard = shard_file(root, step, opt.rank, opt.world_size)
     atomic_write(shard, lambda file: torch.save(state, file))
-    write_json(shard.with_suffix(".metrics.json"), list(metrics))
+    write_json(shard.with_suffix(".metrics.json"), [row.to_json() for row in metrics])
     if opt.world_size > 1:
         dist.barrier(group=process_group)  # every shard is in place before the checkpoint counts
     if opt.rank == 0:

@@ -1,0 +1,120 @@
+"""What a job asks of the workers: frozen dataclasses, the same on every rank, with their
+defaults and the checks that show the arithmetic.
+
+Standard library only: the control plane builds these from a job's API schema
+(service.schemas, JobSpec.to_config) without loading torch, and hands them to Ray.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
+
+from workers import limits, memory
+from workers.memory import GPTSpec, MLPSpec
+
+MAX_TEXT_BYTES = 1 << 30
+"""Largest text file a rank reads by default (1 GiB: enwik9 fits)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SyntheticSpec:
+    """A random Markov chain over the vocabulary (GPT), or a random linear
+    teacher's labels (MLP): learnable, with a known floor for the loss."""
+
+    branching: int = 4
+    """Successors each token can have (GPT); fewer means lower entropy."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TextSpec:
+    """Characters of a local UTF-8 file."""
+
+    path: str
+    roots: tuple[str, ...] | None = None
+    """Absolute directories the file must resolve into (symlinks followed), checked again where a
+    rank opens it: the service passes ZERO1_DATA_ROOTS. None: anywhere (a caller's own file)."""
+    max_bytes: int = MAX_TEXT_BYTES
+    """Largest file read, in bytes."""
+
+    def __post_init__(self) -> None:
+        if self.max_bytes < 1:
+            raise ValueError(f"need max_bytes ({self.max_bytes}) >= 1")
+        relative = [root for root in self.roots or () if not os.path.isabs(root)]
+        if relative:
+            raise ValueError(
+                f"data roots must be absolute (a rank's working directory is not the service's), got {relative}"
+            )
+
+
+DataSource = SyntheticSpec | TextSpec
+"""What a job trains on (DataSpec in the API's schemas, converted once)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OptimizerSpec:
+    lr: float = 3e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    max_grad_norm: float | None = 1.0
+    overlap_comm: bool = False
+    """Send each gradient bucket's reduce during the backward (ZeRO1AdamW's overlap_comm)."""
+    bucket_cap_mb: float = limits.DEFAULT_BUCKET_CAP_MB
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainConfig:
+    """What one job trains; the same on every rank."""
+
+    model: GPTSpec | MLPSpec
+    steps: int
+    data: DataSource = field(default_factory=SyntheticSpec)
+    precision: str = "bf16"
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    micro_batch_size: int = 1
+    global_batch_size: int | None = None
+    """Samples per step over all ranks; default micro_batch_size x world size
+    (more means gradient accumulation)."""
+    seq_len: int | None = None
+    """GPT only; default block_size."""
+    seed: int = 0
+    checkpoint_every: int = 0
+    """Steps between checkpoints; 0 checkpoints only at the end."""
+    checkpoint_dir: str | None = None
+    """Where checkpoints go; None keeps none."""
+    keep_last: int = 0
+    """Complete checkpoints kept (the newest ones); 0 keeps every one."""
+    activation_checkpointing: bool = False
+    resume: bool = True
+    """Resume from the latest complete checkpoint in checkpoint_dir. A job's first attempt
+    (False) starts from scratch, and refuses a directory that already holds checkpoints."""
+    max_nonfinite_steps: int = limits.DEFAULT_MAX_NONFINITE_STEPS
+    """Steps in a row with a nan or inf global gradient norm (each skipped: it changes nothing)
+    after which the run fails with NonFiniteError. Counted from 0 again after a resume."""
+
+    def __post_init__(self) -> None:
+        if self.precision not in memory.PRECISIONS:
+            raise ValueError(f"precision must be one of {memory.PRECISIONS}, got {self.precision!r}")
+        if self.steps < 1 or self.micro_batch_size < 1 or self.checkpoint_every < 0 or self.keep_last < 0:
+            raise ValueError(
+                f"need steps ({self.steps}) >= 1, micro_batch_size ({self.micro_batch_size}) >= 1, "
+                f"checkpoint_every ({self.checkpoint_every}) >= 0, keep_last ({self.keep_last}) >= 0"
+            )
+        if self.max_nonfinite_steps < 1:
+            raise ValueError(f"need max_nonfinite_steps ({self.max_nonfinite_steps}) >= 1")
+
+    def global_batch(self, world_size: int) -> int:
+        return self.global_batch_size or self.micro_batch_size * world_size
+
+
+def default_of(cls: type, name: str) -> Any:
+    """The default of dataclass `cls`'s field `name`: the API's schemas take their defaults from
+    here, so each default has one source."""
+    (found,) = [f for f in fields(cls) if f.name == name]
+    if found.default is not MISSING:
+        return found.default
+    if found.default_factory is not MISSING:
+        return found.default_factory()
+    raise ValueError(f"{cls.__name__}.{name} has no default")

@@ -1,0 +1,101 @@
+"""What ranks report: a metrics row per step, the error that ended an attempt, a run's result.
+
+One shape each, from the training loop through the supervisor (Ray pickles them), the
+checkpoint files (JSON) and the scheduler into the database and the API. Standard library only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+
+def finite_or_none(value: Any) -> Any:
+    """JSON and the database have no inf or nan: such a float (an fp16 overflow's grad_norm) is None."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MetricRow:
+    """One training step. A rank reports its own (`rank` set, its peak alone in mem_peak_bytes);
+    the supervisor merges a step's rows of every rank into one (`rank` None, rank 0's global
+    values, every rank's peak in rank order)."""
+
+    step: int
+    loss: float | None
+    """The global batch's mean loss (the same on every rank)."""
+    grad_norm: float | None
+    """The global gradient norm before clipping; nan or inf on a skipped step."""
+    loss_scale: float
+    skipped: bool
+    step_time_s: float
+    tokens_per_s: float
+    mem_peak_bytes: tuple[int, ...]
+    """Measured peak bytes, by rank."""
+    mem_planned_bytes: int
+    rank: int | None = None
+
+    @classmethod
+    def merge(cls, by_rank: dict[int, MetricRow]) -> MetricRow:
+        """One step's row from every rank's: rank 0's values, each rank's peak in rank order."""
+        peaks = tuple(peak for rank in sorted(by_rank) for peak in by_rank[rank].mem_peak_bytes)
+        return replace(by_rank[0], rank=None, mem_peak_bytes=peaks)
+
+    def to_json(self) -> dict[str, Any]:
+        """As written to a checkpoint's rows file (nan and inf kept: Python's json writes them)."""
+        return asdict(self) | {"mem_peak_bytes": list(self.mem_peak_bytes)}
+
+    @classmethod
+    def from_json(cls, row: dict[str, Any]) -> MetricRow:
+        """From to_json's dict; a rank's row of an older checkpoint has one int as mem_peak_bytes."""
+        peaks = row["mem_peak_bytes"]
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in row.items() if k in known}
+        return cls(**values | {"mem_peak_bytes": tuple(peaks) if isinstance(peaks, list) else (peaks,)})
+
+    def stored(self) -> dict[str, Any]:
+        """The database's columns (and a job's `latest`): the merged row, non-finite floats as null."""
+        return {k: finite_or_none(v) for k, v in self.to_json().items() if k != "rank"}
+
+
+STORED_FIELDS = tuple(f.name for f in fields(MetricRow) if f.name != "rank")
+"""The columns a stored row has, in order."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankError:
+    """Why an attempt ended: the exception's type and first line, and where (rank and node, when
+    one rank's failure ended it; None for a start, a supervisor or the control plane)."""
+
+    exception: str
+    message: str
+    rank: int | None = None
+    node_id: str | None = None
+
+    @classmethod
+    def of(cls, exc: BaseException, *, rank: int | None = None, node_id: str | None = None) -> RankError:
+        lines = str(exc).strip().splitlines()
+        return cls(exception=type(exc).__name__, message=lines[0] if lines else type(exc).__name__, rank=rank,
+                   node_id=node_id)  # fmt: skip
+
+    def to_json(self) -> dict[str, Any]:
+        """As a job's `error` stores it."""
+        return asdict(self)
+
+    def reason(self) -> str:
+        """The event text: where, then what."""
+        where = f"rank {self.rank} on node {self.node_id}: " if self.rank is not None else ""
+        return f"{where}{self.exception}: {self.message}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainResult:
+    """What a rank's run returns."""
+
+    rank: int
+    first_step: int
+    """The step this run started at (> 0 after a resume)."""
+    last_step: int
+    """The last step completed; -1 if none."""
+    cancelled: bool
