@@ -12,18 +12,16 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import helpers
 from conftest import make_settings
+from helpers import FAST, TERMINAL, TINY, wait_job
 from service.jobs import thinned_steps
 from service.main import create_app
 
-TINY = {"kind": "gpt", "vocab_size": 64, "n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32}
-FAST = {"lr": 0.003, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0, "max_grad_norm": 1.0}
-TERMINAL = {"succeeded", "failed", "cancelled"}
 
 
 def job_body(**overrides) -> dict:
-    return {"name": "tiny", "model": TINY, "num_gpus": 2, "precision": "fp32", "optimizer": FAST, "steps": 40,
-            "micro_batch_size": 4, **overrides}  # fmt: skip
+    return helpers.job_body(**{"steps": 40, "micro_batch_size": 4, **overrides})
 
 
 @pytest.fixture
@@ -46,16 +44,6 @@ def submit(client, body: dict, **kwargs) -> dict:
     return response.json()
 
 
-def wait_until(client, job_id: int, predicate, *, timeout_s: float = 120) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        job = client.get(f"/v1/jobs/{job_id}").json()
-        if predicate(job):
-            return job
-        assert time.monotonic() < deadline, f"job {job_id} stuck in {job['status']}"
-        time.sleep(0.05)
-
-
 def finished(job: dict) -> bool:
     return job["status"] in TERMINAL
 
@@ -64,7 +52,7 @@ def test_a_job_runs_to_success_with_every_metric_stored(app_client):
     job = submit(app_client, job_body())
     assert job["status"] == "queued" and job["queue_position"] == 1 and job["step"] is None
     assert job["plan"]["num_gpus"] == 2 and job["plan"]["fits"] is True
-    job = wait_until(app_client, job["id"], finished)
+    job = wait_job(app_client, job["id"], finished)
     assert job["status"] == "succeeded", job["error"]
     assert job["step"] == 39 and job["latest"]["step"] == 39 and job["finished_at"] is not None
 
@@ -104,12 +92,12 @@ def _held(events_by_job: dict[int, list[dict]]) -> list[tuple[datetime, int, int
 
 def test_gang_scheduling_never_holds_more_gpus_than_exist(sqlite_client):
     jobs = [submit(sqlite_client, job_body(name=f"gang-{i}", steps=150)) for i in range(3)]
-    first_two = [wait_until(sqlite_client, j["id"], lambda j: j["status"] != "queued") for j in jobs[:2]]
+    first_two = [wait_job(sqlite_client, j["id"], lambda j: j["status"] != "queued") for j in jobs[:2]]
     assert {j["status"] for j in first_two} <= {"starting", "running"}
     third = sqlite_client.get(f"/v1/jobs/{jobs[2]['id']}").json()
     assert (third["status"], third["queue_position"]) == ("queued", 1)  # its 2 GPUs are held by the others
     for job in jobs:
-        assert wait_until(sqlite_client, job["id"], finished)["status"] == "succeeded"
+        assert wait_job(sqlite_client, job["id"], finished)["status"] == "succeeded"
 
     events = {j["id"]: (2, sqlite_client.get(f"/v1/jobs/{j['id']}/events").json()["data"]) for j in jobs}
     held, peak = 0, 0
@@ -135,10 +123,10 @@ def test_idempotency_key(app_client):
 
 def test_cancel_a_running_job_frees_its_gpus(sqlite_client):
     job = submit(sqlite_client, job_body(steps=1_000_000))
-    wait_until(sqlite_client, job["id"], lambda j: j["step"] is not None)
+    wait_job(sqlite_client, job["id"], lambda j: j["step"] is not None)
     response = sqlite_client.post(f"/v1/jobs/{job['id']}/cancel")
     assert response.status_code == 202
-    job = wait_until(sqlite_client, job["id"], finished, timeout_s=30)
+    job = wait_job(sqlite_client, job["id"], finished, timeout_s=30)
     assert job["status"] == "cancelled"
     deadline = time.monotonic() + 30
     while ray.available_resources().get("GPU", 0) < 4:
@@ -150,14 +138,14 @@ def test_cancel_a_running_job_frees_its_gpus(sqlite_client):
 def test_cancel_a_queued_job_and_list_by_status(sqlite_client):
     blocker = submit(sqlite_client, job_body(name="blocker", num_gpus=4, steps=1_000_000))
     queued = submit(sqlite_client, job_body(name="waiting"))
-    assert wait_until(sqlite_client, blocker["id"], lambda j: j["status"] == "running")
+    assert wait_job(sqlite_client, blocker["id"], lambda j: j["status"] == "running")
     assert sqlite_client.get(f"/v1/jobs/{queued['id']}").json()["queue_position"] == 1
     cancelled = sqlite_client.post(f"/v1/jobs/{queued['id']}/cancel").json()
     assert cancelled["status"] == "cancelled"
     running = sqlite_client.get("/v1/jobs", params={"status": "running"}).json()["data"]
     assert [j["id"] for j in running] == [blocker["id"]]
     sqlite_client.post(f"/v1/jobs/{blocker['id']}/cancel")
-    assert wait_until(sqlite_client, blocker["id"], finished)["status"] == "cancelled"
+    assert wait_job(sqlite_client, blocker["id"], finished)["status"] == "cancelled"
 
 
 def test_list_pages_with_a_cursor(sqlite_client):
@@ -170,7 +158,7 @@ def test_list_pages_with_a_cursor(sqlite_client):
     assert third["next_cursor"] is None
     for job_id in ids:
         sqlite_client.post(f"/v1/jobs/{job_id}/cancel")
-        assert wait_until(sqlite_client, job_id, finished)["status"] in ("cancelled", "succeeded")
+        assert wait_job(sqlite_client, job_id, finished)["status"] in ("cancelled", "succeeded")
 
 
 GPT_7B5 = {"kind": "gpt", "vocab_size": 50304, "n_layer": 36, "n_head": 32, "n_embd": 4096, "block_size": 2048}

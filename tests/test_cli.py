@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ports import free_port
+from helpers import free_port, wait_healthy
 from service.cli import main
 
 ZERO1 = str(Path(sys.executable).with_name("zero1"))
@@ -102,16 +102,6 @@ def test_db_upgrade_names_the_database_but_not_its_password(monkeypatch, capsys)
 GPT_7B5 = {"kind": "gpt", "vocab_size": 59072, "n_layer": 36, "n_head": 32, "n_embd": 4096, "block_size": 2048}
 
 
-def _wait_healthy(server: subprocess.Popen, base: str) -> dict:
-    deadline = time.monotonic() + 120
-    while True:  # poll until the server accepts connections, with a deadline
-        assert server.poll() is None, server.stderr.read()
-        try:
-            return httpx.get(f"{base}/healthz", timeout=2).json()
-        except httpx.TransportError:
-            assert time.monotonic() < deadline, "zero1 serve did not start within 120 s"
-            time.sleep(0.1)
-
 
 def test_serve_plans_admits_and_trains_as_a_user_would(tmp_path):
     """`zero1 serve` with an embedded Ray of 64 logical GPUs of 80 GB, driven over HTTP and by the CLI."""
@@ -121,7 +111,7 @@ def test_serve_plans_admits_and_trains_as_a_user_would(tmp_path):
     server = subprocess.Popen([ZERO1, "serve", "--port", str(port)], env=env, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        assert _wait_healthy(server, base)["status"] == "ok"
+        assert wait_healthy(base, server=server)["status"] == "ok"
         assert httpx.get(f"{base}/v1/cluster").json()["num_gpus"] == 64
         r = httpx.post(f"{base}/v1/plan", json={"num_params": 7_500_000_000, "num_gpus": 64}, timeout=10)
         assert r.json()["per_gpu"]["total_bytes"] == 31_406_250_000

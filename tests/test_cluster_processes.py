@@ -25,9 +25,7 @@ import httpx
 import pytest
 from sqlalchemy import create_engine, text
 
-from polling import wait_for
-from ports import free_port
-from stored import job_checkpoint_dir
+from helpers import free_port, job_checkpoint_dir, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

@@ -27,20 +27,12 @@ from sqlalchemy import create_engine, text
 
 from conftest import make_settings
 from figures import record
-from polling import wait_for
-from ports import free_port
-from stored import job_checkpoint_dir
+from helpers import free_port, job_body, job_checkpoint_dir, wait_for
 from service.launcher import supervisor_name
 from service.main import create_app
 
 ZERO1 = str(Path(sys.executable).with_name("zero1"))
-TINY = {"kind": "gpt", "vocab_size": 64, "n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32}
-FAST = {"lr": 0.003, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0, "max_grad_norm": 1.0}
 
-
-def job_body(**overrides) -> dict:
-    return {"name": "fault", "model": TINY, "num_gpus": 2, "precision": "fp32", "optimizer": FAST,
-            "micro_batch_size": 2, "seed": 7, **overrides}  # fmt: skip
 
 
 def kill_rank(namespace: str, job_id: int, attempt: int, rank: int) -> None:

@@ -26,7 +26,7 @@ from sqlalchemy import create_engine, select
 from sqlalchemy.orm import Session
 
 from figures import record as record_figures
-from ports import free_port
+from helpers import TERMINAL, free_port, wait_healthy
 from service.models import Job, JobEvent
 
 ZERO1 = str(Path(sys.executable).with_name("zero1"))
@@ -36,7 +36,6 @@ NUM_READS = 2_000
 NUM_READERS = 20
 NUM_REPLAYS = 20  # submits sent twice at once, same key and body: one job, one 201
 ACTIVE = ("starting", "running", "restarting")
-TERMINAL = ("succeeded", "failed", "cancelled")
 DEADLINE_S = 120
 
 
@@ -172,18 +171,6 @@ async def cancel_all(load: Load) -> None:
         await asyncio.sleep(0.1)
 
 
-def _wait_healthy(server: subprocess.Popen, base: str) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while True:  # poll until the server accepts connections, with a deadline
-        assert server.poll() is None, f"zero1 serve exited with {server.returncode}"
-        try:
-            if httpx.get(f"{base}/healthz", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, f"zero1 serve did not start within {DEADLINE_S} s"
-        time.sleep(0.1)
-
 
 def _stop(server: subprocess.Popen) -> bool:
     """SIGTERM, then wait; whatever of its process group is left after that is killed. True if it stopped."""
@@ -249,7 +236,7 @@ def test_load_keeps_every_job_once_and_the_gpus_within_the_cluster(tmp_path):
                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(server, base)
+        wait_healthy(base, server=server)
         load, elapsed_s, num_requests = asyncio.run(run_load(base))
     finally:
         stopped = _stop(server)

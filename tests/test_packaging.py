@@ -16,8 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from polling import wait_for
-from ports import free_port
+from helpers import free_port, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCH_SPEC = os.environ.get("TORCH_SPEC", "torch==2.13.0")  # as the Makefile installs it

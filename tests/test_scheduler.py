@@ -18,7 +18,7 @@ from sqlalchemy import select
 
 from conftest import make_settings
 from figures import record
-from polling import wait_for
+from helpers import job_body, wait_for
 from service import jobs
 from service.cluster import ClusterCapacity
 from service.db import Database, upgrade
@@ -29,14 +29,8 @@ from service.scheduler import Scheduler
 from service.schemas import JobSpec
 from workers.memory import GB
 
-TINY = {"kind": "gpt", "vocab_size": 64, "n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32}
-FAST = {"lr": 0.003, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0, "max_grad_norm": 1.0}
 CLUSTER = ClusterCapacity(num_gpus=4, num_gpus_free=4, gpu_memory_bytes=80 * GB, simulated=True)
 
-
-def job_body(**overrides) -> dict:
-    return {"name": "sched", "model": TINY, "num_gpus": 2, "precision": "fp32", "optimizer": FAST,
-            "micro_batch_size": 2, "seed": 7, "steps": 10, **overrides}  # fmt: skip
 
 
 def queue_job(db: Database, **overrides) -> int:

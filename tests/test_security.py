@@ -19,6 +19,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from conftest import make_settings
+from helpers import TERMINAL, TINY, wait_job
 from service import auth
 from service.auth import TOKEN_COOKIE, check_bind, is_loopback, load_tokens
 from service.cli import main
@@ -36,8 +37,6 @@ ZERO1 = str(Path(sys.executable).with_name("zero1"))
 ALICE, BOB, ROOT = (f"{user}-{secrets.token_urlsafe(24)}" for user in ("alice", "bob", "root"))
 TOKENS = f"alice:{ALICE}, bob:{BOB},root:{ROOT}:admin"
 MAX_QUEUED = 2
-TINY = {"kind": "gpt", "vocab_size": 64, "n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32}
-TERMINAL = {"succeeded", "failed", "cancelled"}
 
 
 def bearer(token: str) -> dict:
@@ -53,16 +52,6 @@ def submit(client: TestClient, token: str, **overrides) -> dict:
     response = client.post("/v1/jobs", json=job_body(**overrides), headers=bearer(token))
     assert response.status_code == 201, response.text
     return response.json()
-
-
-def wait_until(client: TestClient, job_id: int, predicate, *, timeout_s: float = 120) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:  # poll the API with a deadline
-        job = client.get(f"/v1/jobs/{job_id}", headers=bearer(ROOT)).json()
-        if predicate(job):
-            return job
-        assert time.monotonic() < deadline, f"job {job_id} stuck in {job['status']}"
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -91,10 +80,10 @@ def secured(ray_cluster, tmp_path_factory, data_root):
 def blocker(secured):
     """root's job holding all 4 GPUs, so that every job submitted meanwhile stays queued."""
     job = submit(secured, ROOT, name="blocker")
-    wait_until(secured, job["id"], lambda j: j["status"] == "running")
+    wait_job(secured, job["id"], lambda j: j["status"] == "running", headers=bearer(ROOT))
     yield job
     secured.post(f"/v1/jobs/{job['id']}/cancel", headers=bearer(ROOT))
-    wait_until(secured, job["id"], lambda j: j["status"] in TERMINAL)
+    wait_job(secured, job["id"], lambda j: j["status"] in TERMINAL, headers=bearer(ROOT))
 
 
 def cancel_all(client: TestClient, jobs: list[dict]) -> None:

@@ -21,7 +21,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from figures import record
-from polling import wait_for as wait_until
+from helpers import TERMINAL
+from helpers import wait_for as wait_until
 from workers.actors import JobSupervisor, Placement, PlacementError, join_process_group, open_rendezvous_store
 from workers.checkpoints import latest_checkpoint
 from workers.data import Batches
@@ -30,7 +31,6 @@ from workers.train import OptimizerSpec, TrainConfig, train
 
 SPEC = GPTSpec(vocab_size=64, n_layer=2, n_head=2, n_embd=32, block_size=32)
 FAST = OptimizerSpec(lr=3e-3, weight_decay=0.0, max_grad_norm=1.0)
-TERMINAL = {"succeeded", "failed", "cancelled"}
 
 
 def config(**overrides) -> TrainConfig:

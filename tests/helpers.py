@@ -1,0 +1,118 @@
+"""What the tests share: the tiny job they train, waiting with a deadline, free loopback ports,
+where the service stored a job's files. One module, so no test file keeps its own copy."""
+
+from __future__ import annotations
+
+import random
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import httpx
+from sqlalchemy import create_engine, text
+
+from service.launcher import checkpoint_dirname
+
+T = TypeVar("T")
+
+TINY = {"kind": "gpt", "vocab_size": 64, "n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32}
+"""A GPT small enough that a few hundred steps on 2 CPU ranks take seconds."""
+FAST = {"lr": 0.003, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0, "max_grad_norm": 1.0}
+"""Hyperparameters under which TINY's loss visibly falls within a few dozen steps."""
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+
+def job_body(**overrides) -> dict:
+    """A POST /v1/jobs body: TINY on 2 GPUs in fp32 for 10 steps, with `overrides`."""
+    return {"name": "tiny", "model": TINY, "num_gpus": 2, "precision": "fp32", "optimizer": FAST, "steps": 10,
+            "micro_batch_size": 2, "seed": 7, **overrides}  # fmt: skip
+
+
+# --------------------------------------------------------------------------- waiting
+
+
+T = TypeVar("T")
+
+
+def wait_for(read: Callable[[], T], predicate: Callable[[T], bool], *, what: str, timeout_s: float = 180,
+             interval_s: float = 0.05) -> T:  # fmt: skip
+    """Poll read() until predicate holds; fail naming `what` and the last value at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = read()
+        if predicate(value):
+            return value
+        assert time.monotonic() < deadline, f"waited {timeout_s:g} s for {what}; last: {value}"
+        time.sleep(interval_s)
+
+
+def wait_job(client, job_id: int, predicate: Callable[[dict], bool], *, what: str = "the job", headers=None,
+             timeout_s: float = 180) -> dict:  # fmt: skip
+    """GET /v1/jobs/{id} until predicate(job) holds."""
+    return wait_for(lambda: client.get(f"/v1/jobs/{job_id}", headers=headers).json(), predicate,
+                    what=f"{what} (job {job_id})", timeout_s=timeout_s)  # fmt: skip
+
+
+def wait_healthy(base: str, *, server=None, timeout_s: float = 120) -> dict:
+    """GET {base}/healthz until it answers 200; its body. Fails at once if `server` (a Popen) exits."""
+
+    def health() -> dict | None:
+        assert server is None or server.poll() is None, f"zero1 serve exited with {server.returncode}"
+        try:
+            response = httpx.get(f"{base}/healthz", timeout=2)
+        except httpx.TransportError:
+            return None
+        return response.json() if response.status_code == 200 else None
+
+    return wait_for(health, lambda body: body is not None, what=f"{base}/healthz", timeout_s=timeout_s, interval_s=0.1)
+
+
+# --------------------------------------------------------------------------- ports
+
+
+_LOWEST = 20_000  # above Ray's worker ports (10002-19999) and its fixed ones (6379, 8265, 10001)
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+    except (OSError, ValueError):
+        low, high = 32_768, 60_999  # Linux's default
+    return low, high
+
+
+def free_port() -> int:
+    """A loopback port that is free now and outside the kernel's ephemeral range.
+
+    bind(0) hands out a port inside that range, where any outgoing connection, or Ray's own
+    bind(0) while a service starts its embedded cluster, can take it before the server binds
+    it (seen in CI: a restarted `zero1 serve` failed with "address already in use")."""
+    low, high = _ephemeral_range()
+    candidates = [port for port in range(_LOWEST, 65_536) if not low <= port <= high]
+    rng = random.Random()  # not the global one, which a test may have seeded
+    for _ in range(200):
+        port = rng.choice(candidates)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port in {_LOWEST}-65535 outside the ephemeral range {low}-{high}")
+
+
+# --------------------------------------------------------------------------- stored files
+
+
+def job_checkpoint_dir(database_url: str, checkpoints: Path, job_id: int) -> Path:
+    """The job's checkpoint directory under `checkpoints`: named by its id and its run id."""
+    engine = create_engine(database_url)
+    try:
+        with engine.connect() as connection:
+            run_id = connection.execute(text("SELECT run_id FROM jobs WHERE id = :id"), {"id": job_id}).scalar_one()
+    finally:
+        engine.dispose()
+    return Path(checkpoints) / checkpoint_dirname(job_id, run_id)
