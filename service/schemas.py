@@ -219,7 +219,7 @@ class OptimizerConfig(_Body):
     overlap_comm: Bool = Field(
         False,
         description="Send each gradient bucket's reduce during the backward (ZeRO1AdamW's overlap_comm; "
-        "off by default: README, 'The ZeRO-1 optimizer').",
+        "off by default: docs/optimizer.md).",
     )
     bucket_cap_mb: Float = Field(
         limits.DEFAULT_BUCKET_CAP_MB, ge=limits.MIN_BUCKET_CAP_MB, le=4096, allow_inf_nan=False,
