@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # zero1 is built and tested against torch 2.13.0. Where a CPU build of it lies
 # on local disk (as on the development and CI machines) pip takes that; on
 # other Linux machines PyPI's torch 2.13.0 is the CUDA build. To choose a CUDA
-# version, point TORCH_INDEX_URL at PyTorch's wheel index for it (README).
+# version, point TORCH_INDEX_URL at PyTorch's wheel index for it (docs/deployment.md).
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX_URL ?=
 

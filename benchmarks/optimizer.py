@@ -1,6 +1,6 @@
 """Optimizer speed and memory: ZeRO1AdamW beside DDP + AdamW and DDP + ZeroRedundancyOptimizer.
 
-    .venv/bin/python benchmarks/optimizer.py                 # the README's figures: ~50 minutes here
+    .venv/bin/python benchmarks/optimizer.py                 # docs/benchmarks.md's figures: ~50 minutes here
     .venv/bin/python benchmarks/optimizer.py --quick         # 10M model, N = 1 and 2, 5 steps: ~1 minute
     .venv/bin/python benchmarks/optimizer.py --from-json benchmarks/results/optimizer.json   # reprint a run
 

@@ -121,7 +121,7 @@ def get_settings() -> Settings:
 
 
 def env_table() -> str:
-    """The README's table of environment variables, made from this class so it cannot drift."""
+    """The table of environment variables in docs/deployment.md, made from this class so it cannot drift."""
     rows = ["| variable | default | meaning |", "|---|---|---|"]
     for name, field in Settings.model_fields.items():
         default = "unset" if field.default is None else f"`{field.default}`"

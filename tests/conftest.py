@@ -122,7 +122,7 @@ def database(database_url) -> Iterator[Database]:
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    """The reliability figures of the fault, fuzz and load tests that ran (README: Guarantees)."""
+    """The reliability figures of the fault, fuzz and load tests that ran (docs/guarantees.md)."""
     from figures import FIGURES, summary_lines
 
     if FIGURES:

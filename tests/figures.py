@@ -1,4 +1,4 @@
-"""Figures the fault, fuzz and load tests measure, printed at the end of a run (README: Guarantees)."""
+"""Figures the fault, fuzz and load tests measure, printed at the end of a run (docs/guarantees.md)."""
 
 from __future__ import annotations
 

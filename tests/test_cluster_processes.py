@@ -1,5 +1,5 @@
 """A Ray cluster of two `ray start` nodes on this machine and `zero1 serve` on it with PostgreSQL:
-README "A multi-node Ray cluster", command for command, with ports, a Ray token and a
+docs/deployment.md "A multi-node Ray cluster", command for command, with ports, a Ray token and a
 temporary directory of the test's own.
 
 Each `ray start --block` runs in a session of its own, so stopping the cluster stops exactly
@@ -30,9 +30,9 @@ from helpers import free_port, job_checkpoint_dir, wait_for
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 EXAMPLE = ROOT / "examples" / "two-nodes.json"
-README_GCS_PORT = 6379
+DOCS_GCS_PORT = 6379
 
-# The README's commands (there with the GCS on port 6379); `--temp-dir` is the test's addition.
+# The commands of docs/deployment.md (there with the GCS on port 6379); `--temp-dir` is the test's addition.
 # The head binds loopback: RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 keeps --node-ip-address=127.0.0.1
 # as given (Ray otherwise swaps 127.0.0.1 for the machine's network address), and a node of
 # 127.0.0.1 binds its servers to 127.0.0.1 only. A joining node cannot take that variable
@@ -178,7 +178,7 @@ def ray_token() -> str:
 
 @pytest.fixture
 def two_nodes(ray_token) -> Iterator[tuple[int, list[Process]]]:
-    """The README's head and second node, 2 logical GPUs each, on loopback; stopped after."""
+    """The docs' head and second node, 2 logical GPUs each, on loopback; stopped after."""
     temp_dir = tempfile.mkdtemp(prefix="z1n-")  # short: Ray's socket paths must fit 107 bytes
     port = free_port()
     base = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS")}
@@ -267,7 +267,7 @@ def test_a_job_spread_over_two_ray_nodes_trains_with_postgresql_and_shared_check
     assert database_url.startswith("postgresql+psycopg://")
     assert _metric_steps(database_url, job_id) == list(range(steps))
 
-    # README "Operations": the backup command dumps the job's rows
+    # docs/deployment.md "Operations": the backup command dumps the job's rows
     database = database_url.rsplit("/", 1)[1]
     dump = tmp_path / "zero1.dump"
     with open(dump, "wb") as out:
@@ -286,20 +286,20 @@ def test_a_job_spread_over_two_ray_nodes_trains_with_postgresql_and_shared_check
         assert shards == [f"rank-{rank:05d}-of-{world_size:05d}.pt" for rank in range(world_size)]
 
 
-def test_the_readme_runs_these_commands():
-    """README "A multi-node Ray cluster" shows the commands above (GCS on 6379), and the service's settings."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## A multi-node Ray cluster", 1)[1].split("\n## ", 1)[0]
+def test_the_deployment_docs_run_these_commands():
+    """docs/deployment.md "A multi-node Ray cluster" shows the commands above (GCS on 6379) and the settings."""
+    docs = (ROOT / "docs" / "deployment.md").read_text()
+    section = docs.split("## A multi-node Ray cluster", 1)[1].split("\n## ", 1)[0]
     lines = [" ".join(line.split()) for line in section.splitlines()]
     for env, command in ((HEAD_ENV, head_command), ({}, worker_command), (HEAD_ENV, status_command)):
-        shown = " ".join([*(f"{k}={v}" for k, v in env.items()), ".venv/bin/" + " ".join(command(README_GCS_PORT))])
-        assert shown in lines, f"README does not show: {shown}"
-    settings = service_env(gcs_port=README_GCS_PORT, database_url="", checkpoints=Path())
+        shown = " ".join([*(f"{k}={v}" for k, v in env.items()), ".venv/bin/" + " ".join(command(DOCS_GCS_PORT))])
+        assert shown in lines, f"docs/deployment.md does not show: {shown}"
+    settings = service_env(gcs_port=DOCS_GCS_PORT, database_url="", checkpoints=Path())
     for name in settings:
         assert f"{name}=" in section, name
     assert "RAY_AUTH_MODE=token" in section and "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 .venv/bin/zero1 serve" in section
     assert f".venv/bin/zero1 submit examples/{EXAMPLE.name}" in section
-    assert " ".join(backup_command("zero1")) in readme.split("## Operations", 1)[1]
+    assert " ".join(backup_command("zero1")) in docs.split("## Operations", 1)[1]
 
 
 def _get(url: str) -> dict | None:

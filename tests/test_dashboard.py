@@ -560,6 +560,28 @@ def test_the_sweep_melts_toward_the_4_psi_floor_at_stage_1():
     assert chart.bars[-1].y < chart.floor_y + 1 and chart.memory_y is not None
 
 
+def test_no_bar_label_sits_on_the_memory_line_and_a_small_models_bars_read_in_its_unit():
+    from service.planning import make_plan, plan_public
+    from service.schemas import PlanRequest
+
+    cluster = ClusterCapacity(num_gpus=64, num_gpus_free=64, gpu_memory_bytes=80 * GB, simulated=True)
+
+    def sweep(num_params: int) -> list[dict]:
+        plan = make_plan(PlanRequest(num_params=num_params, num_gpus=64), cluster=cluster, overhead_bytes=0)
+        return plan_public(plan).model_dump()["sweep"]
+
+    for memory_gb in (76, 80, 90):  # the 75 GB bar at N = 2 just under, on and well below the line
+        chart = charts.sweep_chart(sweep(7_500_000_000), gpu_memory_bytes=memory_gb * GB, floor_bytes=30 * GB)
+        for bar in chart.bars:  # the label's box, halo included, keeps clear of the line
+            top, bottom = bar.label_y - charts.VALUE_LABEL_H, bar.label_y + 1.5
+            assert not top < chart.memory_y < bottom, (memory_gb, bar)
+            assert bar.label_y < bar.y  # above its bar
+    assert chart.bars[1].label == "75" and chart.unit == "GB"
+    small = charts.sweep_chart(sweep(1_000_000), gpu_memory_bytes=80 * GB, floor_bytes=4_000_000)
+    assert small.unit == "MB" and [bar.label for bar in small.bars][:3] == ["16", "10", "7"]
+    assert all(len(bar.label) <= 5 for bar in small.bars)
+
+
 def test_a_line_chart_breaks_where_a_value_is_missing():
     chart = charts.line_chart([(0, 4.0), (1, None), (2, 2.0), (3, 1.0)])
     assert chart.num_points == 3 and chart.path.count("M") == 2 and chart.path.count("L") == 1

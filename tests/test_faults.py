@@ -1,7 +1,7 @@
 """Faults: a rank dies, the service is stopped (SIGTERM, SIGKILL), Ray dies with it.
 
 Each test injects the fault for real (ray.kill of a rank's actor, a signal to a
-`zero1 serve` process) and then checks the promises of the README's "Guarantees":
+`zero1 serve` process) and then checks the promises of docs/guarantees.md:
 the job ends where an uninterrupted run ends, no accepted job is lost, and every
 metric row is stored exactly once on the surviving curve.
 """

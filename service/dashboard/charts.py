@@ -7,10 +7,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from service.dashboard.format import bar_label, byte_unit
+
 # the viewBox of every chart and its margins (dashboard.js: CHART)
 WIDTH, HEIGHT = 640, 200
 LEFT, RIGHT, TOP, BOTTOM = 64, 12, 12, 26
 PLOT_W, PLOT_H = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
+
+# the sweep chart: two legend rows under the axis label name the memory and floor lines, so
+# their labels never sit on the bars; a bar's value label, at most VALUE_LABEL_H tall (15 units
+# at phone width, with its halo), moves above the memory line when it would sit on it
+SWEEP_HEIGHT = HEIGHT + 64
+SWEEP_LEGEND_Y = (HEIGHT + 34, HEIGHT + 56)
+VALUE_LABEL_H = 16
 
 # the plan's breakdown, in the order the stacked bar draws it (dashboard.js: PARTS)
 PARTS = ("params", "grads", "optimizer", "padding", "activations", "overhead")
@@ -65,12 +74,18 @@ class Bar:
     y: float
     width: float
     height: float
+    label: str
+    """Its bytes in the chart's unit (SweepChart.unit)."""
+    label_y: float
+    """The baseline of the bar's value label: 3 above the bar, or 3 above the memory line near it."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SweepChart:
     bars: list[Bar]
     y_max_bytes: int
+    unit: str
+    """The unit of the bar labels: the y axis's, so a small model's bars read in MB, not 0.00475 GB."""
     memory_y: float | None
     """Where the GPU memory line is drawn; None when it lies above the chart."""
     floor_y: float
@@ -82,17 +97,31 @@ def sweep_chart(sweep: Sequence[dict], *, gpu_memory_bytes: int, floor_bytes: in
     # show the memory line when it is near the bars; a tiny model against 80 GB would be a flat line
     y_max = max(top, gpu_memory_bytes) if gpu_memory_bytes <= 2 * top else top
     y_max = max(1, round(y_max * 1.08))
+    memory_y = round(_y(gpu_memory_bytes, y_max), 1) if gpu_memory_bytes <= y_max else None
+    scale, unit = byte_unit(y_max)
     slot = PLOT_W / len(sweep)
-    bars = [
-        Bar(
+    bars = []
+    for i, p in enumerate(sweep):
+        y = round(_y(p["total_bytes"], y_max), 1)
+        bars.append(Bar(
             num_gpus=p["num_gpus"], total_bytes=p["total_bytes"], fits=p["fits"],
             x=round(LEFT + i * slot + slot * 0.15, 1), width=round(slot * 0.7, 1),
-            y=round(_y(p["total_bytes"], y_max), 1), height=round(TOP + PLOT_H - _y(p["total_bytes"], y_max), 1),
-        )  # fmt: skip
-        for i, p in enumerate(sweep)
-    ]
-    memory_y = round(_y(gpu_memory_bytes, y_max), 1) if gpu_memory_bytes <= y_max else None
-    return SweepChart(bars=bars, y_max_bytes=y_max, memory_y=memory_y, floor_y=round(_y(floor_bytes, y_max), 1))
+            y=y, height=round(TOP + PLOT_H - y, 1), label=bar_label(p["total_bytes"], scale=scale),
+            label_y=value_label_y(y, memory_y=memory_y),
+        ))  # fmt: skip
+    floor_y = round(_y(floor_bytes, y_max), 1)
+    return SweepChart(bars=bars, y_max_bytes=y_max, unit=unit, memory_y=memory_y, floor_y=floor_y)
+
+
+def value_label_y(bar_y: float, *, memory_y: float | None) -> float:
+    """A bar's label sits 3 above the bar, unless the memory line would cross it: then 3 above the line.
+
+    The floor line never crosses a label: every bar reaches at least the floor, so the line runs at
+    or below the bar's top and the label sits above that.
+    """
+    if memory_y is not None and bar_y - 3 - VALUE_LABEL_H - 2 < memory_y <= bar_y:
+        return round(memory_y - 3, 1)
+    return round(bar_y - 3, 1)
 
 
 def _y(num_bytes: int, y_max: int) -> float:

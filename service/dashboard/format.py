@@ -25,6 +25,20 @@ def short_bytes(num_bytes: int) -> str:
     return f"{num_bytes} B"
 
 
+def byte_unit(num_bytes: int) -> tuple[int, str]:
+    """The largest decimal unit that num_bytes reaches: 129600000000 -> (10**9, 'GB')."""
+    return next(((scale, unit) for scale, unit in _UNITS if abs(num_bytes) >= scale), (1, "B"))
+
+
+def bar_label(num_bytes: int, *, scale: int) -> str:
+    """A sweep bar's value in the chart's unit, at most 5 characters so that neighbours never touch:
+    3 significant digits from 1 up, 2 decimals below, '<0.01' below that."""
+    value = num_bytes / scale
+    if value >= 1:
+        return f"{value:.3g}"
+    return f"{value:.2f}" if value >= 0.01 else "<0.01"
+
+
 def grouped(number: int | None) -> str:
     """31406250000 -> '31,406,250,000'."""
     return "—" if number is None else f"{number:,}"

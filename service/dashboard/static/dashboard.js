@@ -28,6 +28,17 @@
     return `${n} B`;
   }
 
+  function byteUnit(n) {  // format.byte_unit
+    for (const [scale, unit] of UNITS) if (Math.abs(n) >= scale) return [scale, unit];
+    return [1, "B"];
+  }
+
+  function barLabel(n, scale) {  // format.bar_label: at most 5 characters
+    const v = n / scale;
+    if (v >= 1) return significant(v, 3);
+    return v >= 0.01 ? v.toFixed(2) : "<0.01";
+  }
+
   function shortBytes(n) {
     for (const [scale, unit] of UNITS) if (Math.abs(n) >= scale) return `${significant(n / scale, 3)} ${unit}`;
     return `${n} B`;
@@ -181,18 +192,30 @@
     return [...replicated, "activations", "overhead"].reduce((sum, part) => sum + perGpu[`${part}_bytes`], 0);
   }
 
+  // a bar's value label sits 3 above the bar, or 3 above the memory line when that would cross it
+  // (charts.value_label_y); the line labels are a legend under the chart, off the bars
+  const VALUE_LABEL_H = 16;
+  function valueLabelY(barY, memoryY) {
+    const clash = memoryY != null && barY - 3 - VALUE_LABEL_H - 2 < memoryY && memoryY <= barY;
+    return (clash ? memoryY : barY) - 3;
+  }
+
   function drawSweep(svg, plan, floor) {
     const sweep = plan.sweep, memory = plan.gpu_memory_bytes;
     const top = Math.max(...sweep.map((p) => p.total_bytes));
     const yMax = Math.max(1, Math.round((memory <= 2 * top ? Math.max(top, memory) : top) * 1.08));
     const y = (bytes) => CHART.TOP + (1 - bytes / yMax) * CHART.PLOT_H;
+    const round1 = (v) => Math.round(v * 10) / 10;  // charts.py rounds to 0.1 before it compares
+    const memoryY = memory <= yMax ? round1(y(memory)) : null;
+    const [scale, unit] = byteUnit(yMax);
     const slot = CHART.PLOT_W / sweep.length;
     svg.dataset.yMax = yMax;
     setText($(".y-max", svg), shortBytes(yMax));
+    setText($(".axis-label .unit", svg), unit);
     sweep.forEach((point, i) => {
       const g = $(`g.bar[data-num-gpus="${point.num_gpus}"]`, svg);
       if (!g) return;
-      const x = CHART.LEFT + i * slot + slot * 0.15, width = slot * 0.7, top = y(point.total_bytes);
+      const x = CHART.LEFT + i * slot + slot * 0.15, width = slot * 0.7, top = round1(y(point.total_bytes));
       const rect = $("rect", g);
       g.setAttribute("class", `bar ${point.fits ? "fits" : "over"}`);
       rect.setAttribute("y", top.toFixed(1));
@@ -200,22 +223,19 @@
       const verdict = point.fits ? "fits" : "does not fit";
       setText($("title", rect), `N = ${point.num_gpus}: ${humanBytes(point.total_bytes)}, ${verdict}`);
       const value = $("text.value", g);
-      value.setAttribute("y", (top - 3).toFixed(1));
-      setText(value, significant(point.total_bytes / 1e9, 3));
+      value.setAttribute("y", valueLabelY(top, memoryY).toFixed(1));
+      setText(value, barLabel(point.total_bytes, scale));
       rect.setAttribute("x", x.toFixed(1));
       rect.setAttribute("width", width.toFixed(1));
     });
-    const memoryY = memory <= yMax ? y(memory) : null;
-    const memoryLine = $(".memory-line", svg), memoryLabel = $(".memory-label", svg);
+    const memoryLine = $(".memory-line", svg);
     memoryLine.setAttribute("visibility", memoryY == null ? "hidden" : "visible");
     memoryLine.setAttribute("y1", (memoryY ?? CHART.TOP).toFixed(1));
     memoryLine.setAttribute("y2", (memoryY ?? CHART.TOP).toFixed(1));
-    memoryLabel.setAttribute("y", (memoryY == null ? CHART.TOP + 12 : memoryY - 4).toFixed(1));
-    setText(memoryLabel, `GPU memory ${humanBytes(memory)}${memoryY == null ? ", above the chart" : ""}`);
+    setText($(".memory-label", svg), `GPU memory ${humanBytes(memory)}${memoryY == null ? ", above the chart" : ""}`);
     const floorY = y(floor);
     $(".floor-line", svg).setAttribute("y1", floorY.toFixed(1));
     $(".floor-line", svg).setAttribute("y2", floorY.toFixed(1));
-    $(".floor-label", svg).setAttribute("y", (floorY + 12).toFixed(1));
     setText($(".floor-label", svg), `floor ${humanBytes(floor)}`);
     const end = sweep[sweep.length - 1];
     setText($("desc", svg), `From ${humanBytes(sweep[0].total_bytes)} on 1 GPU to ${humanBytes(end.total_bytes)} ` +
