@@ -537,7 +537,7 @@ def test_bucket_cap_has_one_lower_bound_in_the_optimizer_and_the_api():
     from pydantic import ValidationError  # noqa: PLC0415
 
     from service.schemas import JobSpec, OptimizerConfig  # noqa: PLC0415
-    from workers.train import OptimizerSpec  # noqa: PLC0415
+    from workers.config import OptimizerSpec  # noqa: PLC0415
 
     for tiny in (1e-9, 0.0):
         with pytest.raises(ValueError, match=rf"bucket_cap_mb \({tiny}\) must be >= 1.0 MiB"):

@@ -20,11 +20,12 @@ from distributed import run_ranks
 from figures import record
 from workers import limits
 from workers.checkpoints import checkpointed_metrics, discard_stored_metrics, latest_checkpoint
-from workers.data import MAX_TEXT_BYTES, Batches, MarkovSource, SyntheticSpec, TextSpec, _open_nofollow, read_text
+from workers.config import MAX_TEXT_BYTES, OptimizerSpec, SyntheticSpec, TextSpec, TrainConfig
+from workers.data import Batches, MarkovSource, _open_nofollow, read_text
 from workers.memory import GPTSpec, MLPSpec, Workload, breakdown
 from workers.models import build_model, saved_activation_bytes
 from workers.records import MetricRow
-from workers.train import NonFiniteError, OptimizerSpec, TrainConfig, save_checkpoint, train
+from workers.train import NonFiniteError, save_checkpoint, train
 
 SMALL = GPTSpec(vocab_size=64, n_layer=2, n_head=2, n_embd=32, block_size=32)
 

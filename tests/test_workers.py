@@ -27,7 +27,8 @@ from workers.actors import JobSupervisor, Placement, PlacementError, join_proces
 from workers.checkpoints import latest_checkpoint
 from workers.data import Batches
 from workers.memory import GPTSpec
-from workers.train import OptimizerSpec, TrainConfig, train
+from workers.config import OptimizerSpec, TrainConfig
+from workers.train import train
 
 SPEC = GPTSpec(vocab_size=64, n_layer=2, n_head=2, n_embd=32, block_size=32)
 FAST = OptimizerSpec(lr=3e-3, weight_decay=0.0, max_grad_norm=1.0)
@@ -72,7 +73,8 @@ import json, os, sys
 print(os.getpid(), flush=True)
 from workers.actors import parent_gone
 from workers.memory import GPTSpec
-from workers.train import TrainConfig, train
+from workers.config import TrainConfig
+from workers.train import train
 
 spec = GPTSpec(vocab_size=64, n_layer=2, n_head=2, n_embd=32, block_size=32)
 config = TrainConfig(model=spec, steps=10**7, precision="fp32", checkpoint_every=5, checkpoint_dir=sys.argv[1])

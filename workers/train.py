@@ -22,7 +22,7 @@ from workers import memory
 from workers.checkpoints import (
     COMPLETE, atomic_write, latest_checkpoint, prune_checkpoints, shard_file, step_dir, write_json,
 )  # fmt: skip
-from workers.config import OptimizerSpec, TrainConfig
+from workers.config import TrainConfig
 from workers.data import Batches
 from workers.models import ActivationMeter, build_model
 from workers.optim import ZeRO1AdamW, decay_param_groups
