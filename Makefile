@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX_URL ?=
 
-.PHONY: install run test bench clean
+.PHONY: install run test lint format bench clean
 
 install: $(VENV)/.installed
 
@@ -25,6 +25,14 @@ run: install
 
 test: install
 	$(BIN)/pytest
+
+lint: install
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
+
+format: install
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
 
 bench: install
 	$(BIN)/python benchmarks/planner.py

@@ -23,6 +23,7 @@ Prints one table. Targets: GET /v1/jobs p99 < 50 ms; ingestion >= 5,000 rows/s.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import platform
@@ -59,8 +60,15 @@ BACKEND_NAMES = {"sqlite": "SQLite", "postgresql": "PostgreSQL"}
 
 
 def job_body(**overrides) -> dict:
-    return {"name": "bench", "model": TINY, "num_gpus": NUM_GPUS, "precision": "fp32", "steps": 40,
-            "micro_batch_size": 4, **overrides}  # fmt: skip
+    return {
+        "name": "bench",
+        "model": TINY,
+        "num_gpus": NUM_GPUS,
+        "precision": "fp32",
+        "steps": 40,
+        "micro_batch_size": 4,
+        **overrides,
+    }
 
 
 @dataclass(slots=True)
@@ -148,21 +156,26 @@ def _server(url: str, tmp: Path, *, start_timeout_s: float) -> Iterator[httpx.Cl
     """`zero1 serve` on a free loopback port with its own Ray; a client to it; SIGTERM after."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS" and not k.startswith("ZERO1_")}
-    env.update({
-        "ZERO1_DATABASE_URL": url,
-        "ZERO1_CHECKPOINT_URI": str(tmp / "checkpoints"),
-        "ZERO1_RAY_NAMESPACE": f"zero1-bench-{secrets.token_hex(4)}",
-        "ZERO1_SIMULATED_GPUS": str(NUM_GPUS),
-        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # Ray's nodes, GCS and actors bind 127.0.0.1
-        "RAY_TMPDIR": str(tmp / "ray"),  # short: Ray's socket paths must fit 107 bytes
-    })  # fmt: skip
+    env.update(
+        {
+            "ZERO1_DATABASE_URL": url,
+            "ZERO1_CHECKPOINT_URI": str(tmp / "checkpoints"),
+            "ZERO1_RAY_NAMESPACE": f"zero1-bench-{secrets.token_hex(4)}",
+            "ZERO1_SIMULATED_GPUS": str(NUM_GPUS),
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # Ray's nodes, GCS and actors bind 127.0.0.1
+            "RAY_TMPDIR": str(tmp / "ray"),  # short: Ray's socket paths must fit 107 bytes
+        }
+    )
     log_path = tmp / "server.log"
     zero1 = str(Path(sys.executable).with_name("zero1"))
     with open(log_path, "wb") as log:
         server = subprocess.Popen(
-            [zero1, "serve", "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT,
+            [zero1, "serve", "--port", str(port)],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: Ray's processes are ended with it
-        )  # fmt: skip
+        )
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
             _wait_healthy(client, server, log_path, timeout_s=start_timeout_s)
@@ -198,10 +211,8 @@ def _stop(server: subprocess.Popen) -> None:
             print("  zero1 serve still up 60 s after SIGTERM: killed", file=sys.stderr)
             server.kill()
             server.wait()
-    try:  # anything of Ray's left in the server's process group
+    with contextlib.suppress(ProcessLookupError):  # anything of Ray's left in the server's process group
         os.killpg(server.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 # --------------------------------------------------------------------------- the measurements
@@ -253,12 +264,19 @@ def _measure_get(client: httpx.Client, path: str, *, repeat: int, check: Callabl
 def metric_rows(num_rows: int) -> list[dict]:
     """Rows shaped like the supervisor's poll(): rank 0's values, every rank's peak memory."""
     return [
-        {"step": step, "loss": 4.2 * math.exp(-step / 20_000) + 0.01 * (step % 7), "grad_norm": 0.5 + (step % 13) / 13,
-         "loss_scale": 1.0, "skipped": False, "step_time_s": 0.05 + (step % 5) * 1e-3, "tokens_per_s": 10_240.0,
-         "mem_peak_bytes": [3_500_000 + 4096 * rank + step % 64 for rank in range(NUM_GPUS)],
-         "mem_planned_bytes": 3_600_000}
+        {
+            "step": step,
+            "loss": 4.2 * math.exp(-step / 20_000) + 0.01 * (step % 7),
+            "grad_norm": 0.5 + (step % 13) / 13,
+            "loss_scale": 1.0,
+            "skipped": False,
+            "step_time_s": 0.05 + (step % 5) * 1e-3,
+            "tokens_per_s": 10_240.0,
+            "mem_peak_bytes": [3_500_000 + 4096 * rank + step % 64 for rank in range(NUM_GPUS)],
+            "mem_planned_bytes": 3_600_000,
+        }
         for step in range(num_rows)
-    ]  # fmt: skip
+    ]
 
 
 def _measure_ingest(url: str, job_id: int, *, num_rows: int, batch_rows: int) -> float:
@@ -347,25 +365,44 @@ def _rows(args: argparse.Namespace) -> list[Line]:
         (f"POST /v1/jobs ({args.jobs:,} submits)", "jobs/s", lambda r: f"{r.submit.rate:,.1f}", None, ""),
         ("", "p50", lambda r: _fmt_s(r.submit.p50_s), None, ""),
         ("", "p99", lambda r: _fmt_s(r.submit.p99_s), None, ""),
-        (f"GET /healthz, no database: the floor ({args.requests} req)", "p50", lambda r: _fmt_s(r.health.p50_s),
-         None, ""),
+        (
+            f"GET /healthz, no database: the floor ({args.requests} req)",
+            "p50",
+            lambda r: _fmt_s(r.health.p50_s),
+            None,
+            "",
+        ),
         ("", "p99", lambda r: _fmt_s(r.health.p99_s), None, ""),
     ]
     for label, attr in (("GET /v1/jobs?limit=50", "list_all"), ("GET /v1/jobs?status=queued&limit=50", "list_queued")):
         lines += [
             (f"{label} ({args.requests} req)", "p50", lambda r, a=attr: _fmt_s(getattr(r, a).p50_s), None, ""),
-            ("", "p99", lambda r, a=attr: _fmt_s(getattr(r, a).p99_s),
-             lambda r, a=attr: getattr(r, a).p99_s < LIST_P99_TARGET_S, "p99 < 50 ms"),
+            (
+                "",
+                "p99",
+                lambda r, a=attr: _fmt_s(getattr(r, a).p99_s),
+                lambda r, a=attr: getattr(r, a).p99_s < LIST_P99_TARGET_S,
+                "p99 < 50 ms",
+            ),
             ("", "req/s", lambda r, a=attr: f"{getattr(r, a).rate:,.1f}", None, ""),
-        ]  # fmt: skip
+        ]
     lines += [
-        (f"GET /v1/jobs/{{id}}/metrics?max_points=500 ({args.metrics_requests} req)", "p50",
-         lambda r: _fmt_s(r.metrics_get.p50_s), None, ""),
+        (
+            f"GET /v1/jobs/{{id}}/metrics?max_points=500 ({args.metrics_requests} req)",
+            "p50",
+            lambda r: _fmt_s(r.metrics_get.p50_s),
+            None,
+            "",
+        ),
         (f"  on a job with {args.metric_rows:,} rows", "p99", lambda r: _fmt_s(r.metrics_get.p99_s), None, ""),
-        (f"store_metrics, {args.metric_rows:,} rows, {args.batch_rows} a transaction", "rows/s",
-         lambda r: f"{r.ingest_rows / r.ingest_s:,.0f}",
-         lambda r: r.ingest_rows / r.ingest_s >= INGEST_TARGET_ROWS_PER_S, ">= 5,000 rows/s"),
-    ]  # fmt: skip
+        (
+            f"store_metrics, {args.metric_rows:,} rows, {args.batch_rows} a transaction",
+            "rows/s",
+            lambda r: f"{r.ingest_rows / r.ingest_s:,.0f}",
+            lambda r: r.ingest_rows / r.ingest_s >= INGEST_TARGET_ROWS_PER_S,
+            ">= 5,000 rows/s",
+        ),
+    ]
     return lines
 
 

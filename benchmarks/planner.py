@@ -67,8 +67,12 @@ def _http_rows(*, repeat: int) -> list[tuple[str, str, list[float]]]:
     port = _free_port()
     zero1 = str(Path(sys.executable).with_name("zero1"))
     scratch = tempfile.mkdtemp(prefix="zero1-bench-")
-    env = {**os.environ, "ZERO1_DATABASE_URL": f"sqlite:///{scratch}/zero1.db",
-           "ZERO1_CHECKPOINT_URI": f"{scratch}/checkpoints", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # fmt: skip
+    env = {
+        **os.environ,
+        "ZERO1_DATABASE_URL": f"sqlite:///{scratch}/zero1.db",
+        "ZERO1_CHECKPOINT_URI": f"{scratch}/checkpoints",
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    }
     server = subprocess.Popen(
         [zero1, "serve", "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
@@ -85,9 +89,11 @@ def _http_rows(*, repeat: int) -> list[tuple[str, str, list[float]]]:
                     time.sleep(0.1)
             rows = []
             for label, body in (("Ψ = 7.5e9, N = 64", SEED_BODY), ("GPT-2 XL, N = 8", GPT_BODY)):
+
                 def post(body=body):
                     response = client.post("/v1/plan", json=body)
                     response.raise_for_status()
+
                 rows.append(("HTTP POST /v1/plan", label, _timings(post, repeat=repeat)))
             return rows
     finally:
@@ -109,10 +115,16 @@ def main() -> None:
     seed = Workload.from_num_params(7_500_000_000)
     gpt = Workload.from_model(GPTSpec(**{k: v for k, v in GPT2_XL.items() if k != "kind"}), micro_batch_size=4)
     rows = [
-        ("memory.plan (in-process)", "Ψ = 7.5e9, N = 64",
-         _timings(lambda: plan(seed, num_gpus=64, gpu_memory_bytes=80 * GB), repeat=args.repeat)),
-        ("memory.plan (in-process)", "GPT-2 XL, N = 8",
-         _timings(lambda: plan(gpt, num_gpus=8, gpu_memory_bytes=80 * GB), repeat=args.repeat)),
+        (
+            "memory.plan (in-process)",
+            "Ψ = 7.5e9, N = 64",
+            _timings(lambda: plan(seed, num_gpus=64, gpu_memory_bytes=80 * GB), repeat=args.repeat),
+        ),
+        (
+            "memory.plan (in-process)",
+            "GPT-2 XL, N = 8",
+            _timings(lambda: plan(gpt, num_gpus=8, gpu_memory_bytes=80 * GB), repeat=args.repeat),
+        ),
         ("API request path (in-process)", "Ψ = 7.5e9, N = 64", _timings(_request_path(SEED_BODY), repeat=args.repeat)),
         ("API request path (in-process)", "GPT-2 XL, N = 8", _timings(_request_path(GPT_BODY), repeat=args.repeat)),
         *_http_rows(repeat=args.http_repeat),

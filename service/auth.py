@@ -186,7 +186,9 @@ class Authenticator:
             )
         principal = self.tokens.lookup(token)
         if principal is None:
-            raise _unauthorized("the API token is not valid: send Authorization: Bearer <token> with a configured token")
+            raise _unauthorized(
+                "the API token is not valid: send Authorization: Bearer <token> with a configured token"
+            )
         return principal, from_cookie
 
     def reader(self, request: Request) -> Principal:
@@ -207,8 +209,9 @@ class Authenticator:
             raise ServiceError(
                 f"a request authenticated by the {TOKEN_COOKIE} cookie must send the header {CSRF_HEADER}: 1 "
                 "(the dashboard does); other clients send Authorization: Bearer <token>",
-                status_code=403, error="csrf",
-            )  # fmt: skip
+                status_code=403,
+                error="csrf",
+            )
         return principal
 
 
@@ -220,5 +223,7 @@ def check_can_cancel(principal: Principal, *, job_id: int, owner: str | None) ->
     raise ServiceError(
         f"job {job_id} {whose}; only {owner or 'an admin'}{' or an admin' if owner else ''} may cancel it, "
         f"not {principal.user}",
-        status_code=403, error="forbidden", owner=owner,
-    )  # fmt: skip
+        status_code=403,
+        error="forbidden",
+        owner=owner,
+    )

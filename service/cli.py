@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from service.config import get_settings
 from service.schemas import MAX_TEXT_DIGITS, too_many_digits
-from workers.memory import GB, PRECISIONS, OPTIMIZERS, STAGES
+from workers.memory import GB, OPTIMIZERS, PRECISIONS, STAGES
 
 
 def _count(text: str) -> int:
@@ -73,8 +73,10 @@ def _parser() -> argparse.ArgumentParser:
     jobs.add_argument("--activation-checkpointing", action="store_true", default=None)
     plan.add_argument("--json", action="store_true", help="print the API's JSON instead of tables")
 
-    url = {"default": os.environ.get("ZERO1_URL", "http://127.0.0.1:8000"),
-           "help": "the API (default: ZERO1_URL or http://127.0.0.1:8000)"}  # fmt: skip
+    url = {
+        "default": os.environ.get("ZERO1_URL", "http://127.0.0.1:8000"),
+        "help": "the API (default: ZERO1_URL or http://127.0.0.1:8000)",
+    }
     submit = commands.add_parser("submit", help="submit a job spec (JSON file); prints its plan and id")
     submit.add_argument("spec", help="path of a JSON JobSpec, e.g. examples/tiny-gpt.json")
     submit.add_argument("--dry-run", action="store_true", help="plan and admit, store nothing")
@@ -83,8 +85,11 @@ def _parser() -> argparse.ArgumentParser:
     jobs.add_argument("--status", action="append", help="only these statuses (repeatable)")
     jobs.add_argument("--limit", type=int, default=20)
     jobs.add_argument("--url", **url)
-    for name, text in (("status", "a job, with its events"), ("watch", "a live progress bar until the job ends"),
-                       ("cancel", "cancel a job")):  # fmt: skip
+    for name, text in (
+        ("status", "a job, with its events"),
+        ("watch", "a live progress bar until the job ends"),
+        ("cancel", "cancel a job"),
+    ):
         command = commands.add_parser(name, help=text)
         command.add_argument("job_id", type=int)
         command.add_argument("--url", **url)
@@ -144,15 +149,11 @@ def format_plan(plan: dict) -> str:
     verdict = "fits" if plan["fits"] else "does NOT fit"
     lines.append(f"{verdict}: headroom {_gb(plan['headroom_bytes'])} GB of {_gb(memory)} GB")
     min_gpus = plan["min_gpus"]
-    lines.append(
-        f"min_gpus at stage {stage}: {min_gpus}" if min_gpus else f"min_gpus at stage {stage}: none fits"
-    )
+    lines.append(f"min_gpus at stage {stage}: {min_gpus}" if min_gpus else f"min_gpus at stage {stage}: none fits")
     lines += ["", f"{'stage':<8}{f'GB per GPU at N={n}':>22}"]
     lines += [f"{s:<8}{_gb(total):>22}" for s, total in plan["stages"].items()]
     lines += ["", f"{'N':>6}{f'stage {stage} GB':>16}  fits"]
-    lines += [
-        f"{p['num_gpus']:>6}{_gb(p['total_bytes']):>16}  {'yes' if p['fits'] else 'no'}" for p in plan["sweep"]
-    ]
+    lines += [f"{p['num_gpus']:>6}{_gb(p['total_bytes']):>16}  {'yes' if p['fits'] else 'no'}" for p in plan["sweep"]]
     return "\n".join(lines)
 
 
@@ -169,9 +170,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         message, _ = describe_validation_errors(exc.errors())
         print(f"zero1 plan: {message}", file=sys.stderr)
         return 2
-    plan = make_plan(
-        request, cluster=simulated_capacity(settings), overhead_bytes=round(settings.gpu_overhead_gb * GB)
-    )
+    plan = make_plan(request, cluster=simulated_capacity(settings), overhead_bytes=round(settings.gpu_overhead_gb * GB))
     public = plan_public(plan).model_dump(mode="json")
     print(json.dumps(public, indent=2) if args.json else format_plan(public))
     return 0
@@ -234,7 +233,9 @@ def _job_line(job: dict) -> str:
 
 def _cmd_jobs(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        response = client.get("/v1/jobs", params={"limit": args.limit, **({"status": args.status} if args.status else {})})
+        response = client.get(
+            "/v1/jobs", params={"limit": args.limit, **({"status": args.status} if args.status else {})}
+        )
     if (code := _api_error(response)) is not None:
         return code
     print(f"{'id':>6}  {'status':<10}  {'step':>8}/{'steps':<8}  {'gpus':>4}  {'loss':>8}  name")
@@ -343,9 +344,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     commands = {
-        "plan": _cmd_plan, "serve": _cmd_serve, "submit": _cmd_submit, "jobs": _cmd_jobs, "status": _cmd_status,
-        "watch": _cmd_watch, "cancel": _cmd_cancel, "db": _cmd_db,
-    }  # fmt: skip
+        "plan": _cmd_plan,
+        "serve": _cmd_serve,
+        "submit": _cmd_submit,
+        "jobs": _cmd_jobs,
+        "status": _cmd_status,
+        "watch": _cmd_watch,
+        "cancel": _cmd_cancel,
+        "db": _cmd_db,
+    }
     try:
         return commands[args.command](args)
     except BrokenPipeError:  # `zero1 jobs | head -3`: the reader left, which is no error

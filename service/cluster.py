@@ -79,9 +79,12 @@ class RayCluster:
             # one logical CPU per rank, plus one: supervisors take none, the probe none
             ray.init(
                 address="local",  # a new instance of our own, never another Ray running on this machine
-                num_gpus=num_gpus, num_cpus=max(os.cpu_count() or 1, num_gpus + 1), namespace=self.settings.ray_namespace,
-                include_dashboard=False, log_to_driver=False,
-            )  # fmt: skip
+                num_gpus=num_gpus,
+                num_cpus=max(os.cpu_count() or 1, num_gpus + 1),
+                namespace=self.settings.ray_namespace,
+                include_dashboard=False,
+                log_to_driver=False,
+            )
             self.owned = True
         self._probe_gpu_memory()
 

@@ -10,10 +10,11 @@ from typing import Annotated
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-
 PLACEHOLDER = re.compile(r"change[-_]?me", re.IGNORECASE)
 """The mark of .env.example's values: a secret that has it is known to everyone who read the example."""
-PLACEHOLDER_RULE = "it contains change-me (or change_me, changeme, in any case), the mark of .env.example's placeholders"
+PLACEHOLDER_RULE = (
+    "it contains change-me (or change_me, changeme, in any case), the mark of .env.example's placeholders"
+)
 
 
 def is_placeholder(secret: str) -> bool:

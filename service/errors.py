@@ -27,9 +27,14 @@ class ServiceError(Exception):
     """An expected failure with its HTTP status and a machine-readable code."""
 
     def __init__(
-        self, message: str, *, status_code: int = 400, error: str = "bad_request",
-        headers: dict[str, str] | None = None, **extra: Any,
-    ):  # fmt: skip
+        self,
+        message: str,
+        *,
+        status_code: int = 400,
+        error: str = "bad_request",
+        headers: dict[str, str] | None = None,
+        **extra: Any,
+    ):
         super().__init__(message)
         self.message, self.status_code, self.error, self.extra = message, status_code, error, extra
         self.headers = headers
@@ -86,9 +91,7 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         # literal longer than Python converts (https://docs.python.org/3/library/stdtypes.html#int-max-str-digits)
         return _invalid_json(f"an integer of more than {sys.get_int_max_str_digits()} digits")
     code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code, "http_error")
-    return JSONResponse(
-        {"error": code, "message": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers
-    )
+    return JSONResponse({"error": code, "message": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers)
 
 
 def _invalid_json(reason: str) -> JSONResponse:

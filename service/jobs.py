@@ -22,8 +22,13 @@ from service.errors import ServiceError
 from service.models import Job, JobEvent, Metric, utcnow
 from service.planning import make_plan, plan_public, workload_for
 from service.schemas import (
-    EventPublic, JobPublic, JobSpec, MetricPublic, PlanPublic, TextDataSpec,
-)  # fmt: skip
+    EventPublic,
+    JobPublic,
+    JobSpec,
+    MetricPublic,
+    PlanPublic,
+    TextDataSpec,
+)
 from workers import memory
 from workers.memory import GB
 from workers.records import finite_or_none
@@ -76,9 +81,10 @@ def admit(spec: JobSpec, *, cluster: ClusterCapacity, overhead_bytes: int) -> Pl
     public = plan_public(plan)
     if spec.num_gpus > cluster.num_gpus:
         raise _does_not_fit(
-            public, f"num_gpus ({spec.num_gpus}) exceeds the cluster's {cluster.num_gpus} GPUs"
+            public,
+            f"num_gpus ({spec.num_gpus}) exceeds the cluster's {cluster.num_gpus} GPUs"
             + _what_fits(plan, cluster=cluster, request=request, overhead_bytes=overhead_bytes),
-        )  # fmt: skip
+        )
     if not plan.fits:
         raise _does_not_fit(
             public,
@@ -120,8 +126,9 @@ def check_storage(problems: dict[str, str], *, uri: str) -> None:
         raise ServiceError(
             f"checkpoint storage ZERO1_CHECKPOINT_URI ({uri}) is not writable from {len(problems)} GPU node(s); "
             f"node {node}: {why}",
-            status_code=503, error="checkpoint_storage_unwritable",
-        )  # fmt: skip
+            status_code=503,
+            error="checkpoint_storage_unwritable",
+        )
 
 
 def _what_fits(plan: memory.Plan, *, cluster: ClusterCapacity, request, overhead_bytes: int) -> str:
@@ -156,8 +163,13 @@ def request_hash(spec: JobSpec) -> str:
 
 
 def submit_job(
-    session: Session, *, spec: JobSpec, plan: PlanPublic, idempotency_key: str | None,
-    owner: str | None = None, max_queued: int | None = None,
+    session: Session,
+    *,
+    spec: JobSpec,
+    plan: PlanPublic,
+    idempotency_key: str | None,
+    owner: str | None = None,
+    max_queued: int | None = None,
 ) -> tuple[Job, bool]:
     """Store a queued job of `owner`; (job, created). A reused Idempotency-Key returns its job or a 409;
     a 429 if `owner` already has `max_queued` jobs queued."""
@@ -169,9 +181,16 @@ def submit_job(
     if max_queued is not None:
         _check_queue_limit(session, owner=owner, max_queued=max_queued)
     job = Job(
-        name=spec.name, status="queued", spec=spec.model_dump(mode="json"), plan=plan.model_dump(mode="json"),
-        num_gpus=spec.num_gpus, steps=spec.steps, idempotency_key=idempotency_key, request_hash=digest, owner=owner,
-    )  # fmt: skip
+        name=spec.name,
+        status="queued",
+        spec=spec.model_dump(mode="json"),
+        plan=plan.model_dump(mode="json"),
+        num_gpus=spec.num_gpus,
+        steps=spec.steps,
+        idempotency_key=idempotency_key,
+        request_hash=digest,
+        owner=owner,
+    )
     try:
         # the job and its first event in one savepoint: on SQLite, whose driver opens no
         # transaction before a SAVEPOINT, releasing it commits, and the scheduler could see
@@ -196,8 +215,11 @@ def _check_queue_limit(session: Session, *, owner: str | None, max_queued: int) 
         raise ServiceError(
             f"{who} has {queued} queued jobs, the limit is {max_queued} (ZERO1_MAX_QUEUED_JOBS_PER_USER); "
             "submit again when some have started, or cancel some",
-            status_code=429, error="too_many_queued_jobs", queued=queued, limit=max_queued,
-        )  # fmt: skip
+            status_code=429,
+            error="too_many_queued_jobs",
+            queued=queued,
+            limit=max_queued,
+        )
 
 
 def _replay(job: Job, digest: str, key: str, *, owner: str | None) -> Job:
@@ -208,8 +230,9 @@ def _replay(job: Job, digest: str, key: str, *, owner: str | None) -> Job:
     if job.request_hash != digest:
         raise ServiceError(
             f"Idempotency-Key {key!r} was used for job {job.id} with a different body",
-            status_code=409, error="idempotency_conflict",
-        )  # fmt: skip
+            status_code=409,
+            error="idempotency_conflict",
+        )
     return job
 
 
@@ -252,12 +275,24 @@ def job_public(job: Job, *, position: int | None, principal: Principal) -> JobPu
     """The job as `principal` sees it (its details null unless can_see); `position` is its queue_position."""
     mine = can_see(principal, job)
     return JobPublic(
-        id=job.id, name=job.name, status=job.status, spec=job.spec if mine else None, plan=job.plan,
-        num_gpus=job.num_gpus, created_at=job.created_at, started_at=job.started_at, finished_at=job.finished_at,
-        step=job.step, steps=job.steps, latest=_finite(job.latest) if mine else None,
-        error=job.error if mine else None, attempt=job.attempt, num_retries=job.num_retries,
-        queue_position=position, owner=job.owner,
-    )  # fmt: skip
+        id=job.id,
+        name=job.name,
+        status=job.status,
+        spec=job.spec if mine else None,
+        plan=job.plan,
+        num_gpus=job.num_gpus,
+        created_at=job.created_at,
+        started_at=job.started_at,
+        finished_at=job.finished_at,
+        step=job.step,
+        steps=job.steps,
+        latest=_finite(job.latest) if mine else None,
+        error=job.error if mine else None,
+        attempt=job.attempt,
+        num_retries=job.num_retries,
+        queue_position=position,
+        owner=job.owner,
+    )
 
 
 def _finite(row: dict | None) -> dict | None:

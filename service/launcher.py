@@ -119,17 +119,24 @@ class RayLauncher:
         from workers.actors import JobSupervisor, Placement
 
         config = JobSpec.model_validate(job.spec).to_config(
-            checkpoint_dir=str(self.checkpoint_dir(job)), keep_last=self.settings.checkpoint_keep_last,
-            resume=job.attempt > 0, data_roots=self.settings.data_roots,
-        )  # fmt: skip
+            checkpoint_dir=str(self.checkpoint_dir(job)),
+            keep_last=self.settings.checkpoint_keep_last,
+            resume=job.attempt > 0,
+            data_roots=self.settings.data_roots,
+        )
         placement = Placement(
-            num_workers=job.num_gpus, cpus_per_worker=self.settings.cpus_per_worker,
-            timeout_s=self.settings.placement_timeout_s, rendezvous_timeout_s=self.settings.rendezvous_timeout_s,
-        )  # fmt: skip
+            num_workers=job.num_gpus,
+            cpus_per_worker=self.settings.cpus_per_worker,
+            timeout_s=self.settings.placement_timeout_s,
+            rendezvous_timeout_s=self.settings.rendezvous_timeout_s,
+        )
         supervisor = JobSupervisor.options(
-            name=supervisor_name(job.id, job.attempt), namespace=self.settings.ray_namespace,
-            lifetime="detached", get_if_exists=True, scheduling_strategy=_on_head_node(),
-        ).remote(str(job.id), config, placement)  # fmt: skip
+            name=supervisor_name(job.id, job.attempt),
+            namespace=self.settings.ray_namespace,
+            lifetime="detached",
+            get_if_exists=True,
+            scheduling_strategy=_on_head_node(),
+        ).remote(str(job.id), config, placement)
         supervisor.start.remote()  # never raises: a start that fails is a "failed" status with its cause
         self._supervisors[(job.id, job.attempt)] = supervisor
 
@@ -181,7 +188,9 @@ class RayLauncher:
         for job_id, attempt, after_step in attempts:
             supervisor = self._handle(job_id, attempt)
             if supervisor is None:
-                states[(job_id, attempt)] = _lost(f"no supervisor {supervisor_name(job_id, attempt)} in the Ray cluster")
+                states[(job_id, attempt)] = _lost(
+                    f"no supervisor {supervisor_name(job_id, attempt)} in the Ray cluster"
+                )
             else:
                 asked[supervisor.poll.remote(after_step)] = (job_id, attempt)
         ready = []
@@ -252,4 +261,9 @@ def _unknown() -> dict[str, Any]:
 
 
 def _lost(message: str) -> dict[str, Any]:
-    return {"status": "lost", "metrics": [], "nodes": [], "error": RankError(exception="SupervisorLost", message=message)}
+    return {
+        "status": "lost",
+        "metrics": [],
+        "nodes": [],
+        "error": RankError(exception="SupervisorLost", message=message),
+    }

@@ -6,8 +6,8 @@ checks that these models and the migrations agree.
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
 import uuid
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Dialect, Float, ForeignKey, Index, Integer, String, Text

@@ -20,9 +20,12 @@ class Runtime:
         self.cluster = RayCluster(settings)
         self.launcher = RayLauncher(settings)
         self.scheduler = Scheduler(
-            db=self.db, launcher=self.launcher, total_gpus=lambda: self.cluster.capacity().num_gpus,
-            interval_s=settings.scheduler_interval_s, start_timeout_s=settings.start_timeout_s,
-        )  # fmt: skip
+            db=self.db,
+            launcher=self.launcher,
+            total_gpus=lambda: self.cluster.capacity().num_gpus,
+            interval_s=settings.scheduler_interval_s,
+            start_timeout_s=settings.start_timeout_s,
+        )
 
     def start(self) -> None:
         """Migrate the database, connect to (or start) Ray, start scheduling."""

@@ -66,9 +66,15 @@ class _Settled:
 
 class Scheduler:
     def __init__(
-        self, *, db: Database, launcher: RayLauncher, total_gpus: Callable[[], int], interval_s: float,
-        start_timeout_s: float = 300.0, clock: Callable[[], float] = time.monotonic,
-    ) -> None:  # fmt: skip
+        self,
+        *,
+        db: Database,
+        launcher: RayLauncher,
+        total_gpus: Callable[[], int],
+        interval_s: float,
+        start_timeout_s: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.db, self.launcher, self.total_gpus, self.interval_s = db, launcher, total_gpus, interval_s
         self.start_timeout_s, self.clock = start_timeout_s, clock
         self.last_tick_at: float | None = None
@@ -90,7 +96,7 @@ class Scheduler:
         try:
             num_rows = self.drain()
             log.info("scheduler stopped; drained %d metric rows", num_rows)
-        except Exception:  # noqa: BLE001 - shutting down: the supervisors keep the rows for the next start
+        except Exception:
             log.exception("drain at shutdown failed; the supervisors keep the unstored rows")
 
     def tick_age_s(self) -> float | None:
@@ -101,7 +107,7 @@ class Scheduler:
         while not self._stop.wait(self.interval_s):
             try:
                 self.tick()
-            except Exception:  # noqa: BLE001 - the loop outlives one bad tick; the next retries
+            except Exception:
                 log.exception("scheduler tick failed")
 
     def tick(self) -> None:
@@ -144,8 +150,12 @@ class Scheduler:
             cause = "the service restarted and this job's supervisor did not survive it"
             if self.launcher.settings.ray_address is None:
                 cause += " (the embedded Ray cluster stops with the service)"
-            self._isolated(job, lambda job=job, cause=cause: self._settle(
-                job, lambda session, fresh: self._record_relaunch(session, fresh, cause=cause)))  # fmt: skip
+            self._isolated(
+                job,
+                lambda job=job, cause=cause: self._settle(
+                    job, lambda session, fresh: self._record_relaunch(session, fresh, cause=cause)
+                ),
+            )
 
     # ----------------------------------------------------------------------- one job
 
@@ -158,7 +168,7 @@ class Scheduler:
         """Run one job's work; whatever it raises fails that job alone, with the cause."""
         try:
             work()
-        except Exception as exc:  # noqa: BLE001 - one job's fault must not stop the scheduler for all
+        except Exception as exc:
             log.exception("job %s: failing it alone", job.id)
             self._fail_alone(job, exc)
 
@@ -167,7 +177,7 @@ class Scheduler:
         reason = f"the scheduler could not handle this job: {type(exc).__name__}: {exc}"
         try:
             self._settle(job, lambda session, fresh: self._end(session, fresh, "failed", reason, error=error))
-        except Exception:  # noqa: BLE001 - e.g. the database is down: the next tick tries again
+        except Exception:
             log.exception("job %s: could not record its failure", job.id)
 
     def _settle(self, job: Job, write: Callable[[Session, Job], _Settled | None]) -> None:
@@ -195,7 +205,9 @@ class Scheduler:
             self.launcher.cancel(job.id, job.attempt)
             state = self.launcher.poll(job.id, job.attempt, after_step=_after(job))  # the rows up to the stop
             reason = "cancelled by request: every rank stopped, GPUs freed"
-            self._settle(job, lambda session, fresh: self._end(session, fresh, "cancelled", reason, rows=state["metrics"]))
+            self._settle(
+                job, lambda session, fresh: self._end(session, fresh, "cancelled", reason, rows=state["metrics"])
+            )
             return
         if state["status"] == "unknown":  # no answer in time: ask again next tick, never take it for dead
             return
@@ -226,9 +238,15 @@ class Scheduler:
         return _Settled(stored_through=stored_through)
 
     def _end(
-        self, session: Session, job: Job, status: str, reason: str, *,
-        error: RankError | None = None, rows: list[MetricRow] = (),
-    ) -> _Settled | None:  # fmt: skip
+        self,
+        session: Session,
+        job: Job,
+        status: str,
+        reason: str,
+        *,
+        error: RankError | None = None,
+        rows: list[MetricRow] = (),
+    ) -> _Settled | None:
         """A terminal transition; None if the job changed status under us (nothing to do after)."""
         store_metrics(session, job, list(rows))
         if error is not None:
@@ -269,7 +287,7 @@ class Scheduler:
         """Start the job's current attempt on Ray; a launch Ray refuses fails this job alone."""
         try:
             self.launcher.launch(job)
-        except Exception as exc:  # noqa: BLE001 - the queue goes on without it
+        except Exception as exc:
             log.exception("job %s: %s failed", job.id, what)
             error = RankError.of(exc)
             reason = f"{'dispatch to Ray' if what == 'dispatch' else what} failed: {type(exc).__name__}: {exc}"
@@ -287,7 +305,9 @@ class Scheduler:
                 job = session.scalar(head)  # only the head is read: the queue may be long
                 if job is None or job.num_gpus > total - gpus_in_use(session):
                     return  # strict FIFO: the head waits for its GPUs
-                started = transition(session, job, "starting", f"{job.num_gpus} GPUs free: placing {job.num_gpus} ranks")
+                started = transition(
+                    session, job, "starting", f"{job.num_gpus} GPUs free: placing {job.num_gpus} ranks"
+                )
             if started:  # else cancelled since it was read: the next head
                 self._launch(job, what="dispatch")
 
@@ -314,9 +334,11 @@ def supersede_after(session: Session, job: Job, *, resume_step: int) -> None:
         .values(superseded=True)
     )
     last = session.scalar(
-        select(Metric).where(Metric.job_id == job.id, Metric.superseded.is_(False))
-        .order_by(Metric.step.desc()).limit(1)
-    )  # fmt: skip
+        select(Metric)
+        .where(Metric.job_id == job.id, Metric.superseded.is_(False))
+        .order_by(Metric.step.desc())
+        .limit(1)
+    )
     job.step = None if last is None else last.step
     job.latest = None if last is None else {k: getattr(last, k) for k in STORED_FIELDS}
 

@@ -10,8 +10,15 @@ from decimal import Decimal
 from typing import Annotated, Literal
 
 from pydantic import (
-    AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, field_validator, model_validator,
-)  # fmt: skip
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    field_validator,
+    model_validator,
+)
 
 from workers import limits, memory
 from workers.config import OptimizerSpec, SyntheticSpec, TextSpec, TrainConfig, default_of
@@ -77,8 +84,7 @@ class GPTModelSpec(_Body):
         n_head = info.data.get("n_head")
         if n_head and n_embd % n_head:
             raise ValueError(
-                f"n_embd ({n_embd}) must be divisible by n_head ({n_head}): "
-                f"{n_embd} % {n_head} = {n_embd % n_head}"
+                f"n_embd ({n_embd}) must be divisible by n_head ({n_head}): {n_embd} % {n_head} = {n_embd % n_head}"
             )
         return n_embd
 
@@ -135,9 +141,7 @@ class PlanRequest(_Body):
                 raise ValueError(f"seq_len ({self.seq_len}) must be <= model.block_size ({self.model.block_size})")
         num_params = self.model.to_spec().num_params
         if num_params > memory.MAX_NUM_PARAMS:
-            raise ValueError(
-                f"model has {num_params:,} parameters, above the limit of {memory.MAX_NUM_PARAMS:,}"
-            )
+            raise ValueError(f"model has {num_params:,} parameters, above the limit of {memory.MAX_NUM_PARAMS:,}")
         return self
 
 
@@ -202,7 +206,7 @@ class SyntheticDataSpec(_Body):
         default_of(SyntheticSpec, "branching"), ge=1, le=1_000_000, description="Successors per token: lower is easier."
     )
 
-    def to_spec(self, *, data_roots: Sequence[str] = ()) -> SyntheticSpec:  # noqa: ARG002 - one signature for every kind
+    def to_spec(self, *, data_roots: Sequence[str] = ()) -> SyntheticSpec:
         return SyntheticSpec(branching=self.branching)
 
 
@@ -228,8 +232,10 @@ def _opt(name: str):
 
 class OptimizerConfig(_Body):
     lr: Float = Field(_opt("lr"), gt=0, le=10, allow_inf_nan=False)
-    betas: tuple[Annotated[Float, Field(ge=0, lt=1, allow_inf_nan=False)],
-                 Annotated[Float, Field(ge=0, lt=1, allow_inf_nan=False)]] = _opt("betas")  # fmt: skip
+    betas: tuple[
+        Annotated[Float, Field(ge=0, lt=1, allow_inf_nan=False)],
+        Annotated[Float, Field(ge=0, lt=1, allow_inf_nan=False)],
+    ] = _opt("betas")
     eps: Float = Field(_opt("eps"), ge=0, le=1, allow_inf_nan=False)
     weight_decay: Float = Field(_opt("weight_decay"), ge=0, le=10, allow_inf_nan=False)
     max_grad_norm: Float | None = Field(_opt("max_grad_norm"), gt=0, le=1e6, allow_inf_nan=False)
@@ -239,9 +245,12 @@ class OptimizerConfig(_Body):
         "off by default: docs/optimizer.md).",
     )
     bucket_cap_mb: Float = Field(
-        _opt("bucket_cap_mb"), ge=limits.MIN_BUCKET_CAP_MB, le=4096, allow_inf_nan=False,
+        _opt("bucket_cap_mb"),
+        ge=limits.MIN_BUCKET_CAP_MB,
+        le=4096,
+        allow_inf_nan=False,
         description=f"Largest gradient bucket, MiB (at least {limits.MIN_BUCKET_CAP_MB:g}).",
-    )  # fmt: skip
+    )
 
     def to_spec(self) -> OptimizerSpec:
         return OptimizerSpec(**self.model_dump() | {"betas": tuple(self.betas)})
@@ -273,10 +282,12 @@ class JobSpec(_Body):
     )
     max_retries: Int = Field(0, ge=0, le=100)
     max_nonfinite_steps: Int = Field(
-        _train("max_nonfinite_steps"), ge=1, le=1_000_000,
+        _train("max_nonfinite_steps"),
+        ge=1,
+        le=1_000_000,
         description="Steps in a row with a nan or inf gradient norm (each skipped) after which the job fails; "
         "fp16's loss scaler may skip up to 16 in a row at the start.",
-    )  # fmt: skip
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:
@@ -303,21 +314,35 @@ class JobSpec(_Body):
     ) -> TrainConfig:
         """The workers' view of this job: every field converted once, here."""
         return TrainConfig(
-            model=self.model.to_spec(), steps=self.steps, data=self.data.to_spec(data_roots=data_roots),
-            precision=self.precision, optimizer=self.optimizer.to_spec(), micro_batch_size=self.micro_batch_size,
-            global_batch_size=self.global_batch_size, seq_len=self.seq_len, seed=self.seed,
-            checkpoint_every=self.checkpoint_every, checkpoint_dir=checkpoint_dir, keep_last=keep_last,
-            activation_checkpointing=self.activation_checkpointing, max_nonfinite_steps=self.max_nonfinite_steps,
+            model=self.model.to_spec(),
+            steps=self.steps,
+            data=self.data.to_spec(data_roots=data_roots),
+            precision=self.precision,
+            optimizer=self.optimizer.to_spec(),
+            micro_batch_size=self.micro_batch_size,
+            global_batch_size=self.global_batch_size,
+            seq_len=self.seq_len,
+            seed=self.seed,
+            checkpoint_every=self.checkpoint_every,
+            checkpoint_dir=checkpoint_dir,
+            keep_last=keep_last,
+            activation_checkpointing=self.activation_checkpointing,
+            max_nonfinite_steps=self.max_nonfinite_steps,
             resume=resume,
-        )  # fmt: skip
+        )
 
     def plan_request(self) -> PlanRequest:
         """The capacity plan this job is admitted by: ZeRO stage 1 at N = num_gpus."""
         return PlanRequest(
-            model=self.model, num_gpus=self.num_gpus, precision=self.precision, optimizer="adamw", stage=1,
-            micro_batch_size=self.micro_batch_size, seq_len=self.seq_len,
+            model=self.model,
+            num_gpus=self.num_gpus,
+            precision=self.precision,
+            optimizer="adamw",
+            stage=1,
+            micro_batch_size=self.micro_batch_size,
+            seq_len=self.seq_len,
             activation_checkpointing=self.activation_checkpointing if isinstance(self.model, GPTModelSpec) else None,
-        )  # fmt: skip
+        )
 
 
 JobStatus = Literal["queued", "starting", "running", "restarting", "succeeded", "failed", "cancelled"]
@@ -330,8 +355,9 @@ class JobPublic(BaseModel):
     id: int
     name: str
     status: JobStatus
-    spec: dict | None = Field(description="The JobSpec as submitted (data.path resolved); null unless the caller "
-                              "owns the job or is an admin.")
+    spec: dict | None = Field(
+        description="The JobSpec as submitted (data.path resolved); null unless the caller owns the job or is an admin."
+    )
     plan: dict
     num_gpus: int
     created_at: datetime
@@ -339,12 +365,16 @@ class JobPublic(BaseModel):
     finished_at: datetime | None
     step: int | None = Field(description="Last step with stored metrics.")
     steps: int
-    latest: dict | None = Field(description="The last metrics row; null before it, and unless the caller owns the "
-                                "job or is an admin.")
-    error: dict | None = Field(description="Why the job failed (rank, node, exception); null unless it did, and "
-                               "unless the caller owns the job or is an admin.")
-    attempt: int = Field(description="0 for the first launch, +1 for each relaunch (a retry, or a recovery after a "
-                         "service restart).")
+    latest: dict | None = Field(
+        description="The last metrics row; null before it, and unless the caller owns the job or is an admin."
+    )
+    error: dict | None = Field(
+        description="Why the job failed (rank, node, exception); null unless it did, and "
+        "unless the caller owns the job or is an admin."
+    )
+    attempt: int = Field(
+        description="0 for the first launch, +1 for each relaunch (a retry, or a recovery after a service restart)."
+    )
     num_retries: int = Field(0, description="Relaunches after a worker failure; at most spec.max_retries.")
     queue_position: int | None = Field(description="1 for the next job to start; null unless queued.")
     owner: str | None = Field(None, description="The user whose token submitted it; null while auth is off.")

@@ -74,7 +74,6 @@ def ray_cluster():
             shutil.rmtree(OWN_RAY_TMPDIR, ignore_errors=True)
 
 
-
 import psycopg  # noqa: E402
 from psycopg import sql  # noqa: E402
 

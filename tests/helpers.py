@@ -26,8 +26,17 @@ TERMINAL = ("succeeded", "failed", "cancelled")
 
 def job_body(**overrides) -> dict:
     """A POST /v1/jobs body: TINY on 2 GPUs in fp32 for 10 steps, with `overrides`."""
-    return {"name": "tiny", "model": TINY, "num_gpus": 2, "precision": "fp32", "optimizer": FAST, "steps": 10,
-            "micro_batch_size": 2, "seed": 7, **overrides}  # fmt: skip
+    return {
+        "name": "tiny",
+        "model": TINY,
+        "num_gpus": 2,
+        "precision": "fp32",
+        "optimizer": FAST,
+        "steps": 10,
+        "micro_batch_size": 2,
+        "seed": 7,
+        **overrides,
+    }
 
 
 # --------------------------------------------------------------------------- waiting
@@ -36,8 +45,14 @@ def job_body(**overrides) -> dict:
 T = TypeVar("T")
 
 
-def wait_for(read: Callable[[], T], predicate: Callable[[T], bool], *, what: str, timeout_s: float = 180,
-             interval_s: float = 0.05) -> T:  # fmt: skip
+def wait_for(
+    read: Callable[[], T],
+    predicate: Callable[[T], bool],
+    *,
+    what: str,
+    timeout_s: float = 180,
+    interval_s: float = 0.05,
+) -> T:
     """Poll read() until predicate holds; fail naming `what` and the last value at the deadline."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -48,11 +63,22 @@ def wait_for(read: Callable[[], T], predicate: Callable[[T], bool], *, what: str
         time.sleep(interval_s)
 
 
-def wait_job(client, job_id: int, predicate: Callable[[dict], bool], *, what: str = "the job", headers=None,
-             timeout_s: float = 180) -> dict:  # fmt: skip
+def wait_job(
+    client,
+    job_id: int,
+    predicate: Callable[[dict], bool],
+    *,
+    what: str = "the job",
+    headers=None,
+    timeout_s: float = 180,
+) -> dict:
     """GET /v1/jobs/{id} until predicate(job) holds."""
-    return wait_for(lambda: client.get(f"/v1/jobs/{job_id}", headers=headers).json(), predicate,
-                    what=f"{what} (job {job_id})", timeout_s=timeout_s)  # fmt: skip
+    return wait_for(
+        lambda: client.get(f"/v1/jobs/{job_id}", headers=headers).json(),
+        predicate,
+        what=f"{what} (job {job_id})",
+        timeout_s=timeout_s,
+    )
 
 
 def wait_healthy(base: str, *, server=None, timeout_s: float = 120) -> dict:

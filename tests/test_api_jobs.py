@@ -12,12 +12,12 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import helpers
-from conftest import make_settings
-from helpers import FAST, TERMINAL, TINY, wait_job
 from service.jobs import thinned_steps
 from service.main import create_app
 
+import helpers
+from conftest import make_settings
+from helpers import FAST, TERMINAL, TINY, wait_job
 
 
 def job_body(**overrides) -> dict:
@@ -27,8 +27,9 @@ def job_body(**overrides) -> dict:
 @pytest.fixture
 def app_client(ray_cluster, database_url, tmp_path):
     """A fresh app per test on each database backend."""
-    with TestClient(create_app(make_settings(tmp_path, database_url=database_url)),
-                    raise_server_exceptions=False) as client:  # fmt: skip
+    with TestClient(
+        create_app(make_settings(tmp_path, database_url=database_url)), raise_server_exceptions=False
+    ) as client:
         yield client
 
 
@@ -68,7 +69,10 @@ def test_a_job_runs_to_success_with_every_metric_stored(app_client):
 
     events = app_client.get(f"/v1/jobs/{job['id']}/events").json()["data"]
     assert [(e["from_status"], e["to_status"]) for e in events] == [
-        (None, "queued"), ("queued", "starting"), ("starting", "running"), ("running", "succeeded")
+        (None, "queued"),
+        ("queued", "starting"),
+        ("starting", "running"),
+        ("running", "succeeded"),
     ]
     times = [datetime.fromisoformat(e["at"]) for e in events]
     assert times == sorted(times)
@@ -149,8 +153,9 @@ def test_cancel_a_queued_job_and_list_by_status(sqlite_client):
 
 
 def test_list_pages_with_a_cursor(sqlite_client):
-    ids = [submit(sqlite_client, job_body(name=f"p{i}", num_gpus=4, steps=1, micro_batch_size=1))["id"]
-           for i in range(5)]  # fmt: skip
+    ids = [
+        submit(sqlite_client, job_body(name=f"p{i}", num_gpus=4, steps=1, micro_batch_size=1))["id"] for i in range(5)
+    ]
     first = sqlite_client.get("/v1/jobs", params={"limit": 2}).json()
     second = sqlite_client.get("/v1/jobs", params={"limit": 2, "cursor": first["next_cursor"]}).json()
     third = sqlite_client.get("/v1/jobs", params={"limit": 2, "cursor": second["next_cursor"]}).json()
@@ -190,7 +195,11 @@ def test_dry_run_plans_and_stores_nothing(sqlite_client):
 
 def test_cluster_reports_ray(sqlite_client):
     assert sqlite_client.get("/v1/cluster").json() == {
-        "num_gpus": 4, "num_gpus_free": 4, "gpu_memory_bytes": 80_000_000_000, "nodes": 2, "simulated": True
+        "num_gpus": 4,
+        "num_gpus_free": 4,
+        "gpu_memory_bytes": 80_000_000_000,
+        "nodes": 2,
+        "simulated": True,
     }
 
 
@@ -220,15 +229,19 @@ def test_bad_requests_are_4xx_json(sqlite_client, method, path, kwargs, status, 
     assert text in r.json()["message"]
 
 
-HUGE_NUMBERS = {"9" * 5000: "body: invalid JSON: an integer of more than 4300 digits",
-                "1e1000000": "Input should be a finite number (got inf)",
-                "-1e1000000": "Input should be a finite number (got -inf)"}  # fmt: skip
+HUGE_NUMBERS = {
+    "9" * 5000: "body: invalid JSON: an integer of more than 4300 digits",
+    "1e1000000": "Input should be a finite number (got inf)",
+    "-1e1000000": "Input should be a finite number (got -inf)",
+}
 
 
 @pytest.mark.parametrize("number", HUGE_NUMBERS, ids=["5000 digits", "1e1000000", "-1e1000000"])
 def test_a_huge_json_number_is_a_422_at_once(sqlite_client, number):
-    bodies = {"/v1/plan": f'{{"num_params": {number}}}',
-              "/v1/jobs": json.dumps(job_body(steps=0)).replace('"steps": 0', f'"steps": {number}')}  # fmt: skip
+    bodies = {
+        "/v1/plan": f'{{"num_params": {number}}}',
+        "/v1/jobs": json.dumps(job_body(steps=0)).replace('"steps": 0', f'"steps": {number}'),
+    }
     for path, body in bodies.items():
         start = time.monotonic()
         r = sqlite_client.post(path, content=body, headers={"content-type": "application/json"})
@@ -240,14 +253,21 @@ def test_a_huge_json_number_is_a_422_at_once(sqlite_client, number):
 @given(
     body=st.dictionaries(
         st.sampled_from(list(job_body()) + ["data", "seq_len", "global_batch_size", "seed", "max_retries"]),
-        st.none() | st.booleans() | st.integers(-(10**20), 10**20) | st.floats() | st.text(max_size=8)
-        | st.lists(st.integers(-5, 5), max_size=3) | st.just(TINY) | st.just(FAST),
+        st.none()
+        | st.booleans()
+        | st.integers(-(10**20), 10**20)
+        | st.floats()
+        | st.text(max_size=8)
+        | st.lists(st.integers(-5, 5), max_size=3)
+        | st.just(TINY)
+        | st.just(FAST),
         max_size=8,
     )
 )
 def test_no_job_body_yields_a_500(sqlite_client, body):
-    r = sqlite_client.post("/v1/jobs", content=json.dumps(body), headers={"content-type": "application/json"},
-                           params={"dry_run": "true"})  # fmt: skip
+    r = sqlite_client.post(
+        "/v1/jobs", content=json.dumps(body), headers={"content-type": "application/json"}, params={"dry_run": "true"}
+    )
     assert r.status_code in (200, 422), r.text
 
 
@@ -261,7 +281,10 @@ def test_a_submit_is_refused_when_the_gpu_nodes_cannot_write_checkpoints(ray_clu
             assert response.status_code == 503, response.text
             body = response.json()
             assert body["error"] == "checkpoint_storage_unwritable"
-            assert f"ZERO1_CHECKPOINT_URI ({blocker / 'checkpoints'}) is not writable from 2 GPU node(s)" in body["message"]
+            assert (
+                f"ZERO1_CHECKPOINT_URI ({blocker / 'checkpoints'}) is not writable from 2 GPU node(s)"
+                in body["message"]
+            )
             assert "NotADirectoryError" in body["message"]
         assert client.get("/v1/jobs").json()["data"] == []
 

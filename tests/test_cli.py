@@ -13,8 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from helpers import free_port, wait_healthy
 from service.cli import main
+
+from helpers import free_port, wait_healthy
 
 ZERO1 = str(Path(sys.executable).with_name("zero1"))
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,12 +103,16 @@ def test_db_upgrade_names_the_database_but_not_its_password(monkeypatch, capsys)
 GPT_7B5 = {"kind": "gpt", "vocab_size": 59072, "n_layer": 36, "n_head": 32, "n_embd": 4096, "block_size": 2048}
 
 
-
 def test_serve_plans_admits_and_trains_as_a_user_would(tmp_path):
     """`zero1 serve` with an embedded Ray of 64 logical GPUs of 80 GB, driven over HTTP and by the CLI."""
     port = free_port()
-    env = {**ENV, "ZERO1_SIMULATED_GPUS": "64", "ZERO1_DATABASE_URL": f"sqlite:///{tmp_path / 'zero1.db'}",
-           "ZERO1_CHECKPOINT_URI": str(tmp_path / "checkpoints"), "ZERO1_URL": f"http://127.0.0.1:{port}"}  # fmt: skip
+    env = {
+        **ENV,
+        "ZERO1_SIMULATED_GPUS": "64",
+        "ZERO1_DATABASE_URL": f"sqlite:///{tmp_path / 'zero1.db'}",
+        "ZERO1_CHECKPOINT_URI": str(tmp_path / "checkpoints"),
+        "ZERO1_URL": f"http://127.0.0.1:{port}",
+    }
     server = subprocess.Popen([ZERO1, "serve", "--port", str(port)], env=env, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -120,15 +125,21 @@ def test_serve_plans_admits_and_trains_as_a_user_would(tmp_path):
         job = {"name": "7.5B", "model": GPT_7B5, "num_gpus": 2, "steps": 10}
         rejected = httpx.post(f"{base}/v1/jobs", json=job, timeout=10).json()
         assert rejected["error"] == "does_not_fit" and "min_gpus = " in rejected["message"]
-        admitted = httpx.post(f"{base}/v1/jobs", params={"dry_run": "true"}, json={**job, "num_gpus": 64},
-                              timeout=10).json()  # fmt: skip
+        admitted = httpx.post(
+            f"{base}/v1/jobs", params={"dry_run": "true"}, json={**job, "num_gpus": 64}, timeout=10
+        ).json()
         per_gpu = admitted["plan"]["per_gpu"]
         states = sum(per_gpu[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "padding_bytes"))
         assert admitted["admitted"] and round(states / 1e9, 1) == 31.4  # 4Ψ + 12Ψ/64, Ψ = 7.5e9
         assert per_gpu["activations_bytes"] > 0 and per_gpu["overhead_bytes"] == 10**9
 
-        submitted = subprocess.run([ZERO1, "submit", str(ROOT / "examples" / "tiny-gpt.json")], env=env,
-                                   capture_output=True, text=True, timeout=60)  # fmt: skip
+        submitted = subprocess.run(
+            [ZERO1, "submit", str(ROOT / "examples" / "tiny-gpt.json")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert submitted.returncode == 0, submitted.stderr
         job_id = int(submitted.stdout.strip().splitlines()[-1].split()[1])
         watched = subprocess.run([ZERO1, "watch", str(job_id)], env=env, capture_output=True, text=True, timeout=300)
@@ -172,8 +183,9 @@ def test_output_into_a_closed_pipe_is_no_error():
     read_end, write_end = os.pipe()
     os.close(read_end)  # every write to the pipe now fails with EPIPE
     try:
-        result = subprocess.run([ZERO1, "plan", "--params", "7.5e9"], stdout=write_end, stderr=subprocess.PIPE,
-                                text=True, timeout=60)  # fmt: skip
+        result = subprocess.run(
+            [ZERO1, "plan", "--params", "7.5e9"], stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60
+        )
     finally:
         os.close(write_end)
     assert (result.returncode, result.stderr) == (0, "")

@@ -8,6 +8,7 @@ its processes: `ray stop` would stop every Ray on the machine, the test session'
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import re
@@ -44,13 +45,30 @@ SERVICE_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
 def head_command(port: int) -> list[str]:
-    return ["ray", "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=4",
-            "--num-gpus=2", "--include-dashboard=false", "--disable-usage-stats", "--block"]  # fmt: skip
+    return [
+        "ray",
+        "start",
+        "--head",
+        "--node-ip-address=127.0.0.1",
+        f"--port={port}",
+        "--num-cpus=4",
+        "--num-gpus=2",
+        "--include-dashboard=false",
+        "--disable-usage-stats",
+        "--block",
+    ]
 
 
 def worker_command(port: int) -> list[str]:
-    return ["ray", "start", f"--address=LOCALHOST:{port}", "--num-cpus=4", "--num-gpus=2",
-            "--disable-usage-stats", "--block"]  # fmt: skip
+    return [
+        "ray",
+        "start",
+        f"--address=LOCALHOST:{port}",
+        "--num-cpus=4",
+        "--num-gpus=2",
+        "--disable-usage-stats",
+        "--block",
+    ]
 
 
 def status_command(port: int) -> list[str]:
@@ -62,8 +80,11 @@ def backup_command(database: str) -> list[str]:
 
 
 def service_env(*, gcs_port: int, database_url: str, checkpoints: Path) -> dict[str, str]:
-    return {"ZERO1_RAY_ADDRESS": f"127.0.0.1:{gcs_port}", "ZERO1_DATABASE_URL": database_url,
-            "ZERO1_CHECKPOINT_URI": str(checkpoints)}  # fmt: skip
+    return {
+        "ZERO1_RAY_ADDRESS": f"127.0.0.1:{gcs_port}",
+        "ZERO1_DATABASE_URL": database_url,
+        "ZERO1_CHECKPOINT_URI": str(checkpoints),
+    }
 
 
 # --------------------------------------------------------------------------- processes
@@ -92,8 +113,7 @@ class Process:
         self.command, self.log_path = command, log_path
         with open(log_path, "ab") as log:
             argv = [str(BIN / command[0]), *command[1:]]
-            self.process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True)  # fmt: skip
+            self.process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -115,12 +135,14 @@ class Process:
                 self.process.kill()
                 self.process.wait(timeout=10)
         for pid in session_pids(self.process.pid):
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        wait_for(lambda: session_pids(self.process.pid), lambda pids: not pids,
-                 what=f"the processes of {self.command[:2]} to end", timeout_s=30)  # fmt: skip
+        wait_for(
+            lambda: session_pids(self.process.pid),
+            lambda pids: not pids,
+            what=f"the processes of {self.command[:2]} to end",
+            timeout_s=30,
+        )
 
 
 def _socket_inodes(pid: int) -> set[str]:
@@ -185,12 +207,14 @@ def two_nodes(ray_token) -> Iterator[tuple[int, list[Process]]]:
     base |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": ray_token}
     nodes: list[Process] = []
     try:
-        head = Process([*head_command(port), f"--temp-dir={temp_dir}"], env=base | HEAD_ENV,
-                       log_path=Path(temp_dir) / "head.out")  # fmt: skip
+        head = Process(
+            [*head_command(port), f"--temp-dir={temp_dir}"], env=base | HEAD_ENV, log_path=Path(temp_dir) / "head.out"
+        )
         nodes.append(head)
         head.wait_for_log("block forever", timeout_s=90)
-        worker = Process([*worker_command(port), f"--temp-dir={temp_dir}"], env=base,
-                         log_path=Path(temp_dir) / "worker.out")  # fmt: skip
+        worker = Process(
+            [*worker_command(port), f"--temp-dir={temp_dir}"], env=base, log_path=Path(temp_dir) / "worker.out"
+        )
         nodes.append(worker)
         worker.wait_for_log("block forever", timeout_s=90)
         yield port, nodes
@@ -207,51 +231,83 @@ def test_a_job_spread_over_two_ray_nodes_trains_with_postgresql_and_shared_check
     gcs_port, nodes = two_nodes
     checkpoints = tmp_path / "shared-checkpoints"  # the one filesystem both nodes and the service see
     api_port = free_port()
-    env = {**os.environ, **SERVICE_ENV, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": ray_token,
-           **service_env(gcs_port=gcs_port, database_url=database_url, checkpoints=checkpoints),
-           "ZERO1_URL": f"http://127.0.0.1:{api_port}"}  # fmt: skip
+    env = {
+        **os.environ,
+        **SERVICE_ENV,
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": ray_token,
+        **service_env(gcs_port=gcs_port, database_url=database_url, checkpoints=checkpoints),
+        "ZERO1_URL": f"http://127.0.0.1:{api_port}",
+    }
     env.pop("RAY_ADDRESS", None)
     base = env["ZERO1_URL"]
 
     # Ray's token auth is on: the cluster answers the token, and refuses any other
     ray_env = {**env, **HEAD_ENV}
-    ray_status = lambda: subprocess.run([BIN / "ray", *status_command(gcs_port)[1:]], env=ray_env,  # noqa: E731
-                                        capture_output=True, text=True, timeout=60)  # fmt: skip
+    ray_status = lambda: subprocess.run(
+        [BIN / "ray", *status_command(gcs_port)[1:]],
+        env=ray_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     # the second node logs "block forever" a moment before the head's status counts it
-    status = wait_for(ray_status, lambda s: s.returncode != 0 or "0.0/4.0 GPU" in s.stdout,
-                      what="ray status to show both nodes", timeout_s=60)  # fmt: skip
+    status = wait_for(
+        ray_status,
+        lambda s: s.returncode != 0 or "0.0/4.0 GPU" in s.stdout,
+        what="ray status to show both nodes",
+        timeout_s=60,
+    )
     assert status.returncode == 0 and "0.0/4.0 GPU" in status.stdout, status.stdout + status.stderr
-    refused = subprocess.run([BIN / "ray", *status_command(gcs_port)[1:]], env={**ray_env, "RAY_AUTH_TOKEN": "x" * 64},
-                             capture_output=True, text=True, timeout=60)  # fmt: skip
+    refused = subprocess.run(
+        [BIN / "ray", *status_command(gcs_port)[1:]],
+        env={**ray_env, "RAY_AUTH_TOKEN": "x" * 64},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert refused.returncode != 0 and "InvalidAuthToken" in refused.stdout + refused.stderr, refused.stderr
 
     upgraded = subprocess.run([BIN / "zero1", "db", "upgrade"], env=env, capture_output=True, text=True, timeout=120)
     assert upgraded.returncode == 0, upgraded.stderr
     service = Process(["zero1", "serve", "--port", str(api_port)], env=env, log_path=tmp_path / "serve.log")
     try:
-        cluster = wait_for(lambda: _get(f"{base}/v1/cluster"), lambda c: c is not None and c["nodes"] == 2,
-                           what="the service on the two-node cluster", timeout_s=120)  # fmt: skip
+        cluster = wait_for(
+            lambda: _get(f"{base}/v1/cluster"),
+            lambda c: c is not None and c["nodes"] == 2,
+            what="the service on the two-node cluster",
+            timeout_s=120,
+        )
         assert cluster["num_gpus"] == 4 and cluster["simulated"] is True, cluster
 
-        submitted = subprocess.run([BIN / "zero1", "submit", str(EXAMPLE)], env=env, capture_output=True, text=True,
-                                   timeout=60)  # fmt: skip
+        submitted = subprocess.run(
+            [BIN / "zero1", "submit", str(EXAMPLE)], env=env, capture_output=True, text=True, timeout=60
+        )
         assert submitted.returncode == 0, submitted.stdout + submitted.stderr
         job_id = int(re.search(r"^job (\d+) queued", submitted.stdout, re.M).group(1))
 
         # while it trains: every server of the cluster and the service listens on loopback only.
         # Not checked: the ranks' torch.distributed rendezvous store, which rank 0's TrainWorker
         # opens on every interface (a worker's choice, not the cluster's)
-        wait_for(lambda: _get(f"{base}/v1/jobs/{job_id}"), lambda j: j is not None and j["status"] not in ("queued", "starting"),
-                 what="the job to start", timeout_s=120)  # fmt: skip
+        wait_for(
+            lambda: _get(f"{base}/v1/jobs/{job_id}"),
+            lambda j: j is not None and j["status"] not in ("queued", "starting"),
+            what="the job to start",
+            timeout_s=120,
+        )
         pids = [pid for process in (*nodes, service) for pid in session_pids(process.process.pid)]
         listening = listening_addresses(pids)
-        open_ = {where: command for where, command in listening.items()
-                 if not is_loopback(where[0]) and not command.startswith("ray::TrainWorker")}  # fmt: skip
+        open_ = {
+            where: command
+            for where, command in listening.items()
+            if not is_loopback(where[0]) and not command.startswith("ray::TrainWorker")
+        }
         assert listening and not open_, open_
         assert ("127.0.0.1", gcs_port) in listening, sorted(listening)
 
-        watched = subprocess.run([BIN / "zero1", "watch", str(job_id)], env=env, capture_output=True, text=True,
-                                 timeout=180)  # fmt: skip
+        watched = subprocess.run(
+            [BIN / "zero1", "watch", str(job_id)], env=env, capture_output=True, text=True, timeout=180
+        )
         assert watched.returncode == 0, watched.stdout + watched.stderr + service.log()[-3000:]
         assert watched.stdout.rstrip().endswith("succeeded")
     finally:
@@ -272,7 +328,9 @@ def test_a_job_spread_over_two_ray_nodes_trains_with_postgresql_and_shared_check
     dump = tmp_path / "zero1.dump"
     with open(dump, "wb") as out:
         subprocess.run(backup_command(database), stdout=out, check=True, timeout=60)
-    listing = subprocess.run(["pg_restore", "--list", str(dump)], capture_output=True, text=True, check=True, timeout=60)
+    listing = subprocess.run(
+        ["pg_restore", "--list", str(dump)], capture_output=True, text=True, check=True, timeout=60
+    )
     assert "TABLE DATA public metrics" in listing.stdout and "TABLE DATA public job_events" in listing.stdout
 
     # the finished job's checkpoint (ZERO1_CHECKPOINT_KEEP_FINISHED=1 keeps the final one), each

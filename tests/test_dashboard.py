@@ -24,7 +24,6 @@ import httpx
 import pytest
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
-from helpers import free_port
 from service.cluster import ClusterCapacity
 from service.dashboard import charts
 from service.dashboard.format import duration, human_bytes, significant
@@ -35,11 +34,20 @@ from service.scheduler import store_metrics
 from service.schemas import JobSpec
 from workers.memory import GB
 
+from helpers import free_port
+
 ZERO1 = str(Path(sys.executable).with_name("zero1"))
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]  # fmt: skip
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 TINY_GPT = json.loads((ROOT / "examples" / "tiny-gpt.json").read_text())
 PARTS = ("params", "grads", "optimizer", "padding", "activations", "overhead", "total")
 SEEDED_JOBS = 100
@@ -80,9 +88,17 @@ def seed_jobs(database_url: str, *, count: int) -> None:
 
 
 def _metric_row(step: int) -> dict:
-    return {"step": step, "loss": 4.0 / (1 + step), "grad_norm": 1.0, "loss_scale": 1.0, "skipped": False,
-            "step_time_s": 0.02, "tokens_per_s": 12_800.0, "mem_peak_bytes": [1_500_000, 1_500_000],
-            "mem_planned_bytes": 1_538_048}  # fmt: skip
+    return {
+        "step": step,
+        "loss": 4.0 / (1 + step),
+        "grad_norm": 1.0,
+        "loss_scale": 1.0,
+        "skipped": False,
+        "step_time_s": 0.02,
+        "tokens_per_s": 12_800.0,
+        "mem_peak_bytes": [1_500_000, 1_500_000],
+        "mem_planned_bytes": 1_538_048,
+    }
 
 
 @dataclass
@@ -127,10 +143,18 @@ def server(browser, tmp_path_factory) -> Iterator[Server]:
     database_url = f"sqlite:///{tmp / 'zero1.db'}"
     seed_jobs(database_url, count=SEEDED_JOBS)
     port = free_port()
-    env = {**os.environ, "ZERO1_DATABASE_URL": database_url, "ZERO1_CHECKPOINT_URI": str(tmp / "checkpoints"),
-           "ZERO1_RAY_NAMESPACE": f"zero1-dashboard-{secrets.token_hex(4)}", "ZERO1_SIMULATED_GPUS": "4",
-           "ZERO1_SIMULATED_GPU_MEMORY_GB": "80", "ZERO1_GPU_OVERHEAD_GB": "1", "ZERO1_CPUS_PER_WORKER": "0.5",
-           "ZERO1_SCHEDULER_INTERVAL_S": "0.1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # fmt: skip
+    env = {
+        **os.environ,
+        "ZERO1_DATABASE_URL": database_url,
+        "ZERO1_CHECKPOINT_URI": str(tmp / "checkpoints"),
+        "ZERO1_RAY_NAMESPACE": f"zero1-dashboard-{secrets.token_hex(4)}",
+        "ZERO1_SIMULATED_GPUS": "4",
+        "ZERO1_SIMULATED_GPU_MEMORY_GB": "80",
+        "ZERO1_GPU_OVERHEAD_GB": "1",
+        "ZERO1_CPUS_PER_WORKER": "0.5",
+        "ZERO1_SCHEDULER_INTERVAL_S": "0.1",
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    }
     log_path = tmp / "serve.log"
     with log_path.open("w") as log:  # a file, not a pipe: the access log would fill a pipe nobody reads
         process = subprocess.Popen([ZERO1, "serve", "--port", str(port)], env=env, stdout=log, stderr=log)
@@ -198,8 +222,13 @@ class Browsing:
         )
         self.contexts.append(context)
         page = context.new_page()
-        page.on("console", lambda message: message.type == "error" and self.errors.append(
-            f"console.error at {message.location.get('url')}: {message.text}"))  # fmt: skip
+        page.on(
+            "console",
+            lambda message: (
+                message.type == "error"
+                and self.errors.append(f"console.error at {message.location.get('url')}: {message.text}")
+            ),
+        )
         page.on("pageerror", lambda error: self.errors.append(f"page error: {error}"))
         return page
 
@@ -380,21 +409,36 @@ def test_the_planner_form_shows_the_breakdown_and_the_sweep(ui, server):
     _check_plan_shown(page, plan)
     expect(page.locator("#verdict")).to_contain_text("Smallest N that fits: 2")
     expect(page.locator("#sweep-chart .floor-label")).to_have_text("floor 30.00 GB")  # 4Ψ, Ψ = 7.5e9
-    heights = [float(h) for h in page.locator("#sweep-chart g.bar rect").evaluate_all(
-        "rects => rects.map(r => r.getAttribute('height'))")]  # fmt: skip
+    heights = [
+        float(h)
+        for h in page.locator("#sweep-chart g.bar rect").evaluate_all(
+            "rects => rects.map(r => r.getAttribute('height'))"
+        )
+    ]
     assert heights == sorted(heights, reverse=True) and heights[0] > 3 * heights[-1]  # 12Ψ/N melts away
     ui.screenshot(page, "planner-params")
 
     page.get_by_label("GPT spec").check()
     expect(page.get_by_label("Parameters (Ψ)", exact=True)).to_be_hidden()
-    for label, value in (("Vocabulary", "50257"), ("Layers", "48"), ("Heads", "25"), ("Width (n_embd)", "1600"),
-                         ("Context (block_size)", "1024"), ("Micro-batch", "1")):  # fmt: skip
+    for label, value in (
+        ("Vocabulary", "50257"),
+        ("Layers", "48"),
+        ("Heads", "25"),
+        ("Width (n_embd)", "1600"),
+        ("Context (block_size)", "1024"),
+        ("Micro-batch", "1"),
+    ):
         page.get_by_label(label).fill(value)
     page.get_by_label("activation checkpointing").check()
     page.get_by_role("button", name="Plan").click()
     gpt2_xl = {"kind": "gpt", "vocab_size": 50257, "n_layer": 48, "n_head": 25, "n_embd": 1600, "block_size": 1024}
-    body = {"model": gpt2_xl, "num_gpus": 8, "gpu_memory_gb": 80, "micro_batch_size": 1,
-            "activation_checkpointing": True}  # fmt: skip
+    body = {
+        "model": gpt2_xl,
+        "num_gpus": 8,
+        "gpu_memory_gb": 80,
+        "micro_batch_size": 1,
+        "activation_checkpointing": True,
+    }
     plan = server.api.post("/v1/plan", json=body).json()
     expect(page.locator("[data-field='num_params']")).to_have_text(f"{plan['num_params']:,}")
     _check_plan_shown(page, plan)
@@ -528,9 +572,16 @@ def test_first_paint_of_the_dashboard_is_under_200_kb_with_100_jobs(ui, server, 
 
 @pytest.mark.parametrize(
     ("num_bytes", "text"),
-    [(None, "—"), (0, "0 B"), (999, "999 B"), (1_538_048, "1.54 MB"), (31_406_250_000, "31.41 GB"),
-     (-1_500_000_000, "-1.50 GB"), (2 * 10**12, "2.00 TB")],
-)  # fmt: skip
+    [
+        (None, "—"),
+        (0, "0 B"),
+        (999, "999 B"),
+        (1_538_048, "1.54 MB"),
+        (31_406_250_000, "31.41 GB"),
+        (-1_500_000_000, "-1.50 GB"),
+        (2 * 10**12, "2.00 TB"),
+    ],
+)
 def test_bytes_read_in_decimal_units_as_the_planner_counts_them(num_bytes, text):
     assert human_bytes(num_bytes) == text
 
@@ -594,7 +645,16 @@ def test_a_line_chart_breaks_where_a_value_is_missing():
 def test_the_table_puts_running_jobs_first_then_the_queue_in_order_then_the_newest():
     from types import SimpleNamespace
 
-    jobs = [SimpleNamespace(id=i, status=status, queue_position=position) for i, status, position in (
-        (1, "succeeded", None), (2, "queued", 2), (3, "running", None), (4, "queued", 1), (5, "failed", None),
-        (6, "starting", None), (7, "restarting", None))]  # fmt: skip
+    jobs = [
+        SimpleNamespace(id=i, status=status, queue_position=position)
+        for i, status, position in (
+            (1, "succeeded", None),
+            (2, "queued", 2),
+            (3, "running", None),
+            (4, "queued", 1),
+            (5, "failed", None),
+            (6, "starting", None),
+            (7, "restarting", None),
+        )
+    ]
     assert [job.id for job in sorted(jobs, key=table_order)] == [7, 3, 6, 4, 2, 5, 1]

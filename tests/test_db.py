@@ -150,9 +150,8 @@ def test_aware_datetimes_keep_their_instant(database):
 
 
 def test_a_naive_datetime_is_refused(database):
-    with pytest.raises(StatementError, match="naive datetime"):
-        with database.session() as session:
-            session.add(_job(started_at=datetime(2026, 3, 1, 12, 0)))
+    with pytest.raises(StatementError, match="naive datetime"), database.session() as session:
+        session.add(_job(started_at=datetime(2026, 3, 1, 12, 0)))
     with database.session() as session:
         assert session.scalar(select(func.count()).select_from(Job)) == 0
 
@@ -164,9 +163,8 @@ def test_a_step_is_stored_once_per_attempt(database):
         session.flush()
         session.add(_metric(job.id, step=7))
 
-    with pytest.raises(IntegrityError):
-        with database.session() as session:
-            session.add(_metric(job.id, step=7))
+    with pytest.raises(IntegrityError), database.session() as session:
+        session.add(_metric(job.id, step=7))
 
     with database.session() as session:
         session.add(_metric(job.id, step=7, attempt=1))  # a retry may store the same step again

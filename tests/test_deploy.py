@@ -76,7 +76,9 @@ def test_the_api_has_the_services_it_needs_and_migrates_before_serving(compose):
     assert services["postgres"]["healthcheck"]["test"]
     env = _environment(api)
     assert env["ZERO1_RAY_ADDRESS"] == "ray-head:6379"
-    assert env["ZERO1_DATABASE_URL"].startswith("postgresql+psycopg://") and "@postgres:5432/" in env["ZERO1_DATABASE_URL"]
+    assert (
+        env["ZERO1_DATABASE_URL"].startswith("postgresql+psycopg://") and "@postgres:5432/" in env["ZERO1_DATABASE_URL"]
+    )
     command = _command(api)
     # the migration first; `&&`: the server never starts on a database the migration failed on
     assert re.search(r"zero1 db upgrade\s*&&.*\bzero1 serve\b", command, re.S), command
@@ -103,8 +105,9 @@ def test_every_published_port_is_bound_to_loopback(compose):
 
 def test_checkpoints_are_one_volume_at_the_same_path_on_head_workers_and_api(compose):
     services = compose["services"]
-    mounts = {name: [v for v in services[name]["volumes"] if v.split(":")[1] == CHECKPOINTS]
-              for name in ("api", *RAY_NODES)}  # fmt: skip
+    mounts = {
+        name: [v for v in services[name]["volumes"] if v.split(":")[1] == CHECKPOINTS] for name in ("api", *RAY_NODES)
+    }
     sources = {v.split(":")[0] for found in mounts.values() for v in found}
     assert all(len(found) == 1 for found in mounts.values()) and len(sources) == 1, mounts
     assert sources <= set(compose["volumes"])  # a named volume, not a host path

@@ -25,14 +25,14 @@ import torch
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, text
 
-from conftest import make_settings
-from figures import record
-from helpers import free_port, job_body, job_checkpoint_dir, wait_for
 from service.launcher import supervisor_name
 from service.main import create_app
 
-ZERO1 = str(Path(sys.executable).with_name("zero1"))
+from conftest import make_settings
+from figures import record
+from helpers import free_port, job_body, job_checkpoint_dir, wait_for
 
+ZERO1 = str(Path(sys.executable).with_name("zero1"))
 
 
 def kill_rank(namespace: str, job_id: int, attempt: int, rank: int) -> None:
@@ -113,7 +113,7 @@ def test_a_killed_rank_is_retried_from_its_checkpoint_and_ends_where_an_uninterr
     body = job_body(steps=steps, checkpoint_every=every, max_retries=2)
     victim = client.post("/v1/jobs", json={**body, "name": "killed"}).json()["id"]
     reference = client.post("/v1/jobs", json={**body, "name": "uninterrupted"}).json()["id"]
-    job = lambda job_id: client.get(f"/v1/jobs/{job_id}").json()  # noqa: E731
+    job = lambda job_id: client.get(f"/v1/jobs/{job_id}").json()
 
     # past the checkpoint of step 99 and short of the next: the retry redoes steps 100..
     wait_for(lambda: job(victim), lambda j: (j["step"] or 0) >= every + 5, what="step 105")
@@ -141,23 +141,34 @@ def test_a_killed_rank_is_retried_from_its_checkpoint_and_ends_where_an_uninterr
     assert len(rows) == steps + len(superseded) == len(set((a, s) for a, s, _ in rows))
 
     wait_for(lambda: job(reference), lambda j: j["status"] == "succeeded", what="the reference run")
-    killed, clean = (final_shards(settings.database_url, Path(settings.checkpoint_uri), j, step=steps - 1) for j in (victim, reference))
+    killed, clean = (
+        final_shards(settings.database_url, Path(settings.checkpoint_uri), j, step=steps - 1)
+        for j in (victim, reference)
+    )
     assert len(killed) == len(clean) == 2
     assert_same_state(killed, clean)  # bit for bit: parameters, moments and step counts
-    record("a rank killed, retried", faults=1, jobs_accepted=2, jobs_stored=jobs_stored(settings.database_url),
-           rows_expected=steps, rows_stored=surviving_steps(settings.database_url, victim))  # fmt: skip
+    record(
+        "a rank killed, retried",
+        faults=1,
+        jobs_accepted=2,
+        jobs_stored=jobs_stored(settings.database_url),
+        rows_expected=steps,
+        rows_stored=surviving_steps(settings.database_url, victim),
+    )
 
 
 def test_a_job_out_of_retries_fails_with_the_rank_node_and_cause(app):
     client, settings = app
     body = job_body(steps=100_000, checkpoint_every=50, max_retries=1)
     job_id = client.post("/v1/jobs", json=body).json()["id"]
-    job = lambda: client.get(f"/v1/jobs/{job_id}").json()  # noqa: E731
+    job = lambda: client.get(f"/v1/jobs/{job_id}").json()
 
     wait_for(job, lambda j: j["status"] == "running" and (j["step"] or 0) >= 5, what="attempt 0 training")
     kill_rank(settings.ray_namespace, job_id, attempt=0, rank=0)
     wait_for(job, lambda j: j["attempt"] == 1 and j["status"] == "running", what="attempt 1 running")
-    node = ray.get(ray.get_actor(supervisor_name(job_id, 1), namespace=settings.ray_namespace).poll.remote())["nodes"][1]
+    node = ray.get(ray.get_actor(supervisor_name(job_id, 1), namespace=settings.ray_namespace).poll.remote())["nodes"][
+        1
+    ]
     kill_rank(settings.ray_namespace, job_id, attempt=1, rank=1)
 
     failed = wait_for(job, lambda j: j["status"] == "failed", what="the job to fail")
@@ -169,11 +180,21 @@ def test_a_job_out_of_retries_fails_with_the_rank_node_and_cause(app):
     assert events[-1]["reason"].endswith("after 1 of max_retries 1")
     reached = 0 if failed["step"] is None else failed["step"] + 1  # attempt 1 may die before its first row
     rows = assert_every_step_once(settings.database_url, job_id, steps=reached)
-    record("ranks killed past max_retries", faults=2, jobs_accepted=1, jobs_stored=jobs_stored(settings.database_url),
-           rows_expected=reached, rows_stored=len({s for _, s, x in rows if not x}))  # fmt: skip
+    record(
+        "ranks killed past max_retries",
+        faults=2,
+        jobs_accepted=1,
+        jobs_stored=jobs_stored(settings.database_url),
+        rows_expected=reached,
+        rows_stored=len({s for _, s, x in rows if not x}),
+    )
     # the failed attempt's ranks and placement group go: Ray frees their GPUs
-    wait_for(lambda: client.get("/v1/cluster").json(), lambda c: c["num_gpus_free"] == c["num_gpus"],
-             what="every GPU free again", timeout_s=60)  # fmt: skip
+    wait_for(
+        lambda: client.get("/v1/cluster").json(),
+        lambda c: c["num_gpus_free"] == c["num_gpus"],
+        what="every GPU free again",
+        timeout_s=60,
+    )
 
 
 # --------------------------------------------------------------------------- the service stops
@@ -188,14 +209,21 @@ class Service:
         self.database_url = f"sqlite:///{tmp_path / 'zero1.db'}"
         self.checkpoints = tmp_path / "checkpoints"
         self.log_path = tmp_path / "serve.log"
-        self.env = {**os.environ, "ZERO1_DATABASE_URL": self.database_url, "ZERO1_CHECKPOINT_URI": str(self.checkpoints),
-                    "ZERO1_CPUS_PER_WORKER": "0.5", "ZERO1_SCHEDULER_INTERVAL_S": "0.05", **env}  # fmt: skip
+        self.env = {
+            **os.environ,
+            "ZERO1_DATABASE_URL": self.database_url,
+            "ZERO1_CHECKPOINT_URI": str(self.checkpoints),
+            "ZERO1_CPUS_PER_WORKER": "0.5",
+            "ZERO1_SCHEDULER_INTERVAL_S": "0.05",
+            **env,
+        }
         self.process: subprocess.Popen | None = None
 
     def start(self) -> None:
         with open(self.log_path, "a") as log:
-            self.process = subprocess.Popen([ZERO1, "serve", "--port", str(self.port)], env=self.env, stdout=log,
-                                            stderr=subprocess.STDOUT)  # fmt: skip
+            self.process = subprocess.Popen(
+                [ZERO1, "serve", "--port", str(self.port)], env=self.env, stdout=log, stderr=subprocess.STDOUT
+            )
         deadline = time.monotonic() + 120
         while True:  # until it accepts connections, with a deadline
             assert self.process.poll() is None, self.log()
@@ -265,29 +293,44 @@ def test_a_service_on_an_external_ray_reattaches_after_sigterm_and_sigkill(ray_c
             assert code == -sig, svc.log()
             # training goes on without the service: a newer checkpoint appears meanwhile
             mark = newest_checkpoint(svc, running)
-            wait_for(lambda: {"newest": newest_checkpoint(svc, running)}, lambda c: c["newest"] > mark + 20,
-                     what="training to go on while the service is down")  # fmt: skip
+            wait_for(
+                lambda: {"newest": newest_checkpoint(svc, running)},
+                lambda c: c["newest"] > mark + 20,
+                what="training to go on while the service is down",
+            )
             svc.start()
-            after = wait_for(lambda: svc.get(f"/v1/jobs/{running}"), lambda j: j["step"] > mark + 20,
-                             what="the rows made while the service was down")  # fmt: skip
+            after = wait_for(
+                lambda: svc.get(f"/v1/jobs/{running}"),
+                lambda j: j["step"] > mark + 20,
+                what="the rows made while the service was down",
+            )
             assert after["status"] == "running" and after["attempt"] == 0 and after["step"] >= stored
         assert "scheduler stopped; drained" in svc.log()
         assert svc.log().count("re-attached to attempt 0") == 2
 
         assert httpx.post(f"{svc.base}/v1/jobs/{running}/cancel", timeout=30).status_code == 202
-        done = wait_for(lambda: svc.get(f"/v1/jobs/{running}"), lambda j: j["status"] == "cancelled",
-                        what="the long job to stop")  # fmt: skip
+        done = wait_for(
+            lambda: svc.get(f"/v1/jobs/{running}"), lambda j: j["status"] == "cancelled", what="the long job to stop"
+        )
         assert done["attempt"] == 0
         events = svc.get(f"/v1/jobs/{running}/events")["data"]
         assert transitions(events) == ["queued", "starting", "running", "cancelled"]
         rows = assert_every_step_once(svc.database_url, running, steps=done["step"] + 1)
         assert len(rows) == done["step"] + 1  # no row stored twice, none superseded
-        waited = wait_for(lambda: svc.get(f"/v1/jobs/{queued}"), lambda j: j["status"] == "succeeded",
-                          what="the queued job to run after the restarts")  # fmt: skip
+        waited = wait_for(
+            lambda: svc.get(f"/v1/jobs/{queued}"),
+            lambda j: j["status"] == "succeeded",
+            what="the queued job to run after the restarts",
+        )
         assert waited["attempt"] == 0
-        record("service SIGTERM + SIGKILL, external Ray", faults=2, jobs_accepted=2,
-               jobs_stored=jobs_stored(svc.database_url), rows_expected=done["step"] + 1 + 20,
-               rows_stored=len(rows) + surviving_steps(svc.database_url, queued))  # fmt: skip
+        record(
+            "service SIGTERM + SIGKILL, external Ray",
+            faults=2,
+            jobs_accepted=2,
+            jobs_stored=jobs_stored(svc.database_url),
+            rows_expected=done["step"] + 1 + 20,
+            rows_stored=len(rows) + surviving_steps(svc.database_url, queued),
+        )
     finally:
         if svc.process.poll() is None:
             svc.stop(signal.SIGTERM)
@@ -308,8 +351,12 @@ def test_an_embedded_ray_job_resumes_from_its_checkpoint_when_the_service_restar
         stopped_at = newest_checkpoint(svc, job_id)
         assert stopped_at >= every - 1
         svc.start()
-        done = wait_for(lambda: svc.get(f"/v1/jobs/{job_id}"), lambda j: j["status"] in ("succeeded", "failed"),
-                        what="the resumed job to finish", timeout_s=300)  # fmt: skip
+        done = wait_for(
+            lambda: svc.get(f"/v1/jobs/{job_id}"),
+            lambda j: j["status"] in ("succeeded", "failed"),
+            what="the resumed job to finish",
+            timeout_s=300,
+        )
         assert done["status"] == "succeeded" and done["attempt"] == 1 and done["num_retries"] == 0, done
         events = svc.get(f"/v1/jobs/{job_id}/events")["data"]
         assert transitions(events) == ["queued", "starting", "running", "restarting", "running", "succeeded"]
@@ -319,18 +366,28 @@ def test_an_embedded_ray_job_resumes_from_its_checkpoint_when_the_service_restar
         assert resumed >= stopped_at + 1
         rows = assert_every_step_once(svc.database_url, job_id, steps=steps)
         assert {a for a, s, x in rows if not x and s >= resumed} == {1}
-        waited = wait_for(lambda: svc.get(f"/v1/jobs/{queued}"), lambda j: j["status"] == "succeeded",
-                          what="the queued job")  # fmt: skip
+        waited = wait_for(
+            lambda: svc.get(f"/v1/jobs/{queued}"), lambda j: j["status"] == "succeeded", what="the queued job"
+        )
         assert waited["attempt"] == 0
         # finished: the rows of pruned checkpoints went once stored, and of the complete ones
         # only the final one stays (ZERO1_CHECKPOINT_KEEP_FINISHED=1), whole
         directory = job_checkpoint_dir(svc.database_url, svc.checkpoints, job_id)
-        wait_for(lambda: sorted(p.name for p in directory.iterdir()), lambda left: left == ["step-000000199"],
-                 what="the finished job's checkpoints retired to the final one", timeout_s=30)  # fmt: skip
+        wait_for(
+            lambda: sorted(p.name for p in directory.iterdir()),
+            lambda left: left == ["step-000000199"],
+            what="the finished job's checkpoints retired to the final one",
+            timeout_s=30,
+        )
         assert sorted(p.parent.name for p in directory.glob("step-*/rank-*.pt")) == ["step-000000199"] * 2
-        record(f"service {sig.name}, embedded Ray", faults=1, jobs_accepted=2, jobs_stored=jobs_stored(svc.database_url),
-               rows_expected=steps + 10, rows_stored=surviving_steps(svc.database_url, job_id)
-               + surviving_steps(svc.database_url, queued))  # fmt: skip
+        record(
+            f"service {sig.name}, embedded Ray",
+            faults=1,
+            jobs_accepted=2,
+            jobs_stored=jobs_stored(svc.database_url),
+            rows_expected=steps + 10,
+            rows_stored=surviving_steps(svc.database_url, job_id) + surviving_steps(svc.database_url, queued),
+        )
     finally:
         if svc.process.poll() is None:
             svc.stop(signal.SIGTERM)
@@ -348,7 +405,7 @@ def test_a_removed_node_fails_its_ranks_and_the_job_resumes_on_the_nodes_left(ap
         assert ray.get(placeholder.ready(), timeout=60)
         node = ray_cluster.add_node(num_cpus=2, num_gpus=2)
         job_id = client.post("/v1/jobs", json=job_body(steps=100_000, checkpoint_every=10, max_retries=1)).json()["id"]
-        job = lambda: client.get(f"/v1/jobs/{job_id}").json()  # noqa: E731
+        job = lambda: client.get(f"/v1/jobs/{job_id}").json()
         wait_for(job, lambda j: (j["step"] or 0) >= 15, what="training on the third node")
         supervisor = ray.get_actor(supervisor_name(job_id, 0), namespace=settings.ray_namespace)
         assert set(ray.get(supervisor.poll.remote())["nodes"]) == {node.node_id}
@@ -357,8 +414,9 @@ def test_a_removed_node_fails_its_ranks_and_the_job_resumes_on_the_nodes_left(ap
             ray_cluster.remove_node(node)
         remove_placement_group(placeholder)
 
-    resumed = wait_for(job, lambda j: j["attempt"] == 1 and j["status"] in ("running", "failed"),
-                       what="the retry on the nodes left")  # fmt: skip
+    resumed = wait_for(
+        job, lambda j: j["attempt"] == 1 and j["status"] in ("running", "failed"), what="the retry on the nodes left"
+    )
     assert resumed["status"] == "running", resumed
     restart = client.get(f"/v1/jobs/{job_id}/events").json()["data"][3]
     # the ranks on the removed node died; the supervisor too when Ray placed it there (head affinity is soft)
@@ -369,8 +427,14 @@ def test_a_removed_node_fails_its_ranks_and_the_job_resumes_on_the_nodes_left(ap
     assert client.post(f"/v1/jobs/{job_id}/cancel").status_code == 202
     last = wait_for(job, lambda j: j["status"] == "cancelled", what="the cancel")["step"]
     assert_every_step_once(settings.database_url, job_id, steps=last + 1)
-    record("a node removed, retried", faults=1, jobs_accepted=1, jobs_stored=jobs_stored(settings.database_url),
-           rows_expected=last + 1, rows_stored=surviving_steps(settings.database_url, job_id))  # fmt: skip
+    record(
+        "a node removed, retried",
+        faults=1,
+        jobs_accepted=1,
+        jobs_stored=jobs_stored(settings.database_url),
+        rows_expected=last + 1,
+        rows_stored=surviving_steps(settings.database_url, job_id),
+    )
 
 
 def test_shutdown_drains_the_rows_the_supervisors_hold(ray_cluster, tmp_path):
@@ -385,8 +449,11 @@ def test_shutdown_drains_the_rows_the_supervisors_hold(ray_cluster, tmp_path):
         scheduler._thread.join(timeout=60)
         stored = client.get(f"/v1/jobs/{job_id}").json()["step"]
         supervisor = ray.get_actor(supervisor_name(job_id, 0), namespace=settings.ray_namespace)
-        held = wait_for(lambda: ray.get(supervisor.poll.remote(stored)), lambda s: len(s["metrics"]) >= 20,
-                        what="rows the database does not have")  # fmt: skip
+        held = wait_for(
+            lambda: ray.get(supervisor.poll.remote(stored)),
+            lambda s: len(s["metrics"]) >= 20,
+            what="rows the database does not have",
+        )
         held_steps = [row.step for row in held["metrics"]]
         assert held_steps[0] == stored + 1
     try:
@@ -394,7 +461,13 @@ def test_shutdown_drains_the_rows_the_supervisors_hold(ray_cluster, tmp_path):
         steps = sorted(step for _, step, _ in rows)
         assert steps[: stored + 1 + len(held_steps)] == list(range(stored + 1 + len(held_steps)))
         assert len(steps) == len(set(steps))
-        record("shutdown drain", faults=1, jobs_accepted=1, jobs_stored=jobs_stored(settings.database_url),
-               rows_expected=stored + 1 + len(held_steps), rows_stored=len(steps))  # fmt: skip
+        record(
+            "shutdown drain",
+            faults=1,
+            jobs_accepted=1,
+            jobs_stored=jobs_stored(settings.database_url),
+            rows_expected=stored + 1 + len(held_steps),
+            rows_stored=len(steps),
+        )
     finally:
         ray.kill(supervisor, no_restart=True)

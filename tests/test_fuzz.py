@@ -27,36 +27,55 @@ import pytest
 import schemathesis
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, settings
-from schemathesis.checks import (
-    content_type_conformance, missing_required_header, negative_data_rejection, not_a_server_error,
-    response_headers_conformance, response_schema_conformance, status_code_conformance, unsupported_method,
-)  # fmt: skip
 from psycopg import sql
+from schemathesis.checks import (
+    content_type_conformance,
+    missing_required_header,
+    negative_data_rejection,
+    not_a_server_error,
+    response_headers_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+    unsupported_method,
+)
 from sqlalchemy import select
 
-from conftest import _postgres_admin, make_settings
-from figures import record
 from service.config import Settings
 from service.main import create_app
 from service.models import Job
+
+from conftest import _postgres_admin, make_settings
+from figures import record
 
 MAX_EXAMPLES = 50
 """Generated cases per operation in the fuzzing phase (the examples and coverage phases add their own)."""
 
 CHECKS = [
-    not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
-    response_schema_conformance, negative_data_rejection, missing_required_header, unsupported_method,
-]  # fmt: skip
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_headers_conformance,
+    response_schema_conformance,
+    negative_data_rejection,
+    missing_required_header,
+    unsupported_method,
+]
 # Left out: positive_data_acceptance, which expects a 2xx for every body the schema allows. The
 # schema cannot say what the memory model decides (a model too big for the GPUs is a documented
 # 422 does_not_fit) nor the cross-field rules (n_embd divisible by n_head, global_batch_size a
 # multiple of micro_batch_size x num_gpus); an unknown job id is a documented 404.
 
-CONFIG = schemathesis.Config.from_dict({
-    "generation": {"max-examples": MAX_EXAMPLES, "deterministic": True, "database": "none"},
-    "phases": {"examples": {"enabled": True}, "coverage": {"enabled": True}, "fuzzing": {"enabled": True},
-               "stateful": {"enabled": False}},
-})  # fmt: skip
+CONFIG = schemathesis.Config.from_dict(
+    {
+        "generation": {"max-examples": MAX_EXAMPLES, "deterministic": True, "database": "none"},
+        "phases": {
+            "examples": {"enabled": True},
+            "coverage": {"enabled": True},
+            "fuzzing": {"enabled": True},
+            "stateful": {"enabled": False},
+        },
+    }
+)
 # the app is never started, so nothing is made under the directory; the settings are the fixture's
 schema = schemathesis.openapi.from_dict(create_app(make_settings(Path(tempfile.gettempdir()))).openapi(), config=CONFIG)
 BASE_URL = "http://testserver"  # the TestClient's
@@ -75,14 +94,16 @@ def api(request, ray_cluster, tmp_path_factory, record_testsuite_property) -> It
     on this machine's CPUs would exhaust its memory; the scheduler is tested in test_api_jobs
     and test_load.
     """
-    with _database(request.param, tmp_path_factory.mktemp("fuzz")) as settings:
-        with TestClient(create_app(settings), raise_server_exceptions=False) as client:
-            runtime = client.app.state.runtime
-            runtime.scheduler.stop()
-            TALLY.clear()
-            yield client
-            _report(request.param, record_testsuite_property)
-            _cancel_every_job(client, runtime)
+    with (
+        _database(request.param, tmp_path_factory.mktemp("fuzz")) as settings,
+        TestClient(create_app(settings), raise_server_exceptions=False) as client,
+    ):
+        runtime = client.app.state.runtime
+        runtime.scheduler.stop()
+        TALLY.clear()
+        yield client
+        _report(request.param, record_testsuite_property)
+        _cancel_every_job(client, runtime)
 
 
 @contextmanager
@@ -164,17 +185,29 @@ JOB = {"name": "tiny", "model": MLP, "num_gpus": 1, "steps": 1}
         ("post", "/v1/jobs", {"json": {**JOB, "name": "a\x00b"}}, "name: must not contain a NUL character"),
         ("post", "/v1/jobs", {"json": {**JOB, "data": {"kind": "text", "path": "a\x00"}}}, "data.path: must not"),
         # FastAPI's undocumented 400 "There was an error parsing the body"
-        ("post", "/v1/plan", {"content": b'{"num_params": 1\xff}', "headers": {"content-type": "application/json"}},
-         "body: invalid JSON: not UTF-8 (invalid start byte at byte 16)"),
+        (
+            "post",
+            "/v1/plan",
+            {"content": b'{"num_params": 1\xff}', "headers": {"content-type": "application/json"}},
+            "body: invalid JSON: not UTF-8 (invalid start byte at byte 16)",
+        ),
         # schema-violating input that pydantic's lax mode accepted
         ("post", "/v1/plan", {"json": {"num_params": "10"}}, "num_params: Input should be a number, not a string"),
         ("post", "/v1/jobs", {"json": {**JOB, "num_gpus": "1"}}, "num_gpus: Input should be a number, not a string"),
-        ("post", "/v1/plan", {"json": {"model": MLP, "activation_checkpointing": 0}},
-         "activation_checkpointing: Input should be a valid boolean (got 0)"),
-        ("post", "/v1/jobs", {"json": {**JOB, "activation_checkpointing": "yes"}},
-         "activation_checkpointing: Input should be a valid boolean"),
+        (
+            "post",
+            "/v1/plan",
+            {"json": {"model": MLP, "activation_checkpointing": 0}},
+            "activation_checkpointing: Input should be a valid boolean (got 0)",
+        ),
+        (
+            "post",
+            "/v1/jobs",
+            {"json": {**JOB, "activation_checkpointing": "yes"}},
+            "activation_checkpointing: Input should be a valid boolean",
+        ),
     ],
-)  # fmt: skip
+)
 def test_what_fuzzing_found_is_a_422(client, method, path, kwargs, text):
     r = getattr(client, method)(path, **kwargs)
     assert r.status_code == 422, r.text

@@ -13,9 +13,15 @@ WORLD_SIZES = (1, 2, 4)
 
 def test_smoke_run_prints_a_row_per_world_size_with_exact_optimizer_state():
     command = [
-        sys.executable, "benchmarks/gpu_check.py", "--device", "cpu", "--small", "--skip-tests",
-        "--world-sizes", ",".join(map(str, WORLD_SIZES)),
-    ]  # fmt: skip
+        sys.executable,
+        "benchmarks/gpu_check.py",
+        "--device",
+        "cpu",
+        "--small",
+        "--skip-tests",
+        "--world-sizes",
+        ",".join(map(str, WORLD_SIZES)),
+    ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     # a row: N right-aligned first, then the byte columns; the optimizer-state check last

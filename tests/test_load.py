@@ -10,6 +10,7 @@ cancelled, and the server stops on SIGTERM.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import signal
@@ -25,9 +26,10 @@ import httpx
 from sqlalchemy import create_engine, select
 from sqlalchemy.orm import Session
 
+from service.models import Job, JobEvent
+
 from figures import record as record_figures
 from helpers import TERMINAL, free_port, wait_healthy
-from service.models import Job, JobEvent
 
 ZERO1 = str(Path(sys.executable).with_name("zero1"))
 NUM_GPUS = 4
@@ -41,8 +43,15 @@ DEADLINE_S = 120
 
 def job_body(i: int) -> dict:
     """A tiny MLP for a few steps; one in four takes 2 GPUs, the others 1, so that most wait in the queue."""
-    return {"name": f"load-{i:03d}", "model": {"kind": "mlp", "sizes": [8, 16, 4]}, "num_gpus": 2 if i % 4 == 3 else 1,
-            "precision": "fp32", "steps": 5, "micro_batch_size": 2, "seed": i}  # fmt: skip
+    return {
+        "name": f"load-{i:03d}",
+        "model": {"kind": "mlp", "sizes": [8, 16, 4]},
+        "num_gpus": 2 if i % 4 == 3 else 1,
+        "precision": "fp32",
+        "steps": 5,
+        "micro_batch_size": 2,
+        "seed": i,
+    }
 
 
 def bad_requests(known_id: int) -> list[tuple[str, str, dict, int, str]]:
@@ -93,15 +102,23 @@ class Load:
 
     async def submit(self, i: int) -> None:
         key = f"load-key-{i:03d}"
-        r = await self.call("submit", "POST /v1/jobs", "POST", "/v1/jobs", json=job_body(i),
-                            headers={"Idempotency-Key": key})  # fmt: skip
+        r = await self.call(
+            "submit", "POST /v1/jobs", "POST", "/v1/jobs", json=job_body(i), headers={"Idempotency-Key": key}
+        )
         self.by_key[key].append(r)
         if r.status_code in (200, 201):
             self.accepted_ids.append(r.json()["id"])
         if i < 10:  # the same key with another body, once the first has its answer: a 409
             other = {**job_body(i), "steps": 6}
-            await self.call("bad", "Idempotency-Key reused with another body", "POST", "/v1/jobs", expected=409,
-                            json=other, headers={"Idempotency-Key": key})  # fmt: skip
+            await self.call(
+                "bad",
+                "Idempotency-Key reused with another body",
+                "POST",
+                "/v1/jobs",
+                expected=409,
+                json=other,
+                headers={"Idempotency-Key": key},
+            )
 
     async def reader(self, worker: int, num_reads: int) -> None:
         rng = random.Random(worker)
@@ -116,8 +133,14 @@ class Load:
             elif choice == 2:
                 await self.call("read", "GET /v1/jobs/{id}", "GET", f"/v1/jobs/{job_id}", expected=200)
             else:
-                await self.call("read", "GET /v1/jobs/{id}/metrics", "GET", f"/v1/jobs/{job_id}/metrics",
-                                expected=200, params={"max_points": 50})  # fmt: skip
+                await self.call(
+                    "read",
+                    "GET /v1/jobs/{id}/metrics",
+                    "GET",
+                    f"/v1/jobs/{job_id}/metrics",
+                    expected=200,
+                    params={"max_points": 50},
+                )
             if n % 10 == 5:  # a bad request after every tenth read
                 bad = bad_requests(job_id or 1)
                 method, url, kwargs, status, what = bad[(worker + n) % len(bad)]
@@ -127,8 +150,14 @@ class Load:
         """What the API says is held, while the load runs; the samples are checked afterwards."""
         while not stop.is_set():
             cluster = await self.call("sample", "GET /v1/cluster", "GET", "/v1/cluster", expected=200)
-            active = await self.call("sample", "GET /v1/jobs?status=active", "GET", "/v1/jobs", expected=200,
-                                     params={"status": list(ACTIVE), "limit": 500})  # fmt: skip
+            active = await self.call(
+                "sample",
+                "GET /v1/jobs?status=active",
+                "GET",
+                "/v1/jobs",
+                expected=200,
+                params={"status": list(ACTIVE), "limit": 500},
+            )
             held = sum(job["num_gpus"] for job in active.json()["data"])
             self.gpu_samples.append((held, cluster.json()["num_gpus_free"]))
             await asyncio.sleep(0.05)
@@ -138,8 +167,9 @@ async def run_load(base: str) -> tuple[Load, float, int]:
     """The load, then cancel_all; the seconds the load took and the requests sent in them."""
     # idle connections expire on this side first: uvicorn closes them after 5 s, and a request sent on
     # one it is closing at that moment fails with a ReadError (httpx's own default is also 5 s)
-    limits = httpx.Limits(max_connections=NUM_SUBMITS + NUM_READERS + 8, max_keepalive_connections=64,
-                          keepalive_expiry=1.0)  # fmt: skip
+    limits = httpx.Limits(
+        max_connections=NUM_SUBMITS + NUM_READERS + 8, max_keepalive_connections=64, keepalive_expiry=1.0
+    )
     async with httpx.AsyncClient(base_url=base, timeout=60, limits=limits) as client:
         load = Load(client)
         stop = asyncio.Event()
@@ -159,17 +189,21 @@ async def cancel_all(load: Load) -> None:
     """Cancel every job not yet finished, then poll (with a deadline) until none is queued or active."""
     unfinished = {"status": ["queued", *ACTIVE], "limit": 500}
     jobs = (await load.call("sample", "GET /v1/jobs?status=unfinished", "GET", "/v1/jobs", params=unfinished)).json()
-    responses = await asyncio.gather(*(load.call("cancel", "POST /v1/jobs/{id}/cancel", "POST",
-                                                 f"/v1/jobs/{job['id']}/cancel") for job in jobs["data"]))  # fmt: skip
-    for job, r in zip(jobs["data"], responses, strict=True):
+    responses = await asyncio.gather(
+        *(
+            load.call("cancel", "POST /v1/jobs/{id}/cancel", "POST", f"/v1/jobs/{job['id']}/cancel")
+            for job in jobs["data"]
+        )
+    )
+    for _job, r in zip(jobs["data"], responses, strict=True):
         # 409 only for a job that finished between the listing and the cancel
         assert r.status_code == 202 or (r.status_code == 409 and "already" in r.json()["message"]), r.text
     deadline = time.monotonic() + DEADLINE_S
-    while (await load.call("sample", "GET /v1/jobs?status=unfinished", "GET", "/v1/jobs", params=unfinished)
-           ).json()["data"]:  # fmt: skip
+    while (await load.call("sample", "GET /v1/jobs?status=unfinished", "GET", "/v1/jobs", params=unfinished)).json()[
+        "data"
+    ]:
         assert time.monotonic() < deadline, f"jobs still unfinished {DEADLINE_S} s after they were cancelled"
         await asyncio.sleep(0.1)
-
 
 
 def _stop(server: subprocess.Popen) -> bool:
@@ -180,10 +214,8 @@ def _stop(server: subprocess.Popen) -> bool:
         stopped = True
     except subprocess.TimeoutExpired:
         stopped = False
-    try:
-        os.killpg(server.pid, signal.SIGKILL)  # Ray's workers of the embedded cluster, if any outlived it
-    except ProcessLookupError:
-        pass
+    with contextlib.suppress(ProcessLookupError):  # Ray's workers of the embedded cluster, if any outlived it
+        os.killpg(server.pid, signal.SIGKILL)
     server.wait()
     return stopped
 
@@ -218,22 +250,36 @@ def report(load: Load, elapsed_s: float, num_requests: int, peak: int, statuses:
         ms = [r.latency_s * 1000 for r in records]
         codes = ", ".join(f"{code}: {n}" for code, n in sorted(Counter(r.status for r in records).items()))
         print(f"{kind:<10} {len(records):>6} {percentile(ms, 50):>8.1f} {percentile(ms, 99):>8.1f}  {codes}")
-    print(f"{'all':<10} {len(load.records):>6}  of which {num_requests} in the {elapsed_s:.1f} s of load "
-          f"({num_requests / elapsed_s:.0f} requests/s), the rest cancelling and draining")
-    print(f"jobs: {sum(statuses.values())} stored, {dict(statuses)}; GPUs held at most {peak} of {NUM_GPUS} "
-          f"(events), {max((held for held, _ in load.gpu_samples), default=0)} (in {len(load.gpu_samples)} samples)")
+    print(
+        f"{'all':<10} {len(load.records):>6}  of which {num_requests} in the {elapsed_s:.1f} s of load "
+        f"({num_requests / elapsed_s:.0f} requests/s), the rest cancelling and draining"
+    )
+    print(
+        f"jobs: {sum(statuses.values())} stored, {dict(statuses)}; GPUs held at most {peak} of {NUM_GPUS} "
+        f"(events), {max((held for held, _ in load.gpu_samples), default=0)} (in {len(load.gpu_samples)} samples)"
+    )
 
 
 def test_load_keeps_every_job_once_and_the_gpus_within_the_cluster(tmp_path):
     port, database = free_port(), tmp_path / "zero1.db"
     env = {key: value for key, value in os.environ.items() if not key.startswith("ZERO1_")}  # RAY_TMPDIR stays
-    env |= {"ZERO1_SIMULATED_GPUS": str(NUM_GPUS), "ZERO1_SIMULATED_GPU_MEMORY_GB": "80",
-            "ZERO1_CPUS_PER_WORKER": "0.5", "ZERO1_SCHEDULER_INTERVAL_S": "0.05",
-            "ZERO1_DATABASE_URL": f"sqlite:///{database}", "ZERO1_CHECKPOINT_URI": str(tmp_path / "checkpoints")}
+    env |= {
+        "ZERO1_SIMULATED_GPUS": str(NUM_GPUS),
+        "ZERO1_SIMULATED_GPU_MEMORY_GB": "80",
+        "ZERO1_CPUS_PER_WORKER": "0.5",
+        "ZERO1_SCHEDULER_INTERVAL_S": "0.05",
+        "ZERO1_DATABASE_URL": f"sqlite:///{database}",
+        "ZERO1_CHECKPOINT_URI": str(tmp_path / "checkpoints"),
+    }
     log_path = tmp_path / "serve.log"
     with log_path.open("w") as log:  # its own process group: the embedded Ray's processes go with it
-        server = subprocess.Popen([ZERO1, "serve", "--host", "127.0.0.1", "--port", str(port)], env=env,
-                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        server = subprocess.Popen(
+            [ZERO1, "serve", "--host", "127.0.0.1", "--port", str(port)],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(base, server=server)
@@ -278,5 +324,11 @@ def test_load_keeps_every_job_once_and_the_gpus_within_the_cluster(tmp_path):
     assert 0 < peak <= NUM_GPUS and held_at_end == 0, (peak, held_at_end)
     assert max(held for held, _ in load.gpu_samples) <= NUM_GPUS
     assert all(0 <= free <= NUM_GPUS for _, free in load.gpu_samples)
-    record_figures("load: 200 submits, 2,000 reads", requests=len(load.records), jobs_accepted=len(set(load.accepted_ids)),
-           jobs_stored=len(jobs), responses_5xx=len(server_errors), gpus_overcommitted=max(0, peak - NUM_GPUS))  # fmt: skip
+    record_figures(
+        "load: 200 submits, 2,000 reads",
+        requests=len(load.records),
+        jobs_accepted=len(set(load.accepted_ids)),
+        jobs_stored=len(jobs),
+        responses_5xx=len(server_errors),
+        gpus_overcommitted=max(0, peak - NUM_GPUS),
+    )

@@ -35,9 +35,7 @@ print("ok")
 
 
 def test_memory_model_imports_only_the_standard_library():
-    out = subprocess.run(
-        [sys.executable, "-S", "-c", _CHILD], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
+    out = subprocess.run([sys.executable, "-S", "-c", _CHILD], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
 

@@ -51,16 +51,23 @@ def test_the_wheel_holds_every_module_the_templates_and_the_migrations(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     sources = [p for folder in ("service", "workers") for p in (ROOT / folder).rglob("*") if p.is_file()]
     expected = {str(p.relative_to(ROOT)) for p in sources if "__pycache__" not in p.parts}
-    expected |= {f"zero1_migrations/{p.relative_to(ROOT / 'migrations')}" for p in (ROOT / "migrations").rglob("*")
-                 if p.is_file() and "__pycache__" not in p.parts}  # fmt: skip
+    expected |= {
+        f"zero1_migrations/{p.relative_to(ROOT / 'migrations')}"
+        for p in (ROOT / "migrations").rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts
+    }
     assert expected - names == set()
     assert "zero1_migrations/versions/0001_initial.py" in names and "zero1_migrations/env.py" in names
 
 
 def test_a_wheel_installed_without_extras_migrates_serves_plans_and_lists(venv, tmp_path):
     env = {key: value for key, value in os.environ.items() if not key.startswith("ZERO1_")}
-    env |= {"ZERO1_DATABASE_URL": f"sqlite:///{tmp_path / 'zero1.db'}", "ZERO1_CHECKPOINT_URI": str(tmp_path / "ck"),
-            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONPATH": ""}  # fmt: skip
+    env |= {
+        "ZERO1_DATABASE_URL": f"sqlite:///{tmp_path / 'zero1.db'}",
+        "ZERO1_CHECKPOINT_URI": str(tmp_path / "ck"),
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "PYTHONPATH": "",
+    }
     zero1 = venv / "zero1"
     elsewhere = {"env": env, "cwd": tmp_path}  # not the checkout: nothing may come from the source tree
 
@@ -71,11 +78,16 @@ def test_a_wheel_installed_without_extras_migrates_serves_plans_and_lists(venv, 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with open(tmp_path / "serve.log", "w") as log:
-        server = subprocess.Popen([zero1, "serve", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
-                                  **elsewhere)  # fmt: skip
+        server = subprocess.Popen(
+            [zero1, "serve", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, **elsewhere
+        )
     try:
-        health = wait_for(lambda: _health(url), lambda h: h is not None or server.poll() is not None,
-                          what="zero1 serve from the wheel to answer /healthz", timeout_s=120)  # fmt: skip
+        health = wait_for(
+            lambda: _health(url),
+            lambda h: h is not None or server.poll() is not None,
+            what="zero1 serve from the wheel to answer /healthz",
+            timeout_s=120,
+        )
         assert health is not None and health["status"] == "ok", (tmp_path / "serve.log").read_text()[-3000:]
         jobs = _run(zero1, "jobs", "--url", url, **elsewhere).stdout
         assert jobs.split() == ["id", "status", "step/steps", "gpus", "loss", "name"]

@@ -16,9 +16,6 @@ import ray
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from conftest import make_settings
-from figures import record
-from helpers import job_body, wait_for
 from service import jobs
 from service.cluster import ClusterCapacity
 from service.db import Database, upgrade
@@ -29,8 +26,11 @@ from service.scheduler import Scheduler
 from service.schemas import JobSpec
 from workers.memory import GB
 
-CLUSTER = ClusterCapacity(num_gpus=4, num_gpus_free=4, gpu_memory_bytes=80 * GB, simulated=True)
+from conftest import make_settings
+from figures import record
+from helpers import job_body, wait_for
 
+CLUSTER = ClusterCapacity(num_gpus=4, num_gpus_free=4, gpu_memory_bytes=80 * GB, simulated=True)
 
 
 def queue_job(db: Database, **overrides) -> int:
@@ -141,8 +141,11 @@ def test_a_cancel_during_dispatch_ends_cancelled_with_no_supervisor_and_no_gpu_h
     assert done["status"] == "cancelled", done
     events = client.get(f"/v1/jobs/{job_id}/events").json()["data"]
     assert [e["to_status"] for e in events] == ["queued", "starting", "cancelled"]
-    wait_for(runtime.launcher.supervisors, lambda alive: all(job != job_id for job, _ in alive),
-             what="the job's supervisor to end")  # fmt: skip
+    wait_for(
+        runtime.launcher.supervisors,
+        lambda alive: all(job != job_id for job, _ in alive),
+        what="the job's supervisor to end",
+    )
     with runtime.db.session() as session:
         assert jobs.gpus_in_use(session) == 0
     # the GPUs are free for real: a job of all 4 starts
@@ -172,8 +175,10 @@ def test_one_jobs_error_fails_it_alone_and_the_others_and_the_queue_go_on(app):
         supervisor = ray.get_actor(supervisor_name(victim, 0), namespace=settings.ray_namespace)
         ray.kill(ray.get(supervisor.worker.remote(1)), no_restart=True)  # its retry reads the checkpoint
         failed = wait_for(lambda: _job(client, victim), lambda j: j["status"] in jobs.TERMINAL, what="the victim")
-        ends = {j: wait_for(lambda j=j: _job(client, j), lambda x: x["status"] in jobs.TERMINAL, what=f"job {j}")
-                for j in (other, queued)}  # fmt: skip
+        ends = {
+            j: wait_for(lambda j=j: _job(client, j), lambda x: x["status"] in jobs.TERMINAL, what=f"job {j}")
+            for j in (other, queued)
+        }
     finally:
         runtime.launcher.checkpointed_metrics = read
     assert failed["status"] == "failed" and failed["error"]["exception"] == "OSError", failed
@@ -243,8 +248,14 @@ def bare(ray_cluster, tmp_path) -> Iterator[tuple[Scheduler, Database, object, F
     settings = make_settings(tmp_path, ray_rpc_timeout_s=0.5)
     upgrade(settings.database_url)
     db, clock = Database(settings.database_url), FakeClock()
-    scheduler = Scheduler(db=db, launcher=RayLauncher(settings), total_gpus=lambda: 0, interval_s=1,
-                          start_timeout_s=settings.start_timeout_s, clock=clock)  # fmt: skip
+    scheduler = Scheduler(
+        db=db,
+        launcher=RayLauncher(settings),
+        total_gpus=lambda: 0,
+        interval_s=1,
+        start_timeout_s=settings.start_timeout_s,
+        clock=clock,
+    )
     try:
         yield scheduler, db, settings, clock
     finally:
@@ -263,8 +274,9 @@ def _as(db: Database, job_id: int, *path: str) -> None:
 
 def _stand_in(settings, job_id: int, status: str):
     """The stand-in, once it answers (its process started: a first poll then never times out)."""
-    supervisor = StandInSupervisor.options(name=supervisor_name(job_id, 0), namespace=settings.ray_namespace,
-                                           lifetime="detached").remote(status)  # fmt: skip
+    supervisor = StandInSupervisor.options(
+        name=supervisor_name(job_id, 0), namespace=settings.ray_namespace, lifetime="detached"
+    ).remote(status)
     assert ray.get(supervisor.ping.remote(), timeout=60) == status
     return supervisor
 
@@ -326,8 +338,9 @@ def test_a_new_job_with_a_reused_id_trains_from_scratch_in_a_directory_of_its_ow
     body = job_body(steps=20, checkpoint_every=5)
     runs = []
     for database in ("before.db", "restored.db"):
-        settings = make_settings(tmp_path, database_url=f"sqlite:///{tmp_path / database}",
-                                 checkpoint_uri=str(checkpoints))  # fmt: skip
+        settings = make_settings(
+            tmp_path, database_url=f"sqlite:///{tmp_path / database}", checkpoint_uri=str(checkpoints)
+        )
         with TestClient(create_app(settings), raise_server_exceptions=False) as client:
             job_id = client.post("/v1/jobs", json=body).json()["id"]
             done = wait_for(lambda: _job(client, job_id), lambda j: j["status"] in jobs.TERMINAL, what="the job")
@@ -344,8 +357,14 @@ def test_a_new_job_with_a_reused_id_trains_from_scratch_in_a_directory_of_its_ow
     for run_id in (first_run, again_run):
         directory = checkpoints / checkpoint_dirname(1, run_id)
         assert sorted(p.name for p in directory.iterdir()) == ["step-000000019"]
-    record("a job id used again after a restore", faults=1, jobs_accepted=2, jobs_stored=2,
-           rows_expected=20, rows_stored=len(again_curve))  # fmt: skip
+    record(
+        "a job id used again after a restore",
+        faults=1,
+        jobs_accepted=2,
+        jobs_stored=2,
+        rows_expected=20,
+        rows_stored=len(again_curve),
+    )
 
 
 def test_a_finished_job_keeps_no_checkpoint_with_keep_finished_0(ray_cluster, tmp_path):

@@ -18,8 +18,6 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from conftest import make_settings
-from helpers import TERMINAL, TINY, wait_job
 from service import auth
 from service.auth import TOKEN_COOKIE, check_bind, is_loopback, load_tokens
 from service.cli import main
@@ -33,6 +31,9 @@ from service.models import Job, JobEvent
 from service.schemas import JobSpec
 from workers.memory import GB
 
+from conftest import make_settings
+from helpers import TERMINAL, TINY, wait_job
+
 ZERO1 = str(Path(sys.executable).with_name("zero1"))
 ALICE, BOB, ROOT = (f"{user}-{secrets.token_urlsafe(24)}" for user in ("alice", "bob", "root"))
 TOKENS = f"alice:{ALICE}, bob:{BOB},root:{ROOT}:admin"
@@ -44,8 +45,15 @@ def bearer(token: str) -> dict:
 
 
 def job_body(**overrides) -> dict:
-    return {"name": "sec", "model": TINY, "num_gpus": 4, "precision": "fp32", "steps": 1_000_000,
-            "micro_batch_size": 4, **overrides}  # fmt: skip
+    return {
+        "name": "sec",
+        "model": TINY,
+        "num_gpus": 4,
+        "precision": "fp32",
+        "steps": 1_000_000,
+        "micro_batch_size": 4,
+        **overrides,
+    }
 
 
 def submit(client: TestClient, token: str, **overrides) -> dict:
@@ -70,8 +78,12 @@ def data_root(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def secured(ray_cluster, tmp_path_factory, data_root):
     """The app with three tokens (root is an admin), a data root, and at most 2 queued jobs per user."""
-    settings = make_settings(tmp_path_factory.mktemp("secured"), api_tokens=TOKENS, data_roots=[str(data_root)],
-                             max_queued_jobs_per_user=MAX_QUEUED)  # fmt: skip
+    settings = make_settings(
+        tmp_path_factory.mktemp("secured"),
+        api_tokens=TOKENS,
+        data_roots=[str(data_root)],
+        max_queued_jobs_per_user=MAX_QUEUED,
+    )
     with TestClient(create_app(settings), raise_server_exceptions=False) as client:
         yield client
 
@@ -95,15 +107,27 @@ def cancel_all(client: TestClient, jobs: list[dict]) -> None:
 
 
 MUTATIONS = [("post", "/v1/jobs", {"json": job_body()}), ("post", "/v1/jobs/1/cancel", {})]
-READS = [("get", "/v1/jobs", {}), ("get", "/v1/jobs/1", {}), ("get", "/v1/jobs/1/metrics", {}),
-         ("get", "/v1/jobs/1/events", {}), ("get", "/v1/cluster", {}), ("get", "/metrics", {}),
-         ("post", "/v1/plan", {"json": {"num_params": 7_500_000_000}})]  # fmt: skip
-BAD_CREDENTIALS = {"none": {}, "wrong token": bearer("x" * 40), "not bearer": {"Authorization": f"Basic {ALICE}"},
-                   "empty bearer": {"Authorization": "Bearer "}}  # fmt: skip
+READS = [
+    ("get", "/v1/jobs", {}),
+    ("get", "/v1/jobs/1", {}),
+    ("get", "/v1/jobs/1/metrics", {}),
+    ("get", "/v1/jobs/1/events", {}),
+    ("get", "/v1/cluster", {}),
+    ("get", "/metrics", {}),
+    ("post", "/v1/plan", {"json": {"num_params": 7_500_000_000}}),
+]
+BAD_CREDENTIALS = {
+    "none": {},
+    "wrong token": bearer("x" * 40),
+    "not bearer": {"Authorization": f"Basic {ALICE}"},
+    "empty bearer": {"Authorization": "Bearer "},
+}
 
 
 @pytest.mark.parametrize("credentials", BAD_CREDENTIALS.values(), ids=BAD_CREDENTIALS.keys())
-@pytest.mark.parametrize(("method", "path", "kwargs"), MUTATIONS + READS, ids=[f"{m} {p}" for m, p, _ in MUTATIONS + READS])
+@pytest.mark.parametrize(
+    ("method", "path", "kwargs"), MUTATIONS + READS, ids=[f"{m} {p}" for m, p, _ in MUTATIONS + READS]
+)
 def test_every_api_endpoint_needs_a_valid_token(secured, method, path, kwargs, credentials):
     before = len(secured.get("/v1/jobs", headers=bearer(ROOT)).json()["data"])
     response = getattr(secured, method)(path, headers=credentials, **kwargs)
@@ -164,8 +188,15 @@ def seed_cancelled_job(client: TestClient, *, owner: str) -> int:
     cluster = ClusterCapacity(num_gpus=4, num_gpus_free=4, gpu_memory_bytes=80 * GB, simulated=True)
     plan = admit(spec, cluster=cluster, overhead_bytes=GB).model_dump(mode="json")
     with client.app.state.runtime.db.session() as session:
-        job = Job(name=spec.name, status="cancelled", spec=spec.model_dump(mode="json"), plan=plan, num_gpus=4,
-                  steps=spec.steps, owner=owner)  # fmt: skip
+        job = Job(
+            name=spec.name,
+            status="cancelled",
+            spec=spec.model_dump(mode="json"),
+            plan=plan,
+            num_gpus=4,
+            steps=spec.steps,
+            owner=owner,
+        )
         session.add(job)
         session.flush()
         session.add(JobEvent(job_id=job.id, from_status=None, to_status="cancelled", reason="seeded"))
@@ -175,7 +206,12 @@ def seed_cancelled_job(client: TestClient, *, owner: str) -> int:
 def test_public_read_shows_the_shared_view_only_and_a_token_still_says_who_reads(public):
     job_id = seed_cancelled_job(public, owner="alice")
     shared = public.get(f"/v1/jobs/{job_id}").json()
-    assert (shared["name"], shared["owner"], shared["status"], shared["spec"]) == ("alice's run", "alice", "cancelled", None)
+    assert (shared["name"], shared["owner"], shared["status"], shared["spec"]) == (
+        "alice's run",
+        "alice",
+        "cancelled",
+        None,
+    )
     assert [j["spec"] for j in public.get("/v1/jobs").json()["data"] if j["id"] == job_id] == [None]
     for path in (f"/v1/jobs/{job_id}/metrics", f"/v1/jobs/{job_id}/events", f"/jobs/{job_id}"):
         assert public.get(path).status_code == 404, path
@@ -217,7 +253,12 @@ def test_a_jobs_spec_metrics_and_events_are_for_its_owner_and_admins_only(secure
                 assert secured.get(path, headers=bearer(token)).status_code == 200, path
         shared = secured.get(f"/v1/jobs/{job['id']}", headers=bearer(BOB)).json()
         assert (shared["name"], shared["owner"], shared["status"], shared["num_gpus"], shared["steps"]) == (
-            "alices run", "alice", "queued", 4, 1_000_000)  # fmt: skip
+            "alices run",
+            "alice",
+            "queued",
+            4,
+            1_000_000,
+        )
         assert (shared["spec"], shared["latest"], shared["error"]) == (None, None, None)
         assert shared["plan"] == job["plan"]  # sizes only
         listed = {j["id"]: j for j in secured.get("/v1/jobs", headers=bearer(BOB)).json()["data"]}
@@ -241,13 +282,26 @@ def test_only_the_owner_admins_and_auth_off_see_a_jobs_details(tmp_path):
     db = Database(url)
     cluster = ClusterCapacity(num_gpus=4, num_gpus_free=4, gpu_memory_bytes=80 * GB, simulated=True)
     spec = JobSpec.model_validate(job_body())
-    readers = {"alice": auth.Principal(user="alice"), "root": auth.Principal(user="root", admin=True),
-               "auth off": auth.ANONYMOUS, "bob": auth.Principal(user="bob"), "public read": auth.PUBLIC}  # fmt: skip
+    readers = {
+        "alice": auth.Principal(user="alice"),
+        "root": auth.Principal(user="root", admin=True),
+        "auth off": auth.ANONYMOUS,
+        "bob": auth.Principal(user="bob"),
+        "public read": auth.PUBLIC,
+    }
     try:
         with db.session() as session:
-            job, _ = submit_job(session, spec=spec, plan=admit(spec, cluster=cluster, overhead_bytes=GB),
-                                idempotency_key=None, owner="alice")  # fmt: skip
-            job.latest, job.error = {"step": 3, "loss": 2.5}, {"exception": "RuntimeError", "message": "in alice's data"}
+            job, _ = submit_job(
+                session,
+                spec=spec,
+                plan=admit(spec, cluster=cluster, overhead_bytes=GB),
+                idempotency_key=None,
+                owner="alice",
+            )
+            job.latest, job.error = (
+                {"step": 3, "loss": 2.5},
+                {"exception": "RuntimeError", "message": "in alice's data"},
+            )
             views = {who: job_public(job, position=1, principal=principal) for who, principal in readers.items()}
     finally:
         db.dispose()
@@ -258,7 +312,12 @@ def test_only_the_owner_admins_and_auth_off_see_a_jobs_details(tmp_path):
         else:
             assert private == (None, None, None), who
         assert (view.name, view.owner, view.status, view.queue_position, view.plan) == (
-            "sec", "alice", "queued", 1, views["alice"].plan), who  # fmt: skip
+            "sec",
+            "alice",
+            "queued",
+            1,
+            views["alice"].plan,
+        ), who
 
 
 def test_queued_jobs_per_user_are_limited(secured, blocker):
@@ -321,7 +380,7 @@ def test_the_login_cookie_reads_and_cancels_only_with_the_csrf_header(secured, b
 
     assert secured.get("/v1/jobs", headers=as_alice).status_code == 200
     page = secured.get("/", headers=as_alice)
-    assert page.status_code == 200 and "<span>alice</span><button type=\"submit\">Log out</button>" in page.text
+    assert page.status_code == 200 and '<span>alice</span><button type="submit">Log out</button>' in page.text
     job = submit(secured, ALICE, name="by cookie")
     try:
         forged = secured.post(f"/v1/jobs/{job['id']}/cancel", headers=as_alice)  # what a cross-site form sends
@@ -509,9 +568,11 @@ def test_serve_and_db_upgrade_refuse_the_example_env_as_it_is():
     assert migrate.returncode == 2, migrate.stderr
     assert migrate.stderr.startswith("zero1 db upgrade: ZERO1_DATABASE_URL: the password is a placeholder")
     outputs = [migrate.stdout + migrate.stderr]
-    steps = [({}, "ZERO1_API_TOKENS entry 1 (user ops): the token is a placeholder"),
-             ({"ZERO1_API_TOKENS": f"ops:{ROOT}:admin"}, "RAY_AUTH_TOKEN is a placeholder"),
-             ({"RAY_AUTH_TOKEN": secrets.token_urlsafe(32)}, "ZERO1_DATABASE_URL: the password is a placeholder")]  # fmt: skip
+    steps = [
+        ({}, "ZERO1_API_TOKENS entry 1 (user ops): the token is a placeholder"),
+        ({"ZERO1_API_TOKENS": f"ops:{ROOT}:admin"}, "RAY_AUTH_TOKEN is a placeholder"),
+        ({"RAY_AUTH_TOKEN": secrets.token_urlsafe(32)}, "ZERO1_DATABASE_URL: the password is a placeholder"),
+    ]
     for replaced, refused in steps:  # each placeholder replaced in turn: the next one is refused
         env |= replaced
         out = _serve("--host", "0.0.0.0", "--port", "1", **env)
@@ -583,12 +644,15 @@ def _chunks(total_bytes: int, *, head: bytes = b"") -> object:
 
 
 def test_a_streamed_body_without_content_length_is_counted(secured):
-    response = secured.post("/v1/jobs", content=_chunks(LIMIT + 1), headers={**bearer(ALICE), "Content-Type": "application/json"})
+    response = secured.post(
+        "/v1/jobs", content=_chunks(LIMIT + 1), headers={**bearer(ALICE), "Content-Type": "application/json"}
+    )
     assert "content-length" not in response.request.headers
     assert response.status_code == 413 and response.json()["error"] == "request_too_large"
     assert f"limit of {LIMIT} bytes" in response.json()["message"]
-    at_limit = secured.post("/v1/jobs", content=_chunks(LIMIT, head=b"{}"),
-                            headers={**bearer(ALICE), "Content-Type": "application/json"})  # fmt: skip
+    at_limit = secured.post(
+        "/v1/jobs", content=_chunks(LIMIT, head=b"{}"), headers={**bearer(ALICE), "Content-Type": "application/json"}
+    )
     assert at_limit.status_code == 422 and "name: Field required" in at_limit.json()["message"]
 
 
@@ -635,9 +699,19 @@ def test_the_cli_sends_zero1_token(secured, blocker, monkeypatch, capsys):
 
 @pytest.mark.parametrize(
     ("host", "loopback"),
-    [("127.0.0.1", True), ("127.8.9.10", True), ("::1", True), ("[::1]", True), ("localhost", True),
-     ("0.0.0.0", False), ("::", False), ("10.0.0.5", False), ("", False), ("example.com", False)],
-)  # fmt: skip
+    [
+        ("127.0.0.1", True),
+        ("127.8.9.10", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("localhost", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("10.0.0.5", False),
+        ("", False),
+        ("example.com", False),
+    ],
+)
 def test_only_loopback_is_served_without_tokens(host, loopback):
     assert is_loopback(host) is loopback
     no_tokens = load_tokens(make_settings(Path("/nonexistent")))

@@ -16,8 +16,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import workers.train
-from distributed import run_ranks
-from figures import record
 from workers import limits
 from workers.checkpoints import checkpointed_metrics, discard_stored_metrics, latest_checkpoint
 from workers.config import MAX_TEXT_BYTES, OptimizerSpec, SyntheticSpec, TextSpec, TrainConfig
@@ -27,17 +25,24 @@ from workers.models import build_model, saved_activation_bytes
 from workers.records import MetricRow
 from workers.train import NonFiniteError, save_checkpoint, train
 
+from distributed import run_ranks
+from figures import record
+
 SMALL = GPTSpec(vocab_size=64, n_layer=2, n_head=2, n_embd=32, block_size=32)
 
 
 @settings(max_examples=15, deadline=None)
 @given(
-    vocab_size=st.integers(2, 200), n_layer=st.integers(1, 3), n_head=st.integers(1, 4),
-    head_dim=st.integers(1, 8), block_size=st.integers(1, 40),
-)  # fmt: skip
+    vocab_size=st.integers(2, 200),
+    n_layer=st.integers(1, 3),
+    n_head=st.integers(1, 4),
+    head_dim=st.integers(1, 8),
+    block_size=st.integers(1, 40),
+)
 def test_gpt_module_has_exactly_the_planned_parameters(vocab_size, n_layer, n_head, head_dim, block_size):
-    spec = GPTSpec(vocab_size=vocab_size, n_layer=n_layer, n_head=n_head, n_embd=n_head * head_dim,
-                   block_size=block_size)  # fmt: skip
+    spec = GPTSpec(
+        vocab_size=vocab_size, n_layer=n_layer, n_head=n_head, n_embd=n_head * head_dim, block_size=block_size
+    )
     model = build_model(spec, dtype=torch.float32)
     assert {name: tuple(p.shape) for name, p in model.named_parameters()} == spec.parameter_shapes()
     assert sum(p.numel() for p in model.parameters()) == spec.num_params
@@ -67,8 +72,12 @@ def test_activation_estimate_matches_measurement(spec, batch, dtype, bytes_per_e
     model = build_model(spec, dtype=dtype, activation_checkpointing=checkpointing)
     idx = torch.randint(0, spec.vocab_size, (batch, spec.block_size))
     measured = saved_activation_bytes(model, idx, idx)
-    planned = spec.activation_bytes(micro_batch_size=batch, seq_len=spec.block_size,
-                                    bytes_per_element=bytes_per_element, checkpointing=checkpointing)  # fmt: skip
+    planned = spec.activation_bytes(
+        micro_batch_size=batch,
+        seq_len=spec.block_size,
+        bytes_per_element=bytes_per_element,
+        checkpointing=checkpointing,
+    )
     assert measured == pytest.approx(planned, rel=0.02)
 
 
@@ -81,15 +90,27 @@ def test_mlp_activation_estimate_matches_measurement():
 
 
 def batches(world_size: int, rank: int, *, micro: int, data=None, model=SMALL) -> Batches:
-    return Batches(model=model, data=data or SyntheticSpec(), seed=7, seq_len=None, global_batch_size=8,
-                   micro_batch_size=micro, rank=rank, world_size=world_size)  # fmt: skip
+    return Batches(
+        model=model,
+        data=data or SyntheticSpec(),
+        seed=7,
+        seq_len=None,
+        global_batch_size=8,
+        micro_batch_size=micro,
+        rank=rank,
+        world_size=world_size,
+    )
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_the_global_batch_is_the_same_for_any_world_size(world_size):
     whole = torch.cat([batches(1, 0, micro=2).micro_batch(3, m)[0] for m in range(4)])
     sliced = torch.cat(
-        [batches(world_size, r, micro=2).micro_batch(3, m)[0] for r in range(world_size) for m in range(4 // world_size)]
+        [
+            batches(world_size, r, micro=2).micro_batch(3, m)[0]
+            for r in range(world_size)
+            for m in range(4 // world_size)
+        ]
     )
     assert torch.equal(whole, sliced)
     assert not torch.equal(whole, torch.cat([batches(1, 0, micro=8).micro_batch(4, 0)[0]]))  # steps differ
@@ -162,8 +183,11 @@ def test_a_text_file_swapped_for_a_symlink_out_of_the_roots_is_refused(data_root
     text_batches(corpus, roots=(str(data_root),))  # checked at submit: inside
     corpus.unlink()
     corpus.symlink_to(data_root.parent / "secret.txt")  # swapped before the rank reads it
-    with pytest.raises(ValueError, match=rf"data.path '{corpus}' resolves to {data_root.parent / 'secret.txt'}, "
-                                         rf"outside the data roots \['{data_root}'\]"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=rf"data.path '{corpus}' resolves to {data_root.parent / 'secret.txt'}, "
+        rf"outside the data roots \['{data_root}'\]",
+    ):
         text_batches(corpus, roots=(str(data_root),))
     record("data.path swapped for a symlink out of the roots after submit", faults=1)
 
@@ -219,15 +243,16 @@ def test_a_component_swapped_for_a_symlink_after_the_check_is_not_followed(data_
 
 
 def test_the_launcher_passes_the_data_roots_resolved(tmp_path, monkeypatch, data_root):
-    from service.schemas import JobSpec  # noqa: PLC0415
+    from service.schemas import JobSpec
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "elsewhere")
     spec = JobSpec.model_validate(job_body(data={"kind": "text", "path": str(data_root / "corpus.txt")}))
     config = spec.to_config(checkpoint_dir="unused", data_roots=["data", str(tmp_path / "link")])
-    assert config.data == TextSpec(path=str(data_root / "corpus.txt"),
-                                   roots=(str(data_root), str(tmp_path / "elsewhere")))  # fmt: skip
+    assert config.data == TextSpec(
+        path=str(data_root / "corpus.txt"), roots=(str(data_root), str(tmp_path / "elsewhere"))
+    )
     assert spec.to_config(checkpoint_dir="unused").data.roots == ()  # none given: nothing is read
 
 
@@ -237,8 +262,18 @@ def test_training_reports_every_metric_and_its_planned_memory():
     result = train(cfg, on_metrics=rows.append)
     assert (result.first_step, result.last_step, result.cancelled) == (0, 2, False)
     assert [r.step for r in rows] == [0, 1, 2]
-    keys = {"step", "rank", "loss", "grad_norm", "loss_scale", "skipped", "step_time_s", "tokens_per_s",
-            "mem_peak_bytes", "mem_planned_bytes"}  # fmt: skip
+    keys = {
+        "step",
+        "rank",
+        "loss",
+        "grad_norm",
+        "loss_scale",
+        "skipped",
+        "step_time_s",
+        "tokens_per_s",
+        "mem_peak_bytes",
+        "mem_planned_bytes",
+    }
     assert all(set(r.to_json()) == keys and r.rank == 0 for r in rows)
     plan = breakdown(Workload.from_model(SMALL, precision="bf16", micro_batch_size=4), num_gpus=1, stage=1)
     assert rows[0].mem_planned_bytes == plan.total_bytes
@@ -259,11 +294,20 @@ def final_state(root: Path) -> dict:
 
 
 def test_a_stopped_run_resumes_from_its_last_complete_checkpoint(tmp_path):
-    base = {"model": SMALL, "steps": 12, "precision": "bf16", "micro_batch_size": 4, "checkpoint_every": 5,
-            "optimizer": OptimizerSpec(lr=1e-3)}  # fmt: skip
+    base = {
+        "model": SMALL,
+        "steps": 12,
+        "precision": "bf16",
+        "micro_batch_size": 4,
+        "checkpoint_every": 5,
+        "optimizer": OptimizerSpec(lr=1e-3),
+    }
     train(TrainConfig(**base, checkpoint_dir=str(tmp_path / "whole")))
-    assert sorted(p.name for p in (tmp_path / "whole").iterdir()) == ["step-000000004", "step-000000009",
-                                                                      "step-000000011"]  # fmt: skip
+    assert sorted(p.name for p in (tmp_path / "whole").iterdir()) == [
+        "step-000000004",
+        "step-000000009",
+        "step-000000011",
+    ]
 
     stopped = TrainConfig(**base, checkpoint_dir=str(tmp_path / "stopped"))
     seen: list[int] = []
@@ -272,7 +316,9 @@ def test_a_stopped_run_resumes_from_its_last_complete_checkpoint(tmp_path):
     assert latest_checkpoint(tmp_path / "stopped") == (4, 1)
     resumed = train(stopped)
     assert (resumed.first_step, resumed.last_step) == (5, 11)
-    for got, want in zip(final_state(tmp_path / "stopped")["buffers"], final_state(tmp_path / "whole")["buffers"]):
+    for got, want in zip(
+        final_state(tmp_path / "stopped")["buffers"], final_state(tmp_path / "whole")["buffers"], strict=True
+    ):
         for kind in ("master", "exp_avg", "exp_avg_sq"):
             assert torch.equal(got[kind], want[kind])
 
@@ -329,15 +375,18 @@ def test_a_16_bit_gpt_can_compute_in_fp32():
 
 
 def test_keep_last_prunes_older_checkpoints_and_a_crashs_leftovers(tmp_path):
-    cfg = TrainConfig(model=SMALL, steps=10, precision="fp32", checkpoint_every=2, checkpoint_dir=str(tmp_path),
-                      keep_last=2)  # fmt: skip
+    cfg = TrainConfig(
+        model=SMALL, steps=10, precision="fp32", checkpoint_every=2, checkpoint_dir=str(tmp_path), keep_last=2
+    )
     (tmp_path / "step-000000000").mkdir(parents=True)  # an unfinished checkpoint of an earlier crash
     train(cfg)
     assert latest_checkpoint(tmp_path) == (9, 1)
     assert sorted(p.name for p in tmp_path.glob("step-*/rank-*.pt")) == ["rank-00000-of-00001.pt"] * 2
     assert sorted(p.parent.name for p in tmp_path.glob("step-*/complete.json")) == ["step-000000007", "step-000000009"]
     # the pruned ones keep only their rows, until the control plane says they are stored
-    assert sorted(p.parent.name for p in tmp_path.glob("step-*/pruned.json")) == [f"step-00000000{s}" for s in (1, 3, 5)]
+    assert sorted(p.parent.name for p in tmp_path.glob("step-*/pruned.json")) == [
+        f"step-00000000{s}" for s in (1, 3, 5)
+    ]
     assert [row.step for row in checkpointed_metrics(tmp_path, after_step=-1)] == list(range(10))
     assert discard_stored_metrics(tmp_path, through_step=4) == [1, 3]
     assert [row.step for row in checkpointed_metrics(tmp_path, after_step=-1)] == list(range(4, 10))
@@ -350,8 +399,9 @@ def test_keep_last_prunes_older_checkpoints_and_a_crashs_leftovers(tmp_path):
 def test_a_relaunch_reads_back_rows_whose_checkpoints_were_pruned_before_they_were_stored(tmp_path):
     """The ranks run ahead of the control plane; keep_last must not cost it rows it never got."""
     rows: list[MetricRow] = []
-    cfg = TrainConfig(model=SMALL, steps=12, precision="fp32", checkpoint_every=2, checkpoint_dir=str(tmp_path),
-                      keep_last=1)  # fmt: skip
+    cfg = TrainConfig(
+        model=SMALL, steps=12, precision="fp32", checkpoint_every=2, checkpoint_dir=str(tmp_path), keep_last=1
+    )
     train(cfg, on_metrics=rows.append)
     assert latest_checkpoint(tmp_path) == (11, 1)
     saved = checkpointed_metrics(tmp_path, after_step=2)  # the database stopped at step 2
@@ -380,7 +430,9 @@ def nan_loss_at(bad_steps: range):
     def poisoned(*args, **kwargs):
         model = build_model(*args, **kwargs)
         forwards = itertools.count()  # one micro-batch a step: the forward's count is the step
-        model.register_forward_hook(lambda module, inputs, loss: loss * math.nan if next(forwards) in bad_steps else loss)
+        model.register_forward_hook(
+            lambda module, inputs, loss: loss * math.nan if next(forwards) in bad_steps else loss
+        )
         return model
 
     return poisoned
@@ -388,11 +440,21 @@ def nan_loss_at(bad_steps: range):
 
 def _nonfinite_training_fails(rank: int, world_size: int, root: str, precision: str) -> None:
     workers.train.build_model = nan_loss_at(range(5, 10**6) if rank == 1 else range(0))  # a process of its own
-    cfg = TrainConfig(model=TINY, steps=20, precision=precision, micro_batch_size=4, checkpoint_every=2,
-                      checkpoint_dir=root, keep_last=2, max_nonfinite_steps=3)  # fmt: skip
+    cfg = TrainConfig(
+        model=TINY,
+        steps=20,
+        precision=precision,
+        micro_batch_size=4,
+        checkpoint_every=2,
+        checkpoint_dir=root,
+        keep_last=2,
+        max_nonfinite_steps=3,
+    )
     rows: list[MetricRow] = []
-    message = (r"3 steps in a row had a non-finite gradient norm \(max_nonfinite_steps = 3\) at step 7: "
-               r"steps 5-7 were skipped")  # fmt: skip
+    message = (
+        r"3 steps in a row had a non-finite gradient norm \(max_nonfinite_steps = 3\) at step 7: "
+        r"steps 5-7 were skipped"
+    )
     with pytest.raises(NonFiniteError, match=message):
         train(cfg, rank=rank, world_size=world_size, on_metrics=rows.append)
     assert [r.step for r in rows] == list(range(8))
@@ -418,27 +480,40 @@ def test_a_run_whose_gradients_stay_nan_fails_and_keeps_its_good_checkpoints(tmp
 
 def test_a_checkpoint_due_at_a_skipped_step_is_written_at_the_next_clean_one(tmp_path, monkeypatch):
     monkeypatch.setattr(workers.train, "build_model", nan_loss_at(range(5, 6)))
-    cfg = TrainConfig(model=TINY, steps=8, precision="bf16", micro_batch_size=4, checkpoint_every=2,
-                      checkpoint_dir=str(tmp_path), max_nonfinite_steps=2)  # fmt: skip
+    cfg = TrainConfig(
+        model=TINY,
+        steps=8,
+        precision="bf16",
+        micro_batch_size=4,
+        checkpoint_every=2,
+        checkpoint_dir=str(tmp_path),
+        max_nonfinite_steps=2,
+    )
     rows: list[MetricRow] = []
     train(cfg, on_metrics=rows.append)
     assert [r.skipped for r in rows] == [False] * 5 + [True] + [False] * 2
     assert sorted(p.parent.name for p in tmp_path.glob("step-*/complete.json")) == [
-        "step-000000001", "step-000000003", "step-000000006", "step-000000007"
-    ]  # fmt: skip
+        "step-000000001",
+        "step-000000003",
+        "step-000000006",
+        "step-000000007",
+    ]
     assert [r.step for r in checkpointed_metrics(tmp_path, after_step=3)] == [4, 5, 6, 7]
 
 
 def _nonfinite_state_is_not_saved(rank: int, world_size: int, root: str) -> None:
     model = build_model(TINY, dtype=torch.bfloat16)
-    from workers.optim import ZeRO1AdamW  # noqa: PLC0415
+    from workers.optim import ZeRO1AdamW
 
     opt = ZeRO1AdamW(model.parameters())
     save_checkpoint(opt, Path(root), step=0, process_group=None)  # finite: written
     if rank == 1:
         opt._buffers[0].state["exp_avg_sq"][3] = math.inf  # one element, on one rank
-    with pytest.raises(NonFiniteError, match=r"step 2: 1 of the optimizer state's elements are nan or inf "
-                                             r"\(master 0, exp_avg 0, exp_avg_sq 1\)"):  # fmt: skip
+    with pytest.raises(
+        NonFiniteError,
+        match=r"step 2: 1 of the optimizer state's elements are nan or inf "
+        r"\(master 0, exp_avg 0, exp_avg_sq 1\)",
+    ):
         save_checkpoint(opt, Path(root), step=2, process_group=None, keep_last=1)
 
 
@@ -455,12 +530,12 @@ def job_body(**overrides) -> dict:
 
 
 def test_max_nonfinite_steps_has_one_default_above_the_fp16_scalers_back_off():
-    from service.schemas import JobSpec  # noqa: PLC0415
-    from workers.optim import DynamicLossScaler  # noqa: PLC0415
+    from service.schemas import JobSpec
+    from workers.optim import DynamicLossScaler
 
     scaler = DynamicLossScaler()
     halvings = math.log(scaler.min_scale / scaler.scale, scaler.backoff_factor)  # 2**16 -> 1: 16 skips in a row
-    assert limits.DEFAULT_MAX_NONFINITE_STEPS > halvings
+    assert halvings < limits.DEFAULT_MAX_NONFINITE_STEPS
     assert TrainConfig(model=TINY, steps=1).max_nonfinite_steps == limits.DEFAULT_MAX_NONFINITE_STEPS
     assert JobSpec.model_fields["max_nonfinite_steps"].default == limits.DEFAULT_MAX_NONFINITE_STEPS
     with pytest.raises(ValueError, match=r"max_nonfinite_steps \(0\) >= 1"):

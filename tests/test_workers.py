@@ -20,23 +20,30 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from workers.actors import JobSupervisor, Placement, PlacementError, join_process_group, open_rendezvous_store
+from workers.checkpoints import latest_checkpoint
+from workers.config import OptimizerSpec, TrainConfig
+from workers.data import Batches
+from workers.memory import GPTSpec
+from workers.train import train
+
 from figures import record
 from helpers import TERMINAL
 from helpers import wait_for as wait_until
-from workers.actors import JobSupervisor, Placement, PlacementError, join_process_group, open_rendezvous_store
-from workers.checkpoints import latest_checkpoint
-from workers.data import Batches
-from workers.memory import GPTSpec
-from workers.config import OptimizerSpec, TrainConfig
-from workers.train import train
 
 SPEC = GPTSpec(vocab_size=64, n_layer=2, n_head=2, n_embd=32, block_size=32)
 FAST = OptimizerSpec(lr=3e-3, weight_decay=0.0, max_grad_norm=1.0)
 
 
 def config(**overrides) -> TrainConfig:
-    base = {"model": SPEC, "steps": 200, "precision": "fp32", "optimizer": FAST, "micro_batch_size": 8,
-            "global_batch_size": 16}  # fmt: skip
+    base = {
+        "model": SPEC,
+        "steps": 200,
+        "precision": "fp32",
+        "optimizer": FAST,
+        "micro_batch_size": 8,
+        "global_batch_size": 16,
+    }
     return TrainConfig(**{**base, **overrides})
 
 
@@ -88,16 +95,32 @@ def test_a_rank_stops_training_within_a_step_when_its_parent_dies(tmp_path):
     leave ranks training and writing checkpoints while the restarted service reads them."""
     out = tmp_path / "result.json"
     parent = subprocess.Popen(  # a parent that starts the rank, then waits on it until killed
-        [sys.executable, "-c", "import subprocess, sys; subprocess.run(sys.argv[1:])", sys.executable, "-c",
-         _ORPHAN, str(tmp_path / "ck")], stdout=out.open("w"),
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys; subprocess.run(sys.argv[1:])",
+            sys.executable,
+            "-c",
+            _ORPHAN,
+            str(tmp_path / "ck"),
+        ],
+        stdout=out.open("w"),
+    )
     try:
-        wait_until(lambda: latest_checkpoint(tmp_path / "ck"), lambda found: found is not None, what="a checkpoint",
-                   timeout_s=120)  # fmt: skip
+        wait_until(
+            lambda: latest_checkpoint(tmp_path / "ck"),
+            lambda found: found is not None,
+            what="a checkpoint",
+            timeout_s=120,
+        )
         parent.kill()
         parent.wait(timeout=30)
-        lines = wait_until(lambda: out.read_text().splitlines(), lambda lines: len(lines) == 2,
-                           what="the orphaned rank to stop", timeout_s=60)  # fmt: skip
+        lines = wait_until(
+            lambda: out.read_text().splitlines(),
+            lambda lines: len(lines) == 2,
+            what="the orphaned rank to stop",
+            timeout_s=60,
+        )
         result = json.loads(lines[1])
         assert result["cancelled"] and 4 <= result["last_step"] < 10**7 - 1, result
         assert latest_checkpoint(tmp_path / "ck")[0] <= result["last_step"]
@@ -151,8 +174,16 @@ def test_rank_0s_port_is_held_from_the_rendezvous_until_the_group_forms():
 
 
 def floor_of(cfg: TrainConfig) -> float:
-    return Batches(model=cfg.model, data=cfg.data, seed=cfg.seed, seq_len=None, global_batch_size=16,
-                   micro_batch_size=8, rank=0, world_size=2).loss_floor()  # fmt: skip
+    return Batches(
+        model=cfg.model,
+        data=cfg.data,
+        seed=cfg.seed,
+        seq_len=None,
+        global_batch_size=16,
+        micro_batch_size=8,
+        rank=0,
+        world_size=2,
+    ).loss_floor()
 
 
 @pytest.mark.parametrize("num_workers", [2, 4])
@@ -195,8 +226,11 @@ def test_unplaceable_job_fails_within_its_timeout(ray_cluster):
     assert time.monotonic() - start < 10
     state = ray.get(supervisor.poll.remote())
     assert state["status"] == "failed" and state["error"].exception == PlacementError.__name__
-    assert re.fullmatch(r"could not place 5 ranks .* within 2 s: requested GPU=5, CPU=2.5; "
-                        r"available GPU=\d+, CPU=[\d.]+ of GPU=4, CPU=8", state["error"].message), state["error"]
+    assert re.fullmatch(
+        r"could not place 5 ranks .* within 2 s: requested GPU=5, CPU=2.5; "
+        r"available GPU=\d+, CPU=[\d.]+ of GPU=4, CPU=8",
+        state["error"].message,
+    ), state["error"]
 
 
 def test_ranks_that_do_not_start_in_time_fail_the_start_and_free_the_gpus(ray_cluster):
@@ -258,7 +292,9 @@ def test_a_killed_rank_fails_the_job_and_a_restart_resumes_exactly(ray_cluster, 
     state, rows = wait_for(start_job(cfg, num_workers=2, job_id="retry"), until=finished)
     assert state["status"] == "succeeded", state["error"]
     assert min(r.step for r in rows) == resumed_from
-    for resumed, uninterrupted in zip(final_shards(tmp_path / "killed"), final_shards(tmp_path / "reference")):
-        for got, want in zip(resumed["buffers"], uninterrupted["buffers"]):
+    for resumed, uninterrupted in zip(
+        final_shards(tmp_path / "killed"), final_shards(tmp_path / "reference"), strict=True
+    ):
+        for got, want in zip(resumed["buffers"], uninterrupted["buffers"], strict=True):
             for kind in ("master", "exp_avg", "exp_avg_sq"):
                 assert torch.equal(got[kind], want[kind]), kind

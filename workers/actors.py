@@ -146,12 +146,19 @@ class TrainWorker:
 
         if not torch.cuda.is_available():
             torch.set_num_threads(1)
-        join_process_group(rank=self.rank, world_size=self.world_size, address=address, port=port,
-                           store=self._store, timeout_s=pg_timeout_s)  # fmt: skip
+        join_process_group(
+            rank=self.rank,
+            world_size=self.world_size,
+            address=address,
+            port=port,
+            store=self._store,
+            timeout_s=pg_timeout_s,
+        )
         sink = _MetricsSink(supervisor, self.rank)
         try:
-            result = train(config, rank=self.rank, world_size=self.world_size, on_metrics=sink,
-                           should_stop=self.raylet_gone)  # fmt: skip
+            result = train(
+                config, rank=self.rank, world_size=self.world_size, on_metrics=sink, should_stop=self.raylet_gone
+            )
             if result.cancelled:  # the node's Ray is gone: no one to report to, no peer to wait for
                 os._exit(1)
             dist.barrier()  # leave together: gloo aborts a rank whose peer tears its pairs down first
@@ -209,11 +216,12 @@ class JobSupervisor:
             )
         self._workers = [
             TrainWorker.options(
-                num_gpus=1, num_cpus=p.cpus_per_worker,
+                num_gpus=1,
+                num_cpus=p.cpus_per_worker,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank),
             ).remote(rank, p.num_workers)
             for rank in range(p.num_workers)
-        ]  # fmt: skip
+        ]
         try:
             rendezvous = ray.get([w.rendezvous.remote() for w in self._workers], timeout=p.rendezvous_timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -255,8 +263,12 @@ class JobSupervisor:
         """
         with self._lock:
             self._metrics = [row for row in self._metrics if row.step > after_step]
-            return {"status": self.status, "error": self.error, "metrics": list(self._metrics),
-                    "nodes": list(self._nodes)}  # fmt: skip
+            return {
+                "status": self.status,
+                "error": self.error,
+                "metrics": list(self._metrics),
+                "nodes": list(self._nodes),
+            }
 
     def worker(self, rank: int) -> Any:
         return self._workers[rank]

@@ -28,8 +28,6 @@ def sample_seed(seed: int, step: int, index: int) -> int:
     return ((seed * _MIX + step) * _MIX + index) % (1 << 63)
 
 
-
-
 class MarkovSource:
     """Tokens from a fixed random Markov chain: each token has `branching`
     successors with Dirichlet(1) weights; a sequence starts uniformly."""
@@ -61,8 +59,9 @@ class MarkovSource:
 
     def sample(self, seeds: list[int], length: int) -> Tensor:
         """(len(seeds), length) int64 token sequences, one generator per row."""
-        u = torch.stack([torch.rand(length, generator=torch.Generator().manual_seed(s), dtype=torch.float64)
-                         for s in seeds])  # fmt: skip
+        u = torch.stack(
+            [torch.rand(length, generator=torch.Generator().manual_seed(s), dtype=torch.float64) for s in seeds]
+        )
         out = torch.empty(len(seeds), length, dtype=torch.int64)
         out[:, 0] = (u[:, 0] * self.vocab_size).long().clamp_(max=self.vocab_size - 1)
         for t in range(1, length):
@@ -171,8 +170,10 @@ class TextSource:
     def sample(self, seeds: list[int], length: int) -> Tensor:
         if len(self.tokens) < length + 1:
             raise ValueError(f"text has {len(self.tokens)} characters, needs at least {length + 1}")
-        starts = [int(torch.randint(0, len(self.tokens) - length + 1, (1,),
-                                    generator=torch.Generator().manual_seed(s))) for s in seeds]  # fmt: skip
+        starts = [
+            int(torch.randint(0, len(self.tokens) - length + 1, (1,), generator=torch.Generator().manual_seed(s)))
+            for s in seeds
+        ]
         return torch.stack([self.tokens[a : a + length] for a in starts])
 
 
@@ -193,9 +194,17 @@ class Batches:
     """Rank r's micro-batches of each global batch."""
 
     def __init__(
-        self, *, model: GPTSpec | MLPSpec, data: DataSource, seed: int, seq_len: int | None,
-        global_batch_size: int, micro_batch_size: int, rank: int, world_size: int,
-    ) -> None:  # fmt: skip
+        self,
+        *,
+        model: GPTSpec | MLPSpec,
+        data: DataSource,
+        seed: int,
+        seq_len: int | None,
+        global_batch_size: int,
+        micro_batch_size: int,
+        rank: int,
+        world_size: int,
+    ) -> None:
         per_rank, rest = divmod(global_batch_size, world_size)
         if rest or per_rank % micro_batch_size:
             raise ValueError(

@@ -23,6 +23,7 @@ without torch or Ray.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -129,13 +130,19 @@ class GPTSpec:
         for i in range(self.n_layer):
             block = f"transformer.h.{i}"
             for name, shape in (
-                ("ln_1.weight", (c,)), ("ln_1.bias", (c,)),
-                ("attn.c_attn.weight", (3 * c, c)), ("attn.c_attn.bias", (3 * c,)),
-                ("attn.c_proj.weight", (c, c)), ("attn.c_proj.bias", (c,)),
-                ("ln_2.weight", (c,)), ("ln_2.bias", (c,)),
-                ("mlp.c_fc.weight", (4 * c, c)), ("mlp.c_fc.bias", (4 * c,)),
-                ("mlp.c_proj.weight", (c, 4 * c)), ("mlp.c_proj.bias", (c,)),
-            ):  # fmt: skip
+                ("ln_1.weight", (c,)),
+                ("ln_1.bias", (c,)),
+                ("attn.c_attn.weight", (3 * c, c)),
+                ("attn.c_attn.bias", (3 * c,)),
+                ("attn.c_proj.weight", (c, c)),
+                ("attn.c_proj.bias", (c,)),
+                ("ln_2.weight", (c,)),
+                ("ln_2.bias", (c,)),
+                ("mlp.c_fc.weight", (4 * c, c)),
+                ("mlp.c_fc.bias", (4 * c,)),
+                ("mlp.c_proj.weight", (c, 4 * c)),
+                ("mlp.c_proj.bias", (c,)),
+            ):
                 shapes[f"{block}.{name}"] = shape
         shapes["transformer.ln_f.weight"] = shapes["transformer.ln_f.bias"] = (c,)
         return shapes
@@ -187,7 +194,7 @@ class MLPSpec:
 
     def param_groups(self) -> tuple[int, int]:
         """(decay, no_decay): weight matrices, then biases."""
-        pairs = list(zip(self.sizes, self.sizes[1:]))
+        pairs = list(itertools.pairwise(self.sizes))
         return sum(a * b for a, b in pairs), sum(b for _, b in pairs)
 
     @property
@@ -232,8 +239,7 @@ class Workload:
             raise ValueError(f"num_params must be in [1, {MAX_NUM_PARAMS:.0e}], got {num_params}")
         if self.activations_bytes < 0 or self.overhead_bytes < 0:
             raise ValueError(
-                f"activations_bytes ({self.activations_bytes}) and overhead_bytes "
-                f"({self.overhead_bytes}) must be >= 0"
+                f"activations_bytes ({self.activations_bytes}) and overhead_bytes ({self.overhead_bytes}) must be >= 0"
             )
 
     @property

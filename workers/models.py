@@ -6,6 +6,7 @@ so a plan counts exactly what these modules allocate.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -130,7 +131,7 @@ class MLP(nn.Module):
     def __init__(self, spec: MLPSpec) -> None:
         super().__init__()
         self.spec = spec
-        pairs = list(zip(spec.sizes, spec.sizes[1:]))
+        pairs = list(itertools.pairwise(spec.sizes))
         self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in pairs)
 
     def forward(self, x: Tensor, targets: Tensor) -> Tensor:
@@ -142,9 +143,14 @@ class MLP(nn.Module):
 
 
 def build_model(
-    spec: GPTSpec | MLPSpec, *, dtype: torch.dtype, device: torch.device | str = "cpu",
-    activation_checkpointing: bool = False, seed: int = 0, compute_dtype: torch.dtype | None = None,
-) -> nn.Module:  # fmt: skip
+    spec: GPTSpec | MLPSpec,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    activation_checkpointing: bool = False,
+    seed: int = 0,
+    compute_dtype: torch.dtype | None = None,
+) -> nn.Module:
     """The model of a spec, initialised from `seed` (the same on every rank), in `dtype` on `device`;
     a GPT computes in `compute_dtype` when given."""
     with torch.random.fork_rng(devices=[]):

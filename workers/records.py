@@ -76,8 +76,9 @@ class RankError:
     @classmethod
     def of(cls, exc: BaseException, *, rank: int | None = None, node_id: str | None = None) -> RankError:
         lines = str(exc).strip().splitlines()
-        return cls(exception=type(exc).__name__, message=lines[0] if lines else type(exc).__name__, rank=rank,
-                   node_id=node_id)  # fmt: skip
+        return cls(
+            exception=type(exc).__name__, message=lines[0] if lines else type(exc).__name__, rank=rank, node_id=node_id
+        )
 
     def to_json(self) -> dict[str, Any]:
         """As a job's `error` stores it."""

@@ -20,8 +20,14 @@ import torch.distributed as dist
 
 from workers import memory
 from workers.checkpoints import (
-    COMPLETE, atomic_write, latest_checkpoint, prune_checkpoints, shard_file, step_dir, write_json,
-)  # fmt: skip
+    COMPLETE,
+    atomic_write,
+    latest_checkpoint,
+    prune_checkpoints,
+    shard_file,
+    step_dir,
+    write_json,
+)
 from workers.config import TrainConfig
 from workers.data import Batches
 from workers.models import ActivationMeter, build_model
@@ -66,20 +72,33 @@ def train(
     """Train `config` as `rank` of `world_size`, resuming from the latest complete checkpoint."""
     device = device or default_device()
     batches = Batches(
-        model=config.model, data=config.data, seed=config.seed, seq_len=config.seq_len,
-        global_batch_size=config.global_batch(world_size), micro_batch_size=config.micro_batch_size,
-        rank=rank, world_size=world_size,
-    )  # fmt: skip
+        model=config.model,
+        data=config.data,
+        seed=config.seed,
+        seq_len=config.seq_len,
+        global_batch_size=config.global_batch(world_size),
+        micro_batch_size=config.micro_batch_size,
+        rank=rank,
+        world_size=world_size,
+    )
     model = build_model(
-        config.model, dtype=DTYPES[config.precision], device=device,
-        activation_checkpointing=config.activation_checkpointing, seed=config.seed,
-    )  # fmt: skip
+        config.model,
+        dtype=DTYPES[config.precision],
+        device=device,
+        activation_checkpointing=config.activation_checkpointing,
+        seed=config.seed,
+    )
     hyper = config.optimizer
     opt = ZeRO1AdamW(
-        decay_param_groups(model, weight_decay=hyper.weight_decay), lr=hyper.lr, betas=hyper.betas,
-        eps=hyper.eps, process_group=process_group, max_grad_norm=hyper.max_grad_norm,
-        overlap_comm=hyper.overlap_comm, bucket_cap_mb=hyper.bucket_cap_mb,
-    )  # fmt: skip
+        decay_param_groups(model, weight_decay=hyper.weight_decay),
+        lr=hyper.lr,
+        betas=hyper.betas,
+        eps=hyper.eps,
+        process_group=process_group,
+        max_grad_norm=hyper.max_grad_norm,
+        overlap_comm=hyper.overlap_comm,
+        bucket_cap_mb=hyper.bucket_cap_mb,
+    )
     first = 0
     if config.checkpoint_dir and config.resume:
         first = resume(opt, Path(config.checkpoint_dir), rank=rank, world_size=world_size)
@@ -89,10 +108,16 @@ def train(
             "starts from scratch (resume=False): it is another run's"
         )
     context = _StepContext(
-        model=model, opt=opt, batches=batches, device=device, rank=rank, world_size=world_size,
-        process_group=process_group, planned_bytes=planned_bytes(config, world_size=world_size),
+        model=model,
+        opt=opt,
+        batches=batches,
+        device=device,
+        rank=rank,
+        world_size=world_size,
+        process_group=process_group,
+        planned_bytes=planned_bytes(config, world_size=world_size),
         tokens_per_step=config.global_batch(world_size) * batches.seq_len,
-    )  # fmt: skip
+    )
     last = first - 1
     since_checkpoint: list[MetricRow] = []
     skipped = 0  # steps skipped in a row (nan/inf norm); a resumed run counts from 0 again
@@ -111,8 +136,14 @@ def train(
         # hold the same weights under a later step and, with keep_last, prune the ones from before
         # the trouble began. The last step's is written anyway: the skips changed nothing
         if config.checkpoint_dir and (done or (due and not skipped)):
-            save_checkpoint(opt, Path(config.checkpoint_dir), step=step, process_group=process_group,
-                            metrics=since_checkpoint, keep_last=config.keep_last)  # fmt: skip
+            save_checkpoint(
+                opt,
+                Path(config.checkpoint_dir),
+                step=step,
+                process_group=process_group,
+                metrics=since_checkpoint,
+                keep_last=config.keep_last,
+            )
             since_checkpoint, due = [], False
     return TrainResult(rank=rank, first_step=first, last_step=last, cancelled=False)
 
@@ -176,18 +207,30 @@ class _StepContext:
             mem_peak = self.opt.model_state_bytes() + activation_peak
         step_time_s = time.perf_counter() - start
         return MetricRow(
-            step=step, rank=self.rank, loss=loss_value, grad_norm=self.opt.grad_norm, loss_scale=self.opt.loss_scale,
-            skipped=self.opt.skipped, step_time_s=step_time_s, tokens_per_s=self.tokens_per_step / step_time_s,
-            mem_peak_bytes=(mem_peak,), mem_planned_bytes=self.planned_bytes,
-        )  # fmt: skip
+            step=step,
+            rank=self.rank,
+            loss=loss_value,
+            grad_norm=self.opt.grad_norm,
+            loss_scale=self.opt.loss_scale,
+            skipped=self.opt.skipped,
+            step_time_s=step_time_s,
+            tokens_per_s=self.tokens_per_step / step_time_s,
+            mem_peak_bytes=(mem_peak,),
+            mem_planned_bytes=self.planned_bytes,
+        )
 
 
 # --------------------------------------------------------------------------- checkpoints
 
 
 def save_checkpoint(
-    opt: ZeRO1AdamW, root: Path, *, step: int, process_group: dist.ProcessGroup | None,
-    metrics: list[MetricRow] = (), keep_last: int = 0,
+    opt: ZeRO1AdamW,
+    root: Path,
+    *,
+    step: int,
+    process_group: dist.ProcessGroup | None,
+    metrics: list[MetricRow] = (),
+    keep_last: int = 0,
 ) -> Path:
     """Every rank writes its shard and its metric rows since the last checkpoint; rank 0 then
     marks the step complete. The rows travel with the checkpoint: a control plane that lost

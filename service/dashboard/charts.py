@@ -60,9 +60,13 @@ def line_chart(points: Sequence[tuple[float, float | None]]) -> LineChart:
         parts.append(f"{'L' if pen_down else 'M'}{px:.1f},{py:.1f}")
         pen_down = True
     return LineChart(
-        path=" ".join(parts), num_points=len(finite), x_range=(x0, x1), y_range=(y0, y1),
-        first=finite[0], last=finite[-1],
-    )  # fmt: skip
+        path=" ".join(parts),
+        num_points=len(finite),
+        x_range=(x0, x1),
+        y_range=(y0, y1),
+        first=finite[0],
+        last=finite[-1],
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -103,12 +107,19 @@ def sweep_chart(sweep: Sequence[dict], *, gpu_memory_bytes: int, floor_bytes: in
     bars = []
     for i, p in enumerate(sweep):
         y = round(_y(p["total_bytes"], y_max), 1)
-        bars.append(Bar(
-            num_gpus=p["num_gpus"], total_bytes=p["total_bytes"], fits=p["fits"],
-            x=round(LEFT + i * slot + slot * 0.15, 1), width=round(slot * 0.7, 1),
-            y=y, height=round(TOP + PLOT_H - y, 1), label=bar_label(p["total_bytes"], scale=scale),
-            label_y=value_label_y(y, memory_y=memory_y),
-        ))  # fmt: skip
+        bars.append(
+            Bar(
+                num_gpus=p["num_gpus"],
+                total_bytes=p["total_bytes"],
+                fits=p["fits"],
+                x=round(LEFT + i * slot + slot * 0.15, 1),
+                width=round(slot * 0.7, 1),
+                y=y,
+                height=round(TOP + PLOT_H - y, 1),
+                label=bar_label(p["total_bytes"], scale=scale),
+                label_y=value_label_y(y, memory_y=memory_y),
+            )
+        )
     floor_y = round(_y(floor_bytes, y_max), 1)
     return SweepChart(bars=bars, y_max_bytes=y_max, unit=unit, memory_y=memory_y, floor_y=floor_y)
 

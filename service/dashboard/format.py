@@ -81,6 +81,11 @@ def clock(moment: datetime | None) -> str:
 
 
 FILTERS = {
-    "human_bytes": human_bytes, "short_bytes": short_bytes, "grouped": grouped, "duration": duration,
-    "significant": significant, "rate": rate, "clock": clock,
-}  # fmt: skip
+    "human_bytes": human_bytes,
+    "short_bytes": short_bytes,
+    "grouped": grouped,
+    "duration": duration,
+    "significant": significant,
+    "rate": rate,
+    "clock": clock,
+}

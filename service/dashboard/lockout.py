@@ -37,9 +37,13 @@ class LoginLockout:
     """
 
     def __init__(
-        self, *, max_failures: int = MAX_FAILURES, window_s: float = WINDOW_S, max_clients: int = MAX_CLIENTS,
+        self,
+        *,
+        max_failures: int = MAX_FAILURES,
+        window_s: float = WINDOW_S,
+        max_clients: int = MAX_CLIENTS,
         clock: Callable[[], float] = time.monotonic,
-    ):  # fmt: skip
+    ):
         self.max_failures, self.window_s, self.max_clients, self.clock = max_failures, window_s, max_clients, clock
         # client -> times of its failures within the window, oldest first; clients in order of their last failure
         self._failures: OrderedDict[str, deque[float]] = OrderedDict()

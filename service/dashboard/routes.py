@@ -71,8 +71,9 @@ def table_jobs(session: Session, *, status: str | None, principal: Principal) ->
     # active jobs hold GPUs, so there are never more of them than GPUs; 500 is the API's page limit
     active = (
         jobs.list_jobs(session, statuses=active_statuses, limit=500, cursor=None, principal=principal)[0]
-        if active_statuses else []
-    )  # fmt: skip
+        if active_statuses
+        else []
+    )
     return sorted({job.id: job for job in [*recent, *active]}.values(), key=table_order)
 
 
@@ -89,11 +90,17 @@ def jobs_page(
     """The cluster strip and the jobs table, filtered by ?status= (an unknown status shows all)."""
     status = status if status in STATUSES else None
     context = {
-        "page": "jobs", "cluster": cluster, "gpus_in_use": jobs.gpus_in_use(session),
-        "queued": queued_count(session, principal=principal), "status": status,
+        "page": "jobs",
+        "cluster": cluster,
+        "gpus_in_use": jobs.gpus_in_use(session),
+        "queued": queued_count(session, principal=principal),
+        "status": status,
         "jobs": table_jobs(session, status=status, principal=principal),
-        "statuses": STATUSES, "now": datetime.now(UTC), "elapsed_s": elapsed_s, "table_limit": TABLE_LIMIT,
-    }  # fmt: skip
+        "statuses": STATUSES,
+        "now": datetime.now(UTC),
+        "elapsed_s": elapsed_s,
+        "table_limit": TABLE_LIMIT,
+    }
     return templates.TemplateResponse(request, "jobs.html", context)
 
 
@@ -113,27 +120,44 @@ def job_page(request: Request, job_id: int, session: SessionDep, principal: Read
     plan = public.plan
     per_gpu, gpu_memory_bytes = plan["per_gpu"], plan["gpu_memory_bytes"]
     context = {
-        "page": "job", "job": public, "events": jobs.job_events(session, job), "now": datetime.now(UTC),
-        "elapsed_s": elapsed_s, "max_points": MAX_POINTS,
+        "page": "job",
+        "job": public,
+        "events": jobs.job_events(session, job),
+        "now": datetime.now(UTC),
+        "elapsed_s": elapsed_s,
+        "max_points": MAX_POINTS,
         "loss": charts.line_chart([(m.step, m.loss) for m in metrics]),
         "step_time": charts.line_chart([(m.step, m.step_time_s) for m in metrics]),
-        "per_gpu": per_gpu, "gpu_memory_bytes": gpu_memory_bytes,
+        "per_gpu": per_gpu,
+        "gpu_memory_bytes": gpu_memory_bytes,
         "against_memory": charts.stacked_shares(per_gpu, scale_bytes=max(gpu_memory_bytes, per_gpu["total_bytes"])),
         "composition": charts.stacked_shares(per_gpu, scale_bytes=per_gpu["total_bytes"]),
         "peaks": (public.latest or {}).get("mem_peak_bytes") or [],
         "planned_bytes": (public.latest or {}).get("mem_planned_bytes"),
         "spec_json": json.dumps(public.spec, indent=2),
-    }  # fmt: skip
+    }
     return templates.TemplateResponse(request, "job.html", context)
 
 
 # --------------------------------------------------------------------------- planner
 
 PLAN_FORM_DEFAULTS = {
-    "source": "params", "num_params": "7.5e9", "vocab_size": "50257", "n_layer": "48", "n_head": "25",
-    "n_embd": "1600", "block_size": "1024", "micro_batch_size": "1", "seq_len": "", "activation_checkpointing": "",
-    "num_gpus": "64", "gpu_memory_gb": "", "precision": "fp16", "optimizer": "adamw", "stage": "1",
-}  # fmt: skip
+    "source": "params",
+    "num_params": "7.5e9",
+    "vocab_size": "50257",
+    "n_layer": "48",
+    "n_head": "25",
+    "n_embd": "1600",
+    "block_size": "1024",
+    "micro_batch_size": "1",
+    "seq_len": "",
+    "activation_checkpointing": "",
+    "num_gpus": "64",
+    "gpu_memory_gb": "",
+    "precision": "fp16",
+    "optimizer": "adamw",
+    "stage": "1",
+}
 _GPT_FIELDS = ("vocab_size", "n_layer", "n_head", "n_embd", "block_size")
 
 
@@ -191,7 +215,8 @@ def plan_context(plan: dict) -> dict:
     """What plan.html draws from a plan: the floor, the sweep chart, the stacked bar."""
     floor = charts.floor_bytes(plan["per_gpu"], stage=plan["stage"])
     return {
-        "plan": plan, "floor_bytes": floor,
+        "plan": plan,
+        "floor_bytes": floor,
         "sweep": charts.sweep_chart(plan["sweep"], gpu_memory_bytes=plan["gpu_memory_bytes"], floor_bytes=floor),
         "composition": charts.stacked_shares(plan["per_gpu"], scale_bytes=plan["per_gpu"]["total_bytes"]),
-    }  # fmt: skip
+    }

@@ -13,6 +13,9 @@ router = APIRouter(tags=["cluster"])
 @router.get("/cluster", response_model=ClusterPublic)
 def cluster(capacity: ClusterDep) -> ClusterPublic:
     return ClusterPublic(
-        num_gpus=capacity.num_gpus, num_gpus_free=capacity.num_gpus_free,
-        gpu_memory_bytes=capacity.gpu_memory_bytes, nodes=capacity.nodes, simulated=capacity.simulated,
-    )  # fmt: skip
+        num_gpus=capacity.num_gpus,
+        num_gpus_free=capacity.num_gpus_free,
+        gpu_memory_bytes=capacity.gpu_memory_bytes,
+        nodes=capacity.nodes,
+        simulated=capacity.simulated,
+    )

@@ -11,14 +11,25 @@ from service import jobs
 from service.api.deps import ClusterDep, PrincipalDep, ReaderDep, RuntimeDep, SessionDep, SettingsDep
 from service.auth import check_can_cancel
 from service.schemas import (
-    DryRunPublic, ErrorPublic, EventsPublic, JobPublic, JobSpec, JobsPublic, JobStatus, MetricsPublic,
-)  # fmt: skip
+    DryRunPublic,
+    ErrorPublic,
+    EventsPublic,
+    JobPublic,
+    JobSpec,
+    JobsPublic,
+    JobStatus,
+    MetricsPublic,
+)
 from workers.memory import GB
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 _ERRORS = {status: {"model": ErrorPublic} for status in (401, 403, 404, 409, 413, 422, 429)}
-_SUBMITTED = {200: {"model": JobPublic | DryRunPublic,
-                    "description": "A dry run's plan, or the job this Idempotency-Key created before"}}  # fmt: skip
+_SUBMITTED = {
+    200: {
+        "model": JobPublic | DryRunPublic,
+        "description": "A dry run's plan, or the job this Idempotency-Key created before",
+    }
+}
 # ids are 64-bit in the database, steps 32-bit: a larger number is a 422 here, not a 500 from its driver
 _MAX_ID, _MAX_STEP = 2**63 - 1, 2**31 - 1
 JobId = Annotated[int, Path(ge=1, le=_MAX_ID)]
@@ -36,8 +47,12 @@ def _json(body: BaseModel, *, status_code: int = 200) -> Response:
     return Response(body.model_dump_json(), status_code=status_code, media_type="application/json")
 
 
-@router.post("", status_code=201, response_model=JobPublic | DryRunPublic,
-             responses={**_SUBMITTED, **_ERRORS, 503: {"model": ErrorPublic}})  # fmt: skip
+@router.post(
+    "",
+    status_code=201,
+    response_model=JobPublic | DryRunPublic,
+    responses={**_SUBMITTED, **_ERRORS, 503: {"model": ErrorPublic}},
+)
 def submit_job(
     spec: JobSpec,
     session: SessionDep,
@@ -55,9 +70,13 @@ def submit_job(
     if dry_run:
         return _json(DryRunPublic(dry_run=True, admitted=True, plan=plan))
     job, created = jobs.submit_job(
-        session, spec=spec, plan=plan, idempotency_key=idempotency_key, owner=principal.user,
+        session,
+        spec=spec,
+        plan=plan,
+        idempotency_key=idempotency_key,
+        owner=principal.user,
         max_queued=settings.max_queued_jobs_per_user,
-    )  # fmt: skip
+    )
     public = jobs.job_public(job, position=jobs.queue_position(session, job), principal=principal)
     return _json(public, status_code=201 if created else 200)  # 200: the job this key and body created before
 
@@ -111,5 +130,3 @@ def job_events(job_id: JobId, session: SessionDep, principal: ReaderDep) -> Resp
     """The job's state changes and why; its owner's and admins' only (a 404 to others, as for metrics)."""
     job = jobs.get_visible_job(session, job_id, principal=principal)
     return _json(EventsPublic(data=jobs.job_events(session, job)))
-
-
