@@ -1,0 +1,141 @@
+"""The built-in models' shapes: a GPT-2-style decoder and an MLP, with their exact parameter
+counts (as the optimizer lays them out: decayed matrices, then the rest) and the closed form of
+the activations one micro-batch keeps for the backward.
+
+Standard library only, as workers/memory.py, which plans with them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GPTSpec:
+    """A GPT-2-style decoder: learned positions, pre-LayerNorm blocks with
+    biases, a 4x MLP, and an LM head tied to the token embedding."""
+
+    vocab_size: int
+    n_layer: int
+    n_head: int
+    n_embd: int
+    block_size: int
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "n_layer", "n_head", "n_embd", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.n_embd % self.n_head:
+            raise ValueError(
+                f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}): "
+                f"{self.n_embd} % {self.n_head} = {self.n_embd % self.n_head}"
+            )
+
+    def param_groups(self) -> tuple[int, int]:
+        """(decay, no_decay) element counts: matrices and embeddings are decayed;
+        biases and LayerNorm weights are not (nanoGPT's rule: dim >= 2 decays)."""
+        c, layers = self.n_embd, self.n_layer
+        # per block: c_attn (c, 3c), attn c_proj (c, c), c_fc (c, 4c), mlp c_proj (4c, c)
+        decay = self.vocab_size * c + self.block_size * c + layers * 12 * c * c
+        # per block: ln_1 and ln_2 (2c each), biases 3c + c + 4c + c; plus ln_f (2c)
+        no_decay = layers * 13 * c + 2 * c
+        return decay, no_decay
+
+    @property
+    def num_params(self) -> int:
+        """Ψ = V·C + T·C + L·(12C² + 13C) + 2C (the LM head is tied)."""
+        return sum(self.param_groups())
+
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of every parameter, as the workers' GPT module must
+        report them from named_parameters() (nanoGPT's names; nn.Linear
+        weights are (out, in); the tied LM head is listed once, as wte)."""
+        c = self.n_embd
+        shapes = {"transformer.wte.weight": (self.vocab_size, c), "transformer.wpe.weight": (self.block_size, c)}
+        for i in range(self.n_layer):
+            block = f"transformer.h.{i}"
+            for name, shape in (
+                ("ln_1.weight", (c,)),
+                ("ln_1.bias", (c,)),
+                ("attn.c_attn.weight", (3 * c, c)),
+                ("attn.c_attn.bias", (3 * c,)),
+                ("attn.c_proj.weight", (c, c)),
+                ("attn.c_proj.bias", (c,)),
+                ("ln_2.weight", (c,)),
+                ("ln_2.bias", (c,)),
+                ("mlp.c_fc.weight", (4 * c, c)),
+                ("mlp.c_fc.bias", (4 * c,)),
+                ("mlp.c_proj.weight", (c, 4 * c)),
+                ("mlp.c_proj.bias", (c,)),
+            ):
+                shapes[f"{block}.{name}"] = shape
+        shapes["transformer.ln_f.weight"] = shapes["transformer.ln_f.bias"] = (c,)
+        return shapes
+
+    def activation_bytes(
+        self, *, micro_batch_size: int, seq_len: int, bytes_per_element: int, checkpointing: bool
+    ) -> int:
+        """Bytes of tensors saved for backward by one micro-batch.
+
+        Per layer, Korthikanti et al. 2022, "Reducing Activation Recomputation
+        in Large Transformer Models" (arXiv:2205.05198), §4.1, count
+        s·b·h·(34 + 5·a·s/h) bytes for 16-bit activations with dropout and an
+        unfused attention. zero1's GPT has no dropout and uses fused
+        scaled-dot-product attention, which keeps no s×s matrix but its output
+        and an fp32 log-sum-exp (a·s·b). What each block saves, in s·b·h
+        elements: ln_1 input 1, c_attn input 1, q/k/v 3, attention output 1
+        (which is also c_proj's input: the fused kernels lay their output out
+        as (B, T, heads, head_dim), so transposing it back copies nothing),
+        ln_2 input 1, c_fc input 1, GELU input 4, mlp c_proj input 4: 16 —
+        Korthikanti's count without dropout — plus fp32 mean and rstd of both
+        LayerNorms (4·s·b). Checked against saved-tensor measurement in
+        tests/test_models.py.
+        The head saves ln_f's input and the LM head's input (2·s·b·h), ln_f's
+        statistics, and the fp32 log-softmax of the logits (4·s·b·V).
+        With checkpointing each block keeps only its input, and one block is
+        recomputed at a time during backward.
+        """
+        sb = micro_batch_size * seq_len
+        fp32 = 4
+        block = sb * (16 * self.n_embd * bytes_per_element + 2 * 2 * fp32 + self.n_head * fp32)
+        head = sb * (2 * self.n_embd * bytes_per_element + 2 * fp32 + self.vocab_size * fp32)
+        if checkpointing:
+            return self.n_layer * sb * self.n_embd * bytes_per_element + block + head
+        return self.n_layer * block + head
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MLPSpec:
+    """A stack of Linear layers with biases and ReLU between them."""
+
+    sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.sizes) < 2:
+            raise ValueError(f"sizes needs at least 2 entries (input and output), got {len(self.sizes)}")
+        for i, size in enumerate(self.sizes):
+            if size < 1:
+                raise ValueError(f"sizes[{i}] must be >= 1, got {size}")
+
+    def param_groups(self) -> tuple[int, int]:
+        """(decay, no_decay): weight matrices, then biases."""
+        pairs = list(itertools.pairwise(self.sizes))
+        return sum(a * b for a, b in pairs), sum(b for _, b in pairs)
+
+    @property
+    def num_params(self) -> int:
+        return sum(self.param_groups())
+
+    def activation_bytes(
+        self, *, micro_batch_size: int, seq_len: int, bytes_per_element: int, checkpointing: bool
+    ) -> int:
+        """Each Linear saves its input (a ReLU's saved output is the same
+        tensor), and the classification loss saves an fp32 log-softmax of the
+        output. One sample is one row: seq_len and checkpointing do not apply."""
+        del seq_len, checkpointing
+        inputs = sum(self.sizes[:-1]) * bytes_per_element
+        return micro_batch_size * (inputs + 4 * self.sizes[-1])
+
+
+ModelSpec = GPTSpec | MLPSpec
