@@ -8,6 +8,7 @@ torch, as the Makefile does) in a new venv, and runs the commands a deployer run
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -30,8 +31,15 @@ def _run(*args: str | Path, **kwargs) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
-    _run(sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", out, ROOT)
+    """Built from a copy of the tracked files: setuptools' build/ directory in the checkout could
+    hold modules deleted since, which would ship."""
+    source, out = tmp_path_factory.mktemp("source"), tmp_path_factory.mktemp("wheel")
+    tracked = _run("git", "ls-files", cwd=ROOT).stdout.splitlines()
+    for name in tracked:
+        if (ROOT / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, source / name)
+    _run(sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", out, source)
     (built,) = out.glob("zero1-*.whl")
     return built
 
