@@ -21,14 +21,8 @@ from service.cluster import ClusterCapacity
 from service.errors import ServiceError
 from service.models import Job, JobEvent, Metric, utcnow
 from service.planning import make_plan, plan_public, workload_for
-from service.schemas import (
-    EventPublic,
-    JobPublic,
-    JobSpec,
-    MetricPublic,
-    PlanPublic,
-    TextDataSpec,
-)
+from service.responses import EventPublic, JobPublic, MetricPublic, PlanPublic
+from service.schemas import JobSpec, TextDataSpec
 from workers import memory
 from workers.memory import GB
 from workers.records import finite_or_none

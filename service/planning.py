@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from service.cluster import ClusterCapacity
-from service.schemas import PlanPublic, PlanRequest
+from service.responses import PlanPublic
+from service.schemas import PlanRequest
 from workers import memory
 
 

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Sequence
-from datetime import datetime
 from decimal import Decimal
 from typing import Annotated, Literal
 
@@ -143,56 +141,6 @@ class PlanRequest(_Body):
         if num_params > memory.MAX_NUM_PARAMS:
             raise ValueError(f"model has {num_params:,} parameters, above the limit of {memory.MAX_NUM_PARAMS:,}")
         return self
-
-
-class BreakdownPublic(BaseModel):
-    params_bytes: int
-    grads_bytes: int
-    optimizer_bytes: int
-    padding_bytes: int
-    activations_bytes: int
-    overhead_bytes: int
-    total_bytes: int
-
-
-class SweepPointPublic(BaseModel):
-    num_gpus: int
-    total_bytes: int
-    fits: bool
-
-
-class PlanPublic(BaseModel):
-    """A capacity plan: per-GPU bytes at N, the fit, and how it moves with N and stage."""
-
-    num_params: int
-    num_gpus: int
-    stage: int
-    precision: Precision
-    optimizer: OptimizerName
-    per_gpu: BreakdownPublic
-    gpu_memory_bytes: int
-    fits: bool
-    headroom_bytes: int
-    min_gpus: int | None = Field(description="Smallest N that fits at this stage; null if none does.")
-    stages: dict[str, int] = Field(description="Per-GPU total of each stage 0-3 at this N.")
-    sweep: list[SweepPointPublic] = Field(description="Per-GPU total at this stage for N = 1, 2, 4, ... 1024.")
-
-
-class HealthPublic(BaseModel):
-    status: Literal["ok", "degraded"] = Field(
-        description="degraded (with status code 503): the scheduler has not completed a tick for "
-        "ZERO1_SCHEDULER_STALE_S, so no job is admitted, stopped or has its metrics stored."
-    )
-    version: str
-    scheduler_tick_age_s: float | None = Field(description="Seconds since the scheduler last completed a tick.")
-
-
-class ErrorPublic(BaseModel):
-    """Every error the API returns."""
-
-    error: str
-    message: str
-    detail: list[dict] | None = None
 
 
 # --------------------------------------------------------------------------- jobs
@@ -346,88 +294,3 @@ class JobSpec(_Body):
 
 
 JobStatus = Literal["queued", "starting", "running", "restarting", "succeeded", "failed", "cancelled"]
-
-
-class JobPublic(BaseModel):
-    """A job as a reader sees it: everyone sees who holds the GPUs (name, owner, status, GPUs, progress, plan);
-    spec, latest and error are null for all but the job's owner and admins."""
-
-    id: int
-    name: str
-    status: JobStatus
-    spec: dict | None = Field(
-        description="The JobSpec as submitted (data.path resolved); null unless the caller owns the job or is an admin."
-    )
-    plan: dict
-    num_gpus: int
-    created_at: datetime
-    started_at: datetime | None
-    finished_at: datetime | None
-    step: int | None = Field(description="Last step with stored metrics.")
-    steps: int
-    latest: dict | None = Field(
-        description="The last metrics row; null before it, and unless the caller owns the job or is an admin."
-    )
-    error: dict | None = Field(
-        description="Why the job failed (rank, node, exception); null unless it did, and "
-        "unless the caller owns the job or is an admin."
-    )
-    attempt: int = Field(
-        description="0 for the first launch, +1 for each relaunch (a retry, or a recovery after a service restart)."
-    )
-    num_retries: int = Field(0, description="Relaunches after a worker failure; at most spec.max_retries.")
-    queue_position: int | None = Field(description="1 for the next job to start; null unless queued.")
-    owner: str | None = Field(None, description="The user whose token submitted it; null while auth is off.")
-
-
-class JobsPublic(BaseModel):
-    data: list[JobPublic]
-    next_cursor: str | None
-
-
-class DryRunPublic(BaseModel):
-    dry_run: Literal[True]
-    admitted: bool
-    plan: PlanPublic
-
-
-class MetricPublic(BaseModel):
-    step: int
-    attempt: int
-    loss: float | None
-    grad_norm: float | None = Field(description="Null when not finite (a skipped step).")
-    loss_scale: float
-    skipped: bool
-    step_time_s: float
-    tokens_per_s: float
-    mem_peak_bytes: list[int] = Field(description="Measured peak bytes per rank.")
-    mem_planned_bytes: int
-
-    @field_validator("loss", "grad_norm", mode="before")
-    @classmethod
-    def _finite_or_null(cls, value):
-        return value if value is None or math.isfinite(value) else None
-
-
-class MetricsPublic(BaseModel):
-    data: list[MetricPublic]
-    next_after_step: int | None = Field(description="Pass as after_step for the next page; null at the end.")
-
-
-class EventPublic(BaseModel):
-    at: datetime
-    from_status: str | None
-    to_status: str
-    reason: str
-
-
-class EventsPublic(BaseModel):
-    data: list[EventPublic]
-
-
-class ClusterPublic(BaseModel):
-    num_gpus: int
-    num_gpus_free: int
-    gpu_memory_bytes: int
-    nodes: int
-    simulated: bool

@@ -27,7 +27,8 @@ from service.dashboard import charts
 from service.dashboard.format import FILTERS, elapsed_s
 from service.errors import ServiceError, describe_validation_errors
 from service.planning import make_plan, plan_public
-from service.schemas import JobPublic, JobStatus, PlanRequest, too_many_digits
+from service.responses import JobPublic
+from service.schemas import JobStatus, PlanRequest, too_many_digits
 from workers.memory import GB
 
 HERE = Path(__file__).resolve().parent

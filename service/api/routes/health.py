@@ -7,7 +7,7 @@ from importlib.metadata import version
 from fastapi import APIRouter, Response
 
 from service.api.deps import RuntimeDep
-from service.schemas import HealthPublic
+from service.responses import HealthPublic
 
 router = APIRouter(tags=["health"])
 

@@ -10,16 +10,8 @@ from pydantic import BaseModel
 from service import jobs
 from service.api.deps import ClusterDep, PrincipalDep, ReaderDep, RuntimeDep, SessionDep, SettingsDep
 from service.auth import check_can_cancel
-from service.schemas import (
-    DryRunPublic,
-    ErrorPublic,
-    EventsPublic,
-    JobPublic,
-    JobSpec,
-    JobsPublic,
-    JobStatus,
-    MetricsPublic,
-)
+from service.responses import DryRunPublic, ErrorPublic, EventsPublic, JobPublic, JobsPublic, MetricsPublic
+from service.schemas import JobSpec, JobStatus
 from workers.memory import GB
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])

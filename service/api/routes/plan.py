@@ -6,7 +6,8 @@ from fastapi import APIRouter
 
 from service.api.deps import ClusterDep, SettingsDep
 from service.planning import make_plan, plan_public
-from service.schemas import ErrorPublic, PlanPublic, PlanRequest
+from service.responses import ErrorPublic, PlanPublic
+from service.schemas import PlanRequest
 from workers.memory import GB
 
 router = APIRouter(tags=["planning"])
