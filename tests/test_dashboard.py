@@ -33,6 +33,7 @@ from service.jobs import admit, submit_job, transition
 from service.scheduler import store_metrics
 from service.schemas import JobSpec
 from workers.memory import GB
+from workers.records import MetricRow
 
 from helpers import free_port
 
@@ -87,18 +88,18 @@ def seed_jobs(database_url: str, *, count: int) -> None:
         db.dispose()
 
 
-def _metric_row(step: int) -> dict:
-    return {
-        "step": step,
-        "loss": 4.0 / (1 + step),
-        "grad_norm": 1.0,
-        "loss_scale": 1.0,
-        "skipped": False,
-        "step_time_s": 0.02,
-        "tokens_per_s": 12_800.0,
-        "mem_peak_bytes": [1_500_000, 1_500_000],
-        "mem_planned_bytes": 1_538_048,
-    }
+def _metric_row(step: int) -> MetricRow:
+    return MetricRow(
+        step=step,
+        loss=4.0 / (1 + step),
+        grad_norm=1.0,
+        loss_scale=1.0,
+        skipped=False,
+        step_time_s=0.02,
+        tokens_per_s=12_800.0,
+        mem_peak_bytes=(1_500_000, 1_500_000),
+        mem_planned_bytes=1_538_048,
+    )
 
 
 @dataclass
