@@ -8,14 +8,8 @@ every rank's backward has produced FULL gradients of its micro-batch:
 3. cast:    the shard's fp32 master weights -> the model dtype
 4. gather:  every rank receives every shard: the full updated model again
 
-Layout. For each (param group, dtype) the parameters and their gradients live
-in one flat buffer of the model dtype, padded so that the N ranks own equal
-slices of a multiple of SHARD_ALIGNMENT_NUMEL elements; each parameter (and
-its .grad) is a view into it, so the collectives move whole buffers and no
-per-parameter copies happen. Rank r allocates fp32 state for its slice only:
-12 bytes per owned element in mixed precision (the master copy plus Adam's
-two moments), 8 in fp32, where the parameter's slice is its own master copy.
-That is the memory model's K·Ψ/N, byte for byte (workers/memory.py).
+The parameters, their gradients and this rank's shard of the state live in
+flat buffers cut into equal shards: workers/flat.py.
 """
 
 from __future__ import annotations
@@ -34,14 +28,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from workers.limits import DEFAULT_BUCKET_CAP_MB, MIN_BUCKET_CAP_MB
-from workers.memory import SHARD_ALIGNMENT_NUMEL, padded_numel
+from workers.flat import STATE_KINDS, FlatBuffer, allocated_bytes, build_buffers, shard_slices, state_bytes
+from workers.memory import SHARD_ALIGNMENT_NUMEL
 
 ReduceOp = Literal["auto", "p2p", "reduce_scatter", "all_reduce"]
 GatherOp = Literal["auto", "p2p", "all_gather", "all_reduce"]
 
 SHARDED_FORMAT = "zero1.sharded.v1"
 CONSOLIDATED_FORMAT = "zero1.consolidated.v1"
-_STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 _CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
 # 16-bit gradients are upcast to fp32 this many elements at a time into one reused scratch: on a CPU
 # 64 Ki (256 KiB, it stays in cache; a full-size upcast costs ~5x the time, mostly in page faults);
@@ -126,63 +120,13 @@ class DynamicLossScaler:
 
 
 @dataclass(kw_only=True, slots=True, eq=False)
-class _Slot:
-    """One parameter inside a flat buffer."""
-
-    name: str
-    param: Tensor
-    index: int  # position in the optimizer's flags vector
-    offset: int  # first element in the flat buffer
-    numel: int
-    shape: tuple[int, ...]
-    step: int = 0  # AdamW's step count, per parameter as in torch.optim.AdamW
-
-
-@dataclass(kw_only=True, slots=True)
-class _FlatBuffer:
-    """The parameters of one (group, dtype) and this rank's slice of their state."""
-
-    group_index: int
-    slots: list[_Slot]
-    numel: int
-    shard_numel: int  # S: elements each rank owns, padding included
-    rank: int
-    params: Tensor  # (N*S,) model dtype; every parameter is a view into it
-    grads: Tensor  # (N*S,) model dtype; every .grad is a view into it
-    state: dict[str, Tensor]  # master / exp_avg / exp_avg_sq, each (S,) fp32
-    grad_shard: Tensor | None = None  # (S,) this step's averaged gradient slice
-
-    @property
-    def start(self) -> int:
-        return self.rank * self.shard_numel
-
-    @property
-    def owned_numel(self) -> int:
-        """Elements of the shard that are real parameters, not padding."""
-        return max(0, min(self.shard_numel, self.numel - self.start))
-
-    def param_shard(self) -> Tensor:
-        return self.params[self.start : self.start + self.shard_numel]
-
-    def local_segments(self) -> list[tuple[_Slot, int, int]]:
-        """(slot, lo, hi): the part of each parameter inside this shard, in shard coordinates."""
-        out = []
-        for slot in self.slots:
-            lo = max(slot.offset, self.start) - self.start
-            hi = min(slot.offset + slot.numel, self.start + self.shard_numel) - self.start
-            if lo < hi:
-                out.append((slot, lo, hi))
-        return out
-
-
-@dataclass(kw_only=True, slots=True, eq=False)
 class _Bucket:
     """A run of whole parameters of one flat buffer, reduced by point-to-point sends:
     each rank sends every peer the part of the bucket the peer owns and receives,
     from every peer, the part it owns itself."""
 
     tag: int  # its place in the launch order, the same on every rank
-    buf: _FlatBuffer
+    buf: FlatBuffer
     lo: int  # flat-buffer coordinates
     hi: int
     num_slots: int
@@ -298,7 +242,9 @@ class ZeRO1AdamW(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         self.alignment_numel = alignment_numel
 
-        self._buffers = self._build_buffers()
+        self._buffers = build_buffers(
+            self.param_groups, world_size=self.world_size, rank=self.rank, alignment_numel=alignment_numel
+        )
         self._slots = [slot for buf in self._buffers for slot in buf.slots]
         self.device = self._slots[0].param.device if self._slots else torch.device("cpu")
         model_dtypes = {slot.param.dtype for slot in self._slots}
@@ -331,53 +277,6 @@ class ZeRO1AdamW(torch.optim.Optimizer):
         self._gather_params()
 
     # ------------------------------------------------------------------ set-up
-
-    def _build_buffers(self) -> list[_FlatBuffer]:
-        buffers, index = [], 0
-        for group_index, group in enumerate(self.param_groups):
-            names = group.get("param_names") or [f"group{group_index}.{i}" for i in range(len(group["params"]))]
-            by_dtype: dict[torch.dtype, list[tuple[str, Tensor]]] = {}
-            for name, param in zip(names, group["params"]):
-                if param.requires_grad:
-                    by_dtype.setdefault(param.dtype, []).append((name, param))
-            for named in by_dtype.values():
-                buffers.append(self._flat_buffer(group_index, named, first_index=index))
-                index += len(named)
-        devices = {slot.param.device for buf in buffers for slot in buf.slots}
-        if len(devices) > 1:
-            raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
-        return buffers
-
-    def _flat_buffer(self, group_index: int, named: list[tuple[str, Tensor]], *, first_index: int) -> _FlatBuffer:
-        dtype, device = named[0][1].dtype, named[0][1].device
-        slots, offset = [], 0
-        for i, (name, param) in enumerate(named):
-            slots.append(
-                _Slot(name=name, param=param, index=first_index + i, offset=offset, numel=param.numel(),
-                      shape=tuple(param.shape))
-            )
-            offset += param.numel()
-        total = padded_numel(offset, num_gpus=self.world_size, alignment_numel=self.alignment_numel)
-        shard = total // self.world_size
-        params = torch.zeros(total, dtype=dtype, device=device)
-        grads = torch.zeros(total, dtype=dtype, device=device)
-        for slot in slots:
-            view = slice(slot.offset, slot.offset + slot.numel)
-            params[view].copy_(slot.param.detach().reshape(-1))
-            if slot.param.grad is not None:
-                grads[view].copy_(slot.param.grad.reshape(-1))
-            slot.param.data = params[view].view(slot.shape)
-            slot.param.grad = grads[view].view(slot.shape)
-        buf = _FlatBuffer(
-            group_index=group_index, slots=slots, numel=offset, shard_numel=shard, rank=self.rank,
-            params=params, grads=grads, state={},
-        )
-        mixed = dtype != torch.float32
-        if mixed:  # an fp32 model's own shard is its master copy
-            buf.state["master"] = buf.param_shard().float()
-        buf.state["exp_avg"] = torch.zeros(shard, dtype=torch.float32, device=device)
-        buf.state["exp_avg_sq"] = torch.zeros(shard, dtype=torch.float32, device=device)
-        return buf
 
     def _build_buckets(self) -> list[_Bucket]:
         """Buckets of whole parameters, at most bucket_cap_mb each (a larger parameter is one
@@ -461,11 +360,7 @@ class ZeRO1AdamW(torch.optim.Optimizer):
         """Bytes this rank allocates for model states: the flat parameter and gradient
         buffers and its shard of the optimizer state (the plan's params + grads +
         optimizer + padding)."""
-        return sum(
-            t.numel() * t.element_size()
-            for buf in self._buffers
-            for t in (buf.params, buf.grads, *buf.state.values())
-        )
+        return allocated_bytes(self._buffers)
 
     def memory_bytes(self) -> dict[str, int]:
         """This rank's optimizer-state bytes by kind, measured from its tensors.
@@ -475,15 +370,7 @@ class ZeRO1AdamW(torch.optim.Optimizer):
         gradient buffers. The total is the same on every rank and equals the
         memory model's optimizer_bytes + padding_bytes for this layout.
         """
-        out = dict.fromkeys((*_STATE_KINDS, "padding"), 0)
-        for buf in self._buffers:
-            for kind, tensor in buf.state.items():
-                used = buf.owned_numel * tensor.element_size()
-                out[kind] += used
-                out["padding"] += tensor.numel() * tensor.element_size() - used
-            unused = buf.params.numel() - buf.numel
-            out["padding"] += unused * (buf.params.element_size() + buf.grads.element_size())
-        return out
+        return state_bytes(self._buffers)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -687,21 +574,14 @@ class ZeRO1AdamW(torch.optim.Optimizer):
             self._gather_params()
         clock("gather")
 
-    def _gather_slices(self, buf: _FlatBuffer) -> list[tuple[int, int]]:
-        """The shard in slices (shard coordinates), the same on every rank: about eight, each
-        at most a bucket. The update runs slice by slice whether or not the gather overlaps it:
-        the fused kernel's results depend (in the last bit) on where a call starts, so both
-        modes cut the shard at the same places."""
-        size = buf.shard_numel
-        cap = max(1, int(self.bucket_cap_mb * 2**20) // buf.params.element_size())
-        step = max(min(cap, -(-size // 8)), min(cap, 1 << 16))  # no slice below 64 Ki elements unless the cap is
-        return [(lo, min(lo + step, size)) for lo in range(0, size, step)]
+    def _gather_slices(self, buf: FlatBuffer) -> list[tuple[int, int]]:
+        return shard_slices(buf, bucket_cap_mb=self.bucket_cap_mb)
 
-    def _update_slice(self, buf: _FlatBuffer, runs: list[tuple[int, int, int]], lo: int, hi: int, *,
+    def _update_slice(self, buf: FlatBuffer, runs: list[tuple[int, int, int]], lo: int, hi: int, *,
                       grad_scale: Tensor) -> None:  # fmt: skip
         """The fused AdamW kernel over [lo, hi) of the shard, then the cast to the model dtype."""
         group = self.param_groups[buf.group_index]
-        master = buf.state.get("master", buf.param_shard())
+        master = buf.state_of("master")
         grad = buf.grad_shard
         upcast = grad.dtype != torch.float32
         for run_lo, run_hi, step in runs:
@@ -724,7 +604,7 @@ class ZeRO1AdamW(torch.optim.Optimizer):
         if "master" in buf.state:
             buf.param_shard()[lo:hi].copy_(buf.state["master"][lo:hi])  # cast: fp32 shard -> model dtype
 
-    def _launch_gather(self, buf: _FlatBuffer, lo: int, hi: int, *, tag: int) -> list[Any]:
+    def _launch_gather(self, buf: FlatBuffer, lo: int, hi: int, *, tag: int) -> list[Any]:
         """Send slice [lo, hi) of this rank's shard to every peer; receive the same slice of theirs."""
         size, ops = buf.shard_numel, []
         for peer in self._peers:
@@ -736,7 +616,7 @@ class ZeRO1AdamW(torch.optim.Optimizer):
     def _gather_tag(buffer_index: int, slice_index: int) -> int:
         return _GATHER_TAG + (buffer_index << 12) + slice_index
 
-    def _runs(self, buf: _FlatBuffer, active: list[bool]) -> list[tuple[int, int, int]]:
+    def _runs(self, buf: FlatBuffer, active: list[bool]) -> list[tuple[int, int, int]]:
         """(lo, hi, step) ranges of the shard to update, after counting this step.
 
         torch.optim.AdamW skips a parameter without a gradient and counts
@@ -785,13 +665,13 @@ class ZeRO1AdamW(torch.optim.Optimizer):
         """nan or inf elements of the fp32 state (master, exp_avg, exp_avg_sq) over all ranks, by
         kind: one all-reduce of three counts, so every rank gets the same answer. Every rank must
         call it. A full pass over the shard: once per checkpoint, not per step."""
-        counts = torch.zeros(len(_STATE_KINDS), dtype=torch.int64, device=self.device)
+        counts = torch.zeros(len(STATE_KINDS), dtype=torch.int64, device=self.device)
         for buf in self._buffers:
-            for i, kind in enumerate(_STATE_KINDS):
+            for i, kind in enumerate(STATE_KINDS):
                 counts[i] += torch.isfinite(self._state(buf, kind)).logical_not().sum()
         if self.world_size > 1:
             dist.all_reduce(counts, group=self.process_group)
-        return dict(zip(_STATE_KINDS, counts.tolist()))
+        return dict(zip(STATE_KINDS, counts.tolist()))
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard (owned elements only, padding is never saved) and its layout."""
@@ -812,7 +692,7 @@ class ZeRO1AdamW(torch.optim.Optimizer):
                         {"name": s.name, "offset": s.offset, "numel": s.numel, "shape": s.shape, "step": s.step}
                         for s in buf.slots
                     ],
-                    **{kind: self._state(buf, kind)[: buf.owned_numel].clone() for kind in _STATE_KINDS},
+                    **{kind: self._state(buf, kind)[: buf.owned_numel].clone() for kind in STATE_KINDS},
                 }
                 for buf in self._buffers
             ],
@@ -840,7 +720,7 @@ class ZeRO1AdamW(torch.optim.Optimizer):
                 raise ValueError(f"parameter layout differs from the checkpoint's in group {buf.group_index}")
             for slot, saved_param in zip(buf.slots, saved_buf["params"]):
                 slot.step = int(saved_param["step"])
-            for kind in _STATE_KINDS:
+            for kind in STATE_KINDS:
                 self._state(buf, kind)[: buf.owned_numel].copy_(saved_buf[kind])
         self._load_common(state_dict)
 
@@ -853,10 +733,10 @@ class ZeRO1AdamW(torch.optim.Optimizer):
         keep = self.rank == dst
         full = {
             kind: [torch.empty(buf.numel, dtype=torch.float32) if keep else None for buf in self._buffers]
-            for kind in _STATE_KINDS
+            for kind in STATE_KINDS
         }
         for i, buf in enumerate(self._buffers):
-            for kind in _STATE_KINDS:
+            for kind in STATE_KINDS:
                 self._gather_to_cpu(buf, self._state(buf, kind), full[kind][i], chunk_numel=chunk_numel)
         if not keep:
             return None
@@ -864,7 +744,7 @@ class ZeRO1AdamW(torch.optim.Optimizer):
             slot.name: {
                 **{
                     kind: full[kind][i][slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
-                    for kind in _STATE_KINDS
+                    for kind in STATE_KINDS
                 },
                 "step": slot.step,
             }
@@ -897,7 +777,7 @@ class ZeRO1AdamW(torch.optim.Optimizer):
                         f"{slot.name}: checkpoint shape {tuple(entry['master'].shape)} != parameter shape {slot.shape}"
                     )
                 src = slice(buf.start + lo - slot.offset, buf.start + hi - slot.offset)
-                for kind in _STATE_KINDS:
+                for kind in STATE_KINDS:
                     self._state(buf, kind)[lo:hi].copy_(entry[kind].reshape(-1)[src])
             for slot in buf.slots:
                 slot.step = int(saved[slot.name]["step"])
@@ -916,13 +796,13 @@ class ZeRO1AdamW(torch.optim.Optimizer):
                 buf.param_shard().copy_(buf.state["master"])
         self._gather_params()
 
-    def _state(self, buf: _FlatBuffer, kind: str) -> Tensor:
-        return buf.param_shard() if kind == "master" and "master" not in buf.state else buf.state[kind]
+    def _state(self, buf: FlatBuffer, kind: str) -> Tensor:
+        return buf.state_of(kind)
 
     def _hyperparameters(self) -> list[dict[str, Any]]:
         return [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in self.param_groups]
 
-    def _gather_to_cpu(self, buf: _FlatBuffer, shard: Tensor, out: Tensor | None, *, chunk_numel: int) -> None:
+    def _gather_to_cpu(self, buf: FlatBuffer, shard: Tensor, out: Tensor | None, *, chunk_numel: int) -> None:
         """All ranks' (S,) shards -> out (numel,) on CPU, chunk by chunk; padding dropped.
         Ranks with out=None take part in the collectives and keep nothing."""
         size = buf.shard_numel
