@@ -17,49 +17,39 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-import weakref
-from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from workers.limits import DEFAULT_BUCKET_CAP_MB, MIN_BUCKET_CAP_MB
+from workers.buckets import Bucket
+from workers.comm import (
+    GatherOp,
+    Ranks,
+    ReduceOp,
+    connect,
+    default_collectives,
+    register_grad_hooks,
+    resolve_collectives,
+)
 from workers.flat import STATE_KINDS, FlatBuffer, allocated_bytes, build_buffers, shard_slices, state_bytes
+from workers.limits import DEFAULT_BUCKET_CAP_MB, MIN_BUCKET_CAP_MB
 from workers.memory import SHARD_ALIGNMENT_NUMEL
-
-ReduceOp = Literal["auto", "p2p", "reduce_scatter", "all_reduce"]
-GatherOp = Literal["auto", "p2p", "all_gather", "all_reduce"]
 
 SHARDED_FORMAT = "zero1.sharded.v1"
 CONSOLIDATED_FORMAT = "zero1.consolidated.v1"
+
+# the names other modules import from here, wherever they live now
+__all__ = ["UPCAST_CHUNK_NUMEL", "DynamicLossScaler", "ZeRO1AdamW", "decay_param_groups", "default_collectives"]
+
 _CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
 # 16-bit gradients are upcast to fp32 this many elements at a time into one reused scratch: on a CPU
 # 64 Ki (256 KiB, it stays in cache; a full-size upcast costs ~5x the time, mostly in page faults);
 # on a GPU 4 Mi, few enough kernel launches
 UPCAST_CHUNK_NUMEL = {"cpu": 1 << 16, "cuda": 1 << 22}
-RECV_BUFFERS = 2  # receive buffers per dtype for p2p reduces in flight; a third bucket waits for one
-_GATHER_TAG = 1 << 20  # p2p tags: reduce buckets count from 0, gather chunks from here
-
-
-def default_collectives(backend: str) -> tuple[str, str]:
-    """(reduce, gather) collectives per backend, chosen by measurement.
-
-    NCCL's reduce-scatter and all-gather are bandwidth-optimal: together they
-    move exactly DDP's all-reduce volume. gloo's are not (on this project's
-    2-core machines, 25M fp32 elements on 2 ranks: reduce_scatter_tensor 140 ms,
-    all_gather_into_tensor 105 ms, all_reduce 97 ms), but its point-to-point
-    sends are: "p2p" sends each peer its slice and sums what the peers send for
-    its own (43 ms), and sends its updated slice to every peer (35 ms). The same
-    sends, bucket by bucket, can overlap the backward pass (overlap_comm).
-    benchmarks/optimizer.py prints the figures.
-    """
-    if backend == "nccl":
-        return "reduce_scatter", "all_gather"
-    return "p2p", "p2p"
 
 
 def decay_param_groups(
@@ -117,28 +107,6 @@ class DynamicLossScaler:
 
     def load_state_dict(self, state: dict[str, float | int]) -> None:
         self.scale, self.clean_steps = float(state["scale"]), int(state["clean_steps"])
-
-
-@dataclass(kw_only=True, slots=True, eq=False)
-class _Bucket:
-    """A run of whole parameters of one flat buffer, reduced by point-to-point sends:
-    each rank sends every peer the part of the bucket the peer owns and receives,
-    from every peer, the part it owns itself."""
-
-    tag: int  # its place in the launch order, the same on every rank
-    buf: FlatBuffer
-    lo: int  # flat-buffer coordinates
-    hi: int
-    num_slots: int
-    ready: int = 0  # parameters whose gradient of this backward has arrived
-    launched: bool = False
-    works: list[Any] = field(default_factory=list)
-    received: Tensor | None = None  # (N-1, owned part) the peers' gradients of this rank's part
-    storage: Tensor | None = None  # the pooled receive buffer `received` is a view of
-
-    def owned(self) -> tuple[int, int]:
-        """The part of the bucket in this rank's shard, in flat-buffer coordinates (may be empty)."""
-        return max(self.lo, self.buf.start), min(self.hi, self.buf.start + self.buf.shard_numel)
 
 
 class ZeRO1AdamW(torch.optim.Optimizer):
@@ -217,28 +185,13 @@ class ZeRO1AdamW(torch.optim.Optimizer):
             _check_hyperparameters(**{k: group[k] for k in ("lr", "betas", "eps", "weight_decay")})
 
         self.process_group = process_group
-        distributed = process_group is not None or (dist.is_available() and dist.is_initialized())
-        self.world_size = dist.get_world_size(process_group) if distributed else 1
-        self.rank = dist.get_rank(process_group) if distributed else 0
-        backend = dist.get_backend(process_group) if distributed else "none"
-        reduce_auto, gather_auto = default_collectives(backend)
-        if overlap_comm or overlap_gather:
-            reduce_auto, gather_auto = "p2p", "p2p"
-        self.reduce_op = reduce_auto if reduce_op == "auto" else reduce_op
-        self.gather_op = gather_auto if gather_op == "auto" else gather_op
-        p2p = (self.reduce_op, self.gather_op) == ("p2p", "p2p")
-        for flag, value in (("overlap_comm", overlap_comm), ("overlap_gather", overlap_gather)):
-            if value and not p2p:
-                raise ValueError(
-                    f"{flag} needs reduce_op and gather_op 'p2p' (or 'auto'), got {self.reduce_op!r} / {self.gather_op!r}"
-                )
-        self.overlap_comm = self.world_size > 1 and overlap_comm
-        self.overlap_gather = self.world_size > 1 and overlap_gather
+        ranks = Ranks.of(process_group)
+        self.world_size, self.rank = ranks.world_size, ranks.rank
+        self.reduce_op, self.gather_op = resolve_collectives(
+            ranks.backend, reduce_op=reduce_op, gather_op=gather_op, overlap_comm=overlap_comm,
+            overlap_gather=overlap_gather,
+        )  # fmt: skip
         self.bucket_cap_mb = bucket_cap_mb
-        self._nccl = backend == "nccl"
-        # NCCL's reduce-scatter averages natively; elsewhere sum and fold 1/N into the update's grad scale
-        self._reduce_avg = self._nccl and self.reduce_op == "reduce_scatter"
-        self._peers = [r for r in range(self.world_size) if r != self.rank]
         self.max_grad_norm = max_grad_norm
         self.alignment_numel = alignment_numel
 
@@ -251,84 +204,38 @@ class ZeRO1AdamW(torch.optim.Optimizer):
         if loss_scaler == "auto":
             loss_scaler = DynamicLossScaler() if torch.float16 in model_dtypes else None
         self.loss_scaler = loss_scaler
-        self._had_grad = [False] * len(self._slots)
-        self._buckets = self._build_buckets()
-        self._bucket_of = [self._buckets[0]] * len(self._slots) if self._buckets else []
-        for bucket in self._buckets:
-            for slot in bucket.buf.slots:
-                if bucket.lo <= slot.offset < bucket.hi:
-                    self._bucket_of[slot.index] = bucket
-        self._counted = [False] * len(self._slots)  # gradient arrived in this sync window
-        self._next_launch = 0  # buckets go in order, the same on every rank
+        self._comm = connect(
+            ranks, self._buffers, reduce_op=self.reduce_op, gather_op=self.gather_op, overlap_comm=overlap_comm,
+            overlap_gather=overlap_gather, bucket_cap_mb=bucket_cap_mb,
+        )  # fmt: skip
+        self._had_grad = [False] * len(self._slots)  # this rank's parameters with a gradient since the last step
         self._sync = True  # False inside no_sync()
+        register_grad_hooks(self._slots, self._on_grad)
         self._scratch: Tensor | None = None  # fp32 upcast of a 16-bit gradient chunk
         self._upcast_chunk = UPCAST_CHUNK_NUMEL.get(self.device.type, UPCAST_CHUNK_NUMEL["cuda"])
-        self._in_flight: deque[_Bucket] = deque()  # launched buckets, oldest first
-        self._recv_free: dict[torch.dtype, list[Tensor]] = {}  # pooled receive buffers not in use
-        self._recv_count: dict[torch.dtype, int] = {}  # pooled receive buffers allocated
-        hooks = [slot.param.register_post_accumulate_grad_hook(self._grad_marker(slot.index)) for slot in self._slots]
-        # the hooks live on the parameters: remove them when the optimizer goes, so none keeps it alive
-        weakref.finalize(self, lambda: [hook.remove() for hook in hooks])
         self.grad_norm: float | None = None
         self.skipped = False
         self.record_phase_times = record_phase_times
         self.phase_times_s: dict[str, float] = {}
         # every rank starts from the same model: each takes the others' shards of it
-        self._gather_params()
+        self._comm.gather_params()
 
-    # ------------------------------------------------------------------ set-up
+    @property
+    def overlap_comm(self) -> bool:
+        """Whether backward sends the gradient buckets (never with one rank: nothing to send)."""
+        return self._comm.overlap_comm
 
-    def _build_buckets(self) -> list[_Bucket]:
-        """Buckets of whole parameters, at most bucket_cap_mb each (a larger parameter is one
-        bucket), each buffer from its end: the order in which backward produces gradients."""
-        if self.reduce_op != "p2p" or self.world_size == 1:
-            return []
-        buckets: list[_Bucket] = []
-        for buf in self._buffers:
-            cap = max(1, int(self.bucket_cap_mb * 2**20) // buf.grads.element_size())
-            lo, hi, count = 0, None, 0
-            for slot in reversed(buf.slots):
-                if hi is not None and hi - slot.offset > cap:
-                    buckets.append(_Bucket(tag=len(buckets), buf=buf, lo=lo, hi=hi, num_slots=count))
-                    hi = None
-                if hi is None:
-                    hi, count = slot.offset + slot.numel, 0
-                lo, count = slot.offset, count + 1
-            if hi is not None:
-                buckets.append(_Bucket(tag=len(buckets), buf=buf, lo=lo, hi=hi, num_slots=count))
-        return buckets
-
-    def _grad_marker(self, index: int):
-        optimizer = weakref.ref(self)
-
-        def mark(_: Tensor) -> None:
-            if (alive := optimizer()) is not None:
-                alive._on_grad(index)
-
-        return mark
+    @property
+    def overlap_gather(self) -> bool:
+        """Whether the update sends each slice as it finishes it (never with one rank)."""
+        return self._comm.overlap_gather
 
     def _on_grad(self, index: int) -> None:
-        """A parameter's gradient of this backward is complete: count it; send what is ready."""
+        """A parameter's gradient of this backward is complete: note it; outside no_sync() the
+        communication counts it and sends what is ready."""
         self._had_grad[index] = True
-        if not (self.overlap_comm and self._sync):
-            return
-        bucket = self._bucket_of[index]
-        if self._counted[index]:
-            if bucket.launched:
-                raise RuntimeError(
-                    f"a second gradient of {self._slots[index].name} arrived after its bucket was sent: "
-                    "with overlap_comm, call step() after each backward(), or run the backward of every "
-                    "micro-batch but the last under optimizer.no_sync()"
-                )
-            return
-        self._counted[index] = True
-        bucket.ready += 1
-        while self._next_launch < len(self._buckets):
-            bucket = self._buckets[self._next_launch]
-            if bucket.ready < bucket.num_slots:
-                break
-            self._launch_reduce(bucket)
-            self._next_launch += 1
+        if self._sync:
+            self._comm.grad_ready(index)
 
     # ------------------------------------------------------------------ public API
 
@@ -341,8 +248,8 @@ class ZeRO1AdamW(torch.optim.Optimizer):
         return 1.0 if self.loss_scaler is None else self.loss_scaler.scale
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 - see class docstring
-        self._finish_reduces()  # a bucket sent without a step(): let its sends end before zeroing
-        self._reset_buckets()
+        self._comm.finish_reduces()  # a bucket sent without a step(): let its sends end before zeroing
+        self._comm.reset()
         for buf in self._buffers:
             buf.grads.zero_()
 
@@ -381,7 +288,7 @@ class ZeRO1AdamW(torch.optim.Optimizer):
                 loss = closure()
         scale = self.loss_scale
         clock = self._clock()
-        self._reduce_gradients()
+        self._comm.reduce_gradients()  # 1. reduce: each buffer's grad_shard (S,) sums the ranks' gradients
         grad_norm, active = self._global_grad_stats(scale)
         clock("reduce")
         # the norm comes from one all-reduce, so every rank holds the same value and skips, or
@@ -394,9 +301,12 @@ class ZeRO1AdamW(torch.optim.Optimizer):
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow=overflow)
         if not self.skipped:
-            self._update_and_gather(grad_norm=grad_norm, scale=scale, active=active, clock=clock)
+            self._update(grad_norm=grad_norm, scale=scale, active=active)  # 2. update and 3. cast
+            clock("update")
+            self._comm.gather_updated()  # 4. gather: every rank receives every updated shard
+            clock("gather")
         self._had_grad = [False] * len(self._slots)
-        self._reset_buckets()
+        self._comm.reset()
         for buf in self._buffers:
             buf.grad_shard = None
         return loss
@@ -418,107 +328,7 @@ class ZeRO1AdamW(torch.optim.Optimizer):
 
         return clock
 
-    # ------------------------------------------------------------------ the four beats
-
-    def _reduce_gradients(self) -> None:
-        if self._buckets:
-            # buckets backward did not complete (overlap off, or a parameter without a gradient
-            # here) go now, in order; then every rank's own part is summed
-            for bucket in self._buckets[self._next_launch :]:
-                self._launch_reduce(bucket)
-            self._next_launch = len(self._buckets)
-            self._finish_reduces()
-        for buf in self._buffers:
-            shard = slice(buf.start, buf.start + buf.shard_numel)
-            if self.world_size == 1 or self.reduce_op == "p2p":
-                buf.grad_shard = buf.grads[shard]
-            elif self.reduce_op == "all_reduce":
-                # all-reduce: flat grad (N*S,) summed on every rank; this rank reads its (S,)
-                dist.all_reduce(buf.grads, op=self._reduce_op(), group=self.process_group)
-                buf.grad_shard = buf.grads[shard]
-            else:
-                # reduce-scatter: flat grad (N*S,) -> own shard (S,); in place where NCCL allows
-                out = buf.grads[shard] if self._reduce_avg else torch.empty_like(buf.grads[shard])
-                dist.reduce_scatter_single(out, buf.grads, op=self._reduce_op(), group=self.process_group)
-                buf.grad_shard = out
-
-    def _launch_reduce(self, bucket: _Bucket) -> None:
-        """Send each peer its part of the bucket; post receives of the peers' gradients of mine."""
-        buf, ops = bucket.buf, []
-        lo, hi = bucket.owned()
-        if lo < hi:
-            bucket.storage = self._recv_buffer(buf.grads, (len(self._peers)) * (hi - lo))
-            bucket.received = bucket.storage[: len(self._peers) * (hi - lo)].view(len(self._peers), hi - lo)
-            ops += [self._p2p(dist.irecv, bucket.received[k], peer, bucket.tag) for k, peer in enumerate(self._peers)]
-        for peer in self._peers:
-            a = max(bucket.lo, peer * buf.shard_numel)
-            b = min(bucket.hi, (peer + 1) * buf.shard_numel)
-            if a < b:
-                ops.append(self._p2p(dist.isend, buf.grads[a:b], peer, bucket.tag))
-        bucket.works = dist.batch_isend_irecv(ops) if ops else []
-        bucket.launched = True
-        self._in_flight.append(bucket)
-
-    def _recv_buffer(self, like: Tensor, numel: int) -> Tensor:
-        """A pooled receive buffer of at least `numel` elements. At most RECV_BUFFERS per dtype
-        exist: reused, not allocated per step (fresh memory costs page faults on every step);
-        when all are in use the oldest bucket in flight is finished first."""
-        free = self._recv_free.setdefault(like.dtype, [])
-        while not free and self._recv_count.get(like.dtype, 0) >= RECV_BUFFERS and self._in_flight:
-            self._finish_oldest()
-        if free:
-            buffer = free.pop()
-            if buffer.numel() >= numel:
-                return buffer
-        else:
-            self._recv_count[like.dtype] = self._recv_count.get(like.dtype, 0) + 1
-        return torch.empty(numel, dtype=like.dtype, device=like.device)  # (re)allocated at the largest size
-
-    def _p2p(self, op, tensor: Tensor, peer: int, tag: int) -> dist.P2POp:
-        if self.process_group is not None:
-            peer = dist.get_global_rank(self.process_group, peer)
-        return dist.P2POp(op, tensor, peer, self.process_group, tag)
-
-    def _finish_reduces(self) -> None:
-        """Wait for every launched bucket and sum the gradients of this rank's parts."""
-        while self._in_flight:
-            self._finish_oldest()
-
-    def _finish_oldest(self) -> None:
-        """Wait for the oldest bucket in flight and sum, in place, the gradients of this rank's part.
-
-        The sum is g_0 + g_1 + ... + g_{N-1} folded left in rank order on every owner, however
-        the buckets were cut or timed: overlap on or off gives the same bits."""
-        bucket = self._in_flight.popleft()
-        for work in bucket.works:
-            work.wait()
-        bucket.works = []
-        if bucket.received is None:
-            return
-        lo, hi = bucket.owned()
-        mine, peers = bucket.buf.grads[lo:hi], dict(zip(self._peers, bucket.received))
-        if self.rank > 0:
-            before = peers[0]
-            for r in range(1, self.rank):
-                before.add_(peers[r])
-            mine.add_(before)  # (g_0 + ... + g_{r-1}) + g_r: addition commutes exactly
-        for r in range(self.rank + 1, self.world_size):
-            mine.add_(peers[r])
-        self._recv_free[bucket.storage.dtype].append(bucket.storage)
-        bucket.received = bucket.storage = None
-
-    def _reset_buckets(self) -> None:
-        assert not self._in_flight, "reset with reduces in flight"
-        for bucket in self._buckets:
-            bucket.ready, bucket.launched = 0, False
-        self._counted = [False] * len(self._slots)
-        self._next_launch = 0
-
-    def _reduce_op(self) -> dist.ReduceOp:
-        return dist.ReduceOp.AVG if self._reduce_avg else dist.ReduceOp.SUM
-
-    def _grad_divisor(self) -> float:
-        return 1.0 if self._reduce_avg or self.world_size == 1 else float(self.world_size)
+    # ------------------------------------------------------------------ the norm and the update
 
     def _global_grad_stats(self, scale: float) -> tuple[float, list[bool]]:
         """Global gradient norm (unscaled, averaged) and which parameters had a gradient
@@ -528,10 +338,9 @@ class ZeRO1AdamW(torch.optim.Optimizer):
         for buf in self._buffers:
             stats[0] += self._sum_of_squares(buf.grad_shard)
         stats[1:] = torch.tensor(self._had_grad, dtype=torch.float32)
-        if self.world_size > 1:
-            dist.all_reduce(stats, group=self.process_group)
+        self._comm.all_reduce(stats)
         values = stats.tolist()  # the one host sync of a step
-        grad_norm = math.sqrt(values[0]) / (self._grad_divisor() * scale)  # inf and nan pass through
+        grad_norm = math.sqrt(values[0]) / (self._comm.grad_divisor * scale)  # inf and nan pass through
         return grad_norm, [flag > 0 for flag in values[1:]]
 
     def _sum_of_squares(self, grad: Tensor) -> Tensor:
@@ -551,28 +360,19 @@ class ZeRO1AdamW(torch.optim.Optimizer):
             self._scratch = torch.empty(self._upcast_chunk, dtype=torch.float32, device=self.device)
         return self._scratch
 
-    def _update_and_gather(self, *, grad_norm: float, scale: float, active: list[bool], clock) -> None:
-        """AdamW on this rank's shard, cast, gather. With overlap_gather each slice of the shard
-        is sent to the peers as soon as it is updated, while the next slice updates."""
+    def _update(self, *, grad_norm: float, scale: float, active: list[bool]) -> None:
+        """AdamW on this rank's shard and the cast, slice by slice; with overlap_gather each
+        slice is sent to the peers as soon as it is updated, while the next slice updates."""
         clip = 1.0
         if self.max_grad_norm is not None:
             clip = min(1.0, self.max_grad_norm / (grad_norm + _CLIP_EPS))
         # the kernel divides each gradient by this: sum -> mean, unscale, clip, in one pass
-        grad_scale = torch.tensor(self._grad_divisor() * scale / clip, dtype=torch.float32, device=self.device)
-        works: list[Any] = []
+        grad_scale = torch.tensor(self._comm.grad_divisor * scale / clip, dtype=torch.float32, device=self.device)
         for b, buf in enumerate(self._buffers):
             runs = self._runs(buf, active)
             for i, (lo, hi) in enumerate(self._gather_slices(buf)):
                 self._update_slice(buf, runs, lo, hi, grad_scale=grad_scale)
-                if self.overlap_gather:
-                    works += self._launch_gather(buf, lo, hi, tag=self._gather_tag(b, i))
-        clock("update")
-        if self.overlap_gather:
-            for work in works:
-                work.wait()
-        else:
-            self._gather_params()
-        clock("gather")
+                self._comm.slice_updated(b, i, lo, hi)
 
     def _gather_slices(self, buf: FlatBuffer) -> list[tuple[int, int]]:
         return shard_slices(buf, bucket_cap_mb=self.bucket_cap_mb)
@@ -604,18 +404,6 @@ class ZeRO1AdamW(torch.optim.Optimizer):
         if "master" in buf.state:
             buf.param_shard()[lo:hi].copy_(buf.state["master"][lo:hi])  # cast: fp32 shard -> model dtype
 
-    def _launch_gather(self, buf: FlatBuffer, lo: int, hi: int, *, tag: int) -> list[Any]:
-        """Send slice [lo, hi) of this rank's shard to every peer; receive the same slice of theirs."""
-        size, ops = buf.shard_numel, []
-        for peer in self._peers:
-            ops.append(self._p2p(dist.irecv, buf.params[peer * size + lo : peer * size + hi], peer, tag))
-            ops.append(self._p2p(dist.isend, buf.params[buf.start + lo : buf.start + hi], peer, tag))
-        return dist.batch_isend_irecv(ops) if ops else []
-
-    @staticmethod
-    def _gather_tag(buffer_index: int, slice_index: int) -> int:
-        return _GATHER_TAG + (buffer_index << 12) + slice_index
-
     def _runs(self, buf: FlatBuffer, active: list[bool]) -> list[tuple[int, int, int]]:
         """(lo, hi, step) ranges of the shard to update, after counting this step.
 
@@ -638,27 +426,6 @@ class ZeRO1AdamW(torch.optim.Optimizer):
                 runs.append((lo, hi, slot.step))
         return runs
 
-    def _gather_params(self) -> None:
-        if self.world_size == 1:
-            return
-        works = []
-        for b, buf in enumerate(self._buffers):
-            shard = buf.param_shard()
-            if self.gather_op == "p2p":
-                # every rank sends its updated slice to every peer, straight into their flat buffers
-                works += self._launch_gather(buf, 0, buf.shard_numel, tag=self._gather_tag(b, 0))
-            elif self.gather_op == "all_gather":
-                # all-gather: own shard (S,) -> flat params (N*S,) on every rank
-                source = shard if self._nccl else shard.clone()  # in place only on NCCL
-                dist.all_gather_single(buf.params, source, group=self.process_group)
-            else:
-                # all-reduce of buffers that are zero outside each rank's shard: x + 0 is exact
-                buf.params[: buf.start].zero_()
-                buf.params[buf.start + buf.shard_numel :].zero_()
-                dist.all_reduce(buf.params, group=self.process_group)
-        for work in works:
-            work.wait()
-
     # ------------------------------------------------------------------ checkpoints
 
     def nonfinite_state_numel(self) -> dict[str, int]:
@@ -669,8 +436,7 @@ class ZeRO1AdamW(torch.optim.Optimizer):
         for buf in self._buffers:
             for i, kind in enumerate(STATE_KINDS):
                 counts[i] += torch.isfinite(self._state(buf, kind)).logical_not().sum()
-        if self.world_size > 1:
-            dist.all_reduce(counts, group=self.process_group)
+        self._comm.all_reduce(counts)
         return dict(zip(STATE_KINDS, counts.tolist()))
 
     def state_dict(self) -> dict[str, Any]:
@@ -794,10 +560,22 @@ class ZeRO1AdamW(torch.optim.Optimizer):
         for buf in self._buffers:
             if "master" in buf.state:
                 buf.param_shard().copy_(buf.state["master"])
-        self._gather_params()
+        self._comm.gather_params()
 
     def _state(self, buf: FlatBuffer, kind: str) -> Tensor:
         return buf.state_of(kind)
+
+    @property
+    def _buckets(self) -> list[Bucket]:
+        return self._comm.buckets
+
+    @property
+    def _bucket_of(self) -> list[Bucket]:
+        return self._comm.reducer.bucket_of
+
+    @property
+    def _next_launch(self) -> int:
+        return self._comm.reducer.next_launch
 
     def _hyperparameters(self) -> list[dict[str, Any]]:
         return [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in self.param_groups]
@@ -808,13 +586,7 @@ class ZeRO1AdamW(torch.optim.Optimizer):
         size = buf.shard_numel
         for lo in range(0, size, chunk_numel):
             hi = min(lo + chunk_numel, size)
-            piece = shard[lo:hi].float().contiguous()
-            if self.world_size == 1:
-                pieces = piece.view(1, -1)
-            else:
-                pieces = torch.empty(self.world_size * (hi - lo), dtype=torch.float32, device=piece.device)
-                dist.all_gather_single(pieces, piece, group=self.process_group)
-                pieces = pieces.view(self.world_size, hi - lo)
+            pieces = self._comm.all_gather(shard[lo:hi].float().contiguous())  # (N, hi - lo)
             if out is None:
                 continue
             for rank in range(self.world_size):
