@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from workers import optim_state
 from workers.buckets import Bucket
 from workers.comm import (
     GatherOp,
@@ -35,12 +36,9 @@ from workers.comm import (
     register_grad_hooks,
     resolve_collectives,
 )
-from workers.flat import STATE_KINDS, FlatBuffer, allocated_bytes, build_buffers, shard_slices, state_bytes
+from workers.flat import FlatBuffer, allocated_bytes, build_buffers, shard_slices, state_bytes
 from workers.limits import DEFAULT_BUCKET_CAP_MB, MIN_BUCKET_CAP_MB
 from workers.memory import SHARD_ALIGNMENT_NUMEL
-
-SHARDED_FORMAT = "zero1.sharded.v1"
-CONSOLIDATED_FORMAT = "zero1.consolidated.v1"
 
 # the names other modules import from here, wherever they live now
 __all__ = ["UPCAST_CHUNK_NUMEL", "DynamicLossScaler", "ZeRO1AdamW", "decay_param_groups", "default_collectives"]
@@ -426,68 +424,28 @@ class ZeRO1AdamW(torch.optim.Optimizer):
                 runs.append((lo, hi, slot.step))
         return runs
 
-    # ------------------------------------------------------------------ checkpoints
+    # ------------------------------------------------------------------ checkpoints (workers/optim_state.py)
 
     def nonfinite_state_numel(self) -> dict[str, int]:
         """nan or inf elements of the fp32 state (master, exp_avg, exp_avg_sq) over all ranks, by
         kind: one all-reduce of three counts, so every rank gets the same answer. Every rank must
         call it. A full pass over the shard: once per checkpoint, not per step."""
-        counts = torch.zeros(len(STATE_KINDS), dtype=torch.int64, device=self.device)
-        for buf in self._buffers:
-            for i, kind in enumerate(STATE_KINDS):
-                counts[i] += torch.isfinite(self._state(buf, kind)).logical_not().sum()
-        self._comm.all_reduce(counts)
-        return dict(zip(STATE_KINDS, counts.tolist()))
+        return optim_state.nonfinite_state_numel(self._buffers, self._comm, device=self.device)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard (owned elements only, padding is never saved) and its layout."""
-        return {
-            "format": SHARDED_FORMAT,
-            "world_size": self.world_size,
-            "rank": self.rank,
-            "alignment_numel": self.alignment_numel,
-            "param_groups": self._hyperparameters(),
-            "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict(),
-            "buffers": [
-                {
-                    "group": buf.group_index,
-                    "dtype": str(buf.params.dtype),
-                    "numel": buf.numel,
-                    "shard_numel": buf.shard_numel,
-                    "params": [
-                        {"name": s.name, "offset": s.offset, "numel": s.numel, "shape": s.shape, "step": s.step}
-                        for s in buf.slots
-                    ],
-                    **{kind: self._state(buf, kind)[: buf.owned_numel].clone() for kind in STATE_KINDS},
-                }
-                for buf in self._buffers
-            ],
-        }
+        return optim_state.sharded_state_dict(
+            self._buffers, world_size=self.world_size, rank=self.rank, alignment_numel=self.alignment_numel,
+            param_groups=self.param_groups, loss_scaler=self._loss_scaler_state(),
+        )  # fmt: skip
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a shard saved by state_dict() at the same world size and rank."""
-        if state_dict.get("format") == CONSOLIDATED_FORMAT:
+        """Load a shard saved by state_dict() at the same world size and rank, or the consolidated form."""
+        if state_dict.get("format") == optim_state.CONSOLIDATED_FORMAT:
             return self.load_consolidated_state_dict(state_dict)
-        if state_dict.get("format") != SHARDED_FORMAT:
-            raise ValueError(f"not a zero1 optimizer checkpoint (format {state_dict.get('format')!r})")
-        saved = (state_dict["world_size"], state_dict["rank"], state_dict["alignment_numel"])
-        if saved != (self.world_size, self.rank, self.alignment_numel):
-            raise ValueError(
-                f"sharded checkpoint of rank {saved[1]} of {saved[0]} (alignment {saved[2]}) cannot load into "
-                f"rank {self.rank} of {self.world_size} (alignment {self.alignment_numel}); "
-                "load its consolidated form to change world size"
-            )
-        if len(state_dict["buffers"]) != len(self._buffers):
-            raise ValueError(f"checkpoint has {len(state_dict['buffers'])} flat buffers, optimizer has {len(self._buffers)}")
-        for buf, saved_buf in zip(self._buffers, state_dict["buffers"]):
-            layout = [(s.name, s.offset, s.numel, s.shape) for s in buf.slots]
-            saved_layout = [(p["name"], p["offset"], p["numel"], tuple(p["shape"])) for p in saved_buf["params"]]
-            if layout != saved_layout:
-                raise ValueError(f"parameter layout differs from the checkpoint's in group {buf.group_index}")
-            for slot, saved_param in zip(buf.slots, saved_buf["params"]):
-                slot.step = int(saved_param["step"])
-            for kind in STATE_KINDS:
-                self._state(buf, kind)[: buf.owned_numel].copy_(saved_buf[kind])
+        optim_state.load_sharded_state(
+            self._buffers, state_dict, world_size=self.world_size, rank=self.rank, alignment_numel=self.alignment_numel
+        )
         self._load_common(state_dict)
 
     def consolidated_state_dict(self, *, dst: int = 0, chunk_numel: int = 1 << 22) -> dict[str, Any] | None:
@@ -496,71 +454,29 @@ class ZeRO1AdamW(torch.optim.Optimizer):
         elements per rank at a time. Every rank must call it."""
         if chunk_numel < 1:
             raise ValueError(f"chunk_numel must be >= 1, got {chunk_numel}")
-        keep = self.rank == dst
-        full = {
-            kind: [torch.empty(buf.numel, dtype=torch.float32) if keep else None for buf in self._buffers]
-            for kind in STATE_KINDS
-        }
-        for i, buf in enumerate(self._buffers):
-            for kind in STATE_KINDS:
-                self._gather_to_cpu(buf, self._state(buf, kind), full[kind][i], chunk_numel=chunk_numel)
-        if not keep:
-            return None
-        params = {
-            slot.name: {
-                **{
-                    kind: full[kind][i][slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
-                    for kind in STATE_KINDS
-                },
-                "step": slot.step,
-            }
-            for i, buf in enumerate(self._buffers)
-            for slot in buf.slots
-        }
-        groups = [{**group, "params": []} for group in self._hyperparameters()]
-        for buf in self._buffers:
-            groups[buf.group_index]["params"] += [slot.name for slot in buf.slots]
-        return {
-            "format": CONSOLIDATED_FORMAT,
-            "param_groups": groups,
-            "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict(),
-            "params": params,
-        }
+        return optim_state.consolidated_state_dict(
+            self._buffers, self._comm, keep=self.rank == dst, chunk_numel=chunk_numel, param_groups=self.param_groups,
+            loss_scaler=self._loss_scaler_state(),
+        )  # fmt: skip
 
     def load_consolidated_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the consolidated form at any world size: each rank takes its slices."""
-        if state_dict.get("format") != CONSOLIDATED_FORMAT:
-            raise ValueError(f"not a consolidated zero1 checkpoint (format {state_dict.get('format')!r})")
-        saved = state_dict["params"]
-        missing = [s.name for s in self._slots if s.name not in saved]
-        if missing:
-            raise ValueError(f"checkpoint lacks parameters {missing[:5]} ({len(missing)} in all)")
-        for buf in self._buffers:
-            for slot, lo, hi in buf.local_segments():
-                entry = saved[slot.name]
-                if tuple(entry["master"].shape) != slot.shape:
-                    raise ValueError(
-                        f"{slot.name}: checkpoint shape {tuple(entry['master'].shape)} != parameter shape {slot.shape}"
-                    )
-                src = slice(buf.start + lo - slot.offset, buf.start + hi - slot.offset)
-                for kind in STATE_KINDS:
-                    self._state(buf, kind)[lo:hi].copy_(entry[kind].reshape(-1)[src])
-            for slot in buf.slots:
-                slot.step = int(saved[slot.name]["step"])
+        optim_state.load_consolidated_state(self._buffers, self._slots, state_dict)
         self._load_common(state_dict)
 
     def _load_common(self, state_dict: dict[str, Any]) -> None:
-        groups = state_dict["param_groups"]
-        if len(groups) != len(self.param_groups):
-            raise ValueError(f"checkpoint has {len(groups)} param groups, optimizer has {len(self.param_groups)}")
-        for group, saved in zip(self.param_groups, groups):
-            group.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
+        optim_state.load_hyperparameters(self.param_groups, state_dict)
         if self.loss_scaler is not None and state_dict.get("loss_scaler"):
             self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
         for buf in self._buffers:
             if "master" in buf.state:
-                buf.param_shard().copy_(buf.state["master"])
+                buf.param_shard().copy_(buf.state["master"])  # cast: fp32 shard -> model dtype
         self._comm.gather_params()
+
+    def _loss_scaler_state(self) -> dict[str, float | int] | None:
+        return None if self.loss_scaler is None else self.loss_scaler.state_dict()
+
+    # ------------------------------------------------------------------ names tests and benchmarks read
 
     def _state(self, buf: FlatBuffer, kind: str) -> Tensor:
         return buf.state_of(kind)
@@ -576,24 +492,6 @@ class ZeRO1AdamW(torch.optim.Optimizer):
     @property
     def _next_launch(self) -> int:
         return self._comm.reducer.next_launch
-
-    def _hyperparameters(self) -> list[dict[str, Any]]:
-        return [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in self.param_groups]
-
-    def _gather_to_cpu(self, buf: FlatBuffer, shard: Tensor, out: Tensor | None, *, chunk_numel: int) -> None:
-        """All ranks' (S,) shards -> out (numel,) on CPU, chunk by chunk; padding dropped.
-        Ranks with out=None take part in the collectives and keep nothing."""
-        size = buf.shard_numel
-        for lo in range(0, size, chunk_numel):
-            hi = min(lo + chunk_numel, size)
-            pieces = self._comm.all_gather(shard[lo:hi].float().contiguous())  # (N, hi - lo)
-            if out is None:
-                continue
-            for rank in range(self.world_size):
-                first = rank * size + lo
-                last = min(rank * size + hi, buf.numel)
-                if first < last:
-                    out[first:last].copy_(pieces[rank, : last - first])
 
 
 def _check_hyperparameters(*, lr, betas, eps, weight_decay) -> None:
