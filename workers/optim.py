@@ -8,8 +8,14 @@ every rank's backward has produced FULL gradients of its micro-batch:
 3. cast:    the shard's fp32 master weights -> the model dtype
 4. gather:  every rank receives every shard: the full updated model again
 
-The parameters, their gradients and this rank's shard of the state live in
-flat buffers cut into equal shards: workers/flat.py.
+ZeRO1AdamW's step() calls the beats in order and decides, between reduce and
+update, the global norm, the clip and whether to skip. The rooms it calls into:
+workers/flat.py lays parameters, gradients and state out in flat buffers cut
+into equal shards (K·Ψ/N bytes of state per rank); workers/comm.py moves them
+between the ranks (beats 1 and 4; workers/buckets.py for the p2p reduce; one
+rank moves nothing); workers/adamw.py updates and casts the shard (beats 2 and
+3); workers/optim_state.py writes and reads the checkpoint formats;
+workers/loss_scale.py scales fp16 losses.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from workers import optim_state
+from workers.adamw import UPCAST_CHUNK_NUMEL, ShardAdamW, step_runs
 from workers.buckets import Bucket
 from workers.comm import (
     GatherOp,
@@ -44,10 +51,6 @@ from workers.memory import SHARD_ALIGNMENT_NUMEL
 __all__ = ["UPCAST_CHUNK_NUMEL", "DynamicLossScaler", "ZeRO1AdamW", "decay_param_groups", "default_collectives"]
 
 _CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
-# 16-bit gradients are upcast to fp32 this many elements at a time into one reused scratch: on a CPU
-# 64 Ki (256 KiB, it stays in cache; a full-size upcast costs ~5x the time, mostly in page faults);
-# on a GPU 4 Mi, few enough kernel launches
-UPCAST_CHUNK_NUMEL = {"cpu": 1 << 16, "cuda": 1 << 22}
 
 
 def decay_param_groups(
@@ -167,8 +170,7 @@ class ZeRO1AdamW(torch.optim.Optimizer):
         self._had_grad = [False] * len(self._slots)  # this rank's parameters with a gradient since the last step
         self._sync = True  # False inside no_sync()
         register_grad_hooks(self._slots, self._on_grad)
-        self._scratch: Tensor | None = None  # fp32 upcast of a 16-bit gradient chunk
-        self._upcast_chunk = UPCAST_CHUNK_NUMEL.get(self.device.type, UPCAST_CHUNK_NUMEL["cuda"])
+        self._adamw = ShardAdamW(self.device)
         self.grad_norm: float | None = None
         self.skipped = False
         self.record_phase_times = record_phase_times
@@ -292,29 +294,12 @@ class ZeRO1AdamW(torch.optim.Optimizer):
         summing whole shards sums the owned elements only."""
         stats = torch.zeros(1 + len(self._slots), dtype=torch.float32, device=self.device)
         for buf in self._buffers:
-            stats[0] += self._sum_of_squares(buf.grad_shard)
+            stats[0] += self._adamw.sum_of_squares(buf.grad_shard)
         stats[1:] = torch.tensor(self._had_grad, dtype=torch.float32)
         self._comm.all_reduce(stats)
         values = stats.tolist()  # the one host sync of a step
         grad_norm = math.sqrt(values[0]) / (self._comm.grad_divisor * scale)  # inf and nan pass through
         return grad_norm, [flag > 0 for flag in values[1:]]
-
-    def _sum_of_squares(self, grad: Tensor) -> Tensor:
-        """Σ g² in fp32. A 16-bit gradient is upcast a chunk at a time into the scratch on a CPU
-        (vector_norm(dtype=float32) there takes ~5x as long); on a GPU vector_norm upcasts as it reads."""
-        if grad.dtype == torch.float32 or self.device.type != "cpu":
-            return torch.linalg.vector_norm(grad, dtype=torch.float32).square()
-        total = torch.zeros((), dtype=torch.float32, device=grad.device)
-        scratch = self._upcast_scratch()
-        for a in range(0, grad.numel(), self._upcast_chunk):
-            chunk = scratch[: min(self._upcast_chunk, grad.numel() - a)].copy_(grad[a : a + self._upcast_chunk])
-            total += torch.dot(chunk, chunk)
-        return total
-
-    def _upcast_scratch(self) -> Tensor:
-        if self._scratch is None:
-            self._scratch = torch.empty(self._upcast_chunk, dtype=torch.float32, device=self.device)
-        return self._scratch
 
     def _update(self, *, grad_norm: float, scale: float, active: list[bool]) -> None:
         """AdamW on this rank's shard and the cast, slice by slice; with overlap_gather each
@@ -325,62 +310,14 @@ class ZeRO1AdamW(torch.optim.Optimizer):
         # the kernel divides each gradient by this: sum -> mean, unscale, clip, in one pass
         grad_scale = torch.tensor(self._comm.grad_divisor * scale / clip, dtype=torch.float32, device=self.device)
         for b, buf in enumerate(self._buffers):
-            runs = self._runs(buf, active)
+            runs = step_runs(buf, active)
+            group = self.param_groups[buf.group_index]
             for i, (lo, hi) in enumerate(self._gather_slices(buf)):
-                self._update_slice(buf, runs, lo, hi, grad_scale=grad_scale)
+                self._adamw.update_slice(buf, group, runs, lo, hi, grad_scale=grad_scale)
                 self._comm.slice_updated(b, i, lo, hi)
 
     def _gather_slices(self, buf: FlatBuffer) -> list[tuple[int, int]]:
         return shard_slices(buf, bucket_cap_mb=self.bucket_cap_mb)
-
-    def _update_slice(self, buf: FlatBuffer, runs: list[tuple[int, int, int]], lo: int, hi: int, *,
-                      grad_scale: Tensor) -> None:  # fmt: skip
-        """The fused AdamW kernel over [lo, hi) of the shard, then the cast to the model dtype."""
-        group = self.param_groups[buf.group_index]
-        master = buf.state_of("master")
-        grad = buf.grad_shard
-        upcast = grad.dtype != torch.float32
-        for run_lo, run_hi, step in runs:
-            run_lo, run_hi = max(run_lo, lo), min(run_hi, hi)
-            if run_lo >= run_hi:
-                continue
-            step_t = torch.tensor(float(step), dtype=torch.float32, device=self.device)
-            # the fused kernel wants one dtype: a 16-bit gradient is upcast a cache-sized chunk at a
-            # time into one reused scratch, so the update makes no full-size temporary
-            chunk = self._upcast_chunk if upcast else run_hi - run_lo
-            for a in range(run_lo, run_hi, chunk):
-                b = min(a + chunk, run_hi)
-                g = self._upcast_scratch()[: b - a].copy_(grad[a:b]) if upcast else grad[a:b]
-                torch._fused_adamw_(
-                    [master[a:b]], [g], [buf.state["exp_avg"][a:b]], [buf.state["exp_avg_sq"][a:b]], [], [step_t],
-                    lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
-                    weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=False,
-                    grad_scale=grad_scale, found_inf=None,
-                )  # fmt: skip
-        if "master" in buf.state:
-            buf.param_shard()[lo:hi].copy_(buf.state["master"][lo:hi])  # cast: fp32 shard -> model dtype
-
-    def _runs(self, buf: FlatBuffer, active: list[bool]) -> list[tuple[int, int, int]]:
-        """(lo, hi, step) ranges of the shard to update, after counting this step.
-
-        torch.optim.AdamW skips a parameter without a gradient and counts
-        steps per parameter; so do we. In the common case (every parameter
-        stepped, equal counts) this is one range over the whole shard.
-        """
-        stepped = [slot for slot in buf.slots if active[slot.index]]
-        for slot in stepped:
-            slot.step += 1
-        if len(stepped) == len(buf.slots) and len({slot.step for slot in buf.slots}) == 1:
-            return [(0, buf.shard_numel, buf.slots[0].step)] if buf.slots else []
-        runs: list[tuple[int, int, int]] = []
-        for slot, lo, hi in buf.local_segments():
-            if not active[slot.index]:
-                continue
-            if runs and runs[-1][1] == lo and runs[-1][2] == slot.step:
-                runs[-1] = (runs[-1][0], hi, slot.step)
-            else:
-                runs.append((lo, hi, slot.step))
-        return runs
 
     # ------------------------------------------------------------------ checkpoints (workers/optim_state.py)
 
