@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-_LAZY = {"ZeRO1AdamW": "workers.optim", "DynamicLossScaler": "workers.optim"}
+_LAZY = {"ZeRO1AdamW": "workers.optim", "DynamicLossScaler": "workers.loss_scale"}
 
 
 def __getattr__(name: str) -> Any:

@@ -8,14 +8,14 @@ every rank's backward has produced FULL gradients of its micro-batch:
 3. cast:    the shard's fp32 master weights -> the model dtype
 4. gather:  every rank receives every shard: the full updated model again
 
-Layout. For each (param group, dtype) the parameters and their gradients live
-in one flat buffer of the model dtype, padded so that the N ranks own equal
-slices of a multiple of SHARD_ALIGNMENT_NUMEL elements; each parameter (and
-its .grad) is a view into it, so the collectives move whole buffers and no
-per-parameter copies happen. Rank r allocates fp32 state for its slice only:
-12 bytes per owned element in mixed precision (the master copy plus Adam's
-two moments), 8 in fp32, where the parameter's slice is its own master copy.
-That is the memory model's K·Ψ/N, byte for byte (workers/memory.py).
+ZeRO1AdamW's step() calls the beats in order and decides, between reduce and
+update, the global norm, the clip and whether to skip. The rooms it calls into:
+workers/flat.py lays parameters, gradients and state out in flat buffers cut
+into equal shards (K·Ψ/N bytes of state per rank); workers/comm.py moves them
+between the ranks (beats 1 and 4; workers/buckets.py for the p2p reduce; one
+rank moves nothing); workers/adamw.py updates and casts the shard (beats 2 and
+3); workers/optim_state.py writes and reads the checkpoint formats;
+workers/loss_scale.py scales fp16 losses.
 """
 
 from __future__ import annotations
@@ -23,49 +23,34 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-import weakref
-from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from workers import optim_state
+from workers.adamw import UPCAST_CHUNK_NUMEL, ShardAdamW, step_runs
+from workers.buckets import Bucket
+from workers.comm import (
+    GatherOp,
+    Ranks,
+    ReduceOp,
+    connect,
+    default_collectives,
+    register_grad_hooks,
+    resolve_collectives,
+)
+from workers.flat import FlatBuffer, allocated_bytes, build_buffers, shard_slices, state_bytes
 from workers.limits import DEFAULT_BUCKET_CAP_MB, MIN_BUCKET_CAP_MB
-from workers.memory import SHARD_ALIGNMENT_NUMEL, padded_numel
+from workers.loss_scale import DynamicLossScaler
+from workers.memory import SHARD_ALIGNMENT_NUMEL
 
-ReduceOp = Literal["auto", "p2p", "reduce_scatter", "all_reduce"]
-GatherOp = Literal["auto", "p2p", "all_gather", "all_reduce"]
+# the names other modules import from here, wherever they live now
+__all__ = ["UPCAST_CHUNK_NUMEL", "DynamicLossScaler", "ZeRO1AdamW", "decay_param_groups", "default_collectives"]
 
-SHARDED_FORMAT = "zero1.sharded.v1"
-CONSOLIDATED_FORMAT = "zero1.consolidated.v1"
-_STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 _CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
-# 16-bit gradients are upcast to fp32 this many elements at a time into one reused scratch: on a CPU
-# 64 Ki (256 KiB, it stays in cache; a full-size upcast costs ~5x the time, mostly in page faults);
-# on a GPU 4 Mi, few enough kernel launches
-UPCAST_CHUNK_NUMEL = {"cpu": 1 << 16, "cuda": 1 << 22}
-RECV_BUFFERS = 2  # receive buffers per dtype for p2p reduces in flight; a third bucket waits for one
-_GATHER_TAG = 1 << 20  # p2p tags: reduce buckets count from 0, gather chunks from here
-
-
-def default_collectives(backend: str) -> tuple[str, str]:
-    """(reduce, gather) collectives per backend, chosen by measurement.
-
-    NCCL's reduce-scatter and all-gather are bandwidth-optimal: together they
-    move exactly DDP's all-reduce volume. gloo's are not (on this project's
-    2-core machines, 25M fp32 elements on 2 ranks: reduce_scatter_tensor 140 ms,
-    all_gather_into_tensor 105 ms, all_reduce 97 ms), but its point-to-point
-    sends are: "p2p" sends each peer its slice and sums what the peers send for
-    its own (43 ms), and sends its updated slice to every peer (35 ms). The same
-    sends, bucket by bucket, can overlap the backward pass (overlap_comm).
-    benchmarks/optimizer.py prints the figures.
-    """
-    if backend == "nccl":
-        return "reduce_scatter", "all_gather"
-    return "p2p", "p2p"
 
 
 def decay_param_groups(
@@ -81,120 +66,6 @@ def decay_param_groups(
         {"params": [(n, p) for n, p in named if p.dim() < 2], "weight_decay": 0.0},
     ]
     return [g for g in groups if g["params"]]
-
-
-@dataclass(kw_only=True, slots=True)
-class DynamicLossScaler:
-    """fp16 loss scaling: halve on overflow, grow after `growth_interval` clean steps."""
-
-    scale: float = 2.0**16
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
-    min_scale: float = 1.0
-    clean_steps: int = 0
-
-    def __post_init__(self) -> None:
-        if not (self.min_scale > 0 and self.scale >= self.min_scale):
-            raise ValueError(f"loss scale ({self.scale}) must be >= min_scale ({self.min_scale}) > 0")
-        if self.growth_factor <= 1 or not 0 < self.backoff_factor < 1 or self.growth_interval < 1:
-            raise ValueError(
-                f"need growth_factor ({self.growth_factor}) > 1, 0 < backoff_factor ({self.backoff_factor}) < 1, "
-                f"growth_interval ({self.growth_interval}) >= 1"
-            )
-
-    def update(self, *, overflow: bool) -> None:
-        if overflow:
-            if self.scale <= self.min_scale:
-                raise FloatingPointError(
-                    f"fp16 gradients overflow even at the minimum loss scale ({self.min_scale}): "
-                    "the loss or the gradients are inf/nan; lower the learning rate or use bf16"
-                )
-            self.scale = max(self.scale * self.backoff_factor, self.min_scale)
-            self.clean_steps = 0
-            return
-        self.clean_steps += 1
-        if self.clean_steps >= self.growth_interval:
-            self.scale *= self.growth_factor
-            self.clean_steps = 0
-
-    def state_dict(self) -> dict[str, float | int]:
-        return {"scale": self.scale, "clean_steps": self.clean_steps}
-
-    def load_state_dict(self, state: dict[str, float | int]) -> None:
-        self.scale, self.clean_steps = float(state["scale"]), int(state["clean_steps"])
-
-
-@dataclass(kw_only=True, slots=True, eq=False)
-class _Slot:
-    """One parameter inside a flat buffer."""
-
-    name: str
-    param: Tensor
-    index: int  # position in the optimizer's flags vector
-    offset: int  # first element in the flat buffer
-    numel: int
-    shape: tuple[int, ...]
-    step: int = 0  # AdamW's step count, per parameter as in torch.optim.AdamW
-
-
-@dataclass(kw_only=True, slots=True)
-class _FlatBuffer:
-    """The parameters of one (group, dtype) and this rank's slice of their state."""
-
-    group_index: int
-    slots: list[_Slot]
-    numel: int
-    shard_numel: int  # S: elements each rank owns, padding included
-    rank: int
-    params: Tensor  # (N*S,) model dtype; every parameter is a view into it
-    grads: Tensor  # (N*S,) model dtype; every .grad is a view into it
-    state: dict[str, Tensor]  # master / exp_avg / exp_avg_sq, each (S,) fp32
-    grad_shard: Tensor | None = None  # (S,) this step's averaged gradient slice
-
-    @property
-    def start(self) -> int:
-        return self.rank * self.shard_numel
-
-    @property
-    def owned_numel(self) -> int:
-        """Elements of the shard that are real parameters, not padding."""
-        return max(0, min(self.shard_numel, self.numel - self.start))
-
-    def param_shard(self) -> Tensor:
-        return self.params[self.start : self.start + self.shard_numel]
-
-    def local_segments(self) -> list[tuple[_Slot, int, int]]:
-        """(slot, lo, hi): the part of each parameter inside this shard, in shard coordinates."""
-        out = []
-        for slot in self.slots:
-            lo = max(slot.offset, self.start) - self.start
-            hi = min(slot.offset + slot.numel, self.start + self.shard_numel) - self.start
-            if lo < hi:
-                out.append((slot, lo, hi))
-        return out
-
-
-@dataclass(kw_only=True, slots=True, eq=False)
-class _Bucket:
-    """A run of whole parameters of one flat buffer, reduced by point-to-point sends:
-    each rank sends every peer the part of the bucket the peer owns and receives,
-    from every peer, the part it owns itself."""
-
-    tag: int  # its place in the launch order, the same on every rank
-    buf: _FlatBuffer
-    lo: int  # flat-buffer coordinates
-    hi: int
-    num_slots: int
-    ready: int = 0  # parameters whose gradient of this backward has arrived
-    launched: bool = False
-    works: list[Any] = field(default_factory=list)
-    received: Tensor | None = None  # (N-1, owned part) the peers' gradients of this rank's part
-    storage: Tensor | None = None  # the pooled receive buffer `received` is a view of
-
-    def owned(self) -> tuple[int, int]:
-        """The part of the bucket in this rank's shard, in flat-buffer coordinates (may be empty)."""
-        return max(self.lo, self.buf.start), min(self.hi, self.buf.start + self.buf.shard_numel)
 
 
 class ZeRO1AdamW(torch.optim.Optimizer):
@@ -273,163 +144,56 @@ class ZeRO1AdamW(torch.optim.Optimizer):
             _check_hyperparameters(**{k: group[k] for k in ("lr", "betas", "eps", "weight_decay")})
 
         self.process_group = process_group
-        distributed = process_group is not None or (dist.is_available() and dist.is_initialized())
-        self.world_size = dist.get_world_size(process_group) if distributed else 1
-        self.rank = dist.get_rank(process_group) if distributed else 0
-        backend = dist.get_backend(process_group) if distributed else "none"
-        reduce_auto, gather_auto = default_collectives(backend)
-        if overlap_comm or overlap_gather:
-            reduce_auto, gather_auto = "p2p", "p2p"
-        self.reduce_op = reduce_auto if reduce_op == "auto" else reduce_op
-        self.gather_op = gather_auto if gather_op == "auto" else gather_op
-        p2p = (self.reduce_op, self.gather_op) == ("p2p", "p2p")
-        for flag, value in (("overlap_comm", overlap_comm), ("overlap_gather", overlap_gather)):
-            if value and not p2p:
-                raise ValueError(
-                    f"{flag} needs reduce_op and gather_op 'p2p' (or 'auto'), got {self.reduce_op!r} / {self.gather_op!r}"
-                )
-        self.overlap_comm = self.world_size > 1 and overlap_comm
-        self.overlap_gather = self.world_size > 1 and overlap_gather
+        ranks = Ranks.of(process_group)
+        self.world_size, self.rank = ranks.world_size, ranks.rank
+        self.reduce_op, self.gather_op = resolve_collectives(
+            ranks.backend, reduce_op=reduce_op, gather_op=gather_op, overlap_comm=overlap_comm,
+            overlap_gather=overlap_gather,
+        )  # fmt: skip
         self.bucket_cap_mb = bucket_cap_mb
-        self._nccl = backend == "nccl"
-        # NCCL's reduce-scatter averages natively; elsewhere sum and fold 1/N into the update's grad scale
-        self._reduce_avg = self._nccl and self.reduce_op == "reduce_scatter"
-        self._peers = [r for r in range(self.world_size) if r != self.rank]
         self.max_grad_norm = max_grad_norm
         self.alignment_numel = alignment_numel
 
-        self._buffers = self._build_buffers()
+        self._buffers = build_buffers(
+            self.param_groups, world_size=self.world_size, rank=self.rank, alignment_numel=alignment_numel
+        )
         self._slots = [slot for buf in self._buffers for slot in buf.slots]
         self.device = self._slots[0].param.device if self._slots else torch.device("cpu")
         model_dtypes = {slot.param.dtype for slot in self._slots}
         if loss_scaler == "auto":
             loss_scaler = DynamicLossScaler() if torch.float16 in model_dtypes else None
         self.loss_scaler = loss_scaler
-        self._had_grad = [False] * len(self._slots)
-        self._buckets = self._build_buckets()
-        self._bucket_of = [self._buckets[0]] * len(self._slots) if self._buckets else []
-        for bucket in self._buckets:
-            for slot in bucket.buf.slots:
-                if bucket.lo <= slot.offset < bucket.hi:
-                    self._bucket_of[slot.index] = bucket
-        self._counted = [False] * len(self._slots)  # gradient arrived in this sync window
-        self._next_launch = 0  # buckets go in order, the same on every rank
+        self._comm = connect(
+            ranks, self._buffers, reduce_op=self.reduce_op, gather_op=self.gather_op, overlap_comm=overlap_comm,
+            overlap_gather=overlap_gather, bucket_cap_mb=bucket_cap_mb,
+        )  # fmt: skip
+        self._had_grad = [False] * len(self._slots)  # this rank's parameters with a gradient since the last step
         self._sync = True  # False inside no_sync()
-        self._scratch: Tensor | None = None  # fp32 upcast of a 16-bit gradient chunk
-        self._upcast_chunk = UPCAST_CHUNK_NUMEL.get(self.device.type, UPCAST_CHUNK_NUMEL["cuda"])
-        self._in_flight: deque[_Bucket] = deque()  # launched buckets, oldest first
-        self._recv_free: dict[torch.dtype, list[Tensor]] = {}  # pooled receive buffers not in use
-        self._recv_count: dict[torch.dtype, int] = {}  # pooled receive buffers allocated
-        hooks = [slot.param.register_post_accumulate_grad_hook(self._grad_marker(slot.index)) for slot in self._slots]
-        # the hooks live on the parameters: remove them when the optimizer goes, so none keeps it alive
-        weakref.finalize(self, lambda: [hook.remove() for hook in hooks])
+        register_grad_hooks(self._slots, self._on_grad)
+        self._adamw = ShardAdamW(self.device)
         self.grad_norm: float | None = None
         self.skipped = False
         self.record_phase_times = record_phase_times
         self.phase_times_s: dict[str, float] = {}
         # every rank starts from the same model: each takes the others' shards of it
-        self._gather_params()
+        self._comm.gather_params()
 
-    # ------------------------------------------------------------------ set-up
+    @property
+    def overlap_comm(self) -> bool:
+        """Whether backward sends the gradient buckets (never with one rank: nothing to send)."""
+        return self._comm.overlap_comm
 
-    def _build_buffers(self) -> list[_FlatBuffer]:
-        buffers, index = [], 0
-        for group_index, group in enumerate(self.param_groups):
-            names = group.get("param_names") or [f"group{group_index}.{i}" for i in range(len(group["params"]))]
-            by_dtype: dict[torch.dtype, list[tuple[str, Tensor]]] = {}
-            for name, param in zip(names, group["params"]):
-                if param.requires_grad:
-                    by_dtype.setdefault(param.dtype, []).append((name, param))
-            for named in by_dtype.values():
-                buffers.append(self._flat_buffer(group_index, named, first_index=index))
-                index += len(named)
-        devices = {slot.param.device for buf in buffers for slot in buf.slots}
-        if len(devices) > 1:
-            raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
-        return buffers
-
-    def _flat_buffer(self, group_index: int, named: list[tuple[str, Tensor]], *, first_index: int) -> _FlatBuffer:
-        dtype, device = named[0][1].dtype, named[0][1].device
-        slots, offset = [], 0
-        for i, (name, param) in enumerate(named):
-            slots.append(
-                _Slot(name=name, param=param, index=first_index + i, offset=offset, numel=param.numel(),
-                      shape=tuple(param.shape))
-            )
-            offset += param.numel()
-        total = padded_numel(offset, num_gpus=self.world_size, alignment_numel=self.alignment_numel)
-        shard = total // self.world_size
-        params = torch.zeros(total, dtype=dtype, device=device)
-        grads = torch.zeros(total, dtype=dtype, device=device)
-        for slot in slots:
-            view = slice(slot.offset, slot.offset + slot.numel)
-            params[view].copy_(slot.param.detach().reshape(-1))
-            if slot.param.grad is not None:
-                grads[view].copy_(slot.param.grad.reshape(-1))
-            slot.param.data = params[view].view(slot.shape)
-            slot.param.grad = grads[view].view(slot.shape)
-        buf = _FlatBuffer(
-            group_index=group_index, slots=slots, numel=offset, shard_numel=shard, rank=self.rank,
-            params=params, grads=grads, state={},
-        )
-        mixed = dtype != torch.float32
-        if mixed:  # an fp32 model's own shard is its master copy
-            buf.state["master"] = buf.param_shard().float()
-        buf.state["exp_avg"] = torch.zeros(shard, dtype=torch.float32, device=device)
-        buf.state["exp_avg_sq"] = torch.zeros(shard, dtype=torch.float32, device=device)
-        return buf
-
-    def _build_buckets(self) -> list[_Bucket]:
-        """Buckets of whole parameters, at most bucket_cap_mb each (a larger parameter is one
-        bucket), each buffer from its end: the order in which backward produces gradients."""
-        if self.reduce_op != "p2p" or self.world_size == 1:
-            return []
-        buckets: list[_Bucket] = []
-        for buf in self._buffers:
-            cap = max(1, int(self.bucket_cap_mb * 2**20) // buf.grads.element_size())
-            lo, hi, count = 0, None, 0
-            for slot in reversed(buf.slots):
-                if hi is not None and hi - slot.offset > cap:
-                    buckets.append(_Bucket(tag=len(buckets), buf=buf, lo=lo, hi=hi, num_slots=count))
-                    hi = None
-                if hi is None:
-                    hi, count = slot.offset + slot.numel, 0
-                lo, count = slot.offset, count + 1
-            if hi is not None:
-                buckets.append(_Bucket(tag=len(buckets), buf=buf, lo=lo, hi=hi, num_slots=count))
-        return buckets
-
-    def _grad_marker(self, index: int):
-        optimizer = weakref.ref(self)
-
-        def mark(_: Tensor) -> None:
-            if (alive := optimizer()) is not None:
-                alive._on_grad(index)
-
-        return mark
+    @property
+    def overlap_gather(self) -> bool:
+        """Whether the update sends each slice as it finishes it (never with one rank)."""
+        return self._comm.overlap_gather
 
     def _on_grad(self, index: int) -> None:
-        """A parameter's gradient of this backward is complete: count it; send what is ready."""
+        """A parameter's gradient of this backward is complete: note it; outside no_sync() the
+        communication counts it and sends what is ready."""
         self._had_grad[index] = True
-        if not (self.overlap_comm and self._sync):
-            return
-        bucket = self._bucket_of[index]
-        if self._counted[index]:
-            if bucket.launched:
-                raise RuntimeError(
-                    f"a second gradient of {self._slots[index].name} arrived after its bucket was sent: "
-                    "with overlap_comm, call step() after each backward(), or run the backward of every "
-                    "micro-batch but the last under optimizer.no_sync()"
-                )
-            return
-        self._counted[index] = True
-        bucket.ready += 1
-        while self._next_launch < len(self._buckets):
-            bucket = self._buckets[self._next_launch]
-            if bucket.ready < bucket.num_slots:
-                break
-            self._launch_reduce(bucket)
-            self._next_launch += 1
+        if self._sync:
+            self._comm.grad_ready(index)
 
     # ------------------------------------------------------------------ public API
 
@@ -442,8 +206,8 @@ class ZeRO1AdamW(torch.optim.Optimizer):
         return 1.0 if self.loss_scaler is None else self.loss_scaler.scale
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 - see class docstring
-        self._finish_reduces()  # a bucket sent without a step(): let its sends end before zeroing
-        self._reset_buckets()
+        self._comm.finish_reduces()  # a bucket sent without a step(): let its sends end before zeroing
+        self._comm.reset()
         for buf in self._buffers:
             buf.grads.zero_()
 
@@ -461,11 +225,7 @@ class ZeRO1AdamW(torch.optim.Optimizer):
         """Bytes this rank allocates for model states: the flat parameter and gradient
         buffers and its shard of the optimizer state (the plan's params + grads +
         optimizer + padding)."""
-        return sum(
-            t.numel() * t.element_size()
-            for buf in self._buffers
-            for t in (buf.params, buf.grads, *buf.state.values())
-        )
+        return allocated_bytes(self._buffers)
 
     def memory_bytes(self) -> dict[str, int]:
         """This rank's optimizer-state bytes by kind, measured from its tensors.
@@ -475,15 +235,7 @@ class ZeRO1AdamW(torch.optim.Optimizer):
         gradient buffers. The total is the same on every rank and equals the
         memory model's optimizer_bytes + padding_bytes for this layout.
         """
-        out = dict.fromkeys((*_STATE_KINDS, "padding"), 0)
-        for buf in self._buffers:
-            for kind, tensor in buf.state.items():
-                used = buf.owned_numel * tensor.element_size()
-                out[kind] += used
-                out["padding"] += tensor.numel() * tensor.element_size() - used
-            unused = buf.params.numel() - buf.numel
-            out["padding"] += unused * (buf.params.element_size() + buf.grads.element_size())
-        return out
+        return state_bytes(self._buffers)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -494,7 +246,7 @@ class ZeRO1AdamW(torch.optim.Optimizer):
                 loss = closure()
         scale = self.loss_scale
         clock = self._clock()
-        self._reduce_gradients()
+        self._comm.reduce_gradients()  # 1. reduce: each buffer's grad_shard (S,) sums the ranks' gradients
         grad_norm, active = self._global_grad_stats(scale)
         clock("reduce")
         # the norm comes from one all-reduce, so every rank holds the same value and skips, or
@@ -507,9 +259,12 @@ class ZeRO1AdamW(torch.optim.Optimizer):
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow=overflow)
         if not self.skipped:
-            self._update_and_gather(grad_norm=grad_norm, scale=scale, active=active, clock=clock)
+            self._update(grad_norm=grad_norm, scale=scale, active=active)  # 2. update and 3. cast
+            clock("update")
+            self._comm.gather_updated()  # 4. gather: every rank receives every updated shard
+            clock("gather")
         self._had_grad = [False] * len(self._slots)
-        self._reset_buckets()
+        self._comm.reset()
         for buf in self._buffers:
             buf.grad_shard = None
         return loss
@@ -531,107 +286,7 @@ class ZeRO1AdamW(torch.optim.Optimizer):
 
         return clock
 
-    # ------------------------------------------------------------------ the four beats
-
-    def _reduce_gradients(self) -> None:
-        if self._buckets:
-            # buckets backward did not complete (overlap off, or a parameter without a gradient
-            # here) go now, in order; then every rank's own part is summed
-            for bucket in self._buckets[self._next_launch :]:
-                self._launch_reduce(bucket)
-            self._next_launch = len(self._buckets)
-            self._finish_reduces()
-        for buf in self._buffers:
-            shard = slice(buf.start, buf.start + buf.shard_numel)
-            if self.world_size == 1 or self.reduce_op == "p2p":
-                buf.grad_shard = buf.grads[shard]
-            elif self.reduce_op == "all_reduce":
-                # all-reduce: flat grad (N*S,) summed on every rank; this rank reads its (S,)
-                dist.all_reduce(buf.grads, op=self._reduce_op(), group=self.process_group)
-                buf.grad_shard = buf.grads[shard]
-            else:
-                # reduce-scatter: flat grad (N*S,) -> own shard (S,); in place where NCCL allows
-                out = buf.grads[shard] if self._reduce_avg else torch.empty_like(buf.grads[shard])
-                dist.reduce_scatter_single(out, buf.grads, op=self._reduce_op(), group=self.process_group)
-                buf.grad_shard = out
-
-    def _launch_reduce(self, bucket: _Bucket) -> None:
-        """Send each peer its part of the bucket; post receives of the peers' gradients of mine."""
-        buf, ops = bucket.buf, []
-        lo, hi = bucket.owned()
-        if lo < hi:
-            bucket.storage = self._recv_buffer(buf.grads, (len(self._peers)) * (hi - lo))
-            bucket.received = bucket.storage[: len(self._peers) * (hi - lo)].view(len(self._peers), hi - lo)
-            ops += [self._p2p(dist.irecv, bucket.received[k], peer, bucket.tag) for k, peer in enumerate(self._peers)]
-        for peer in self._peers:
-            a = max(bucket.lo, peer * buf.shard_numel)
-            b = min(bucket.hi, (peer + 1) * buf.shard_numel)
-            if a < b:
-                ops.append(self._p2p(dist.isend, buf.grads[a:b], peer, bucket.tag))
-        bucket.works = dist.batch_isend_irecv(ops) if ops else []
-        bucket.launched = True
-        self._in_flight.append(bucket)
-
-    def _recv_buffer(self, like: Tensor, numel: int) -> Tensor:
-        """A pooled receive buffer of at least `numel` elements. At most RECV_BUFFERS per dtype
-        exist: reused, not allocated per step (fresh memory costs page faults on every step);
-        when all are in use the oldest bucket in flight is finished first."""
-        free = self._recv_free.setdefault(like.dtype, [])
-        while not free and self._recv_count.get(like.dtype, 0) >= RECV_BUFFERS and self._in_flight:
-            self._finish_oldest()
-        if free:
-            buffer = free.pop()
-            if buffer.numel() >= numel:
-                return buffer
-        else:
-            self._recv_count[like.dtype] = self._recv_count.get(like.dtype, 0) + 1
-        return torch.empty(numel, dtype=like.dtype, device=like.device)  # (re)allocated at the largest size
-
-    def _p2p(self, op, tensor: Tensor, peer: int, tag: int) -> dist.P2POp:
-        if self.process_group is not None:
-            peer = dist.get_global_rank(self.process_group, peer)
-        return dist.P2POp(op, tensor, peer, self.process_group, tag)
-
-    def _finish_reduces(self) -> None:
-        """Wait for every launched bucket and sum the gradients of this rank's parts."""
-        while self._in_flight:
-            self._finish_oldest()
-
-    def _finish_oldest(self) -> None:
-        """Wait for the oldest bucket in flight and sum, in place, the gradients of this rank's part.
-
-        The sum is g_0 + g_1 + ... + g_{N-1} folded left in rank order on every owner, however
-        the buckets were cut or timed: overlap on or off gives the same bits."""
-        bucket = self._in_flight.popleft()
-        for work in bucket.works:
-            work.wait()
-        bucket.works = []
-        if bucket.received is None:
-            return
-        lo, hi = bucket.owned()
-        mine, peers = bucket.buf.grads[lo:hi], dict(zip(self._peers, bucket.received))
-        if self.rank > 0:
-            before = peers[0]
-            for r in range(1, self.rank):
-                before.add_(peers[r])
-            mine.add_(before)  # (g_0 + ... + g_{r-1}) + g_r: addition commutes exactly
-        for r in range(self.rank + 1, self.world_size):
-            mine.add_(peers[r])
-        self._recv_free[bucket.storage.dtype].append(bucket.storage)
-        bucket.received = bucket.storage = None
-
-    def _reset_buckets(self) -> None:
-        assert not self._in_flight, "reset with reduces in flight"
-        for bucket in self._buckets:
-            bucket.ready, bucket.launched = 0, False
-        self._counted = [False] * len(self._slots)
-        self._next_launch = 0
-
-    def _reduce_op(self) -> dist.ReduceOp:
-        return dist.ReduceOp.AVG if self._reduce_avg else dist.ReduceOp.SUM
-
-    def _grad_divisor(self) -> float:
-        return 1.0 if self._reduce_avg or self.world_size == 1 else float(self.world_size)
+    # ------------------------------------------------------------------ the norm and the update
 
     def _global_grad_stats(self, scale: float) -> tuple[float, list[bool]]:
         """Global gradient norm (unscaled, averaged) and which parameters had a gradient
@@ -639,209 +294,53 @@ class ZeRO1AdamW(torch.optim.Optimizer):
         summing whole shards sums the owned elements only."""
         stats = torch.zeros(1 + len(self._slots), dtype=torch.float32, device=self.device)
         for buf in self._buffers:
-            stats[0] += self._sum_of_squares(buf.grad_shard)
+            stats[0] += self._adamw.sum_of_squares(buf.grad_shard)
         stats[1:] = torch.tensor(self._had_grad, dtype=torch.float32)
-        if self.world_size > 1:
-            dist.all_reduce(stats, group=self.process_group)
+        self._comm.all_reduce(stats)
         values = stats.tolist()  # the one host sync of a step
-        grad_norm = math.sqrt(values[0]) / (self._grad_divisor() * scale)  # inf and nan pass through
+        grad_norm = math.sqrt(values[0]) / (self._comm.grad_divisor * scale)  # inf and nan pass through
         return grad_norm, [flag > 0 for flag in values[1:]]
 
-    def _sum_of_squares(self, grad: Tensor) -> Tensor:
-        """Σ g² in fp32. A 16-bit gradient is upcast a chunk at a time into the scratch on a CPU
-        (vector_norm(dtype=float32) there takes ~5x as long); on a GPU vector_norm upcasts as it reads."""
-        if grad.dtype == torch.float32 or self.device.type != "cpu":
-            return torch.linalg.vector_norm(grad, dtype=torch.float32).square()
-        total = torch.zeros((), dtype=torch.float32, device=grad.device)
-        scratch = self._upcast_scratch()
-        for a in range(0, grad.numel(), self._upcast_chunk):
-            chunk = scratch[: min(self._upcast_chunk, grad.numel() - a)].copy_(grad[a : a + self._upcast_chunk])
-            total += torch.dot(chunk, chunk)
-        return total
-
-    def _upcast_scratch(self) -> Tensor:
-        if self._scratch is None:
-            self._scratch = torch.empty(self._upcast_chunk, dtype=torch.float32, device=self.device)
-        return self._scratch
-
-    def _update_and_gather(self, *, grad_norm: float, scale: float, active: list[bool], clock) -> None:
-        """AdamW on this rank's shard, cast, gather. With overlap_gather each slice of the shard
-        is sent to the peers as soon as it is updated, while the next slice updates."""
+    def _update(self, *, grad_norm: float, scale: float, active: list[bool]) -> None:
+        """AdamW on this rank's shard and the cast, slice by slice; with overlap_gather each
+        slice is sent to the peers as soon as it is updated, while the next slice updates."""
         clip = 1.0
         if self.max_grad_norm is not None:
             clip = min(1.0, self.max_grad_norm / (grad_norm + _CLIP_EPS))
         # the kernel divides each gradient by this: sum -> mean, unscale, clip, in one pass
-        grad_scale = torch.tensor(self._grad_divisor() * scale / clip, dtype=torch.float32, device=self.device)
-        works: list[Any] = []
+        grad_scale = torch.tensor(self._comm.grad_divisor * scale / clip, dtype=torch.float32, device=self.device)
         for b, buf in enumerate(self._buffers):
-            runs = self._runs(buf, active)
+            runs = step_runs(buf, active)
+            group = self.param_groups[buf.group_index]
             for i, (lo, hi) in enumerate(self._gather_slices(buf)):
-                self._update_slice(buf, runs, lo, hi, grad_scale=grad_scale)
-                if self.overlap_gather:
-                    works += self._launch_gather(buf, lo, hi, tag=self._gather_tag(b, i))
-        clock("update")
-        if self.overlap_gather:
-            for work in works:
-                work.wait()
-        else:
-            self._gather_params()
-        clock("gather")
+                self._adamw.update_slice(buf, group, runs, lo, hi, grad_scale=grad_scale)
+                self._comm.slice_updated(b, i, lo, hi)
 
-    def _gather_slices(self, buf: _FlatBuffer) -> list[tuple[int, int]]:
-        """The shard in slices (shard coordinates), the same on every rank: about eight, each
-        at most a bucket. The update runs slice by slice whether or not the gather overlaps it:
-        the fused kernel's results depend (in the last bit) on where a call starts, so both
-        modes cut the shard at the same places."""
-        size = buf.shard_numel
-        cap = max(1, int(self.bucket_cap_mb * 2**20) // buf.params.element_size())
-        step = max(min(cap, -(-size // 8)), min(cap, 1 << 16))  # no slice below 64 Ki elements unless the cap is
-        return [(lo, min(lo + step, size)) for lo in range(0, size, step)]
+    def _gather_slices(self, buf: FlatBuffer) -> list[tuple[int, int]]:
+        return shard_slices(buf, bucket_cap_mb=self.bucket_cap_mb)
 
-    def _update_slice(self, buf: _FlatBuffer, runs: list[tuple[int, int, int]], lo: int, hi: int, *,
-                      grad_scale: Tensor) -> None:  # fmt: skip
-        """The fused AdamW kernel over [lo, hi) of the shard, then the cast to the model dtype."""
-        group = self.param_groups[buf.group_index]
-        master = buf.state.get("master", buf.param_shard())
-        grad = buf.grad_shard
-        upcast = grad.dtype != torch.float32
-        for run_lo, run_hi, step in runs:
-            run_lo, run_hi = max(run_lo, lo), min(run_hi, hi)
-            if run_lo >= run_hi:
-                continue
-            step_t = torch.tensor(float(step), dtype=torch.float32, device=self.device)
-            # the fused kernel wants one dtype: a 16-bit gradient is upcast a cache-sized chunk at a
-            # time into one reused scratch, so the update makes no full-size temporary
-            chunk = self._upcast_chunk if upcast else run_hi - run_lo
-            for a in range(run_lo, run_hi, chunk):
-                b = min(a + chunk, run_hi)
-                g = self._upcast_scratch()[: b - a].copy_(grad[a:b]) if upcast else grad[a:b]
-                torch._fused_adamw_(
-                    [master[a:b]], [g], [buf.state["exp_avg"][a:b]], [buf.state["exp_avg_sq"][a:b]], [], [step_t],
-                    lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
-                    weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=False,
-                    grad_scale=grad_scale, found_inf=None,
-                )  # fmt: skip
-        if "master" in buf.state:
-            buf.param_shard()[lo:hi].copy_(buf.state["master"][lo:hi])  # cast: fp32 shard -> model dtype
-
-    def _launch_gather(self, buf: _FlatBuffer, lo: int, hi: int, *, tag: int) -> list[Any]:
-        """Send slice [lo, hi) of this rank's shard to every peer; receive the same slice of theirs."""
-        size, ops = buf.shard_numel, []
-        for peer in self._peers:
-            ops.append(self._p2p(dist.irecv, buf.params[peer * size + lo : peer * size + hi], peer, tag))
-            ops.append(self._p2p(dist.isend, buf.params[buf.start + lo : buf.start + hi], peer, tag))
-        return dist.batch_isend_irecv(ops) if ops else []
-
-    @staticmethod
-    def _gather_tag(buffer_index: int, slice_index: int) -> int:
-        return _GATHER_TAG + (buffer_index << 12) + slice_index
-
-    def _runs(self, buf: _FlatBuffer, active: list[bool]) -> list[tuple[int, int, int]]:
-        """(lo, hi, step) ranges of the shard to update, after counting this step.
-
-        torch.optim.AdamW skips a parameter without a gradient and counts
-        steps per parameter; so do we. In the common case (every parameter
-        stepped, equal counts) this is one range over the whole shard.
-        """
-        stepped = [slot for slot in buf.slots if active[slot.index]]
-        for slot in stepped:
-            slot.step += 1
-        if len(stepped) == len(buf.slots) and len({slot.step for slot in buf.slots}) == 1:
-            return [(0, buf.shard_numel, buf.slots[0].step)] if buf.slots else []
-        runs: list[tuple[int, int, int]] = []
-        for slot, lo, hi in buf.local_segments():
-            if not active[slot.index]:
-                continue
-            if runs and runs[-1][1] == lo and runs[-1][2] == slot.step:
-                runs[-1] = (runs[-1][0], hi, slot.step)
-            else:
-                runs.append((lo, hi, slot.step))
-        return runs
-
-    def _gather_params(self) -> None:
-        if self.world_size == 1:
-            return
-        works = []
-        for b, buf in enumerate(self._buffers):
-            shard = buf.param_shard()
-            if self.gather_op == "p2p":
-                # every rank sends its updated slice to every peer, straight into their flat buffers
-                works += self._launch_gather(buf, 0, buf.shard_numel, tag=self._gather_tag(b, 0))
-            elif self.gather_op == "all_gather":
-                # all-gather: own shard (S,) -> flat params (N*S,) on every rank
-                source = shard if self._nccl else shard.clone()  # in place only on NCCL
-                dist.all_gather_single(buf.params, source, group=self.process_group)
-            else:
-                # all-reduce of buffers that are zero outside each rank's shard: x + 0 is exact
-                buf.params[: buf.start].zero_()
-                buf.params[buf.start + buf.shard_numel :].zero_()
-                dist.all_reduce(buf.params, group=self.process_group)
-        for work in works:
-            work.wait()
-
-    # ------------------------------------------------------------------ checkpoints
+    # ------------------------------------------------------------------ checkpoints (workers/optim_state.py)
 
     def nonfinite_state_numel(self) -> dict[str, int]:
         """nan or inf elements of the fp32 state (master, exp_avg, exp_avg_sq) over all ranks, by
         kind: one all-reduce of three counts, so every rank gets the same answer. Every rank must
         call it. A full pass over the shard: once per checkpoint, not per step."""
-        counts = torch.zeros(len(_STATE_KINDS), dtype=torch.int64, device=self.device)
-        for buf in self._buffers:
-            for i, kind in enumerate(_STATE_KINDS):
-                counts[i] += torch.isfinite(self._state(buf, kind)).logical_not().sum()
-        if self.world_size > 1:
-            dist.all_reduce(counts, group=self.process_group)
-        return dict(zip(_STATE_KINDS, counts.tolist()))
+        return optim_state.nonfinite_state_numel(self._buffers, self._comm, device=self.device)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard (owned elements only, padding is never saved) and its layout."""
-        return {
-            "format": SHARDED_FORMAT,
-            "world_size": self.world_size,
-            "rank": self.rank,
-            "alignment_numel": self.alignment_numel,
-            "param_groups": self._hyperparameters(),
-            "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict(),
-            "buffers": [
-                {
-                    "group": buf.group_index,
-                    "dtype": str(buf.params.dtype),
-                    "numel": buf.numel,
-                    "shard_numel": buf.shard_numel,
-                    "params": [
-                        {"name": s.name, "offset": s.offset, "numel": s.numel, "shape": s.shape, "step": s.step}
-                        for s in buf.slots
-                    ],
-                    **{kind: self._state(buf, kind)[: buf.owned_numel].clone() for kind in _STATE_KINDS},
-                }
-                for buf in self._buffers
-            ],
-        }
+        return optim_state.sharded_state_dict(
+            self._buffers, world_size=self.world_size, rank=self.rank, alignment_numel=self.alignment_numel,
+            param_groups=self.param_groups, loss_scaler=self._loss_scaler_state(),
+        )  # fmt: skip
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a shard saved by state_dict() at the same world size and rank."""
-        if state_dict.get("format") == CONSOLIDATED_FORMAT:
+        """Load a shard saved by state_dict() at the same world size and rank, or the consolidated form."""
+        if state_dict.get("format") == optim_state.CONSOLIDATED_FORMAT:
             return self.load_consolidated_state_dict(state_dict)
-        if state_dict.get("format") != SHARDED_FORMAT:
-            raise ValueError(f"not a zero1 optimizer checkpoint (format {state_dict.get('format')!r})")
-        saved = (state_dict["world_size"], state_dict["rank"], state_dict["alignment_numel"])
-        if saved != (self.world_size, self.rank, self.alignment_numel):
-            raise ValueError(
-                f"sharded checkpoint of rank {saved[1]} of {saved[0]} (alignment {saved[2]}) cannot load into "
-                f"rank {self.rank} of {self.world_size} (alignment {self.alignment_numel}); "
-                "load its consolidated form to change world size"
-            )
-        if len(state_dict["buffers"]) != len(self._buffers):
-            raise ValueError(f"checkpoint has {len(state_dict['buffers'])} flat buffers, optimizer has {len(self._buffers)}")
-        for buf, saved_buf in zip(self._buffers, state_dict["buffers"]):
-            layout = [(s.name, s.offset, s.numel, s.shape) for s in buf.slots]
-            saved_layout = [(p["name"], p["offset"], p["numel"], tuple(p["shape"])) for p in saved_buf["params"]]
-            if layout != saved_layout:
-                raise ValueError(f"parameter layout differs from the checkpoint's in group {buf.group_index}")
-            for slot, saved_param in zip(buf.slots, saved_buf["params"]):
-                slot.step = int(saved_param["step"])
-            for kind in _STATE_KINDS:
-                self._state(buf, kind)[: buf.owned_numel].copy_(saved_buf[kind])
+        optim_state.load_sharded_state(
+            self._buffers, state_dict, world_size=self.world_size, rank=self.rank, alignment_numel=self.alignment_numel
+        )
         self._load_common(state_dict)
 
     def consolidated_state_dict(self, *, dst: int = 0, chunk_numel: int = 1 << 22) -> dict[str, Any] | None:
@@ -850,98 +349,44 @@ class ZeRO1AdamW(torch.optim.Optimizer):
         elements per rank at a time. Every rank must call it."""
         if chunk_numel < 1:
             raise ValueError(f"chunk_numel must be >= 1, got {chunk_numel}")
-        keep = self.rank == dst
-        full = {
-            kind: [torch.empty(buf.numel, dtype=torch.float32) if keep else None for buf in self._buffers]
-            for kind in _STATE_KINDS
-        }
-        for i, buf in enumerate(self._buffers):
-            for kind in _STATE_KINDS:
-                self._gather_to_cpu(buf, self._state(buf, kind), full[kind][i], chunk_numel=chunk_numel)
-        if not keep:
-            return None
-        params = {
-            slot.name: {
-                **{
-                    kind: full[kind][i][slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
-                    for kind in _STATE_KINDS
-                },
-                "step": slot.step,
-            }
-            for i, buf in enumerate(self._buffers)
-            for slot in buf.slots
-        }
-        groups = [{**group, "params": []} for group in self._hyperparameters()]
-        for buf in self._buffers:
-            groups[buf.group_index]["params"] += [slot.name for slot in buf.slots]
-        return {
-            "format": CONSOLIDATED_FORMAT,
-            "param_groups": groups,
-            "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict(),
-            "params": params,
-        }
+        return optim_state.consolidated_state_dict(
+            self._buffers, self._comm, keep=self.rank == dst, chunk_numel=chunk_numel, param_groups=self.param_groups,
+            loss_scaler=self._loss_scaler_state(),
+        )  # fmt: skip
 
     def load_consolidated_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the consolidated form at any world size: each rank takes its slices."""
-        if state_dict.get("format") != CONSOLIDATED_FORMAT:
-            raise ValueError(f"not a consolidated zero1 checkpoint (format {state_dict.get('format')!r})")
-        saved = state_dict["params"]
-        missing = [s.name for s in self._slots if s.name not in saved]
-        if missing:
-            raise ValueError(f"checkpoint lacks parameters {missing[:5]} ({len(missing)} in all)")
-        for buf in self._buffers:
-            for slot, lo, hi in buf.local_segments():
-                entry = saved[slot.name]
-                if tuple(entry["master"].shape) != slot.shape:
-                    raise ValueError(
-                        f"{slot.name}: checkpoint shape {tuple(entry['master'].shape)} != parameter shape {slot.shape}"
-                    )
-                src = slice(buf.start + lo - slot.offset, buf.start + hi - slot.offset)
-                for kind in _STATE_KINDS:
-                    self._state(buf, kind)[lo:hi].copy_(entry[kind].reshape(-1)[src])
-            for slot in buf.slots:
-                slot.step = int(saved[slot.name]["step"])
+        optim_state.load_consolidated_state(self._buffers, self._slots, state_dict)
         self._load_common(state_dict)
 
     def _load_common(self, state_dict: dict[str, Any]) -> None:
-        groups = state_dict["param_groups"]
-        if len(groups) != len(self.param_groups):
-            raise ValueError(f"checkpoint has {len(groups)} param groups, optimizer has {len(self.param_groups)}")
-        for group, saved in zip(self.param_groups, groups):
-            group.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
+        optim_state.load_hyperparameters(self.param_groups, state_dict)
         if self.loss_scaler is not None and state_dict.get("loss_scaler"):
             self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
         for buf in self._buffers:
             if "master" in buf.state:
-                buf.param_shard().copy_(buf.state["master"])
-        self._gather_params()
+                buf.param_shard().copy_(buf.state["master"])  # cast: fp32 shard -> model dtype
+        self._comm.gather_params()
 
-    def _state(self, buf: _FlatBuffer, kind: str) -> Tensor:
-        return buf.param_shard() if kind == "master" and "master" not in buf.state else buf.state[kind]
+    def _loss_scaler_state(self) -> dict[str, float | int] | None:
+        return None if self.loss_scaler is None else self.loss_scaler.state_dict()
 
-    def _hyperparameters(self) -> list[dict[str, Any]]:
-        return [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in self.param_groups]
+    # ------------------------------------------------------------------ names tests and benchmarks read
 
-    def _gather_to_cpu(self, buf: _FlatBuffer, shard: Tensor, out: Tensor | None, *, chunk_numel: int) -> None:
-        """All ranks' (S,) shards -> out (numel,) on CPU, chunk by chunk; padding dropped.
-        Ranks with out=None take part in the collectives and keep nothing."""
-        size = buf.shard_numel
-        for lo in range(0, size, chunk_numel):
-            hi = min(lo + chunk_numel, size)
-            piece = shard[lo:hi].float().contiguous()
-            if self.world_size == 1:
-                pieces = piece.view(1, -1)
-            else:
-                pieces = torch.empty(self.world_size * (hi - lo), dtype=torch.float32, device=piece.device)
-                dist.all_gather_single(pieces, piece, group=self.process_group)
-                pieces = pieces.view(self.world_size, hi - lo)
-            if out is None:
-                continue
-            for rank in range(self.world_size):
-                first = rank * size + lo
-                last = min(rank * size + hi, buf.numel)
-                if first < last:
-                    out[first:last].copy_(pieces[rank, : last - first])
+    def _state(self, buf: FlatBuffer, kind: str) -> Tensor:
+        return buf.state_of(kind)
+
+    @property
+    def _buckets(self) -> list[Bucket]:
+        return self._comm.buckets
+
+    @property
+    def _bucket_of(self) -> list[Bucket]:
+        return self._comm.reducer.bucket_of
+
+    @property
+    def _next_launch(self) -> int:
+        return self._comm.reducer.next_launch
 
 
 def _check_hyperparameters(*, lr, betas, eps, weight_decay) -> None:

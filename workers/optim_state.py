@@ -1,0 +1,175 @@
+"""ZeRO1AdamW's checkpoint formats: its fp32 state to and from dictionaries that torch.save writes.
+
+Two formats. The sharded one (SHARDED_FORMAT) is one rank's shard, owned
+elements only, with the layout it was cut from: it loads at the same world
+size, rank and alignment. The consolidated one (CONSOLIDATED_FORMAT) is the
+whole state per parameter name, gathered to one rank: it loads at any world
+size. Each rank's state lives in the flat buffers of workers/flat.py; the
+gathers go through workers/comm.py, so one rank needs no process group.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from workers.comm import GroupComm, LocalComm
+from workers.flat import STATE_KINDS, FlatBuffer, Slot
+
+SHARDED_FORMAT = "zero1.sharded.v1"
+CONSOLIDATED_FORMAT = "zero1.consolidated.v1"
+
+
+def hyperparameters(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The param groups without their tensors: lr, betas, eps, weight_decay and whatever a scheduler added."""
+    return [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in param_groups]
+
+
+def sharded_state_dict(
+    buffers: list[FlatBuffer], *, world_size: int, rank: int, alignment_numel: int,
+    param_groups: list[dict[str, Any]], loss_scaler: dict[str, float | int] | None,
+) -> dict[str, Any]:  # fmt: skip
+    """This rank's shard (owned elements only, padding is never saved) and its layout."""
+    return {
+        "format": SHARDED_FORMAT,
+        "world_size": world_size,
+        "rank": rank,
+        "alignment_numel": alignment_numel,
+        "param_groups": hyperparameters(param_groups),
+        "loss_scaler": loss_scaler,
+        "buffers": [
+            {
+                "group": buf.group_index,
+                "dtype": str(buf.params.dtype),
+                "numel": buf.numel,
+                "shard_numel": buf.shard_numel,
+                "params": [
+                    {"name": s.name, "offset": s.offset, "numel": s.numel, "shape": s.shape, "step": s.step}
+                    for s in buf.slots
+                ],
+                **{kind: buf.state_of(kind)[: buf.owned_numel].clone() for kind in STATE_KINDS},
+            }
+            for buf in buffers
+        ],
+    }
+
+
+def load_sharded_state(
+    buffers: list[FlatBuffer], state_dict: dict[str, Any], *, world_size: int, rank: int, alignment_numel: int
+) -> None:
+    """Steps and state of a shard saved by sharded_state_dict() at the same world size and rank."""
+    if state_dict.get("format") != SHARDED_FORMAT:
+        raise ValueError(f"not a zero1 optimizer checkpoint (format {state_dict.get('format')!r})")
+    saved = (state_dict["world_size"], state_dict["rank"], state_dict["alignment_numel"])
+    if saved != (world_size, rank, alignment_numel):
+        raise ValueError(
+            f"sharded checkpoint of rank {saved[1]} of {saved[0]} (alignment {saved[2]}) cannot load into "
+            f"rank {rank} of {world_size} (alignment {alignment_numel}); "
+            "load its consolidated form to change world size"
+        )
+    if len(state_dict["buffers"]) != len(buffers):
+        raise ValueError(f"checkpoint has {len(state_dict['buffers'])} flat buffers, optimizer has {len(buffers)}")
+    for buf, saved_buf in zip(buffers, state_dict["buffers"]):
+        layout = [(s.name, s.offset, s.numel, s.shape) for s in buf.slots]
+        saved_layout = [(p["name"], p["offset"], p["numel"], tuple(p["shape"])) for p in saved_buf["params"]]
+        if layout != saved_layout:
+            raise ValueError(f"parameter layout differs from the checkpoint's in group {buf.group_index}")
+        for slot, saved_param in zip(buf.slots, saved_buf["params"]):
+            slot.step = int(saved_param["step"])
+        for kind in STATE_KINDS:
+            buf.state_of(kind)[: buf.owned_numel].copy_(saved_buf[kind])
+
+
+def consolidated_state_dict(
+    buffers: list[FlatBuffer], comm: LocalComm | GroupComm, *, keep: bool, chunk_numel: int,
+    param_groups: list[dict[str, Any]], loss_scaler: dict[str, float | int] | None,
+) -> dict[str, Any] | None:  # fmt: skip
+    """The world-size-independent form where `keep` (None elsewhere): per parameter, fp32
+    master, exp_avg, exp_avg_sq and step, gathered to CPU `chunk_numel` elements per rank
+    at a time. Every rank must call it."""
+    full = {
+        kind: [torch.empty(buf.numel, dtype=torch.float32) if keep else None for buf in buffers] for kind in STATE_KINDS
+    }
+    for i, buf in enumerate(buffers):
+        for kind in STATE_KINDS:
+            _gather_to_cpu(buf, buf.state_of(kind), full[kind][i], comm, chunk_numel=chunk_numel)
+    if not keep:
+        return None
+    params = {
+        slot.name: {
+            **{
+                kind: full[kind][i][slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+                for kind in STATE_KINDS
+            },
+            "step": slot.step,
+        }
+        for i, buf in enumerate(buffers)
+        for slot in buf.slots
+    }
+    groups = [{**group, "params": []} for group in hyperparameters(param_groups)]
+    for buf in buffers:
+        groups[buf.group_index]["params"] += [slot.name for slot in buf.slots]
+    return {"format": CONSOLIDATED_FORMAT, "param_groups": groups, "loss_scaler": loss_scaler, "params": params}
+
+
+def load_consolidated_state(buffers: list[FlatBuffer], slots: list[Slot], state_dict: dict[str, Any]) -> None:
+    """Steps and this rank's slices of the state from the consolidated form, at any world size."""
+    if state_dict.get("format") != CONSOLIDATED_FORMAT:
+        raise ValueError(f"not a consolidated zero1 checkpoint (format {state_dict.get('format')!r})")
+    saved = state_dict["params"]
+    missing = [s.name for s in slots if s.name not in saved]
+    if missing:
+        raise ValueError(f"checkpoint lacks parameters {missing[:5]} ({len(missing)} in all)")
+    for buf in buffers:
+        for slot, lo, hi in buf.local_segments():
+            entry = saved[slot.name]
+            if tuple(entry["master"].shape) != slot.shape:
+                raise ValueError(
+                    f"{slot.name}: checkpoint shape {tuple(entry['master'].shape)} != parameter shape {slot.shape}"
+                )
+            src = slice(buf.start + lo - slot.offset, buf.start + hi - slot.offset)
+            for kind in STATE_KINDS:
+                buf.state_of(kind)[lo:hi].copy_(entry[kind].reshape(-1)[src])
+        for slot in buf.slots:
+            slot.step = int(saved[slot.name]["step"])
+
+
+def load_hyperparameters(param_groups: list[dict[str, Any]], state_dict: dict[str, Any]) -> None:
+    """The saved hyperparameters into the param groups (either format)."""
+    groups = state_dict["param_groups"]
+    if len(groups) != len(param_groups):
+        raise ValueError(f"checkpoint has {len(groups)} param groups, optimizer has {len(param_groups)}")
+    for group, saved in zip(param_groups, groups):
+        group.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
+
+
+def nonfinite_state_numel(
+    buffers: list[FlatBuffer], comm: LocalComm | GroupComm, *, device: torch.device
+) -> dict[str, int]:
+    """nan or inf elements of the fp32 state by kind over all ranks, from one all-reduce of three counts."""
+    counts = torch.zeros(len(STATE_KINDS), dtype=torch.int64, device=device)
+    for buf in buffers:
+        for i, kind in enumerate(STATE_KINDS):
+            counts[i] += torch.isfinite(buf.state_of(kind)).logical_not().sum()
+    comm.all_reduce(counts)
+    return dict(zip(STATE_KINDS, counts.tolist()))
+
+
+def _gather_to_cpu(
+    buf: FlatBuffer, shard: Tensor, out: Tensor | None, comm: LocalComm | GroupComm, *, chunk_numel: int
+) -> None:
+    """All ranks' (S,) shards -> out (numel,) on CPU, chunk by chunk; padding dropped.
+    Ranks with out=None take part in the collectives and keep nothing."""
+    size = buf.shard_numel
+    for lo in range(0, size, chunk_numel):
+        hi = min(lo + chunk_numel, size)
+        pieces = comm.all_gather(shard[lo:hi].float().contiguous())  # (N, hi - lo)
+        if out is None:
+            continue
+        for rank in range(pieces.shape[0]):
+            first = rank * size + lo
+            last = min(rank * size + hi, buf.numel)
+            if first < last:
+                out[first:last].copy_(pieces[rank, : last - first])
