@@ -47,11 +47,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: `workers` is importable
 
 from workers import memory  # noqa: E402
-from workers.optim import UPCAST_CHUNK_NUMEL  # noqa: E402
 from workers.memory import GB, GPTSpec  # noqa: E402
 from workers.models import build_model  # noqa: E402
-from workers.optim import ZeRO1AdamW, decay_param_groups  # noqa: E402
-
+from workers.optim import (  # noqa: E402
+    UPCAST_CHUNK_NUMEL,
+    ZeRO1AdamW,
+    decay_param_groups,
+)
 
 # Ψ = 1,160,835,840: GPT-2's vocabulary (padded to a multiple of 64), 24 layers of width 1920
 GPT_1B = GPTSpec(vocab_size=50304, n_layer=24, n_head=16, n_embd=1920, block_size=1024)
@@ -100,12 +102,16 @@ class OptimTestRun:
     """
 
     def __init__(self) -> None:
-        self._log = tempfile.TemporaryFile(mode="w+")
+        self._log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - read back and closed in result()
         self._start = time.perf_counter()
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "pytest", "-q", "-rA", "tests/test_optim.py"],
-            cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        )  # fmt: skip
+            cwd=ROOT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
 
     def kill(self) -> None:
         """End pytest and the ranks it spawned: its whole process group."""
@@ -203,12 +209,14 @@ def train_step(model: torch.nn.Module, opt: ZeRO1AdamW, *, idx: torch.Tensor, ta
     return torch.cuda.max_memory_allocated(idx.device)
 
 
-def measure(spec: GPTSpec, *, num_gpus: int, device: torch.device, micro_batch_size: int, seq_len: int,
-            steps: int) -> Measurement:  # fmt: skip
+def measure(
+    spec: GPTSpec, *, num_gpus: int, device: torch.device, micro_batch_size: int, seq_len: int, steps: int
+) -> Measurement:
     """Train `steps` steps as rank 0 of `num_gpus`; what that rank allocated. Frees it all after."""
     with rank0_of(num_gpus):
-        result = _train_and_count(spec, num_gpus=num_gpus, device=device, shape=(micro_batch_size, seq_len),
-                                  steps=steps)  # fmt: skip
+        result = _train_and_count(
+            spec, num_gpus=num_gpus, device=device, shape=(micro_batch_size, seq_len), steps=steps
+        )
     # the model and optimizer died with _train_and_count's frame; gradient hooks and
     # parameters refer to each other, so only the cycle collector frees them
     gc.collect()
@@ -217,8 +225,9 @@ def measure(spec: GPTSpec, *, num_gpus: int, device: torch.device, micro_batch_s
     return result
 
 
-def _train_and_count(spec: GPTSpec, *, num_gpus: int, device: torch.device, shape: tuple[int, int],
-                     steps: int) -> Measurement:  # fmt: skip
+def _train_and_count(
+    spec: GPTSpec, *, num_gpus: int, device: torch.device, shape: tuple[int, int], steps: int
+) -> Measurement:
     model, opt = build_zero1(spec, device=device)
     torch.manual_seed(num_gpus)
     peaks = []
@@ -259,8 +268,7 @@ class Row:
 
 
 def plan_row(spec: GPTSpec, measured: Measurement, *, micro_batch_size: int, seq_len: int) -> Row:
-    workload = memory.Workload.from_model(spec, precision=PRECISION, micro_batch_size=micro_batch_size,
-                                          seq_len=seq_len)  # fmt: skip
+    workload = memory.Workload.from_model(spec, precision=PRECISION, micro_batch_size=micro_batch_size, seq_len=seq_len)
     n, psi = measured.num_gpus, spec.num_params
     shards = [memory.padded_numel(g, num_gpus=n) // n for g in workload.group_numels]
     return Row(
@@ -349,8 +357,7 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def describe(device: torch.device, spec: GPTSpec, *, built_num_params: int, micro_batch_size: int,
-             steps: int) -> str:  # fmt: skip
+def describe(device: torch.device, spec: GPTSpec, *, built_num_params: int, micro_batch_size: int, steps: int) -> str:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     built = "the same" if built_num_params == spec.num_params else f"{built_num_params:,}"
     return (
@@ -360,12 +367,14 @@ def describe(device: torch.device, spec: GPTSpec, *, built_num_params: int, micr
     )
 
 
-def measure_rows(spec: GPTSpec, *, device: torch.device, world_sizes: list[int], micro_batch_size: int,
-                 steps: int) -> list[Row]:  # fmt: skip
+def measure_rows(
+    spec: GPTSpec, *, device: torch.device, world_sizes: list[int], micro_batch_size: int, steps: int
+) -> list[Row]:
     rows = []
     for n in world_sizes:
-        measured = measure(spec, num_gpus=n, device=device, micro_batch_size=micro_batch_size,
-                           seq_len=spec.block_size, steps=steps)  # fmt: skip
+        measured = measure(
+            spec, num_gpus=n, device=device, micro_batch_size=micro_batch_size, seq_len=spec.block_size, steps=steps
+        )
         rows.append(plan_row(spec, measured, micro_batch_size=micro_batch_size, seq_len=spec.block_size))
     return rows
 
@@ -378,8 +387,9 @@ def main() -> int:
     spec = GPT_TINY if args.small else GPT_1B
     tests = None if args.skip_tests else OptimTestRun()
     try:
-        rows = measure_rows(spec, device=device, world_sizes=args.world_sizes,
-                            micro_batch_size=args.micro_batch_size, steps=args.steps)  # fmt: skip
+        rows = measure_rows(
+            spec, device=device, world_sizes=args.world_sizes, micro_batch_size=args.micro_batch_size, steps=args.steps
+        )
     except BaseException:
         if tests is not None:
             tests.kill()
@@ -389,8 +399,15 @@ def main() -> int:
         report = tests.finish(timeout_s=args.tests_timeout_s)
         print_test_report(report)
         tests_ok = report.returncode == 0
-    print(describe(device, spec, built_num_params=rows[0].measured.num_params,
-                   micro_batch_size=args.micro_batch_size, steps=args.steps))  # fmt: skip
+    print(
+        describe(
+            device,
+            spec,
+            built_num_params=rows[0].measured.num_params,
+            micro_batch_size=args.micro_batch_size,
+            steps=args.steps,
+        )
+    )
     print_table(rows)
     print(NOTE)
     exact = all(r.state_check == "exact" and r.measured.model_state_bytes == r.planned_state_bytes for r in rows)

@@ -246,9 +246,13 @@ class DDPZeroRedundancy(DDPTrainer):
         groups = self.master.groups(model) if self.master else plain_groups(model)
         # bucket views: one broadcast per rank's shard instead of one per parameter
         self.zero = ZeroRedundancyOptimizer(
-            groups, optimizer_class=torch.optim.AdamW, parameters_as_bucket_view=True,
-            lr=LR, betas=BETAS, fused=True,
-        )  # fmt: skip
+            groups,
+            optimizer_class=torch.optim.AdamW,
+            parameters_as_bucket_view=True,
+            lr=LR,
+            betas=BETAS,
+            fused=True,
+        )
         self.owned = {id(p) for g in self.zero.optim.param_groups for p in g["params"]}
         self.local_step_s = 0.0
         inner = self.zero.optim.step
@@ -267,8 +271,14 @@ class DDPZeroRedundancy(DDPTrainer):
         zero_step = timed(self.zero.step)
         cast = timed(self.master.cast_back) if self.master else 0.0
         update, gather = upcast + self.local_step_s + cast, zero_step - self.local_step_s
-        return dict(fwd_bwd=fwd_bwd, reduce_wait=0.0, update=update, gather=gather,
-                    step=fwd_bwd + upcast + zero_step + cast, loss=loss)  # fmt: skip
+        return dict(
+            fwd_bwd=fwd_bwd,
+            reduce_wait=0.0,
+            update=update,
+            gather=gather,
+            step=fwd_bwd + upcast + zero_step + cast,
+            loss=loss,
+        )
 
     def optimizer_state_bytes(self) -> int:
         return state_bytes(self.zero.optim) + (self.master.nbytes() if self.master else 0)
@@ -290,14 +300,17 @@ class ZeRO1(Trainer):
 
     LABELS = {"c": "no overlap", "d": "overlap reduce", "e": "overlap reduce+gather"}
 
-    def __init__(self, model: nn.Module, *, precision: str, world_size: int, key: str,
-                 bucket_cap_mb: float) -> None:  # fmt: skip
+    def __init__(self, model: nn.Module, *, precision: str, world_size: int, key: str, bucket_cap_mb: float) -> None:
         super().__init__(model, precision=precision, world_size=world_size)
         self.opt = ZeRO1AdamW(
-            decay_param_groups(model, weight_decay=WEIGHT_DECAY), lr=LR, betas=BETAS,
-            overlap_comm=key in "de", overlap_gather=key == "e", bucket_cap_mb=bucket_cap_mb,
+            decay_param_groups(model, weight_decay=WEIGHT_DECAY),
+            lr=LR,
+            betas=BETAS,
+            overlap_comm=key in "de",
+            overlap_gather=key == "e",
+            bucket_cap_mb=bucket_cap_mb,
             record_phase_times=True,
-        )  # fmt: skip
+        )
         self.key = key
         self.label = f"({key}) ZeRO1AdamW {self.LABELS[key]}"
         self.num_tensors = len(self.opt._slots)
@@ -314,8 +327,14 @@ class ZeRO1(Trainer):
         fwd_bwd = timed(_forward_backward(self.model, x, y, losses))
         opt_step = timed(self.opt.step)
         phases = self.opt.phase_times_s
-        return dict(fwd_bwd=fwd_bwd, reduce_wait=phases["reduce"], update=phases["update"],
-                    gather=phases["gather"], step=fwd_bwd + opt_step, loss=losses[0])  # fmt: skip
+        return dict(
+            fwd_bwd=fwd_bwd,
+            reduce_wait=phases["reduce"],
+            update=phases["update"],
+            gather=phases["gather"],
+            step=fwd_bwd + opt_step,
+            loss=losses[0],
+        )
 
     def optimizer_state_bytes(self) -> int:
         return sum(self.opt.memory_bytes().values())
@@ -333,8 +352,9 @@ class ZeRO1(Trainer):
         return sum(buf.shard_numel for buf in self.opt._buffers)
 
 
-def make_trainer(key: str, spec: memory.GPTSpec, *, precision: str, world_size: int,
-                 args: argparse.Namespace) -> Trainer:  # fmt: skip
+def make_trainer(
+    key: str, spec: memory.GPTSpec, *, precision: str, world_size: int, args: argparse.Namespace
+) -> Trainer:
     model = build_model(spec, precision=precision, args=args)
     kw = dict(precision=precision, world_size=world_size)
     if key == "a":
@@ -361,7 +381,7 @@ def measure(trainer: Trainer, spec: memory.GPTSpec, *, rank: int, world_size: in
 
     exposed communication = (real fwd+bwd - local fwd+bwd) + the wait for the reduce in step():
     what the gradient communication adds to a step beyond the compute it overlaps."""
-    data = lambda step: batch(step, rank=rank, world_size=world_size, spec=spec, args=args)  # noqa: E731
+    data = lambda step: batch(step, rank=rank, world_size=world_size, spec=spec, args=args)
     # the local passes run among the timed steps, spread over them: in the same state of caches and
     # allocator as the real ones (measured before the first step they came out up to 30% faster)
     local_every = max(1, args.steps // max(1, args.local_steps))
@@ -382,12 +402,21 @@ def measure(trainer: Trainer, spec: memory.GPTSpec, *, rank: int, world_size: in
     opt_bytes, model_bytes = max_over_ranks([trainer.optimizer_state_bytes(), trainer.model_state_bytes()])
     update_numel = max_over_ranks([trainer.update_numel()])[0]
     return dict(
-        key=trainer.key, label=trainer.label, fwd_bwd=local_fwd_bwd, fwd_bwd_real=med["fwd_bwd"],
-        comm=med["fwd_bwd"] - local_fwd_bwd + med["reduce_wait"], update=med["update"], gather=med["gather"],
-        step=med["step"], steps_timed=len(steps), loss=loss_t.item() / world_size,
-        optimizer_bytes=int(opt_bytes), model_bytes=int(model_bytes), comm_bytes=trainer.comm_bytes(),
+        key=trainer.key,
+        label=trainer.label,
+        fwd_bwd=local_fwd_bwd,
+        fwd_bwd_real=med["fwd_bwd"],
+        comm=med["fwd_bwd"] - local_fwd_bwd + med["reduce_wait"],
+        update=med["update"],
+        gather=med["gather"],
+        step=med["step"],
+        steps_timed=len(steps),
+        loss=loss_t.item() / world_size,
+        optimizer_bytes=int(opt_bytes),
+        model_bytes=int(model_bytes),
+        comm_bytes=trainer.comm_bytes(),
         update_bytes=UPDATE_BYTES_PER_ELEMENT * update_numel,
-    )  # fmt: skip
+    )
 
 
 def copy_bandwidth(*, repeats: int) -> float:
@@ -452,24 +481,30 @@ def run_rank(rank: int, world_size: int, init_file: str, out_file: str, args: ar
                         continue  # nothing to overlap: the same as (c)
                     trainer = make_trainer(key, spec, precision=precision, world_size=world_size, args=args)
                     row = measure(trainer, spec, rank=rank, world_size=world_size, args=args)
-                    cells.append(dict(model=name, num_params=spec.num_params, precision=precision,
-                                      world_size=world_size, **row))  # fmt: skip
+                    cells.append(
+                        dict(model=name, num_params=spec.num_params, precision=precision, world_size=world_size, **row)
+                    )
                     if rank == 0:
-                        print(f"  N={world_size} {name} {precision} {row['label']}: step {row['step'] * 1e3:,.0f} ms",
-                              flush=True)  # fmt: skip
+                        print(
+                            f"  N={world_size} {name} {precision} {row['label']}: step {row['step'] * 1e3:,.0f} ms",
+                            flush=True,
+                        )
                     del trainer
                     gc.collect()
         bandwidth = copy_bandwidth(repeats=5)
         collectives = {}
         if world_size > 1:
             collectives = {
-                p: time_collectives(args.collective_numel, DTYPES[p], world_size=world_size, rank=rank,
-                                    repeats=args.collective_repeats)
+                p: time_collectives(
+                    args.collective_numel, DTYPES[p], world_size=world_size, rank=rank, repeats=args.collective_repeats
+                )
                 for p in args.precisions
-            }  # fmt: skip
+            }
         dist.barrier()
         if rank == 0:
-            Path(out_file).write_text(json.dumps({"cells": cells, "copy_bandwidth": bandwidth, "collectives": collectives}))
+            Path(out_file).write_text(
+                json.dumps({"cells": cells, "copy_bandwidth": bandwidth, "collectives": collectives})
+            )
     finally:
         dist.destroy_process_group()
 
@@ -488,18 +523,22 @@ def _x(value: float) -> str:
 def print_cell(rows: list[dict], *, tokens_per_step: int, bandwidth: float) -> None:
     a = next((r for r in rows if r["key"] == "a"), None)
     b = next((r for r in rows if r["key"] == "b"), None)
-    header = (f"{'config':<36}{'fwd+bwd':>9}{'exp comm':>10}{'update':>9}{'gather':>9}{'step':>9}"
-              f"{'tokens/s':>10}{'opt state':>11}{'model st':>10}{'comm/step':>11}{'upd GB/s':>10}"
-              f"{'vs (a)':>8}{'vs (b)':>8}{'loss':>9}")  # fmt: skip
+    header = (
+        f"{'config':<36}{'fwd+bwd':>9}{'exp comm':>10}{'update':>9}{'gather':>9}{'step':>9}"
+        f"{'tokens/s':>10}{'opt state':>11}{'model st':>10}{'comm/step':>11}{'upd GB/s':>10}"
+        f"{'vs (a)':>8}{'vs (b)':>8}{'loss':>9}"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
         gbps = r["update_bytes"] / r["update"] / 1e9 if r["update"] > 0 else math.nan
-        print(f"{r['label']:<36}{_ms(r['fwd_bwd']):>9}{_ms(r['comm']):>10}{_ms(r['update']):>9}"
-              f"{_ms(r['gather']):>9}{_ms(r['step']):>9}{tokens_per_step / r['step']:>10,.0f}"
-              f"{r['optimizer_bytes'] / MB:>9.1f}MB{r['model_bytes'] / MB:>8.1f}MB{r['comm_bytes'] / MB:>9.1f}MB"
-              f"{gbps:>10.2f}{_x(r['step'] / a['step']) if a else '-':>8}{_x(r['step'] / b['step']) if b else '-':>8}"
-              f"{r['loss']:>9.4f}")  # fmt: skip
+        print(
+            f"{r['label']:<36}{_ms(r['fwd_bwd']):>9}{_ms(r['comm']):>10}{_ms(r['update']):>9}"
+            f"{_ms(r['gather']):>9}{_ms(r['step']):>9}{tokens_per_step / r['step']:>10,.0f}"
+            f"{r['optimizer_bytes'] / MB:>9.1f}MB{r['model_bytes'] / MB:>8.1f}MB{r['comm_bytes'] / MB:>9.1f}MB"
+            f"{gbps:>10.2f}{_x(r['step'] / a['step']) if a else '-':>8}{_x(r['step'] / b['step']) if b else '-':>8}"
+            f"{r['loss']:>9.4f}"
+        )
     print(f"copy bandwidth per rank, all ranks copying at once: {bandwidth / 1e9:.2f} GB/s")
 
 
@@ -524,14 +563,22 @@ def cell_targets(rows: list[dict], *, bandwidth: float) -> dict[str, tuple[float
     return out
 
 
-SUMMARY_COLUMNS = ("(c)/(a) step", "(c)/(b) step", "(d)/(a) step", "(d)/(b) step", "(d)/(c) exposed comm",
-                   "(c) update/copy bandwidth")  # fmt: skip
+SUMMARY_COLUMNS = (
+    "(c)/(a) step",
+    "(c)/(b) step",
+    "(d)/(a) step",
+    "(d)/(b) step",
+    "(d)/(c) exposed comm",
+    "(c) update/copy bandwidth",
+)
 
 
 def print_summary(cells: dict, bandwidths: dict) -> None:
     """The targets over the cells they name: 50M and 120M, N = 2 and 4, bf16 and fp32."""
-    print("=== targets: 50M and 120M models, N = 2 and 4, bf16 and fp32; (d) as the issue names them, "
-          "(c) = ZeRO1AdamW's default (no overlap)")  # fmt: skip
+    print(
+        "=== targets: 50M and 120M models, N = 2 and 4, bf16 and fp32; (d) as the issue names them, "
+        "(c) = ZeRO1AdamW's default (no overlap)"
+    )
     header = f"{'model':<7}{'prec':<6}{'N':>3}" + "".join(f"{c:>{max(len(c), 8) + 2}}" for c in SUMMARY_COLUMNS)
     print(header)
     print("-" * len(header))
@@ -542,61 +589,97 @@ def print_summary(cells: dict, bandwidths: dict) -> None:
         targets = cell_targets(rows, bandwidth=bandwidths[n])
         for name, (_, limit, ok) in targets.items():
             verdicts.setdefault(name, (limit, []))[1].append(ok)
-        print(f"{model:<7}{precision:<6}{n:>3}" + "".join(
-            f"{f'{targets[c][0]:.2f}' if c in targets else '-':>{max(len(c), 8) + 2}}" for c in SUMMARY_COLUMNS))  # fmt: skip
+        print(
+            f"{model:<7}{precision:<6}{n:>3}"
+            + "".join(
+                f"{f'{targets[c][0]:.2f}' if c in targets else '-':>{max(len(c), 8) + 2}}" for c in SUMMARY_COLUMNS
+            )
+        )
     for name, (limit, oks) in verdicts.items():
         print(f"target {name} {limit}: met in {sum(oks)} of {len(oks)} cells")
 
 
 def print_collectives(collectives: dict, *, numel: int) -> None:
     reduce_default, gather_default = default_collectives("gloo")
-    print(f"=== gloo's collectives on a flat buffer of {numel:,} elements; "
-          f"default_collectives('gloo') = ({reduce_default}, {gather_default}). ZeRO1AdamW's p2p = direct sends.")  # fmt: skip
-    header = (f"{'N':>3} {'dtype':<6}{'all_reduce':>12}{'reduce_scatter':>16}{'p2p_reduce':>12}"
-              f"{'all_gather':>12}{'p2p_gather':>12}{'fastest reduce':>16}{'fastest gather':>16}")  # fmt: skip
+    print(
+        f"=== gloo's collectives on a flat buffer of {numel:,} elements; "
+        f"default_collectives('gloo') = ({reduce_default}, {gather_default}). ZeRO1AdamW's p2p = direct sends."
+    )
+    header = (
+        f"{'N':>3} {'dtype':<6}{'all_reduce':>12}{'reduce_scatter':>16}{'p2p_reduce':>12}"
+        f"{'all_gather':>12}{'p2p_gather':>12}{'fastest reduce':>16}{'fastest gather':>16}"
+    )
     print(header)
     print("-" * len(header))
     for n, per_dtype in sorted(collectives.items()):
         for precision, t in per_dtype.items():
             reduce_best = min(("all_reduce", "reduce_scatter", "p2p_reduce"), key=t.get)
             gather_best = min(("all_reduce", "all_gather", "p2p_gather"), key=t.get)
-            print(f"{n:>3} {precision:<6}{_ms(t['all_reduce']):>10}ms{_ms(t['reduce_scatter']):>14}ms"
-                  f"{_ms(t['p2p_reduce']):>10}ms{_ms(t['all_gather']):>10}ms{_ms(t['p2p_gather']):>10}ms"
-                  f"{reduce_best:>16}{gather_best:>16}")  # fmt: skip
+            print(
+                f"{n:>3} {precision:<6}{_ms(t['all_reduce']):>10}ms{_ms(t['reduce_scatter']):>14}ms"
+                f"{_ms(t['p2p_reduce']):>10}ms{_ms(t['all_gather']):>10}ms{_ms(t['p2p_gather']):>10}ms"
+                f"{reduce_best:>16}{gather_best:>16}"
+            )
 
 
 def plot_memory(cells: dict, path: Path, *, precision: str) -> None:
     """Bytes per rank against N: measured (ZeRO1AdamW and DDP + AdamW), the memory model's plan,
     and the seed's 4Ψ + 12Ψ/N (model states of a 16-bit model with an fp32 AdamW)."""
-    import matplotlib  # noqa: PLC0415 - only the plot needs it
+    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     models = sorted({m for (m, p, _) in cells if p == precision}, key=lambda m: MODELS[m].num_params)
     fig, axes = plt.subplots(1, len(models), figsize=(5.2 * len(models), 4.4), squeeze=False)
     curve_n = [1, 2, 4, 8, 16, 32, 64]
-    for ax, name in zip(axes[0], models):
+    for ax, name in zip(axes[0], models, strict=True):
         spec = MODELS[name]
         psi = spec.num_params
         workload = memory.Workload.from_model(spec, precision=precision)
         plan = [memory.breakdown(workload, num_gpus=n, stage=1) for n in curve_n]
         ax.plot(curve_n, [(4 * psi + 12 * psi / n) / 1e9 for n in curve_n], "k--", label="seed: 4Ψ + 12Ψ/N")
-        ax.plot(curve_n, [(p.params_bytes + p.grads_bytes + p.optimizer_bytes + p.padding_bytes) / 1e9 for p in plan],
-                "-", color="tab:blue", alpha=0.6, label="planned model state (stage 1)")  # fmt: skip
-        ax.plot(curve_n, [(p.optimizer_bytes + p.padding_bytes) / 1e9 for p in plan], "-", color="tab:orange",
-                alpha=0.6, label="planned optimizer state")  # fmt: skip
+        ax.plot(
+            curve_n,
+            [(p.params_bytes + p.grads_bytes + p.optimizer_bytes + p.padding_bytes) / 1e9 for p in plan],
+            "-",
+            color="tab:blue",
+            alpha=0.6,
+            label="planned model state (stage 1)",
+        )
+        ax.plot(
+            curve_n,
+            [(p.optimizer_bytes + p.padding_bytes) / 1e9 for p in plan],
+            "-",
+            color="tab:orange",
+            alpha=0.6,
+            label="planned optimizer state",
+        )
         ax.plot(curve_n, [p.total_bytes / 1e9 for p in plan], ":", color="tab:gray", label="planned per-GPU total")
         ax.axhline(4 * psi / 1e9, color="k", lw=0.6, alpha=0.5)
-        for key, marker, color, what in (("c", "o", "tab:blue", "model_bytes"), ("c", "s", "tab:orange", "optimizer_bytes"),
-                                         ("a", "^", "tab:red", "model_bytes")):  # fmt: skip
-            pts = sorted((n, r[what]) for (m, p, n), rows in cells.items() if m == name and p == precision
-                         for r in rows if r["key"] == key)  # fmt: skip
+        for key, marker, color, what in (
+            ("c", "o", "tab:blue", "model_bytes"),
+            ("c", "s", "tab:orange", "optimizer_bytes"),
+            ("a", "^", "tab:red", "model_bytes"),
+        ):
+            pts = sorted(
+                (n, r[what])
+                for (m, p, n), rows in cells.items()
+                if m == name and p == precision
+                for r in rows
+                if r["key"] == key
+            )
             if pts:
                 label = {"model_bytes": "model state", "optimizer_bytes": "optimizer state"}[what]
                 cfg = "ZeRO1AdamW" if key == "c" else "DDP + AdamW"
-                ax.plot([n for n, _ in pts], [v / 1e9 for _, v in pts], marker, color=color, ms=8,
-                        label=f"measured {label}, {cfg}")  # fmt: skip
+                ax.plot(
+                    [n for n, _ in pts],
+                    [v / 1e9 for _, v in pts],
+                    marker,
+                    color=color,
+                    ms=8,
+                    label=f"measured {label}, {cfg}",
+                )
         ax.set_xscale("log", base=2)
         ax.set_xticks(curve_n, [str(n) for n in curve_n])
         ax.set_xlabel("N (data-parallel ranks)")
@@ -612,10 +695,12 @@ def plot_memory(cells: dict, path: Path, *, precision: str) -> None:
 
 def print_report(cells: dict, bandwidths: dict, collectives: dict, *, args: argparse.Namespace) -> None:
     print()
-    print(f"GPT models {', '.join(f'{m} (Ψ = {MODELS[m].num_params:,})' for m in args.models)}; gloo, 1 CPU thread per "
-          f"rank; micro-batch {args.micro_batch_size} x seq {args.seq_len} per rank; {args.local_steps} local + "
-          f"{args.warmup_steps} warm-up + {args.steps} timed steps per config; bucket_cap_mb {args.bucket_cap_mb}. "
-          "Times in ms, medians over steps of the slowest rank; bytes per rank.")  # fmt: skip
+    print(
+        f"GPT models {', '.join(f'{m} (Ψ = {MODELS[m].num_params:,})' for m in args.models)}; gloo, 1 CPU thread per "
+        f"rank; micro-batch {args.micro_batch_size} x seq {args.seq_len} per rank; {args.local_steps} local + "
+        f"{args.warmup_steps} warm-up + {args.steps} timed steps per config; bucket_cap_mb {args.bucket_cap_mb}. "
+        "Times in ms, medians over steps of the slowest rank; bytes per rank."
+    )
     for (model, precision, n), rows in cells.items():
         print()
         compute = f", layers compute in {args.bf16_compute}" if precision == "bf16" else ""
@@ -658,19 +743,31 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--configs", nargs="+", choices=("a", "b", "c", "d", "e"), default=["a", "b", "c", "d", "e"])
     parser.add_argument("--micro-batch-size", type=int, default=1, help="sequences per rank per step")
     parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--local-steps", type=int, default=5,
-                        help="forward+backward passes without communication, spread over the timed steps")  # fmt: skip
+    parser.add_argument(
+        "--local-steps",
+        type=int,
+        default=5,
+        help="forward+backward passes without communication, spread over the timed steps",
+    )
     parser.add_argument("--warmup-steps", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20, help="timed steps per config")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
     parser.add_argument("--collective-numel", type=int, default=1 << 24)
     parser.add_argument("--collective-repeats", type=int, default=5)
-    parser.add_argument("--bf16-compute", choices=("fp32", "bf16"), default="fp32",
-                        help="dtype of the bf16 model's forward/backward (see notes)")  # fmt: skip
+    parser.add_argument(
+        "--bf16-compute",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="dtype of the bf16 model's forward/backward (see notes)",
+    )
     parser.add_argument("--plot", type=Path, default=Path(__file__).with_name("memory_scaling.png"))
     parser.add_argument("--json", type=Path, default=None, help="also write every figure here")
-    parser.add_argument("--from-json", type=Path, default=None,
-                        help="print the report and draw the plot of a run saved with --json, without running")  # fmt: skip
+    parser.add_argument(
+        "--from-json",
+        type=Path,
+        default=None,
+        help="print the report and draw the plot of a run saved with --json, without running",
+    )
     parser.add_argument("--quick", action="store_true", help="10M model, N = 1 and 2, 5 timed steps")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -684,8 +781,16 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-RUN_SETTINGS = ("micro_batch_size", "seq_len", "local_steps", "warmup_steps", "steps", "bucket_cap_mb",
-                "collective_numel", "bf16_compute")  # fmt: skip
+RUN_SETTINGS = (
+    "micro_batch_size",
+    "seq_len",
+    "local_steps",
+    "warmup_steps",
+    "steps",
+    "bucket_cap_mb",
+    "collective_numel",
+    "bf16_compute",
+)
 
 
 def load_run(path: Path, args: argparse.Namespace) -> tuple[dict, dict, dict]:
@@ -714,14 +819,26 @@ def main() -> None:
     print_report(cells, bandwidths, collectives, args=args)
     if args.plot:
         for precision in args.precisions:
-            path = args.plot if precision == "bf16" or len(args.precisions) == 1 else args.plot.with_stem(
-                f"{args.plot.stem}_{precision}")  # fmt: skip
+            path = (
+                args.plot
+                if precision == "bf16" or len(args.precisions) == 1
+                else args.plot.with_stem(f"{args.plot.stem}_{precision}")
+            )
             plot_memory(cells, path, precision=precision)
             print(f"memory-scaling plot ({precision}): {path}")
     if args.json:
         settings = {k: getattr(args, k) for k in RUN_SETTINGS}
-        args.json.write_text(json.dumps({"cells": [r for rows in cells.values() for r in rows], "settings": settings,
-                                         "copy_bandwidth": bandwidths, "collectives": collectives}, indent=1))  # fmt: skip
+        args.json.write_text(
+            json.dumps(
+                {
+                    "cells": [r for rows in cells.values() for r in rows],
+                    "settings": settings,
+                    "copy_bandwidth": bandwidths,
+                    "collectives": collectives,
+                },
+                indent=1,
+            )
+        )
 
 
 def run(args: argparse.Namespace) -> tuple[dict, dict, dict]:

@@ -11,10 +11,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.testing import assert_close
 
-from distributed import run_ranks
-from figures import record
 from workers import memory
 from workers.optim import DynamicLossScaler, ZeRO1AdamW, decay_param_groups
+
+from distributed import run_ranks
+from figures import record
 
 GLOBAL_BATCH = 12  # divisible by every world size tested, so each rank takes an equal slice
 SEQ = 5
@@ -124,7 +125,7 @@ def _fp32_matches_adamw(rank: int, world_size: int, steps: int, overlap: bool = 
         ref_sched.step()
         assert opt.grad_norm == pytest.approx(ref_norm.item(), rel=1e-5), f"step {step}"
         assert not opt.skipped
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
             assert_close(p, q, msg=lambda m, name=name, step=step: f"{name} at step {step}: {m}")
     # the branch without a gradient on odd steps took half the steps, as in torch.optim.AdamW
     steps_of = {s.name: s.step for s in opt._slots}
@@ -151,7 +152,7 @@ def test_buffer_totals_are_prime_to_every_world_size_tested():
 
 
 def test_workers_exports_the_optimizer():
-    import workers  # noqa: PLC0415
+    import workers
 
     assert workers.ZeRO1AdamW is ZeRO1AdamW
 
@@ -159,8 +160,7 @@ def test_workers_exports_the_optimizer():
 # ----------------------------------------------------------------------- mixed precision
 
 
-def _mixed_matches_master_reference(rank: int, world_size: int, dtype: torch.dtype, steps: int,
-                                    overlap: bool) -> None:  # fmt: skip
+def _mixed_matches_master_reference(rank: int, world_size: int, dtype: torch.dtype, steps: int, overlap: bool) -> None:
     model = make_model(dtype)
     opt = SmallBuckets(decay_param_groups(model, weight_decay=0.1), **HYPER, max_grad_norm=MAX_NORM, **OVERLAP[overlap])
     assert (opt.loss_scaler is not None) == (dtype == torch.float16)
@@ -171,7 +171,7 @@ def _mixed_matches_master_reference(rank: int, world_size: int, dtype: torch.dty
     ref16 = make_model(dtype)
     master = make_model(torch.float32)
     with torch.no_grad():  # the master copy starts as the 16-bit model, upcast
-        for p16, p32 in zip(ref16.parameters(), master.parameters()):
+        for p16, p32 in zip(ref16.parameters(), master.parameters(), strict=True):
             p32.copy_(p16)
     ref_opt = torch.optim.AdamW(decay_param_groups(master, weight_decay=0.1), **HYPER, fused=True)
     for step in range(steps):
@@ -183,19 +183,24 @@ def _mixed_matches_master_reference(rank: int, world_size: int, dtype: torch.dty
 
         ref16.zero_grad(set_to_none=True)
         loss_on(ref16, *global_batch(step), step).backward()
-        for p16, p32 in zip(ref16.parameters(), master.parameters()):
+        for p16, p32 in zip(ref16.parameters(), master.parameters(), strict=True):
             p32.grad = None if p16.grad is None else p16.grad.float()
         torch.nn.utils.clip_grad_norm_(master.parameters(), MAX_NORM)
         ref_opt.step()
         with torch.no_grad():
-            for p16, p32 in zip(ref16.parameters(), master.parameters()):
+            for p16, p32 in zip(ref16.parameters(), master.parameters(), strict=True):
                 p16.copy_(p32)
-        for (name, p), q in zip(model.named_parameters(), ref16.parameters()):
+        for (name, p), q in zip(model.named_parameters(), ref16.parameters(), strict=True):
             # Within the model dtype's rounding: the two sides round the 16-bit gradients of
             # different batch splits differently, so allow one ulp at the tensor's scale.
             atol = torch.finfo(dtype).eps * q.abs().max().item()
-            assert_close(p, q, atol=atol, rtol=2 * torch.finfo(dtype).eps,
-                         msg=lambda m, name=name, step=step: f"{name} at step {step}: {m}")  # fmt: skip
+            assert_close(
+                p,
+                q,
+                atol=atol,
+                rtol=2 * torch.finfo(dtype).eps,
+                msg=lambda m, name=name, step=step: f"{name} at step {step}: {m}",
+            )
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlap"])
@@ -221,14 +226,14 @@ def _overflow_skips_on_every_rank(rank: int, world_size: int) -> None:
     opt.zero_grad()
     assert opt.skipped and not math.isfinite(opt.grad_norm)
     assert opt.loss_scale == 512.0
-    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
     assert all(s.step == 0 for s in opt._slots)
 
     opt.scale_loss(loss_on(model, idx, target, 0)).backward()  # a clean step goes through
     opt.step()
     opt.zero_grad()
     assert not opt.skipped and opt.loss_scale == 512.0
-    assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
 
     for _ in range(2):  # 512 -> 256 (the minimum), then an overflow at the minimum is an error
         opt.scale_loss(loss_on(model, idx, target, 0) * float("inf")).backward()
@@ -276,8 +281,8 @@ def _nonfinite_norm_skips_on_every_rank(rank: int, world_size: int, dtype: torch
         poison = _poison_one_element(model.fc1.weight, bad)
     train_zero1(rank, world_size, model, opt, steps=1, first_step=2)
     assert opt.skipped and not math.isfinite(opt.grad_norm), (rank, opt.grad_norm)
-    assert all(torch.equal(p, q) for p, q in zip(_params(model), params))
-    assert all(torch.equal(t, u) for t, u in zip(_state_of(opt), state))
+    assert all(torch.equal(p, q) for p, q in zip(_params(model), params, strict=True))
+    assert all(torch.equal(t, u) for t, u in zip(_state_of(opt), state, strict=True))
     assert [s.step for s in opt._slots] == counts
 
     if rank == 1:
@@ -285,7 +290,7 @@ def _nonfinite_norm_skips_on_every_rank(rank: int, world_size: int, dtype: torch
     train_zero1(rank, world_size, model, opt, steps=1, first_step=3)
     train_zero1(rank, world_size, clean, clean_opt, steps=1, first_step=3)
     assert not opt.skipped and opt.grad_norm == clean_opt.grad_norm
-    assert all(torch.equal(p, q) for p, q in zip(_params(model), _params(clean)))
+    assert all(torch.equal(p, q) for p, q in zip(_params(model), _params(clean), strict=True))
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
@@ -321,9 +326,7 @@ def _gpt_groups(dtype: torch.dtype) -> list[dict]:
 def _memory_matches_plan(rank: int, world_size: int) -> None:
     for dtype, precision in ((torch.bfloat16, "bf16"), (torch.float16, "fp16"), (torch.float32, "fp32")):
         opt = ZeRO1AdamW(_gpt_groups(dtype))
-        plan = memory.breakdown(
-            memory.Workload.from_model(GPT, precision=precision), num_gpus=world_size, stage=1
-        )
+        plan = memory.breakdown(memory.Workload.from_model(GPT, precision=precision), num_gpus=world_size, stage=1)
         measured = opt.memory_bytes()
         assert sum(measured.values()) == plan.optimizer_bytes + plan.padding_bytes, (precision, measured, plan)
         owned = torch.tensor([sum(buf.owned_numel for buf in opt._buffers)])
@@ -358,7 +361,7 @@ def _sharded_round_trip(rank: int, world_size: int) -> None:
     resumed_opt = ZeRO1AdamW(decay_param_groups(resumed, weight_decay=0.1), **HYPER, max_grad_norm=MAX_NORM)
     resumed_opt.load_state_dict(state)
     train_zero1(rank, world_size, resumed, resumed_opt, steps=3, first_step=6)
-    for p, q in zip(resumed.parameters(), expected):
+    for p, q in zip(resumed.parameters(), expected, strict=True):
         assert torch.equal(p, q)
 
 
@@ -388,7 +391,7 @@ def _resume_consolidated(rank: int, world_size: int, path: str) -> None:
         if p.requires_grad:
             assert torch.equal(p, saved["params"][name]["master"]), name
     train_zero1(rank, world_size, model, opt, steps=4, first_step=8)
-    for p, q in zip(model.parameters(), torch.load(path + ".final")):
+    for p, q in zip(model.parameters(), torch.load(path + ".final"), strict=True):
         assert_close(p, q)
 
 
@@ -443,10 +446,10 @@ def _overlap_changes_no_bits(rank: int, world_size: int, dtype: torch.dtype) -> 
             opt.zero_grad()
             norms.append(opt.grad_norm)
         runs[name] = (_params(model), norms)
-    for p, q in zip(runs["overlap"][0], runs["no_overlap"][0]):
+    for p, q in zip(runs["overlap"][0], runs["no_overlap"][0], strict=True):
         assert torch.equal(p, q)
     assert runs["overlap"][1] == runs["no_overlap"][1]
-    for p, q in zip(runs["overlap"][0], runs["all_reduce"][0]):
+    for p, q in zip(runs["overlap"][0], runs["all_reduce"][0], strict=True):
         assert_close(p, q, atol=4 * torch.finfo(dtype).eps * q.abs().max().item(), rtol=4 * torch.finfo(dtype).eps)
 
 
@@ -458,8 +461,9 @@ def test_overlap_on_or_off_gives_the_same_bits(world_size, dtype):
 
 def _buckets_go_during_backward(rank: int, world_size: int) -> None:
     model = make_model()
-    opt = SmallBuckets(decay_param_groups(model, weight_decay=0.1), **HYPER, overlap_comm=True,
-                     bucket_cap_mb=TINY_BUCKET_MB)  # fmt: skip
+    opt = SmallBuckets(
+        decay_param_groups(model, weight_decay=0.1), **HYPER, overlap_comm=True, bucket_cap_mb=TINY_BUCKET_MB
+    )
     buckets = opt._buckets
     # reverse parameter order, at most the cap unless one parameter is larger, each parameter once
     for buf in opt._buffers:
@@ -493,11 +497,12 @@ def _accumulation(rank: int, world_size: int) -> None:
     results = []
     for micro in (1, 4):
         model = make_model()
-        opt = SmallBuckets(decay_param_groups(model, weight_decay=0.1), **HYPER, overlap_comm=True,
-                         bucket_cap_mb=TINY_BUCKET_MB)  # fmt: skip
+        opt = SmallBuckets(
+            decay_param_groups(model, weight_decay=0.1), **HYPER, overlap_comm=True, bucket_cap_mb=TINY_BUCKET_MB
+        )
         for step in range(4):
             idx, target = rank_slice(rank, world_size, step)
-            for i, (x, y) in enumerate(zip(idx.chunk(micro), target.chunk(micro))):
+            for i, (x, y) in enumerate(zip(idx.chunk(micro), target.chunk(micro), strict=True)):
                 with opt.no_sync() if i < micro - 1 else contextlib.nullcontext():
                     (loss_on(model, x, y, step) / micro).backward()
                 if i < micro - 1:
@@ -505,13 +510,14 @@ def _accumulation(rank: int, world_size: int) -> None:
             opt.step()
             opt.zero_grad()
         results.append(_params(model))
-    for p, q in zip(*results):
+    for p, q in zip(*results, strict=True):
         assert_close(p, q)
 
     # a second backward outside no_sync() after a bucket went is an error, as in DDP
     model = make_model()
-    opt = SmallBuckets(decay_param_groups(model, weight_decay=0.1), **HYPER, overlap_comm=True,
-                     bucket_cap_mb=TINY_BUCKET_MB)  # fmt: skip
+    opt = SmallBuckets(
+        decay_param_groups(model, weight_decay=0.1), **HYPER, overlap_comm=True, bucket_cap_mb=TINY_BUCKET_MB
+    )
     idx, target = rank_slice(rank, world_size, 0)
     loss_on(model, idx, target, 0).backward()
     with pytest.raises(RuntimeError, match=r"second gradient of \S+ arrived after its bucket was sent.*no_sync"):
@@ -534,22 +540,25 @@ def test_overlap_needs_point_to_point_collectives():
 
 def test_bucket_cap_has_one_lower_bound_in_the_optimizer_and_the_api():
     """A cap of 1e-9 MB was accepted: one bucket, and one fused update launch, per element and step."""
-    from pydantic import ValidationError  # noqa: PLC0415
+    from pydantic import ValidationError
 
-    from service.schemas import JobSpec, OptimizerConfig  # noqa: PLC0415
-    from workers.config import OptimizerSpec  # noqa: PLC0415
+    from service.schemas import JobSpec, OptimizerConfig
+    from workers.config import OptimizerSpec
 
     for tiny in (1e-9, 0.0):
         with pytest.raises(ValueError, match=rf"bucket_cap_mb \({tiny}\) must be >= 1.0 MiB"):
             ZeRO1AdamW(make_model().parameters(), bucket_cap_mb=tiny)
         with pytest.raises(ValidationError, match=r"bucket_cap_mb\n  Input should be greater than or equal to 1"):
             OptimizerConfig(bucket_cap_mb=tiny)
-    from workers import limits  # noqa: PLC0415
+    from workers import limits
 
     assert ZeRO1AdamW(make_model().parameters(), bucket_cap_mb=limits.MIN_BUCKET_CAP_MB).bucket_cap_mb == 1.0
     assert OptimizerConfig(bucket_cap_mb=limits.MIN_BUCKET_CAP_MB).bucket_cap_mb == 1.0
-    defaults = (ZeRO1AdamW(make_model().parameters()).bucket_cap_mb, OptimizerSpec().bucket_cap_mb,
-                JobSpec.model_fields["optimizer"].default.bucket_cap_mb)  # fmt: skip
+    defaults = (
+        ZeRO1AdamW(make_model().parameters()).bucket_cap_mb,
+        OptimizerSpec().bucket_cap_mb,
+        JobSpec.model_fields["optimizer"].default.bucket_cap_mb,
+    )
     assert defaults == (limits.DEFAULT_BUCKET_CAP_MB,) * 3
 
 
@@ -592,7 +601,7 @@ def _nccl_matches_adamw(rank: int, world_size: int) -> None:
         loss_on(ref, idx.cuda(), target.cuda(), step).backward()
         torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
         ref_opt.step()
-    for p, q in zip(model.parameters(), ref.parameters()):
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         assert_close(p, q)
 
 

@@ -64,8 +64,16 @@ class ShardAdamW:
             total += torch.dot(chunk, chunk)
         return total
 
-    def update_slice(self, buf: FlatBuffer, group: dict[str, Any], runs: list[tuple[int, int, int]], lo: int,
-                     hi: int, *, grad_scale: Tensor) -> None:  # fmt: skip
+    def update_slice(
+        self,
+        buf: FlatBuffer,
+        group: dict[str, Any],
+        runs: list[tuple[int, int, int]],
+        lo: int,
+        hi: int,
+        *,
+        grad_scale: Tensor,
+    ) -> None:
         """The fused AdamW kernel over [lo, hi) of the shard, then the cast to the model dtype."""
         master = buf.state_of("master")
         grad = buf.grad_shard
@@ -82,11 +90,22 @@ class ShardAdamW:
                 b = min(a + chunk, run_hi)
                 g = self._upcast_scratch()[: b - a].copy_(grad[a:b]) if upcast else grad[a:b]
                 torch._fused_adamw_(
-                    [master[a:b]], [g], [buf.state["exp_avg"][a:b]], [buf.state["exp_avg_sq"][a:b]], [], [step_t],
-                    lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
-                    weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=False,
-                    grad_scale=grad_scale, found_inf=None,
-                )  # fmt: skip
+                    [master[a:b]],
+                    [g],
+                    [buf.state["exp_avg"][a:b]],
+                    [buf.state["exp_avg_sq"][a:b]],
+                    [],
+                    [step_t],
+                    lr=group["lr"],
+                    beta1=group["betas"][0],
+                    beta2=group["betas"][1],
+                    weight_decay=group["weight_decay"],
+                    eps=group["eps"],
+                    amsgrad=False,
+                    maximize=False,
+                    grad_scale=grad_scale,
+                    found_inf=None,
+                )
         if "master" in buf.state:
             buf.param_shard()[lo:hi].copy_(buf.state["master"][lo:hi])  # cast: fp32 shard -> model dtype
 

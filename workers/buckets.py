@@ -75,9 +75,14 @@ class BucketReducer:
     """The p2p reduce, bucket by bucket in one order on every rank, into pooled receive buffers."""
 
     def __init__(
-        self, buffers: list[FlatBuffer], *, group: dist.ProcessGroup | None, world_size: int, rank: int,
+        self,
+        buffers: list[FlatBuffer],
+        *,
+        group: dist.ProcessGroup | None,
+        world_size: int,
+        rank: int,
         bucket_cap_mb: float,
-    ):  # fmt: skip
+    ):
         self.group, self.world_size, self.rank = group, world_size, rank
         self.peers = [r for r in range(world_size) if r != rank]
         self.slots = [slot for buf in buffers for slot in buf.slots]
@@ -173,7 +178,7 @@ class BucketReducer:
         if bucket.received is None:
             return
         lo, hi = bucket.owned()
-        mine, peers = bucket.buf.grads[lo:hi], dict(zip(self.peers, bucket.received))
+        mine, peers = bucket.buf.grads[lo:hi], dict(zip(self.peers, bucket.received, strict=True))
         if self.rank > 0:
             before = peers[0]
             for r in range(1, self.rank):

@@ -100,16 +100,27 @@ def register_grad_hooks(slots: list[Slot], on_grad: Callable[[int], None]) -> No
 
 
 def connect(
-    ranks: Ranks, buffers: list[FlatBuffer], *, reduce_op: str, gather_op: str, overlap_comm: bool,
-    overlap_gather: bool, bucket_cap_mb: float,
-) -> LocalComm | GroupComm:  # fmt: skip
+    ranks: Ranks,
+    buffers: list[FlatBuffer],
+    *,
+    reduce_op: str,
+    gather_op: str,
+    overlap_comm: bool,
+    overlap_gather: bool,
+    bucket_cap_mb: float,
+) -> LocalComm | GroupComm:
     """The communication for these ranks: with one rank there is nothing to move."""
     if ranks.world_size == 1:
         return LocalComm(buffers)
     return GroupComm(
-        ranks, buffers, reduce_op=reduce_op, gather_op=gather_op, overlap_comm=overlap_comm,
-        overlap_gather=overlap_gather, bucket_cap_mb=bucket_cap_mb,
-    )  # fmt: skip
+        ranks,
+        buffers,
+        reduce_op=reduce_op,
+        gather_op=gather_op,
+        overlap_comm=overlap_comm,
+        overlap_gather=overlap_gather,
+        bucket_cap_mb=bucket_cap_mb,
+    )
 
 
 def _gather_tag(buffer_index: int, slice_index: int) -> int:
@@ -161,9 +172,16 @@ class GroupComm:
     the gradient norm and the checkpoints need."""
 
     def __init__(
-        self, ranks: Ranks, buffers: list[FlatBuffer], *, reduce_op: str, gather_op: str, overlap_comm: bool,
-        overlap_gather: bool, bucket_cap_mb: float,
-    ):  # fmt: skip
+        self,
+        ranks: Ranks,
+        buffers: list[FlatBuffer],
+        *,
+        reduce_op: str,
+        gather_op: str,
+        overlap_comm: bool,
+        overlap_gather: bool,
+        bucket_cap_mb: float,
+    ):
         self.group, self.world_size, self.rank = ranks.process_group, ranks.world_size, ranks.rank
         self.buffers = buffers
         self.reduce_op, self.gather_op = reduce_op, gather_op
@@ -174,9 +192,12 @@ class GroupComm:
         self.grad_divisor = 1.0 if self._reduce_avg else float(self.world_size)
         self._peers = [r for r in range(self.world_size) if r != self.rank]
         self.reducer = BucketReducer(
-            buffers if reduce_op == "p2p" else [], group=self.group, world_size=self.world_size, rank=self.rank,
+            buffers if reduce_op == "p2p" else [],
+            group=self.group,
+            world_size=self.world_size,
+            rank=self.rank,
             bucket_cap_mb=bucket_cap_mb,
-        )  # fmt: skip
+        )
         self._gather_works: list[Any] = []  # slices sent during the update (overlap_gather)
 
     @property

@@ -86,14 +86,20 @@ def build_buffers(
     for group_index, group in enumerate(param_groups):
         names = group.get("param_names") or [f"group{group_index}.{i}" for i in range(len(group["params"]))]
         by_dtype: dict[torch.dtype, list[tuple[str, Tensor]]] = {}
-        for name, param in zip(names, group["params"]):
+        for name, param in zip(names, group["params"], strict=True):
             if param.requires_grad:
                 by_dtype.setdefault(param.dtype, []).append((name, param))
         for named in by_dtype.values():
             buffers.append(
-                _flat_buffer(group_index, named, first_index=index, world_size=world_size, rank=rank,
-                             alignment_numel=alignment_numel)
-            )  # fmt: skip
+                _flat_buffer(
+                    group_index,
+                    named,
+                    first_index=index,
+                    world_size=world_size,
+                    rank=rank,
+                    alignment_numel=alignment_numel,
+                )
+            )
             index += len(named)
     devices = {slot.param.device for buf in buffers for slot in buf.slots}
     if len(devices) > 1:
@@ -102,16 +108,27 @@ def build_buffers(
 
 
 def _flat_buffer(
-    group_index: int, named: list[tuple[str, Tensor]], *, first_index: int, world_size: int, rank: int,
+    group_index: int,
+    named: list[tuple[str, Tensor]],
+    *,
+    first_index: int,
+    world_size: int,
+    rank: int,
     alignment_numel: int,
-) -> FlatBuffer:  # fmt: skip
+) -> FlatBuffer:
     dtype, device = named[0][1].dtype, named[0][1].device
     slots, offset = [], 0
     for i, (name, param) in enumerate(named):
         slots.append(
-            Slot(name=name, param=param, index=first_index + i, offset=offset, numel=param.numel(),
-                 shape=tuple(param.shape))
-        )  # fmt: skip
+            Slot(
+                name=name,
+                param=param,
+                index=first_index + i,
+                offset=offset,
+                numel=param.numel(),
+                shape=tuple(param.shape),
+            )
+        )
         offset += param.numel()
     total = padded_numel(offset, num_gpus=world_size, alignment_numel=alignment_numel)
     shard = total // world_size
@@ -125,9 +142,15 @@ def _flat_buffer(
         slot.param.data = params[view].view(slot.shape)
         slot.param.grad = grads[view].view(slot.shape)
     buf = FlatBuffer(
-        group_index=group_index, slots=slots, numel=offset, shard_numel=shard, rank=rank,
-        params=params, grads=grads, state={},
-    )  # fmt: skip
+        group_index=group_index,
+        slots=slots,
+        numel=offset,
+        shard_numel=shard,
+        rank=rank,
+        params=params,
+        grads=grads,
+        state={},
+    )
     mixed = dtype != torch.float32
     if mixed:  # an fp32 model's own shard is its master copy
         buf.state["master"] = buf.param_shard().float()

@@ -53,9 +53,7 @@ __all__ = ["UPCAST_CHUNK_NUMEL", "DynamicLossScaler", "ZeRO1AdamW", "decay_param
 _CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
 
 
-def decay_param_groups(
-    model: torch.nn.Module, *, weight_decay: float
-) -> list[dict[str, Any]]:
+def decay_param_groups(model: torch.nn.Module, *, weight_decay: float) -> list[dict[str, Any]]:
     """The usual two groups, named: matrices and embeddings decay, biases and norms do not.
 
     The rule (dim >= 2 decays) is the one the memory model's param_groups() counts.
@@ -147,9 +145,12 @@ class ZeRO1AdamW(torch.optim.Optimizer):
         ranks = Ranks.of(process_group)
         self.world_size, self.rank = ranks.world_size, ranks.rank
         self.reduce_op, self.gather_op = resolve_collectives(
-            ranks.backend, reduce_op=reduce_op, gather_op=gather_op, overlap_comm=overlap_comm,
+            ranks.backend,
+            reduce_op=reduce_op,
+            gather_op=gather_op,
+            overlap_comm=overlap_comm,
             overlap_gather=overlap_gather,
-        )  # fmt: skip
+        )
         self.bucket_cap_mb = bucket_cap_mb
         self.max_grad_norm = max_grad_norm
         self.alignment_numel = alignment_numel
@@ -164,9 +165,14 @@ class ZeRO1AdamW(torch.optim.Optimizer):
             loss_scaler = DynamicLossScaler() if torch.float16 in model_dtypes else None
         self.loss_scaler = loss_scaler
         self._comm = connect(
-            ranks, self._buffers, reduce_op=self.reduce_op, gather_op=self.gather_op, overlap_comm=overlap_comm,
-            overlap_gather=overlap_gather, bucket_cap_mb=bucket_cap_mb,
-        )  # fmt: skip
+            ranks,
+            self._buffers,
+            reduce_op=self.reduce_op,
+            gather_op=self.gather_op,
+            overlap_comm=overlap_comm,
+            overlap_gather=overlap_gather,
+            bucket_cap_mb=bucket_cap_mb,
+        )
         self._had_grad = [False] * len(self._slots)  # this rank's parameters with a gradient since the last step
         self._sync = True  # False inside no_sync()
         register_grad_hooks(self._slots, self._on_grad)
@@ -205,7 +211,7 @@ class ZeRO1AdamW(torch.optim.Optimizer):
     def loss_scale(self) -> float:
         return 1.0 if self.loss_scaler is None else self.loss_scaler.scale
 
-    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 - see class docstring
+    def zero_grad(self, set_to_none: bool = True) -> None:
         self._comm.finish_reduces()  # a bucket sent without a step(): let its sends end before zeroing
         self._comm.reset()
         for buf in self._buffers:
@@ -330,9 +336,13 @@ class ZeRO1AdamW(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard (owned elements only, padding is never saved) and its layout."""
         return optim_state.sharded_state_dict(
-            self._buffers, world_size=self.world_size, rank=self.rank, alignment_numel=self.alignment_numel,
-            param_groups=self.param_groups, loss_scaler=self._loss_scaler_state(),
-        )  # fmt: skip
+            self._buffers,
+            world_size=self.world_size,
+            rank=self.rank,
+            alignment_numel=self.alignment_numel,
+            param_groups=self.param_groups,
+            loss_scaler=self._loss_scaler_state(),
+        )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a shard saved by state_dict() at the same world size and rank, or the consolidated form."""
@@ -350,9 +360,13 @@ class ZeRO1AdamW(torch.optim.Optimizer):
         if chunk_numel < 1:
             raise ValueError(f"chunk_numel must be >= 1, got {chunk_numel}")
         return optim_state.consolidated_state_dict(
-            self._buffers, self._comm, keep=self.rank == dst, chunk_numel=chunk_numel, param_groups=self.param_groups,
+            self._buffers,
+            self._comm,
+            keep=self.rank == dst,
+            chunk_numel=chunk_numel,
+            param_groups=self.param_groups,
             loss_scaler=self._loss_scaler_state(),
-        )  # fmt: skip
+        )
 
     def load_consolidated_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the consolidated form at any world size: each rank takes its slices."""

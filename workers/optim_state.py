@@ -28,9 +28,14 @@ def hyperparameters(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def sharded_state_dict(
-    buffers: list[FlatBuffer], *, world_size: int, rank: int, alignment_numel: int,
-    param_groups: list[dict[str, Any]], loss_scaler: dict[str, float | int] | None,
-) -> dict[str, Any]:  # fmt: skip
+    buffers: list[FlatBuffer],
+    *,
+    world_size: int,
+    rank: int,
+    alignment_numel: int,
+    param_groups: list[dict[str, Any]],
+    loss_scaler: dict[str, float | int] | None,
+) -> dict[str, Any]:
     """This rank's shard (owned elements only, padding is never saved) and its layout."""
     return {
         "format": SHARDED_FORMAT,
@@ -71,21 +76,26 @@ def load_sharded_state(
         )
     if len(state_dict["buffers"]) != len(buffers):
         raise ValueError(f"checkpoint has {len(state_dict['buffers'])} flat buffers, optimizer has {len(buffers)}")
-    for buf, saved_buf in zip(buffers, state_dict["buffers"]):
+    for buf, saved_buf in zip(buffers, state_dict["buffers"], strict=True):
         layout = [(s.name, s.offset, s.numel, s.shape) for s in buf.slots]
         saved_layout = [(p["name"], p["offset"], p["numel"], tuple(p["shape"])) for p in saved_buf["params"]]
         if layout != saved_layout:
             raise ValueError(f"parameter layout differs from the checkpoint's in group {buf.group_index}")
-        for slot, saved_param in zip(buf.slots, saved_buf["params"]):
+        for slot, saved_param in zip(buf.slots, saved_buf["params"], strict=True):
             slot.step = int(saved_param["step"])
         for kind in STATE_KINDS:
             buf.state_of(kind)[: buf.owned_numel].copy_(saved_buf[kind])
 
 
 def consolidated_state_dict(
-    buffers: list[FlatBuffer], comm: LocalComm | GroupComm, *, keep: bool, chunk_numel: int,
-    param_groups: list[dict[str, Any]], loss_scaler: dict[str, float | int] | None,
-) -> dict[str, Any] | None:  # fmt: skip
+    buffers: list[FlatBuffer],
+    comm: LocalComm | GroupComm,
+    *,
+    keep: bool,
+    chunk_numel: int,
+    param_groups: list[dict[str, Any]],
+    loss_scaler: dict[str, float | int] | None,
+) -> dict[str, Any] | None:
     """The world-size-independent form where `keep` (None elsewhere): per parameter, fp32
     master, exp_avg, exp_avg_sq and step, gathered to CPU `chunk_numel` elements per rank
     at a time. Every rank must call it."""
@@ -141,7 +151,7 @@ def load_hyperparameters(param_groups: list[dict[str, Any]], state_dict: dict[st
     groups = state_dict["param_groups"]
     if len(groups) != len(param_groups):
         raise ValueError(f"checkpoint has {len(groups)} param groups, optimizer has {len(param_groups)}")
-    for group, saved in zip(param_groups, groups):
+    for group, saved in zip(param_groups, groups, strict=True):
         group.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
 
 
@@ -154,7 +164,7 @@ def nonfinite_state_numel(
         for i, kind in enumerate(STATE_KINDS):
             counts[i] += torch.isfinite(buf.state_of(kind)).logical_not().sum()
     comm.all_reduce(counts)
-    return dict(zip(STATE_KINDS, counts.tolist()))
+    return dict(zip(STATE_KINDS, counts.tolist(), strict=True))
 
 
 def _gather_to_cpu(
