@@ -50,6 +50,26 @@ def client(ray_cluster, tmp_path_factory) -> Iterator[TestClient]:
         yield test_client
 
 
+@pytest.fixture
+def app(ray_cluster, tmp_path) -> Iterator[tuple[TestClient, Settings]]:
+    """The app on the session's Ray cluster with a SQLite database of the test's own, and its settings."""
+    settings = make_settings(tmp_path)
+    try:
+        with TestClient(create_app(settings), raise_server_exceptions=False) as test_client:
+            yield test_client, settings
+    finally:  # a test that failed midway leaves no job holding the session cluster's GPUs
+        end_supervisors(settings.ray_namespace)
+
+
+def end_supervisors(namespace: str) -> None:
+    """Kill every actor of a Ray namespace (an app's supervisors, a test's stand-ins)."""
+    import ray
+
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["namespace"] == namespace:
+            ray.kill(ray.get_actor(entry["name"], namespace=namespace), no_restart=True)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """Two Ray nodes on this machine, 2 logical GPUs each, on loopback; shut down after the session.

@@ -93,18 +93,6 @@ def transitions(events: list[dict]) -> list[str]:
 # --------------------------------------------------------------------------- a rank dies
 
 
-@pytest.fixture
-def app(ray_cluster, tmp_path) -> Iterator[tuple[TestClient, object]]:
-    settings = make_settings(tmp_path)
-    try:
-        with TestClient(create_app(settings), raise_server_exceptions=False) as client:
-            yield client, settings
-    finally:  # a test that failed midway leaves no job holding the session cluster's GPUs
-        for entry in ray.util.list_named_actors(all_namespaces=True):
-            if entry["namespace"] == settings.ray_namespace:
-                ray.kill(ray.get_actor(entry["name"], namespace=entry["namespace"]), no_restart=True)
-
-
 def test_a_killed_rank_is_retried_from_its_checkpoint_and_ends_where_an_uninterrupted_run_ends(app):
     client, settings = app
     # the database trails the ranks by up to a second of rows (their batches): killing at step

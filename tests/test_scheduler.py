@@ -26,7 +26,7 @@ from service.scheduler import Scheduler
 from service.schemas import JobSpec
 from workers.memory import GB
 
-from conftest import make_settings
+from conftest import end_supervisors, make_settings
 from figures import record
 from helpers import job_body, wait_for
 
@@ -97,18 +97,6 @@ def test_cancelling_a_job_that_ended_since_it_was_read_is_a_409(database):
 
 
 # --------------------------------------------------------------------------- the service's scheduler
-
-
-@pytest.fixture
-def app(ray_cluster, tmp_path) -> Iterator[tuple[TestClient, object]]:
-    settings = make_settings(tmp_path)
-    try:
-        with TestClient(create_app(settings), raise_server_exceptions=False) as client:
-            yield client, settings
-    finally:  # a test that failed midway leaves no job holding the session cluster's GPUs
-        for entry in ray.util.list_named_actors(all_namespaces=True):
-            if entry["namespace"] == settings.ray_namespace:
-                ray.kill(ray.get_actor(entry["name"], namespace=entry["namespace"]), no_restart=True)
 
 
 def _job(client: TestClient, job_id: int) -> dict:
@@ -268,9 +256,7 @@ def bare(ray_cluster, tmp_path) -> Iterator[tuple[Scheduler, Database, object, F
         yield scheduler, db, settings, clock
     finally:
         db.dispose()
-        for entry in ray.util.list_named_actors(all_namespaces=True):
-            if entry["namespace"] == settings.ray_namespace:
-                ray.kill(ray.get_actor(entry["name"], namespace=entry["namespace"]), no_restart=True)
+        end_supervisors(settings.ray_namespace)
 
 
 def _as(db: Database, job_id: int, *path: str) -> None:
