@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
-import os
+import signal
 import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank: int, world_size: int, backend: str, init_file: str, fn: Callable, args: tuple) -> None:
+def _entry(rank: int, world_size: int, backend: str, tmp: str, fn: Callable, args: tuple) -> None:
     torch.set_num_threads(1)  # N ranks share this machine's cores
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    dist.init_process_group(backend, init_method=f"file://{tmp}/init", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
+        Path(tmp, f"passed-{rank}").touch()  # every assertion of this rank held
         leave_together(world_size)
     finally:
         dist.destroy_process_group()
@@ -34,7 +36,16 @@ def leave_together(world_size: int) -> None:
 
 
 def run_ranks(world_size: int, fn: Callable, *args, backend: str = "gloo") -> None:
-    """fn(rank, world_size, *args) on every rank; re-raises the first rank's failure."""
+    """fn(rank, world_size, *args) on every rank; re-raises the first rank's failure.
+
+    A rank that gloo aborts (SIGABRT) while the group is torn down, after every rank's function
+    returned, has failed nothing the test checks: a peer closed its connections first (seen
+    about once a suite run on 2 loaded cores, after leave_together too). Any other failure,
+    and an abort before every rank's function returned, is re-raised."""
     with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "init")
-        mp.spawn(_entry, args=(world_size, backend, init_file, fn, args), nprocs=world_size, join=True)
+        try:
+            mp.spawn(_entry, args=(world_size, backend, tmp, fn, args), nprocs=world_size, join=True)
+        except mp.ProcessExitedException as exited:
+            passed = all(Path(tmp, f"passed-{rank}").exists() for rank in range(world_size))
+            if not (passed and exited.exit_code == -signal.SIGABRT):
+                raise
