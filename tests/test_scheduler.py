@@ -275,6 +275,16 @@ def _stand_in(settings, job_id: int, status: str):
     return supervisor
 
 
+def _dead(actor) -> bool:
+    try:
+        ray.get(actor.ping.remote(), timeout=5)
+    except ray.exceptions.RayActorError:
+        return True
+    except ray.exceptions.GetTimeoutError:
+        pass
+    return False
+
+
 def test_a_supervisor_that_does_not_answer_in_time_is_asked_again_not_taken_for_dead(bare):
     scheduler, db, settings, _ = bare
     job_id = queue_job(db)
@@ -290,9 +300,15 @@ def test_a_supervisor_that_does_not_answer_in_time_is_asked_again_not_taken_for_
     scheduler.tick()
     assert statuses(db, job_id)[0] == "running"
 
-    ray.kill(supervisor, no_restart=True)  # a death is a death
-    scheduler.tick()
-    status, events = statuses(db, job_id)
+    ray.kill(supervisor, no_restart=True)  # a death is a death, once Ray has seen it
+    wait_for(lambda: _dead(supervisor), bool, what="Ray to report the killed supervisor dead")
+
+    def tick() -> tuple[str, list[str]]:
+        scheduler.tick()
+        return statuses(db, job_id)
+
+    # a poll in flight may still time out ("unknown") on a slow machine; never anything but running
+    status, events = wait_for(tick, lambda seen: seen[0] != "running", what="the death to be seen")
     assert (status, events[-1]) == ("failed", "failed")
     with db.session() as session:
         error = session.get(Job, job_id).error
