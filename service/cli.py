@@ -71,6 +71,9 @@ def _parser() -> argparse.ArgumentParser:
     jobs = plan.add_argument_group("model plans")
     jobs.add_argument("--micro-batch-size", type=int)
     jobs.add_argument("--activation-checkpointing", action="store_true", default=None)
+    jobs.add_argument(
+        "--trace", action="store_true", help="count the step by running it on fake tensors (method traced)"
+    )
     plan.add_argument("--json", action="store_true", help="print the API's JSON instead of tables")
 
     url = {
@@ -111,6 +114,7 @@ def _plan_body(args: argparse.Namespace) -> dict:
         "micro_batch_size": args.micro_batch_size,
         "seq_len": args.seq_len,
         "activation_checkpointing": args.activation_checkpointing,
+        "method": "traced" if args.trace else None,
     }
     if args.params is not None:
         body["num_params"] = args.params
@@ -140,11 +144,12 @@ def format_plan(plan: dict) -> str:
     per_gpu = plan["per_gpu"]
     lines = [
         f"{plan['num_params']:,} parameters, {plan['precision']} + {plan['optimizer']}, "
+        f"counted by {plan['method']}, "
         f"ZeRO stage {stage}, {n} GPUs of {_gb(memory)} GB (GB = 1e9 bytes)",
         "",
         f"{'per GPU':<12}{'GB':>12}{'bytes':>22}",
     ]
-    for kind in ("params", "grads", "optimizer", "padding", "activations", "overhead", "total"):
+    for kind in ("params", "grads", "optimizer", "padding", "activations", "temporaries", "overhead", "total"):
         lines.append(f"{kind:<12}{_gb(per_gpu[f'{kind}_bytes']):>12}{per_gpu[f'{kind}_bytes']:>22,}")
     verdict = "fits" if plan["fits"] else "does NOT fit"
     lines.append(f"{verdict}: headroom {_gb(plan['headroom_bytes'])} GB of {_gb(memory)} GB")
@@ -159,9 +164,10 @@ def format_plan(plan: dict) -> str:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from service.cluster import simulated_capacity
-    from service.errors import describe_validation_errors
+    from service.errors import ServiceError, describe_validation_errors
     from service.planning import make_plan, plan_public
     from service.schemas import PlanRequest
+    from service.tracing import Tracer
 
     settings = get_settings()
     try:
@@ -170,7 +176,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         message, _ = describe_validation_errors(exc.errors())
         print(f"zero1 plan: {message}", file=sys.stderr)
         return 2
-    plan = make_plan(request, cluster=simulated_capacity(settings), overhead_bytes=round(settings.gpu_overhead_gb * GB))
+    tracer = Tracer(timeout_s=settings.plan_timeout_s, in_process=True)  # the CLI may import torch
+    overhead_bytes = round(settings.gpu_overhead_gb * GB)
+    try:
+        plan = make_plan(request, cluster=simulated_capacity(settings), overhead_bytes=overhead_bytes, tracer=tracer)
+    except ServiceError as exc:
+        print(f"zero1 plan: {exc.message}", file=sys.stderr)
+        return 2
     public = plan_public(plan).model_dump(mode="json")
     print(json.dumps(public, indent=2) if args.json else format_plan(public))
     return 0

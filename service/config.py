@@ -69,6 +69,9 @@ class Settings(BaseSettings):
     ray_rpc_timeout_s: float = Field(30.0, gt=0, le=3600)
     """How long the service waits for a supervisor's answer; no answer is asked again, never
     taken for a dead job."""
+    plan_timeout_s: float = Field(120.0, gt=0, le=86_400)
+    """How long a traced plan (a model's step run on fake tensors in a Ray task) may take before
+    it is stopped and the request answered 422 trace_timeout."""
     scheduler_interval_s: float = Field(0.2, gt=0, le=60)
     """How often the scheduler admits queued jobs and collects metrics."""
     scheduler_stale_s: float = Field(120.0, gt=0, le=86_400)

@@ -7,15 +7,19 @@ from dataclasses import asdict
 from service.cluster import ClusterCapacity
 from service.responses import PlanPublic
 from service.schemas import PlanRequest
+from service.tracing import Tracer, TraceRequest
 from workers import memory
 
 
-def workload_for(request: PlanRequest, *, overhead_bytes: int) -> memory.Workload:
-    """The memory model's view of a request: the formula, or a model's real layout."""
+def workload_for(request: PlanRequest, *, overhead_bytes: int, tracer: Tracer | None = None) -> memory.Workload:
+    """The memory model's view of a request: the formula, a model's closed forms, or its traced step."""
     if request.model is None:
         return memory.Workload.from_num_params(
             request.num_params, precision=request.precision, optimizer=request.optimizer
         )
+    if request.method == "traced":
+        assert tracer is not None, "a traced plan needs a Tracer"
+        return _traced_workload(request, overhead_bytes=overhead_bytes, tracer=tracer)
     return memory.Workload.from_model(
         request.model.to_spec(),
         precision=request.precision,
@@ -27,7 +31,30 @@ def workload_for(request: PlanRequest, *, overhead_bytes: int) -> memory.Workloa
     )
 
 
-def make_plan(request: PlanRequest, *, cluster: ClusterCapacity, overhead_bytes: int) -> memory.Plan:
+def _traced_workload(request: PlanRequest, *, overhead_bytes: int, tracer: Tracer) -> memory.Workload:
+    traced = tracer.trace(
+        TraceRequest(
+            model=request.model.model_dump(),
+            precision=request.precision,
+            micro_batch_size=request.micro_batch_size or 1,
+            seq_len=request.seq_len,
+            activation_checkpointing=bool(request.activation_checkpointing),
+        )
+    )
+    return memory.Workload.from_trace(
+        group_numels=traced.group_numels,
+        frozen_numel=traced.frozen_numel,
+        activations_bytes=traced.activations_bytes,
+        temporaries_bytes=traced.temporaries_bytes,
+        precision=request.precision,
+        optimizer=request.optimizer,
+        overhead_bytes=overhead_bytes,
+    )
+
+
+def make_plan(
+    request: PlanRequest, *, cluster: ClusterCapacity, overhead_bytes: int, tracer: Tracer | None = None
+) -> memory.Plan:
     """Plan `request`, filling num_gpus and gpu_memory_gb from the cluster when absent."""
     gpu_memory_bytes = (
         cluster.gpu_memory_bytes
@@ -35,7 +62,7 @@ def make_plan(request: PlanRequest, *, cluster: ClusterCapacity, overhead_bytes:
         else memory.gpu_memory_bytes_from_gb(request.gpu_memory_gb)
     )
     return memory.plan(
-        workload_for(request, overhead_bytes=overhead_bytes),
+        workload_for(request, overhead_bytes=overhead_bytes, tracer=tracer),
         num_gpus=request.num_gpus or cluster.num_gpus,
         stage=request.stage,
         gpu_memory_bytes=gpu_memory_bytes,
@@ -46,6 +73,7 @@ def plan_public(plan: memory.Plan) -> PlanPublic:
     """The API's JSON shape of a plan (stage keys are strings, as JSON needs)."""
     return PlanPublic(
         num_params=plan.num_params,
+        method=plan.method,
         num_gpus=plan.num_gpus,
         stage=plan.stage,
         precision=plan.precision,

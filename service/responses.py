@@ -17,7 +17,12 @@ class BreakdownPublic(BaseModel):
     grads_bytes: int
     optimizer_bytes: int
     padding_bytes: int
-    activations_bytes: int
+    activations_bytes: int = Field(
+        description="Alive when one micro-batch's forward returns: its inputs and saved tensors."
+    )
+    temporaries_bytes: int = Field(
+        description="The rest of that step's peak: logits, gradients in flight, a recomputed block."
+    )
     overhead_bytes: int
     total_bytes: int
 
@@ -32,6 +37,10 @@ class PlanPublic(BaseModel):
     """A capacity plan: per-GPU bytes at N, the fit, and how it moves with N and stage."""
 
     num_params: int
+    method: Literal["formula", "model", "traced"] = Field(
+        description="formula: num_params alone; model: the built-in model's closed forms; "
+        "traced: its step counted on fake tensors."
+    )
     num_gpus: int
     stage: int
     precision: Precision

@@ -9,6 +9,7 @@ from service.config import Settings
 from service.db import Database, upgrade
 from service.launcher import RayLauncher
 from service.scheduler import Scheduler
+from service.tracing import Tracer
 
 log = logging.getLogger(__name__)
 
@@ -19,6 +20,7 @@ class Runtime:
         self.db = Database(settings.database_url)
         self.cluster = RayCluster(settings)
         self.launcher = RayLauncher(settings)
+        self.tracer = Tracer(timeout_s=settings.plan_timeout_s)
         self.scheduler = Scheduler(
             db=self.db,
             launcher=self.launcher,

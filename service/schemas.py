@@ -121,6 +121,11 @@ class PlanRequest(_Body):
     micro_batch_size: Int | None = Field(None, ge=1, le=1_000_000, description="Default 1 (model plans only).")
     seq_len: Int | None = Field(None, ge=1, le=100_000_000, description="Default: block_size (GPT plans only).")
     activation_checkpointing: Bool | None = Field(None, description="Default false (model plans only).")
+    method: Literal["model", "traced"] | None = Field(
+        None,
+        description="How a built-in model's step is counted: model (its closed forms, the default) or traced "
+        "(one micro-batch run on fake tensors in a Ray task, within ZERO1_PLAN_TIMEOUT_S; cached).",
+    )
 
     @model_validator(mode="after")
     def _one_source_of_params(self) -> PlanRequest:
@@ -128,7 +133,7 @@ class PlanRequest(_Body):
             given = "both" if self.model is not None else "neither"
             raise ValueError(f"exactly one of num_params or model is required, got {given}")
         if self.model is None:
-            extra = [f for f in _MODEL_ONLY_FIELDS if getattr(self, f) is not None]
+            extra = [f for f in (*_MODEL_ONLY_FIELDS, "method") if getattr(self, f) is not None]
             if extra:
                 raise ValueError(f"{', '.join(extra)} only apply to a plan for a model, not to num_params")
             return self

@@ -21,9 +21,11 @@ def test_seed_example(client):
         "optimizer_bytes": 1_406_250_000,
         "padding_bytes": 0,
         "activations_bytes": 0,
+        "temporaries_bytes": 0,
         "overhead_bytes": 0,
         "total_bytes": 31_406_250_000,
     }
+    assert body["method"] == "formula"
     assert body["stages"] == {"0": 120_000_000_000, "1": 31_406_250_000, "2": 16_640_625_000, "3": 1_875_000_000}
     assert body["fits"] is True and body["min_gpus"] == 2
     assert body["gpu_memory_bytes"] == 80_000_000_000

@@ -30,7 +30,9 @@ def test_plan_prints_the_breakdown_and_sweep():
     out = run_zero1("plan", "--params", "7.5e9", "--gpus", "64")
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert lines[0].startswith("7,500,000,000 parameters, fp16 + adamw, ZeRO stage 1, 64 GPUs of 80.000 GB")
+    assert lines[0].startswith(
+        "7,500,000,000 parameters, fp16 + adamw, counted by formula, ZeRO stage 1, 64 GPUs of 80.000 GB"
+    )
     assert "total             31.406        31,406,250,000" in lines
     assert "min_gpus at stage 1: 2" in lines
     assert "     2          75.000  yes" in lines and "     1         120.000  no" in lines

@@ -146,13 +146,30 @@ def test_activation_estimate_follows_its_formula():
     s, b, h, a, v, L = 128, 2, 64, 4, 100, 4
     block = s * b * (16 * h * 2 + 16 + 4 * a)
     head = s * b * (2 * h * 2 + 8 + 4 * v)
+    inputs = 2 * 8 * s * b + 8 * s  # token ids, targets, positions (int64)
     full = spec.activation_bytes(micro_batch_size=b, seq_len=s, bytes_per_element=2, checkpointing=False)
     ckpt = spec.activation_bytes(micro_batch_size=b, seq_len=s, bytes_per_element=2, checkpointing=True)
-    assert full == L * block + head
-    assert ckpt == L * s * b * h * 2 + block + head
+    assert full == inputs + L * block + head
+    assert ckpt == inputs + L * s * b * h * 2 + head  # the recomputed block is a temporary
     assert ckpt < full
     double = spec.activation_bytes(micro_batch_size=2 * b, seq_len=s, bytes_per_element=2, checkpointing=False)
-    assert double == 2 * full
+    assert double == 2 * full - 8 * s  # the positions are one row, whatever the batch
+
+
+def test_temporaries_estimate_follows_its_formula():
+    """The larger of the head's moment (two fp32 gradients of the logits) and the last block's
+    (c_proj's gradients beside the arriving one, the recomputed block with checkpointing)."""
+    kw = {"micro_batch_size": 2, "seq_len": 128, "bytes_per_element": 2}
+    wide_vocab = GPTSpec(vocab_size=50_000, n_layer=4, n_head=4, n_embd=64, block_size=128)
+    s, b, h, v = 128, 2, 64, 50_000
+    assert wide_vocab.temporaries_bytes(**kw, checkpointing=False) == 8 * s * b * v
+    wide_model = GPTSpec(vocab_size=100, n_layer=4, n_head=8, n_embd=1024, block_size=128)
+    s, b, h, v = 128, 2, 1024, 100
+    head = s * b * (2 * h * 2 + 8 + 4 * v)
+    c_proj = (s * b * h + 4 * s * b * h + 4 * h * h + h) * 2
+    block = s * b * (16 * h * 2 + 16 + 4 * 8)
+    assert wide_model.temporaries_bytes(**kw, checkpointing=False) == c_proj - head
+    assert wide_model.temporaries_bytes(**kw, checkpointing=True) == block + c_proj - head
 
 
 def test_model_plan_adds_activations_and_overhead():
@@ -160,9 +177,13 @@ def test_model_plan_adds_activations_and_overhead():
     w = Workload.from_model(spec, micro_batch_size=2, overhead_bytes=123)
     b = breakdown(w, num_gpus=2, stage=1)
     assert b.overhead_bytes == 123
-    assert b.activations_bytes == spec.activation_bytes(
-        micro_batch_size=2, seq_len=128, bytes_per_element=2, checkpointing=False
+    step = {"micro_batch_size": 2, "seq_len": 128, "bytes_per_element": 2, "checkpointing": False}
+    assert b.activations_bytes == spec.activation_bytes(**step)
+    assert b.temporaries_bytes == spec.temporaries_bytes(**step) > 0
+    assert b.total_bytes == b.params_bytes + b.grads_bytes + b.optimizer_bytes + b.padding_bytes + sum(
+        (b.activations_bytes, b.temporaries_bytes, 123)
     )
+    assert w.method == "model"
     with pytest.raises(ValueError, match=r"seq_len must be in \[1, block_size=128\], got 129"):
         Workload.from_model(spec, seq_len=129)
 

@@ -11,11 +11,16 @@ gradient, K optimizer bytes per parameter (../shared/seed/zero-stage-1-math.txt)
 Shards hold whole elements, so a sharded term of b bytes per element costs
 b·⌈Ψ/N⌉ bytes on every rank: integer bytes, exact when N divides Ψ.
 
-A plan by parameter count alone is the formula and nothing else. A plan for a
-model also knows the optimizer's layout (one flat buffer per parameter group,
-padded so that every rank owns an equal, aligned slice), so its padding line is
-what the workers allocate beyond the formula, byte for byte; and it adds the
-activations of one micro-batch and a fixed per-GPU overhead.
+A plan by parameter count alone is the formula and nothing else (method
+"formula"). A plan for a model also knows the optimizer's layout (one flat
+buffer per parameter group, padded so that every rank owns an equal, aligned
+slice), so its padding line is what the workers allocate beyond the formula,
+byte for byte; and it adds what one micro-batch's step holds beyond the model
+states: its activations (alive when forward returns) and temporaries (the rest
+of the step's peak), plus a fixed per-GPU overhead. The built-in models have
+closed forms for both (method "model", workers/specs.py); any other model is
+traced on fake tensors (method "traced", workers/trace.py). Frozen parameters
+hold weights only: no gradient, no optimizer state.
 
 Standard library only: the planner, the API and the CLI load this module
 without torch or Ray.
@@ -38,6 +43,7 @@ MAX_NUM_PARAMS = 10**15
 
 STAGES = (0, 1, 2, 3)
 PRECISIONS = ("fp16", "bf16", "fp32")
+METHODS = ("formula", "model", "traced")
 OPTIMIZERS = ("adamw", "adam", "sgd_momentum", "sgd")
 SWEEP_NUM_GPUS = tuple(2**i for i in range(11))  # 1, 2, 4, ... 1024
 
@@ -93,27 +99,39 @@ class Workload:
     """What is planned, independent of N and the stage."""
 
     group_numels: tuple[int, ...]
-    """Elements of each flat buffer (one per parameter group)."""
+    """Elements of each flat buffer (one per group of trainable parameters)."""
+    frozen_numel: int = 0
+    """Parameters that are not trained: weights only, replicated below stage 3."""
     precision: str = "fp16"
     optimizer: str = "adamw"
     alignment_numel: int | None = None
     """Slice alignment of the optimizer's flat buffers; None for a plan by
     parameter count, which models no layout and so no padding."""
     activations_bytes: int = 0
+    """Alive when one micro-batch's forward returns: its inputs and what autograd saved."""
+    temporaries_bytes: int = 0
+    """The rest of that step's peak: transient tensors (logits, gradients in flight)."""
     overhead_bytes: int = 0
+    method: str = "formula"
+    """How the plan was made: "formula" (num_params), "model" (a closed form) or "traced"."""
 
     def __post_init__(self) -> None:
         optimizer_bytes_per_param(self.precision, self.optimizer)
-        num_params = sum(self.group_numels)
-        if not 1 <= num_params <= MAX_NUM_PARAMS:
-            raise ValueError(f"num_params must be in [1, {MAX_NUM_PARAMS:.0e}], got {num_params}")
-        if self.activations_bytes < 0 or self.overhead_bytes < 0:
-            raise ValueError(
-                f"activations_bytes ({self.activations_bytes}) and overhead_bytes ({self.overhead_bytes}) must be >= 0"
-            )
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if not 1 <= self.num_params <= MAX_NUM_PARAMS:
+            raise ValueError(f"num_params must be in [1, {MAX_NUM_PARAMS:.0e}], got {self.num_params}")
+        for name in ("frozen_numel", "activations_bytes", "temporaries_bytes", "overhead_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     @property
     def num_params(self) -> int:
+        """Ψ: every parameter, trained or frozen."""
+        return self.num_trainable + self.frozen_numel
+
+    @property
+    def num_trainable(self) -> int:
         return sum(self.group_numels)
 
     @classmethod
@@ -133,26 +151,53 @@ class Workload:
         activation_checkpointing: bool = False,
         overhead_bytes: int = 0,
     ) -> Workload:
-        """A job's plan: the optimizer's real layout, activations and overhead."""
+        """A built-in model's plan: the optimizer's real layout, the closed forms of the step, overhead."""
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         if isinstance(model, GPTSpec):
             seq_len = model.block_size if seq_len is None else seq_len
             if not 1 <= seq_len <= model.block_size:
                 raise ValueError(f"seq_len must be in [1, block_size={model.block_size}], got {seq_len}")
-        activations = model.activation_bytes(
-            micro_batch_size=micro_batch_size,
-            seq_len=seq_len or 1,
-            bytes_per_element=bytes_per_param(precision)[0],
-            checkpointing=activation_checkpointing,
-        )
+        step = {
+            "micro_batch_size": micro_batch_size,
+            "seq_len": seq_len or 1,
+            "bytes_per_element": bytes_per_param(precision)[0],
+            "checkpointing": activation_checkpointing,
+        }
         return cls(
             group_numels=tuple(n for n in model.param_groups() if n),
             precision=precision,
             optimizer=optimizer,
             alignment_numel=SHARD_ALIGNMENT_NUMEL,
-            activations_bytes=activations,
+            activations_bytes=model.activation_bytes(**step),
+            temporaries_bytes=model.temporaries_bytes(**step),
             overhead_bytes=overhead_bytes,
+            method="model",
+        )
+
+    @classmethod
+    def from_trace(
+        cls,
+        *,
+        group_numels: tuple[int, ...],
+        frozen_numel: int,
+        activations_bytes: int,
+        temporaries_bytes: int,
+        precision: str = "fp16",
+        optimizer: str = "adamw",
+        overhead_bytes: int = 0,
+    ) -> Workload:
+        """A traced model's plan: its parameter groups and step as counted on fake tensors."""
+        return cls(
+            group_numels=tuple(n for n in group_numels if n),
+            frozen_numel=frozen_numel,
+            precision=precision,
+            optimizer=optimizer,
+            alignment_numel=SHARD_ALIGNMENT_NUMEL,
+            activations_bytes=activations_bytes,
+            temporaries_bytes=temporaries_bytes,
+            overhead_bytes=overhead_bytes,
+            method="traced",
         )
 
 
@@ -165,6 +210,7 @@ class Breakdown:
     optimizer_bytes: int
     padding_bytes: int
     activations_bytes: int
+    temporaries_bytes: int
     overhead_bytes: int
 
     @property
@@ -175,6 +221,7 @@ class Breakdown:
             + self.optimizer_bytes
             + self.padding_bytes
             + self.activations_bytes
+            + self.temporaries_bytes
             + self.overhead_bytes
         )
 
@@ -189,6 +236,8 @@ class SweepPoint:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Plan:
     num_params: int
+    method: str
+    """How the workload was counted: "formula", "model" or "traced" (Workload.method)."""
     num_gpus: int
     stage: int
     precision: str
@@ -207,7 +256,7 @@ class Plan:
 def shard_numel(workload: Workload, *, num_gpus: int) -> int:
     """Elements of optimizer state each rank allocates (the same on every rank)."""
     if workload.alignment_numel is None:
-        return -(-workload.num_params // num_gpus)
+        return -(-workload.num_trainable // num_gpus)
     return sum(
         padded_numel(n, num_gpus=num_gpus, alignment_numel=workload.alignment_numel) // num_gpus
         for n in workload.group_numels
@@ -220,24 +269,25 @@ def breakdown(workload: Workload, *, num_gpus: int, stage: int) -> Breakdown:
     _check_stage(stage)
     p, g = bytes_per_param(workload.precision)
     k = optimizer_bytes_per_param(workload.precision, workload.optimizer)
-    psi = workload.num_params
+    psi, frozen = workload.num_trainable, workload.frozen_numel
+    step = {
+        "activations_bytes": workload.activations_bytes,
+        "temporaries_bytes": workload.temporaries_bytes,
+        "overhead_bytes": workload.overhead_bytes,
+    }
     if stage == 0:
         # plain DDP keeps everything replicated and needs no flat-buffer padding
         return Breakdown(
-            params_bytes=p * psi,
-            grads_bytes=g * psi,
-            optimizer_bytes=k * psi,
-            padding_bytes=0,
-            activations_bytes=workload.activations_bytes,
-            overhead_bytes=workload.overhead_bytes,
+            params_bytes=p * (psi + frozen), grads_bytes=g * psi, optimizer_bytes=k * psi, padding_bytes=0, **step
         )
     exact = -(-psi // num_gpus)  # ⌈Ψ/N⌉: the formula's shard, in whole elements
     shard = shard_numel(workload, num_gpus=num_gpus)
     # a replicated flat buffer spans all N padded slices
     full = psi if workload.alignment_numel is None else shard * num_gpus
     sharded_p, sharded_g = stage >= 3, stage >= 2
+    frozen_params = -(-frozen // num_gpus) if sharded_p else frozen
     return Breakdown(
-        params_bytes=p * (exact if sharded_p else psi),
+        params_bytes=p * ((exact if sharded_p else psi) + frozen_params),
         grads_bytes=g * (exact if sharded_g else psi),
         optimizer_bytes=k * exact,
         padding_bytes=(
@@ -245,8 +295,7 @@ def breakdown(workload: Workload, *, num_gpus: int, stage: int) -> Breakdown:
             + g * ((shard - exact) if sharded_g else (full - psi))
             + k * (shard - exact)
         ),
-        activations_bytes=workload.activations_bytes,
-        overhead_bytes=workload.overhead_bytes,
+        **step,
     )
 
 
@@ -270,7 +319,11 @@ def min_gpus(workload: Workload, *, stage: int, gpu_memory_bytes: int) -> int | 
     k = optimizer_bytes_per_param(workload.precision, workload.optimizer)
     sharded = k + (g if stage >= 2 else 0) + (p if stage >= 3 else 0)
     replicated = p + g + k - sharded
-    fixed = replicated * workload.num_params + workload.activations_bytes + workload.overhead_bytes
+    # frozen weights are replicated below stage 3; sharded at stage 3 they only add, so the
+    # bound below stays a lower bound and the walk finds the first N that fits
+    frozen = workload.frozen_numel if stage < 3 else 0
+    step = workload.activations_bytes + workload.temporaries_bytes + workload.overhead_bytes
+    fixed = replicated * workload.num_trainable + p * frozen + step
     if sharded == 0:  # fp32 plain SGD at stage 1: no state to shard, N does not matter
         if fixed > gpu_memory_bytes:
             return None
@@ -279,7 +332,7 @@ def min_gpus(workload: Workload, *, stage: int, gpu_memory_bytes: int) -> int | 
         max_shard = (gpu_memory_bytes - fixed) // sharded
         if max_shard < 1:
             return None
-        lower = -(-workload.num_params // max_shard)
+        lower = -(-workload.num_trainable // max_shard)
     if workload.alignment_numel is None:
         return lower
     # Padding grows with N (at most N·alignment elements per buffer), so a
@@ -301,6 +354,7 @@ def plan(workload: Workload, *, num_gpus: int, stage: int = 1, gpu_memory_bytes:
     total = per_gpu.total_bytes
     return Plan(
         num_params=workload.num_params,
+        method=workload.method,
         num_gpus=num_gpus,
         stage=stage,
         precision=workload.precision,

@@ -6,6 +6,7 @@ so a plan counts exactly what these modules allocate.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -15,6 +16,9 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from workers.memory import GPTSpec, MLPSpec
+from workers.trace import StepTrace, trace_layers, trace_step
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 class Linear(nn.Linear):
@@ -118,8 +122,8 @@ class GPT(nn.Module):
         dtype = self.compute_dtype or self.transformer.wte.weight.dtype
         x = self.transformer.wte(idx).to(dtype) + self.transformer.wpe(pos).to(dtype)
         for block in self.transformer.h:
-            # reentrant: the block's input is kept through save_for_backward, where
-            # ActivationMeter's hooks see it (and the recompute happens inside backward)
+            # reentrant: the block's input is kept as a saved tensor and its recompute runs inside
+            # backward, one block at a time (the shape GPTSpec's closed forms count)
             x = checkpoint(block, x, use_reentrant=True) if self.activation_checkpointing else block(x)
         logits = self.lm_head(self.transformer.ln_f(x))
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
@@ -162,55 +166,32 @@ def build_model(
     return model.to(device=device, dtype=dtype)
 
 
-class ActivationMeter:
-    """Bytes of activations autograd keeps for backward: the CPU's stand-in
-    for torch.cuda.max_memory_allocated.
-
-    Saved tensors are counted by storage, once each (q, k and v are views of
-    one tensor); parameters, which autograd also saves, are model states and
-    are not counted. With activation checkpointing each block is recomputed
-    during backward, one at a time: the largest block's recomputed tensors
-    are added to what forward kept.
-    """
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-        self.forward_bytes = 0
-        self.recompute_bytes = 0
-
-    @property
-    def peak_bytes(self) -> int:
-        return self.forward_bytes + self.recompute_bytes
-
-    def run(self, loss_fn, backward) -> Tensor:
-        """loss = loss_fn(); backward(loss); both measured. Returns the loss."""
-        params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
-        tallies: list[dict[int, int]] = [{}]
-
-        def pack(tensor: Tensor) -> Tensor:
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() not in params:
-                tallies[-1][storage.data_ptr()] = storage.nbytes()
-            return tensor
-
-        blocks = getattr(getattr(self.model, "transformer", None), "h", [])
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            loss = loss_fn()
-            self.forward_bytes = sum(tallies[0].values())
-            # a recomputed block's storages are freed before the next block's, which may reuse
-            # their addresses: tally each recomputation on its own
-            hooks = [block.register_forward_pre_hook(lambda *_: tallies.append({})) for block in blocks]
-            try:
-                backward(loss)
-            finally:
-                for hook in hooks:
-                    hook.remove()
-        self.recompute_bytes = max((sum(t.values()) for t in tallies[1:]), default=0)
-        return loss
-
-
-def saved_activation_bytes(model: nn.Module, *inputs: Tensor) -> int:
-    """ActivationMeter's peak for one forward and backward of `model` on `inputs`."""
-    meter = ActivationMeter(model)
-    meter.run(lambda: model(*inputs), lambda loss: loss.backward())
-    return meter.peak_bytes
+def trace_builtin(
+    spec: GPTSpec | MLPSpec,
+    *,
+    precision: str,
+    micro_batch_size: int,
+    seq_len: int | None = None,
+    activation_checkpointing: bool = False,
+) -> StepTrace:
+    """One micro-batch of a built-in model's training step, traced on fake tensors (workers/trace.py);
+    a GPT's depth is extrapolated from two shallow traces."""
+    dtype = DTYPES[precision]
+    if isinstance(spec, MLPSpec):
+        return trace_step(
+            lambda: MLP(spec),
+            lambda: (
+                torch.randn(micro_batch_size, spec.sizes[0], dtype=dtype),
+                torch.zeros(micro_batch_size, dtype=torch.long),
+            ),
+            dtype=dtype,
+        )
+    seq_len = seq_len or spec.block_size
+    return trace_layers(
+        lambda num_layers: GPT(
+            dataclasses.replace(spec, n_layer=num_layers), activation_checkpointing=activation_checkpointing
+        ),
+        lambda: tuple(torch.zeros(micro_batch_size, seq_len, dtype=torch.long) for _ in range(2)),  # ids, targets
+        dtype=dtype,
+        num_layers=spec.n_layer,
+    )

@@ -76,7 +76,7 @@ class GPTSpec:
     def activation_bytes(
         self, *, micro_batch_size: int, seq_len: int, bytes_per_element: int, checkpointing: bool
     ) -> int:
-        """Bytes of tensors saved for backward by one micro-batch.
+        """Bytes alive when one micro-batch's forward returns: its inputs and what autograd saved.
 
         Per layer, Korthikanti et al. 2022, "Reducing Activation Recomputation
         in Large Transformer Models" (arXiv:2205.05198), §4.1, count
@@ -89,20 +89,45 @@ class GPTSpec:
         as (B, T, heads, head_dim), so transposing it back copies nothing),
         ln_2 input 1, c_fc input 1, GELU input 4, mlp c_proj input 4: 16 —
         Korthikanti's count without dropout — plus fp32 mean and rstd of both
-        LayerNorms (4·s·b). Checked against saved-tensor measurement in
-        tests/test_models.py.
-        The head saves ln_f's input and the LM head's input (2·s·b·h), ln_f's
-        statistics, and the fp32 log-softmax of the logits (4·s·b·V).
-        With checkpointing each block keeps only its input, and one block is
-        recomputed at a time during backward.
+        LayerNorms (4·s·b). The head saves ln_f's input and the LM head's input
+        (2·s·b·h), ln_f's statistics, and the fp32 log-softmax of the logits
+        (4·s·b·V). The micro-batch itself: token ids and targets (int64) and the
+        positions (one row). With checkpointing each block keeps only its input;
+        the block recomputed during backward is a temporary (temporaries_bytes).
+        Checked against a trace of the step in tests/test_trace.py.
         """
-        sb = micro_batch_size * seq_len
+        sb, e = micro_batch_size * seq_len, bytes_per_element
+        inputs = 2 * 8 * sb + 8 * seq_len
+        kept = sb * self.n_embd * e if checkpointing else self._block_bytes(sb, e)
+        return inputs + self.n_layer * kept + self._head_bytes(sb, e)
+
+    def temporaries_bytes(
+        self, *, micro_batch_size: int, seq_len: int, bytes_per_element: int, checkpointing: bool
+    ) -> int:
+        """Bytes beyond the activations at the step's peak, the larger of two moments of backward.
+
+        The head's: the loss's gradient and the logits' gradient, both fp32 (s·b·V each),
+        beside the saved log-softmax. The last block's, once the head's saved tensors are
+        freed: the MLP's c_proj backward holds the gradient arriving at the block (s·b·h),
+        the one it computes for its input (4·s·b·h), and its weight's and bias's gradients
+        (4h² + h) before they are added into the flat gradient buffer; with checkpointing
+        the block's recomputed activations are alive too.
+        """
+        sb, e, c = micro_batch_size * seq_len, bytes_per_element, self.n_embd
+        head_peak = 2 * 4 * sb * self.vocab_size
+        recomputed = self._block_bytes(sb, e) if checkpointing else 0
+        c_proj_grads = (sb * c + 4 * sb * c + 4 * c * c + c) * e
+        return max(head_peak, recomputed + c_proj_grads - self._head_bytes(sb, e))
+
+    def _block_bytes(self, sb: int, e: int) -> int:
+        """What one block saves for backward (activation_bytes' per-layer term)."""
         fp32 = 4
-        block = sb * (16 * self.n_embd * bytes_per_element + 2 * 2 * fp32 + self.n_head * fp32)
-        head = sb * (2 * self.n_embd * bytes_per_element + 2 * fp32 + self.vocab_size * fp32)
-        if checkpointing:
-            return self.n_layer * sb * self.n_embd * bytes_per_element + block + head
-        return self.n_layer * block + head
+        return sb * (16 * self.n_embd * e + 2 * 2 * fp32 + self.n_head * fp32)
+
+    def _head_bytes(self, sb: int, e: int) -> int:
+        """What ln_f, the LM head and the loss save for backward."""
+        fp32 = 4
+        return sb * (2 * self.n_embd * e + 2 * fp32 + self.vocab_size * fp32)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -130,12 +155,38 @@ class MLPSpec:
     def activation_bytes(
         self, *, micro_batch_size: int, seq_len: int, bytes_per_element: int, checkpointing: bool
     ) -> int:
-        """Each Linear saves its input (a ReLU's saved output is the same
-        tensor), and the classification loss saves an fp32 log-softmax of the
-        output. One sample is one row: seq_len and checkpointing do not apply."""
+        """Each Linear saves its input (a ReLU's saved output is the same tensor), and the
+        classification loss saves an fp32 log-softmax of the output and the int64 targets.
+        One sample is one row: seq_len and checkpointing do not apply."""
         del seq_len, checkpointing
         inputs = sum(self.sizes[:-1]) * bytes_per_element
-        return micro_batch_size * (inputs + 4 * self.sizes[-1])
+        return micro_batch_size * (inputs + 4 * self.sizes[-1] + 8)
+
+    def temporaries_bytes(
+        self, *, micro_batch_size: int, seq_len: int, bytes_per_element: int, checkpointing: bool
+    ) -> int:
+        """Bytes beyond the activations at the step's peak: the largest of backward's moments,
+        walked layer by layer from the loss (the loss's and the logits' fp32 gradients; then each
+        Linear's gradients for its input, weight and bias beside the one arriving; each ReLU's
+        new gradient beside the old), as the saved tensors behind it are freed."""
+        del seq_len, checkpointing
+        b, e, out = micro_batch_size, bytes_per_element, self.sizes[-1]
+        moments = [2 * 4 * b * out]  # nll's and log-softmax's fp32 gradients beside the saved log-softmax
+        live = -4 * b * out  # then the saved log-softmax is freed
+        grad = b * out * e  # the logits' gradient in the model's dtype
+        if e != 4:  # cast down from fp32, both alive a moment
+            moments.append(live + 4 * b * out + grad)
+        live += grad
+        for i in range(len(self.sizes) - 2, -1, -1):
+            fan_in, fan_out = self.sizes[i], self.sizes[i + 1]
+            grad_input = b * fan_in * e if i else 0  # the first layer's input needs no gradient
+            moments.append(live + grad_input + (fan_in * fan_out + fan_out) * e)
+            live += grad_input - grad
+            grad = grad_input
+            if i:  # the ReLU before it: a new gradient beside the old, then its saved output freed
+                moments.append(live + grad)
+                live -= b * fan_in * e
+        return max(moments)
 
 
 ModelSpec = GPTSpec | MLPSpec

@@ -30,11 +30,10 @@ from workers.checkpoints import (
 )
 from workers.config import TrainConfig
 from workers.data import Batches
-from workers.models import ActivationMeter, build_model
+from workers.models import DTYPES, build_model
 from workers.optim import ZeRO1AdamW, decay_param_groups
 from workers.records import MetricRow, TrainResult
-
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+from workers.trace import measure_step
 
 
 class NonFiniteError(RuntimeError):
@@ -48,7 +47,7 @@ def default_device() -> torch.device:
 
 
 def planned_bytes(config: TrainConfig, *, world_size: int) -> int:
-    """The planner's per-GPU bytes for this job: model states and activations (no fixed overhead)."""
+    """The planner's per-GPU bytes for this job: model states, activations and temporaries (no fixed overhead)."""
     workload = memory.Workload.from_model(
         config.model,
         precision=config.precision,
@@ -176,24 +175,38 @@ class _StepContext:
     planned_bytes: int
     tokens_per_step: int
 
+    def micro_step(self, inputs: torch.Tensor, targets: torch.Tensor, *, accumulation: int) -> tuple[torch.Tensor, int]:
+        """Forward and backward of one micro-batch: its loss, and on CPU the bytes it held beyond the
+        model states at its peak, counted as the plan counts them (workers/trace.py); CUDA's
+        allocator measures the whole step instead."""
+
+        def forward() -> torch.Tensor:
+            return self.model(inputs, targets) / accumulation
+
+        def backward(loss: torch.Tensor) -> None:
+            self.opt.scale_loss(loss).backward()
+
+        if self.device.type == "cuda":
+            loss = forward()
+            backward(loss)
+            return loss, 0
+        loss, used = measure_step(self.model, (inputs, targets), forward, backward)
+        return loss, used.peak_bytes
+
     def run_step(self, step: int) -> MetricRow:
         start = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        meter = ActivationMeter(self.model)
         accumulation = self.batches.accumulation_steps
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        activation_peak = 0
+        step_peak = 0
         for micro in range(accumulation):
             inputs, targets = (t.to(self.device) for t in self.batches.micro_batch(step, micro))
             # every micro-batch but the last accumulates locally; the last one's backward sends
             with self.opt.no_sync() if micro < accumulation - 1 else contextlib.nullcontext():
-                loss = meter.run(
-                    lambda: self.model(inputs, targets) / accumulation,
-                    lambda loss: self.opt.scale_loss(loss).backward(),
-                )
+                loss, used = self.micro_step(inputs, targets, accumulation=accumulation)
             loss_sum += loss.detach()
-            activation_peak = max(activation_peak, meter.peak_bytes)
+            step_peak = max(step_peak, used)
         self.opt.step()
         self.opt.zero_grad()
         if self.world_size > 1:  # the global batch's loss: mean over ranks of each rank's mean
@@ -204,7 +217,7 @@ class _StepContext:
             torch.cuda.synchronize(self.device)
             mem_peak = torch.cuda.max_memory_allocated(self.device)
         else:
-            mem_peak = self.opt.model_state_bytes() + activation_peak
+            mem_peak = self.opt.model_state_bytes() + step_peak
         step_time_s = time.perf_counter() - start
         return MetricRow(
             step=step,

@@ -12,6 +12,7 @@ from service.auth import Authenticator, Principal
 from service.cluster import ClusterCapacity
 from service.config import Settings
 from service.runtime import Runtime
+from service.tracing import Tracer
 
 
 def get_runtime(request: Request) -> Runtime:
@@ -43,6 +44,14 @@ def get_cluster(runtime: RuntimeDep) -> ClusterCapacity:
 
 
 ClusterDep = Annotated[ClusterCapacity, Depends(get_cluster)]
+
+
+def get_tracer(runtime: RuntimeDep) -> Tracer:
+    """Where traced plans are made (a Ray task) and remembered."""
+    return runtime.tracer
+
+
+TracerDep = Annotated[Tracer, Depends(get_tracer)]
 
 
 def get_authenticator(request: Request) -> Authenticator:

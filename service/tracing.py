@@ -1,0 +1,148 @@
+"""Traced plans: a model's training step counted on fake tensors in a Ray task, cached by digest.
+
+The trace needs torch and runs the model's own code, so it never runs in the API process: a
+Ray task (num_cpus=0: a trace takes a second or so and must not queue behind the training
+ranks holding the CPUs) does it within ZERO1_PLAN_TIMEOUT_S. What a trace depends on — the
+model, precision, micro-batch, sequence length and checkpointing — is hashed into a digest;
+an identical request answers from the cache without asking Ray.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from service.errors import ServiceError
+
+CACHE_ENTRIES = 1024
+"""Traces the service remembers, least recently used dropped first (each is a few integers)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TracedStep:
+    """What a plan needs of a trace: parameter groups and the step's bytes beyond the states."""
+
+    group_numels: tuple[int, ...]
+    frozen_numel: int
+    activations_bytes: int
+    temporaries_bytes: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TraceRequest:
+    """One micro-batch of one model's step: everything a trace depends on."""
+
+    model: dict[str, Any]
+    precision: str
+    micro_batch_size: int
+    seq_len: int | None
+    activation_checkpointing: bool
+
+    @property
+    def digest(self) -> str:
+        canonical = json.dumps(
+            [self.model, self.precision, self.micro_batch_size, self.seq_len, self.activation_checkpointing],
+            sort_keys=True,
+            separators=(",", ":"),
+        )
+        return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def run_trace(request: TraceRequest) -> TracedStep:
+    """The trace itself, in the process that calls it (a Ray task's, or the CLI's): imports torch."""
+    from workers.models import trace_builtin
+    from workers.specs import GPTSpec, MLPSpec
+
+    fields = {k: v for k, v in request.model.items() if k != "kind"}
+    spec = GPTSpec(**fields) if request.model["kind"] == "gpt" else MLPSpec(sizes=tuple(fields["sizes"]))
+    trace = trace_builtin(
+        spec,
+        precision=request.precision,
+        micro_batch_size=request.micro_batch_size,
+        seq_len=request.seq_len,
+        activation_checkpointing=request.activation_checkpointing,
+    )
+    return TracedStep(
+        group_numels=(trace.params.decay_numel, trace.params.no_decay_numel),
+        frozen_numel=trace.params.frozen_numel,
+        activations_bytes=trace.memory.activations_bytes,
+        temporaries_bytes=trace.memory.temporaries_bytes,
+    )
+
+
+class Tracer:
+    """Traces on the Ray cluster within `timeout_s`, remembering each digest's result."""
+
+    def __init__(self, *, timeout_s: float, in_process: bool = False) -> None:
+        self.timeout_s = timeout_s
+        self.in_process = in_process
+        """Trace in this process (the CLI, which may import torch), not in a Ray task."""
+        self._cache: OrderedDict[str, TracedStep] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def trace(self, request: TraceRequest) -> TracedStep:
+        digest = request.digest
+        with self._lock:
+            if digest in self._cache:
+                self._cache.move_to_end(digest)
+                return self._cache[digest]
+        traced = self._run(request)
+        with self._lock:
+            self._cache[digest] = traced
+            while len(self._cache) > CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+        return traced
+
+    def _run(self, request: TraceRequest) -> TracedStep:
+        if self.in_process:
+            return _with_trace_errors(lambda: run_trace(request))
+        import ray
+
+        ref = _remote_trace().remote(request)
+        try:
+            return ray.get(ref, timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            ray.cancel(ref, force=True)
+            raise ServiceError(
+                f"tracing the model's step took more than ZERO1_PLAN_TIMEOUT_S = {self.timeout_s:g} s; "
+                "the trace was stopped",
+                status_code=422,
+                error="trace_timeout",
+            ) from None
+        except ray.exceptions.RayTaskError as exc:
+            raise _trace_failed(exc.cause if exc.cause is not None else exc) from None
+
+
+def _with_trace_errors(trace):
+    from workers.trace import TraceError
+
+    try:
+        return trace()
+    except (TraceError, ValueError) as exc:
+        raise _trace_failed(exc) from None
+
+
+def _trace_failed(exc: BaseException) -> ServiceError:
+    lines = str(exc).strip().splitlines()
+    return ServiceError(
+        f"the model's step could not be traced: {lines[0] if lines else type(exc).__name__}",
+        status_code=422,
+        error="trace_failed",
+    )
+
+
+_REMOTE = None
+
+
+def _remote_trace():
+    """run_trace as a Ray task, made once (ray.remote needs Ray imported, which the API does lazily)."""
+    global _REMOTE
+    if _REMOTE is None:
+        import ray
+
+        _REMOTE = ray.remote(num_cpus=0, max_retries=0)(run_trace)
+    return _REMOTE

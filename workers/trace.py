@@ -1,0 +1,250 @@
+"""What one micro-batch's forward and backward keep alive: counted op by op, on real tensors or fake.
+
+LiveBytes is a dispatch mode that sees every storage an op creates, counts its bytes while
+it lives (a weak reference tells when it is freed) and keeps the peak. Model states are not
+counted: parameters, buffers and the tensors handed to `ignore` (the optimizer's flat
+gradient buffer, its state), nor a gradient once autograd has accumulated it into `.grad`.
+What remains is what the memory model calls activations (alive when forward returns: saved
+for backward) and temporaries (the rest of the peak: logits, the loss's gradient, a layer's
+gradients in flight, a recomputed block).
+
+trace_step runs that count under FakeTensorMode on a model built on the meta device: no
+memory is allocated and nothing is computed, so a 7B model's step is counted on a laptop
+CPU. The training ranks run the same count on their real CPU tensors, so the plan and the
+measurement count one thing the same way (on CUDA the ranks read the allocator instead).
+
+Why not torch.distributed._tools.mem_tracker.MemTracker, which tests compare against: its
+peak is the largest total with gradients allocated as autograd makes them, while zero1's
+gradients live in one flat buffer allocated before the step; the peak that matters here is
+that of everything but the states, which can fall at another moment. This mode also runs
+unchanged inside a training step, and it is public torch API only.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the storages ops create while the mode is on and that are still alive, and their peak."""
+
+    def __init__(self, *, ignore: Iterable[Tensor] = ()) -> None:
+        super().__init__()
+        self._counted = WeakIdKeyDictionary()  # storage -> bytes counted for it (0: a state's)
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        for tensor in ignore:
+            self.ignore(tensor)
+
+    def ignore(self, tensor: Tensor) -> None:
+        """Stop counting `tensor`'s storage (and never count it): a model state."""
+        storage = tensor.untyped_storage()
+        self.live_bytes -= self._counted.get(storage, 0)
+        self._counted[storage] = 0
+
+    def count(self, tensor: Tensor) -> None:
+        """Count `tensor`'s storage while it lives, as if an op had made it (a step's input batch)."""
+        storage = tensor.untyped_storage()
+        if storage not in self._counted:
+            self._add(storage)
+
+    def _add(self, storage: torch.UntypedStorage) -> None:
+        nbytes = storage.nbytes()
+        self._counted[storage] = nbytes
+        weakref.finalize(storage, self._free, nbytes)
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def _free(self, nbytes: int) -> None:
+        self.live_bytes -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)}
+        for tensor in tree_flatten(out)[0]:
+            if not isinstance(tensor, Tensor):
+                continue
+            storage = tensor.untyped_storage()
+            # a view or an in-place result shares an input's storage: nothing new was allocated
+            if id(storage) not in inputs and storage not in self._counted:
+                self._add(storage)
+        return out
+
+
+def model_states(model: nn.Module) -> list[Tensor]:
+    """The tensors a model holds between steps: parameters, their gradients and buffers."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return [*model.parameters(), *grads, *model.buffers()]
+
+
+def loss_of(output) -> Tensor:
+    """The scalar loss of a model's output: the tensor itself, or its `.loss` (transformers' outputs)."""
+    loss = getattr(output, "loss", output)
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        raise ValueError(f"the model must return a scalar loss tensor (or an object with .loss), got {type(loss)}")
+    return loss
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepMemory:
+    """Bytes beyond the model states during one micro-batch's forward and backward."""
+
+    activations_bytes: int
+    """Alive when forward returns: what autograd saved for backward (and the loss)."""
+    temporaries_bytes: int
+    """The rest of the step's peak: transient tensors alive at its highest point."""
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.activations_bytes + self.temporaries_bytes
+
+
+def measure_step(
+    model: nn.Module,
+    inputs: Sequence[Tensor],
+    run_forward: Callable[[], Tensor],
+    run_backward: Callable[[Tensor], None],
+) -> tuple[Tensor, StepMemory]:
+    """loss = run_forward(); run_backward(loss); counted by LiveBytes with the micro-batch's
+    `inputs`. Returns the loss and its StepMemory.
+
+    A gradient autograd accumulates into a parameter's `.grad` becomes a state from then on
+    (the trace has no flat buffer: its gradients are allocated as they arrive)."""
+    meter = LiveBytes(ignore=model_states(model))
+    for tensor in inputs:
+        meter.count(tensor)
+    hooks = [
+        p.register_post_accumulate_grad_hook(lambda p: meter.ignore(p.grad))
+        for p in model.parameters()
+        if p.requires_grad
+    ]
+    try:
+        with meter:
+            loss = loss_of(run_forward())
+            activations = meter.live_bytes
+            run_backward(loss)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return loss, StepMemory(activations_bytes=activations, temporaries_bytes=meter.peak_bytes - activations)
+
+
+# --------------------------------------------------------------------------- tracing on fake tensors
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParamCounts:
+    """A model's parameters, each tensor once (a tied weight is one tensor), by optimizer group."""
+
+    decay_numel: int
+    """Trainable tensors of 2 or more dimensions (matrices, embeddings): weight-decayed."""
+    no_decay_numel: int
+    """Trainable vectors (biases, norms' weights)."""
+    frozen_numel: int
+    """requires_grad=False: weights alone, no gradient, no optimizer state."""
+
+    @property
+    def num_params(self) -> int:
+        return self.decay_numel + self.no_decay_numel + self.frozen_numel
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ParamCounts:
+        params = list(model.parameters())  # named_parameters() and parameters() list a tied tensor once
+        trainable = [p for p in params if p.requires_grad]
+        return cls(
+            decay_numel=sum(p.numel() for p in trainable if p.dim() >= 2),
+            no_decay_numel=sum(p.numel() for p in trainable if p.dim() < 2),
+            frozen_numel=sum(p.numel() for p in params if not p.requires_grad),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepTrace:
+    """A traced micro-batch: the model's parameters and the step's memory beyond its states."""
+
+    params: ParamCounts
+    memory: StepMemory
+    traced_layers: tuple[int, ...] | None = None
+    """The depths traced when the memory was extrapolated per layer; None: the whole model."""
+
+
+class TraceError(ValueError):
+    """The model could not be built or stepped on fake tensors; the message names the operation."""
+
+
+def trace_step(
+    build: Callable[[], nn.Module],
+    make_inputs: Callable[[], Sequence[Tensor]],
+    *,
+    dtype: torch.dtype,
+) -> StepTrace:
+    """One forward and backward of build()'s model on make_inputs(), on fake tensors.
+
+    build() must construct the model on the meta device (`torch.device("meta")` is current
+    while it runs); it is cast to `dtype` there and materialised as fake tensors, uninitialised."""
+    with torch.device("meta"):
+        model = _call("building the model", build)
+    model = model.to(dtype)  # on meta: tied weights stay tied, nothing is allocated
+    params = ParamCounts.of(model)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cpu")
+        inputs = tuple(make_inputs())
+        _, memory = _call(
+            "running forward and backward",
+            lambda: measure_step(model, inputs, lambda: model(*inputs), lambda loss: loss.backward()),
+        )
+    return StepTrace(params=params, memory=memory)
+
+
+def trace_layers(
+    build: Callable[[int], nn.Module],
+    make_inputs: Callable[[], Sequence[Tensor]],
+    *,
+    dtype: torch.dtype,
+    num_layers: int,
+    traced_layers: tuple[int, int] = (2, 3),
+) -> StepTrace:
+    """trace_step of a stack of `num_layers` identical layers, from traces of two shallower stacks.
+
+    Activations and temporaries are affine in the depth L once L >= 2: forward adds one layer's
+    saved tensors per layer, and the peak falls in the head or the last layer's backward, which
+    do not depend on L. So m(L) = m(a) + (L - a)·(m(b) - m(a)) for traced depths a < b; the
+    parameters are counted on the whole model, built on the meta device (which costs nothing)."""
+    low, high = traced_layers
+    if num_layers <= high:
+        return trace_step(lambda: build(num_layers), make_inputs, dtype=dtype)
+    with torch.device("meta"):
+        params = ParamCounts.of(_call("building the model", lambda: build(num_layers)))
+    a, b = (trace_step(lambda n=n: build(n), make_inputs, dtype=dtype).memory for n in traced_layers)
+
+    def extrapolate(at_low: int, at_high: int) -> int:
+        return at_low + (num_layers - low) * (at_high - at_low) // (high - low)
+
+    memory = StepMemory(
+        activations_bytes=extrapolate(a.activations_bytes, b.activations_bytes),
+        temporaries_bytes=extrapolate(a.temporaries_bytes, b.temporaries_bytes),
+    )
+    return StepTrace(params=params, memory=memory, traced_layers=traced_layers)
+
+
+def _call(what: str, fn):
+    try:
+        return fn()
+    except TraceError:
+        raise
+    except Exception as exc:  # the user's model: any exception is theirs to read, with the op that failed
+        raise TraceError(f"{what} on fake tensors failed: {type(exc).__name__}: {_first_line(exc)}") from exc
+
+
+def _first_line(exc: Exception) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0][:500] if lines else ""
