@@ -81,6 +81,8 @@ class Tracer:
         self.timeout_s = timeout_s
         self.in_process = in_process
         """Trace in this process (the CLI, which may import torch), not in a Ray task."""
+        self.traces_run = 0
+        """Traces made (not answered from the cache), since this Tracer was made."""
         self._cache: OrderedDict[str, TracedStep] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -92,6 +94,7 @@ class Tracer:
                 return self._cache[digest]
         traced = self._run(request)
         with self._lock:
+            self.traces_run += 1
             self._cache[digest] = traced
             while len(self._cache) > CACHE_ENTRIES:
                 self._cache.popitem(last=False)

@@ -110,14 +110,16 @@ class GPTSpec:
         beside the saved log-softmax. The last block's, once the head's saved tensors are
         freed: the MLP's c_proj backward holds the gradient arriving at the block (s·b·h),
         the one it computes for its input (4·s·b·h), and its weight's and bias's gradients
-        (4h² + h) before they are added into the flat gradient buffer; with checkpointing
-        the block's recomputed activations are alive too.
+        (4h² + h) before they are added into the flat gradient buffer; the tied LM head's
+        weight gradient (V·h), which autograd holds until the embedding's part arrives at the
+        end of backward; with checkpointing, the block's recomputed activations.
         """
         sb, e, c = micro_batch_size * seq_len, bytes_per_element, self.n_embd
         head_peak = 2 * 4 * sb * self.vocab_size
         recomputed = self._block_bytes(sb, e) if checkpointing else 0
         c_proj_grads = (sb * c + 4 * sb * c + 4 * c * c + c) * e
-        return max(head_peak, recomputed + c_proj_grads - self._head_bytes(sb, e))
+        tied_grad = self.vocab_size * c * e
+        return max(head_peak, recomputed + c_proj_grads + tied_grad - self._head_bytes(sb, e))
 
     def _block_bytes(self, sb: int, e: int) -> int:
         """What one block saves for backward (activation_bytes' per-layer term)."""

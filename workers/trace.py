@@ -196,13 +196,31 @@ def trace_step(
     model = model.to(dtype)  # on meta: tied weights stay tied, nothing is allocated
     params = ParamCounts.of(model)
     with FakeTensorMode(allow_non_fake_inputs=True):
-        model.to_empty(device="cpu")
+        materialize(model)
         inputs = tuple(make_inputs())
         _, memory = _call(
             "running forward and backward",
             lambda: measure_step(model, inputs, lambda: model(*inputs), lambda loss: loss.backward()),
         )
     return StepTrace(params=params, memory=memory)
+
+
+def materialize(model: nn.Module) -> None:
+    """model.to_empty(device="cpu"), with tied parameters tied again.
+
+    Moving off the meta device makes a new Parameter per module that held one, which would
+    untie a tied LM head: its gradient would then reach `.grad` at once instead of waiting in
+    autograd's input buffer for the embedding's part, as a tied weight's does (and the trace
+    would count two weights)."""
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                holders.setdefault(id(param), []).append((module, name))
+    model.to_empty(device="cpu")
+    for (first, first_name), *others in holders.values():
+        for module, name in others:
+            module._parameters[name] = first._parameters[first_name]
 
 
 def trace_layers(
