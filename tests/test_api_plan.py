@@ -201,3 +201,39 @@ def test_a_body_without_json_content_type_is_explained(client):
 def test_invalid_json_names_the_position(client):
     r = client.post("/v1/plan", content='{"num_params": }', headers={"content-type": "application/json"})
     assert r.status_code == 422 and r.json()["message"].startswith("body: invalid JSON at character 15")
+
+
+def test_a_traced_plan_agrees_with_the_closed_forms_and_a_second_asks_the_cache(client):
+    body = {
+        "model": {"kind": "gpt", "vocab_size": 50304, "n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024},
+        "num_gpus": 4,
+        "precision": "bf16",
+        "micro_batch_size": 4,
+        "activation_checkpointing": True,
+    }
+    closed = client.post("/v1/plan", json=body).json()
+    tracer = client.app.state.runtime.tracer
+    before = tracer.traces_run
+    traced = client.post("/v1/plan", json=body | {"method": "traced"})
+    assert traced.status_code == 200, traced.text
+    traced = traced.json()
+    assert (closed["method"], traced["method"], tracer.traces_run) == ("model", "traced", before + 1)
+    assert traced["num_params"] == closed["num_params"] == 124_475_904
+    for kind in ("params", "grads", "optimizer", "padding", "overhead"):  # the layout, byte for byte
+        assert traced["per_gpu"][f"{kind}_bytes"] == closed["per_gpu"][f"{kind}_bytes"], kind
+    for kind in ("activations", "temporaries"):
+        assert traced["per_gpu"][f"{kind}_bytes"] == pytest.approx(closed["per_gpu"][f"{kind}_bytes"], rel=0.01)
+    again = client.post("/v1/plan", json=body | {"method": "traced"})
+    assert again.json() == traced and tracer.traces_run == before + 1  # answered from the cache
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"num_params": 1000, "method": "traced"}, "method only apply to a plan for a model"),
+        ({"model": GPT2_XL, "method": "formula"}, "method"),
+    ],
+)
+def test_a_method_that_does_not_apply_is_a_422(client, extra, message):
+    r = client.post("/v1/plan", json=extra)
+    assert r.status_code == 422 and message in r.json()["message"], r.text
