@@ -315,13 +315,13 @@ def _recommendation(
 
 def _why(choice: _Choice, *, search: Search, fewest: int | None, floor: dict[int, int]) -> str:
     """One sentence of what limits a choice, with the numbers."""
-    memory_gb = _gb(search.gpu_memory_bytes)
+    memory_size = _size(search.gpu_memory_bytes)
     n, fit = choice.num_gpus, choice.fit
     clauses = []
     if n == fewest:
         fewer = [k for k in floor if k < n]
         clauses.append(
-            f"the fewest GPUs it fits on: {fewer[-1]} would need {_gb(floor[fewer[-1]])} > {memory_gb} even at "
+            f"the fewest GPUs it fits on: {fewer[-1]} would need {_size(floor[fewer[-1]])} > {memory_size} even at "
             f"micro-batch 1{' with checkpointing' if search.checkpointing_applies else ''}"
             if fewer
             else "the fewest GPUs it fits on"
@@ -340,7 +340,7 @@ def _why(choice: _Choice, *, search: Search, fewest: int | None, floor: dict[int
     else:
         clauses.append(
             f"micro-batch {fit.micro_batch_size} is the largest that fits on {_gpus(n)}: "
-            f"{fit.next_micro_batch_size} would need {_gb(fit.next_total_bytes)} > {memory_gb}"
+            f"{fit.next_micro_batch_size} would need {_size(fit.next_total_bytes)} > {memory_size}"
         )
     return "; ".join(clauses)
 
@@ -349,5 +349,9 @@ def _gpus(num_gpus: int) -> str:
     return f"{num_gpus} GPU" if num_gpus == 1 else f"{num_gpus} GPUs"
 
 
-def _gb(num_bytes: int) -> str:
-    return f"{num_bytes / GB:,.2f} GB"
+def _size(num_bytes: int) -> str:
+    """Decimal units, two decimals, as the planner counts (GB = 1e9 bytes): '91.20 GB', '13.80 MB'."""
+    for scale, unit in ((10**12, "TB"), (GB, "GB"), (10**6, "MB"), (10**3, "kB")):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:,.2f} {unit}"
+    return f"{num_bytes} B"
