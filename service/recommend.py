@@ -208,20 +208,49 @@ class _Choice:
     """At the same N, for a checkpointed choice: what fits without it (None: nothing)."""
 
 
-def _choices(planner: _Planner, *, global_batch_size: int, max_gpus: int, checkpointing_applies: bool) -> list[_Choice]:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Search:
+    """What is fixed: the global batch (and its tokens), the GPUs on offer and their memory."""
+
+    global_batch_size: int
+    num_tokens: int
+    """Tokens per optimizer step: global_batch_size x seq_len (an MLP's sample is one)."""
+    max_gpus: int
+    gpu_memory_bytes: int
+    checkpointing_applies: bool
+    """False for a model with no activation checkpointing (an MLP)."""
+    max_micro_batch_size: int
+    """The largest micro-batch a job takes."""
+
+    def __post_init__(self) -> None:
+        counts = {name: getattr(self, name) for name in ("global_batch_size", "num_tokens", "max_gpus")}
+        counts["max_micro_batch_size"] = self.max_micro_batch_size
+        if min(counts.values()) < 1 or self.gpu_memory_bytes < 0:
+            given = ", ".join(f"{name} ({value})" for name, value in counts.items())
+            raise ValueError(f"{given} must be >= 1 and gpu_memory_bytes ({self.gpu_memory_bytes}) >= 0")
+
+    def num_gpus_allowed(self) -> list[int]:
+        """The world sizes that can run the global batch: N <= max_gpus that divide it."""
+        return [n for n in divisors(self.global_batch_size) if n <= self.max_gpus]
+
+    def micro_batch_sizes(self, *, num_gpus: int) -> list[int]:
+        """The micro-batches N GPUs can run the global batch with (accumulating the rest), ascending."""
+        per_gpu = self.global_batch_size // num_gpus
+        return [m for m in divisors(per_gpu) if m <= self.max_micro_batch_size]
+
+
+def _choices(planner: _Planner, *, search: Search) -> list[_Choice]:
     """For each N that divides G and each checkpointing, the largest micro-batch that fits; a checkpointed
     choice only where it fits a larger micro-batch than no checkpointing does (else it costs more for nothing)."""
-    batch_divisors = divisors(global_batch_size)
     choices = []
-    for num_gpus in (n for n in batch_divisors if n <= max_gpus):
-        per_gpu = global_batch_size // num_gpus
-        sizes = [m for m in batch_divisors if m <= per_gpu and per_gpu % m == 0]
+    for num_gpus in search.num_gpus_allowed():
+        sizes = search.micro_batch_sizes(num_gpus=num_gpus)
         plain = planner.largest_fit(num_gpus=num_gpus, micro_batch_sizes=sizes, activation_checkpointing=False)
         if plain is not None:
             choices.append(
                 _Choice(num_gpus=num_gpus, activation_checkpointing=False, fit=plain, without_checkpointing=None)
             )
-        if not checkpointing_applies or (plain is not None and plain.next_micro_batch_size is None):
+        if not search.checkpointing_applies or (plain is not None and plain.next_micro_batch_size is None):
             continue
         checkpointed = planner.largest_fit(num_gpus=num_gpus, micro_batch_sizes=sizes, activation_checkpointing=True)
         if checkpointed is not None and (plain is None or checkpointed.micro_batch_size > plain.micro_batch_size):
@@ -234,40 +263,11 @@ def _choices(planner: _Planner, *, global_batch_size: int, max_gpus: int, checkp
 # --------------------------------------------------------------------------- the list
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Search:
-    """What is fixed: the global batch (and its tokens), the GPUs on offer and their memory."""
-
-    global_batch_size: int
-    num_tokens: int
-    """Tokens per optimizer step: global_batch_size x seq_len (an MLP's sample is one)."""
-    max_gpus: int
-    gpu_memory_bytes: int
-    checkpointing_applies: bool
-    """False for a model with no activation checkpointing (an MLP)."""
-
-    def __post_init__(self) -> None:
-        if min(self.global_batch_size, self.num_tokens, self.max_gpus) < 1 or self.gpu_memory_bytes < 0:
-            raise ValueError(
-                f"global_batch_size ({self.global_batch_size}), num_tokens ({self.num_tokens}) and max_gpus "
-                f"({self.max_gpus}) must be >= 1, gpu_memory_bytes ({self.gpu_memory_bytes}) >= 0"
-            )
-
-    def num_gpus_allowed(self) -> list[int]:
-        """The world sizes that can run the global batch: N <= max_gpus that divide it."""
-        return [n for n in divisors(self.global_batch_size) if n <= self.max_gpus]
-
-
 def recommend(workload_of: WorkloadOf, *, search: Search, cost_model: CostModel) -> Recommendations:
     """Every (N, checkpointing)'s largest micro-batch that fits, cheapest first (then fewer GPUs, larger
     micro-batch, no checkpointing); the fewest GPUs that fit are always among them."""
     planner = _Planner(workload_of, gpu_memory_bytes=search.gpu_memory_bytes)
-    choices = _choices(
-        planner,
-        global_batch_size=search.global_batch_size,
-        max_gpus=search.max_gpus,
-        checkpointing_applies=search.checkpointing_applies,
-    )
+    choices = _choices(planner, search=search)
     floor = {n: _floor_bytes(planner, num_gpus=n, search=search) for n in search.num_gpus_allowed()}
     least_num_gpus = min(floor, key=lambda n: (floor[n], n))
     fewest = min((choice.num_gpus for choice in choices), default=None)
@@ -334,9 +334,11 @@ def _why(choice: _Choice, *, search: Search, fewest: int | None, floor: dict[int
             else f"activation checkpointing (a third more compute) fits micro-batch {fit.micro_batch_size} "
             f"where {without.micro_batch_size} is the largest without"
         )
-    if fit.next_micro_batch_size is None:
-        batch = search.global_batch_size
+    batch = search.global_batch_size
+    if fit.next_micro_batch_size is None and fit.micro_batch_size * n == batch:
         clauses.append(f"micro-batch is capped by the global batch: {batch} / ({_gpus(n)}) = {fit.micro_batch_size}")
+    elif fit.next_micro_batch_size is None:
+        clauses.append(f"micro-batch is capped at {search.max_micro_batch_size:,}, the largest a job takes")
     else:
         clauses.append(
             f"micro-batch {fit.micro_batch_size} is the largest that fits on {_gpus(n)}: "

@@ -9,7 +9,7 @@ from service.config import Settings
 from service.errors import ServiceError
 from service.planning import make_plan, plan_public, workload_for
 from service.responses import CostModelPublic, RecommendationPublic, RecommendationsPublic
-from service.schemas import GPTModelSpec, PlanRequest, RecommendRequest
+from service.schemas import MAX_MICRO_BATCH_SIZE, GPTModelSpec, PlanRequest, RecommendRequest
 from workers import memory
 from workers.memory import GB
 
@@ -51,6 +51,7 @@ def search_of(request: RecommendRequest, *, cluster: ClusterCapacity) -> recomme
         max_gpus=request.max_gpus or cluster.num_gpus,
         gpu_memory_bytes=gpu_memory_bytes,
         checkpointing_applies=_has_checkpointing(request),
+        max_micro_batch_size=MAX_MICRO_BATCH_SIZE,
     )
 
 

@@ -27,6 +27,7 @@ Stage = Literal[0, 1, 2, 3]
 
 MAX_NUM_GPUS = 1 << 20
 MAX_GLOBAL_BATCH_SIZE = 100_000_000
+MAX_MICRO_BATCH_SIZE = 1_000_000
 MAX_GPU_MEMORY_GB = 1e6
 MAX_TEXT_DIGITS = 30
 """Digits a number typed as text (the planner's form, the CLI) may have: more than any field's bound needs
@@ -119,7 +120,9 @@ class PlanRequest(_Body):
     precision: Precision = "fp16"
     optimizer: OptimizerName = "adamw"
     stage: Stage = 1
-    micro_batch_size: Int | None = Field(None, ge=1, le=1_000_000, description="Default 1 (model plans only).")
+    micro_batch_size: Int | None = Field(
+        None, ge=1, le=MAX_MICRO_BATCH_SIZE, description="Default 1 (model plans only)."
+    )
     seq_len: Int | None = Field(None, ge=1, le=100_000_000, description="Default: block_size (GPT plans only).")
     activation_checkpointing: Bool | None = Field(None, description="Default false (model plans only).")
 
@@ -249,7 +252,7 @@ class JobSpec(_Body):
     precision: Precision = _train("precision")
     optimizer: OptimizerConfig = OptimizerConfig()
     steps: Int = Field(ge=1, le=100_000_000)
-    micro_batch_size: Int = Field(_train("micro_batch_size"), ge=1, le=1_000_000)
+    micro_batch_size: Int = Field(_train("micro_batch_size"), ge=1, le=MAX_MICRO_BATCH_SIZE)
     global_batch_size: Int | None = Field(
         None,
         ge=1,

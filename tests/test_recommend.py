@@ -82,7 +82,7 @@ def brute_force(workload_of, *, search: recommend.Search) -> dict[tuple[int, boo
         for ckpt in (False, True) if search.checkpointing_applies else (False,):
             fitting = [
                 m
-                for m in range(1, search.global_batch_size // n + 1)
+                for m in range(1, min(search.global_batch_size // n, search.max_micro_batch_size) + 1)
                 if search.global_batch_size % (m * n) == 0
                 and memory.total_bytes(workload_of(m, ckpt), num_gpus=n, stage=1) <= search.gpu_memory_bytes
             ]
@@ -97,9 +97,10 @@ def brute_force(workload_of, *, search: recommend.Search) -> dict[tuple[int, boo
     max_gpus=st.integers(1, 64),
     gpu_memory_mb=st.integers(1, 400),
     seq_len=st.sampled_from([16, 64, 256]),
+    max_micro_batch_size=st.integers(1, 100),
 )
 def test_the_list_is_every_undominated_largest_micro_batch_sorted_by_cost(
-    global_batch_size, max_gpus, gpu_memory_mb, seq_len
+    global_batch_size, max_gpus, gpu_memory_mb, seq_len, max_micro_batch_size
 ):
     workload_of = workloads(SMALL_GPT, seq_len=seq_len)
     search = recommend.Search(
@@ -108,6 +109,7 @@ def test_the_list_is_every_undominated_largest_micro_batch_sorted_by_cost(
         max_gpus=max_gpus,
         gpu_memory_bytes=gpu_memory_mb * 10**6,
         checkpointing_applies=True,
+        max_micro_batch_size=max_micro_batch_size,
     )
     result = recommend.recommend(workload_of, search=search, cost_model=COST)
     largest = brute_force(workload_of, search=search)
@@ -136,7 +138,12 @@ def test_why_names_the_limit_with_numbers():
     # micro-batch 1 only with checkpointing (1.98 MB of activations; 4.91 MB without)
     workload_of = workloads(SMALL_GPT, seq_len=256)
     search = recommend.Search(
-        global_batch_size=64, num_tokens=64 * 256, max_gpus=64, gpu_memory_bytes=12 * 10**6, checkpointing_applies=True
+        global_batch_size=64,
+        num_tokens=64 * 256,
+        max_gpus=64,
+        gpu_memory_bytes=12 * 10**6,
+        checkpointing_applies=True,
+        max_micro_batch_size=10**6,
     )
     result = recommend.recommend(workload_of, search=search, cost_model=COST)
     by_key = {(r.num_gpus, r.activation_checkpointing): r for r in result.items}
@@ -157,10 +164,29 @@ def test_why_names_the_limit_with_numbers():
         )
 
 
+def test_a_micro_batch_above_the_jobs_bound_is_never_proposed():
+    search = recommend.Search(
+        global_batch_size=8,
+        num_tokens=8 * 16,
+        max_gpus=2,
+        gpu_memory_bytes=80 * GB,
+        checkpointing_applies=True,
+        max_micro_batch_size=2,
+    )
+    result = recommend.recommend(workloads(SMALL_GPT, seq_len=16), search=search, cost_model=COST)
+    assert [(r.num_gpus, r.micro_batch_size, r.accumulation_steps) for r in result.items] == [(1, 2, 4), (2, 2, 2)]
+    assert result.items[0].why == "the fewest GPUs it fits on; micro-batch is capped at 2, the largest a job takes"
+
+
 def test_an_mlp_is_never_checkpointed_and_its_tokens_are_samples():
     mlp = memory.MLPSpec(sizes=(784, 1024, 10))
     search = recommend.Search(
-        global_batch_size=8, num_tokens=8, max_gpus=4, gpu_memory_bytes=80 * GB, checkpointing_applies=False
+        global_batch_size=8,
+        num_tokens=8,
+        max_gpus=4,
+        gpu_memory_bytes=80 * GB,
+        checkpointing_applies=False,
+        max_micro_batch_size=10**6,
     )
     result = recommend.recommend(workloads(mlp), search=search, cost_model=COST)
     assert [(r.num_gpus, r.micro_batch_size, r.activation_checkpointing) for r in result.items] == [
@@ -183,6 +209,7 @@ def test_a_huge_batch_on_a_million_gpus_builds_each_workload_once():
         max_gpus=1 << 20,
         gpu_memory_bytes=80 * GB,
         checkpointing_applies=True,
+        max_micro_batch_size=10**6,
     )
     result = recommend.recommend(counting, search=search, cost_model=COST)
     assert len(built) == len(set(built)) <= 2 * 768
