@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -10,9 +11,9 @@ from hypothesis import strategies as st
 
 from service.recommend import divisors
 
-# A GPT-like model of 7,464,116,224 parameters (the seed's 7.5e9 within 0.5%): LLaMA-7B's width and heads,
-# GPT-2's vocabulary padded to a multiple of 64, 36 layers
-GPT_7B = {"kind": "gpt", "vocab_size": 50304, "n_layer": 36, "n_head": 32, "n_embd": 4096, "block_size": 2048}
+ROOT = Path(__file__).resolve().parents[1]
+# examples/gpt-7.5b.json's model: 7,500,029,952 parameters, 36 layers of width 4096 with 32 heads, block 2048
+GPT_7B = json.loads((ROOT / "examples" / "gpt-7.5b.json").read_text())["model"]
 ACCEPTANCE = {
     "model": GPT_7B,
     "global_batch_size": 64,
@@ -42,7 +43,7 @@ def test_a_7_5e9_model_on_up_to_64_gpus_every_item_checked_by_plan(client):
     body = response.json()
     items = body["recommendations"]
     assert items and body["count"] == len(items)
-    assert body["cost_model"]["num_params"] == 7_464_116_224 == pytest.approx(7.5e9, rel=0.005)
+    assert body["cost_model"]["num_params"] == 7_500_029_952
     costs = [item["cost"] for item in items]
     assert costs == sorted(costs)
     for item in items:
@@ -140,7 +141,7 @@ def test_a_model_that_fits_on_no_number_of_gpus_says_so(client):
     response = client.post("/v1/plan/recommend", json={**ACCEPTANCE, "gpu_memory_gb": 24})
     assert response.status_code == 422 and response.json()["error"] == "does_not_fit"
     assert (
-        "ZeRO stage 1 fits on no number of GPUs: the replicated bf16 weights and gradients alone are 29.86 GB"
+        "ZeRO stage 1 fits on no number of GPUs: the replicated bf16 weights and gradients alone are 30.00 GB"
         in (response.json()["message"])
     )
 

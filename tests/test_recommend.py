@@ -201,7 +201,7 @@ def test_a_huge_batch_on_a_million_gpus_builds_each_workload_once():
     """73,513,440 has 768 divisors: the search binary-searches each N's micro-batches and builds a workload per
     (micro-batch, checkpointing) at most once, not per candidate."""
     built = []
-    workload_of = workloads(memory.GPTSpec(vocab_size=50304, n_layer=36, n_head=32, n_embd=4096, block_size=2048))
+    workload_of = workloads(memory.GPTSpec(vocab_size=59072, n_layer=36, n_head=32, n_embd=4096, block_size=2048))
     counting = lambda m, ckpt: built.append((m, ckpt)) or workload_of(m, ckpt)
     search = recommend.Search(
         global_batch_size=73_513_440,
