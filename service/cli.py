@@ -74,6 +74,12 @@ def _parser() -> argparse.ArgumentParser:
     jobs.add_argument(
         "--trace", action="store_true", help="count the step by running it on fake tensors (method traced)"
     )
+    recommend = plan.add_argument_group(
+        "recommendations", "the configurations of a model that fit, cheapest first (POST /v1/plan/recommend)"
+    )
+    recommend.add_argument("--recommend", action="store_true", help="list GPUs x micro-batch x checkpointing")
+    recommend.add_argument("--global-batch-size", type=int, metavar="G", help="samples per optimizer step")
+    recommend.add_argument("--max-gpus", type=int, help="largest N considered (default: --gpus, else the cluster's)")
     plan.add_argument("--json", action="store_true", help="print the API's JSON instead of tables")
 
     url = {
@@ -134,6 +140,23 @@ def _plan_body(args: argparse.Namespace) -> dict:
     return {key: value for key, value in body.items() if value is not None}
 
 
+_PLAN_ONLY_FLAGS = {"micro_batch_size": "--micro-batch-size", "activation_checkpointing": "--activation-checkpointing"}
+
+
+def _recommend_body(args: argparse.Namespace) -> dict:
+    """The POST /v1/plan/recommend body the flags describe; a ValueError for flags that do not apply."""
+    if args.model is None:
+        raise ValueError("--recommend needs a model (--model gpt|mlp), not --params")
+    given = [flag for name, flag in _PLAN_ONLY_FLAGS.items() if getattr(args, name) is not None]
+    if given or args.stage != 1:
+        given += ["--stage"] if args.stage != 1 else []
+        raise ValueError(f"{', '.join(given)} do not apply to --recommend: it searches them, at ZeRO stage 1")
+    plan = _plan_body(args)
+    body = {key: plan[key] for key in ("model", "seq_len", "precision", "optimizer", "gpu_memory_gb") if key in plan}
+    body |= {"global_batch_size": args.global_batch_size, "max_gpus": args.max_gpus or args.gpus}
+    return {key: value for key, value in body.items() if value is not None}
+
+
 def _gb(num_bytes: int) -> str:
     return f"{num_bytes / GB:,.3f}"
 
@@ -162,6 +185,58 @@ def format_plan(plan: dict) -> str:
     return "\n".join(lines)
 
 
+def format_recommendations(body: dict) -> str:
+    """The recommendations as a table a person reads, cheapest first, with the cost model above it."""
+    cost = body["cost_model"]
+    lines = [
+        f"{cost['num_params']:,} parameters, global batch {body['global_batch_size']:,} "
+        f"({cost['tokens_per_step']:,} tokens), ZeRO stage 1 on up to {body['max_gpus']:,} GPUs of "
+        f"{_gb(body['gpu_memory_bytes'])} GB (GB = 1e9 bytes): {body['count']} configurations that fit, cheapest first",
+        f"cost in {cost['unit']} at {cost['gpu_tflops']:g} TFLOP/s and {cost['network_gb_per_s']:g} GB/s per GPU: "
+        f"{cost['formula']}",
+        "",
+        f"{'N':>6}  {'micro-batch':>11}  {'accum':>6}  {'ckpt':<4}  {'GB per GPU':>10}  {'headroom GB':>11}  "
+        f"{'cost GPU-s':>10}  why",
+    ]
+    for item in body["recommendations"]:
+        lines.append(
+            f"{item['num_gpus']:>6}  {item['micro_batch_size']:>11}  {item['accumulation_steps']:>6}  "
+            f"{'yes' if item['activation_checkpointing'] else 'no':<4}  {_gb(item['total_bytes']):>10}  "
+            f"{_gb(item['headroom_bytes']):>11}  {item['cost']:>10.4g}  {item['why']}"
+        )
+    return "\n".join(lines)
+
+
+def _cmd_recommend(args: argparse.Namespace) -> int:
+    from service.cluster import simulated_capacity
+    from service.errors import ServiceError, describe_validation_errors
+    from service.recommendations import cost_model_of, recommend_public
+    from service.schemas import RecommendRequest
+
+    settings = get_settings()
+    try:
+        request = RecommendRequest.model_validate(_recommend_body(args))
+    except ValueError as exc:  # pydantic's ValidationError is one
+        message = describe_validation_errors(exc.errors())[0] if isinstance(exc, ValidationError) else str(exc)
+        print(f"zero1 plan: {message}", file=sys.stderr)
+        return 2
+    overhead_bytes = round(settings.gpu_overhead_gb * GB)
+    try:
+        body = recommend_public(
+            request,
+            cluster=simulated_capacity(settings),
+            overhead_bytes=overhead_bytes,
+            cost_model=cost_model_of(settings),
+        )
+    except ServiceError as error:  # does_not_fit: why, and the plan of the least bytes found
+        print(f"does not fit: {error.message}", file=sys.stderr)
+        print(format_plan(error.extra["plan"]), file=sys.stderr)
+        return 1
+    public = body.model_dump(mode="json")
+    print(json.dumps(public, indent=2) if args.json else format_recommendations(public))
+    return 0
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from service.cluster import simulated_capacity
     from service.errors import ServiceError, describe_validation_errors
@@ -169,6 +244,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from service.schemas import PlanRequest
     from service.tracing import Tracer
 
+    if args.recommend:
+        return _cmd_recommend(args)
+    if args.global_batch_size is not None or args.max_gpus is not None:
+        print("zero1 plan: --global-batch-size and --max-gpus apply to --recommend only", file=sys.stderr)
+        return 2
     settings = get_settings()
     try:
         request = PlanRequest.model_validate(_plan_body(args))

@@ -42,6 +42,13 @@ class Settings(BaseSettings):
     gpu_overhead_gb: float = Field(1.0, ge=0, le=1e6, allow_inf_nan=False)
     """Fixed per-GPU bytes a job's plan reserves beyond model states and
     activations (CUDA context, communication buffers), in GB."""
+    plan_gpu_tflops: float = Field(400.0, gt=0, le=1e9, allow_inf_nan=False)
+    """Training throughput per GPU that POST /v1/plan/recommend's cost model states, in TFLOP/s: 400 is
+    an H100-class GPU's dense bf16 peak (989) at about 40% model FLOPs utilisation."""
+    plan_network_gb_per_s: float = Field(100.0, gt=0, le=1e9, allow_inf_nan=False)
+    """Bandwidth per GPU of a reduce-scatter or all-gather that POST /v1/plan/recommend's cost model
+    states, in GB/s (1e9 bytes): 100 lies between an H100 node's NVLink (450 each way) and a
+    400 Gb/s InfiniBand link per GPU (50)."""
     ray_address: str | None = None
     """Address of an external Ray cluster (e.g. 10.0.0.5:6379); unset starts
     an embedded Ray inside the service, on loopback."""

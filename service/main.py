@@ -69,7 +69,7 @@ def _document_bearer_auth(app: FastAPI, *, public_read: bool) -> None:
             schema.setdefault("components", {})["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
             for path, operations in schema["paths"].items():
                 for method, operation in operations.items():
-                    read = method == "get" or path == "/v1/plan"
+                    read = method == "get" or path in ("/v1/plan", "/v1/plan/recommend")
                     if path not in _PUBLIC_PATHS and not (public_read and read):
                         operation["security"] = [{"bearer": []}]
         return app.openapi_schema

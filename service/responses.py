@@ -154,3 +154,45 @@ class ClusterPublic(BaseModel):
     gpu_memory_bytes: int
     nodes: int
     simulated: bool
+
+
+class RecommendationPublic(BaseModel):
+    """One configuration that fits: POST /v1/plan at these num_gpus, micro_batch_size and
+    activation_checkpointing says the same total_bytes."""
+
+    num_gpus: int
+    micro_batch_size: int
+    accumulation_steps: int = Field(description="global_batch_size / (num_gpus x micro_batch_size).")
+    activation_checkpointing: bool
+    total_bytes: int = Field(description="Per-GPU bytes of the plan at this configuration.")
+    headroom_bytes: int
+    cost: float = Field(description="GPU-seconds per optimizer step: num_gpus x (compute_s + comm_s).")
+    compute_s: float = Field(description="Seconds each GPU computes per step, at cost_model.gpu_tflops.")
+    comm_s: float = Field(description="Seconds each GPU communicates per step, at cost_model.network_gb_per_s.")
+    why: str = Field(description="What limits this configuration, with the numbers.")
+
+
+class CostModelPublic(BaseModel):
+    """How `cost` is computed, with every input, so that it can be checked by hand."""
+
+    formula: str
+    unit: str
+    gpu_tflops: float = Field(description="Stated throughput per GPU, TFLOP/s (ZERO1_PLAN_GPU_TFLOPS).")
+    network_gb_per_s: float = Field(description="Stated bandwidth per GPU, GB/s (ZERO1_PLAN_NETWORK_GB_PER_S).")
+    num_params: int
+    tokens_per_step: int = Field(description="global_batch_size x seq_len (an MLP: global_batch_size).")
+    bytes_per_param: int = Field(description="Bytes of a parameter or gradient on the wire, at the precision.")
+
+
+class RecommendationsPublic(BaseModel):
+    """The ZeRO stage 1 configurations that fit, cheapest first."""
+
+    recommendations: list[RecommendationPublic] = Field(
+        description="Per (num_gpus, activation_checkpointing) the largest micro-batch that fits; sorted by cost, "
+        "then fewer GPUs, larger micro-batch, no checkpointing. Always holds the fewest GPUs that fit."
+    )
+    count: int
+    global_batch_size: int
+    max_gpus: int
+    gpu_memory_bytes: int
+    cost_model: CostModelPublic

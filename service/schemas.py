@@ -26,6 +26,8 @@ OptimizerName = Literal["adamw", "adam", "sgd_momentum", "sgd"]
 Stage = Literal[0, 1, 2, 3]
 
 MAX_NUM_GPUS = 1 << 20
+MAX_GLOBAL_BATCH_SIZE = 100_000_000
+MAX_MICRO_BATCH_SIZE = 1_000_000
 MAX_GPU_MEMORY_GB = 1e6
 MAX_TEXT_DIGITS = 30
 """Digits a number typed as text (the planner's form, the CLI) may have: more than any field's bound needs
@@ -118,7 +120,9 @@ class PlanRequest(_Body):
     precision: Precision = "fp16"
     optimizer: OptimizerName = "adamw"
     stage: Stage = 1
-    micro_batch_size: Int | None = Field(None, ge=1, le=1_000_000, description="Default 1 (model plans only).")
+    micro_batch_size: Int | None = Field(
+        None, ge=1, le=MAX_MICRO_BATCH_SIZE, description="Default 1 (model plans only)."
+    )
     seq_len: Int | None = Field(None, ge=1, le=100_000_000, description="Default: block_size (GPT plans only).")
     activation_checkpointing: Bool | None = Field(None, description="Default false (model plans only).")
     method: Literal["model", "traced"] | None = Field(
@@ -137,14 +141,44 @@ class PlanRequest(_Body):
             if extra:
                 raise ValueError(f"{', '.join(extra)} only apply to a plan for a model, not to num_params")
             return self
-        if self.seq_len is not None:
-            if not isinstance(self.model, GPTModelSpec):
-                raise ValueError("seq_len only applies to a gpt model")
-            if self.seq_len > self.model.block_size:
-                raise ValueError(f"seq_len ({self.seq_len}) must be <= model.block_size ({self.model.block_size})")
-        num_params = self.model.to_spec().num_params
-        if num_params > memory.MAX_NUM_PARAMS:
-            raise ValueError(f"model has {num_params:,} parameters, above the limit of {memory.MAX_NUM_PARAMS:,}")
+        _check_model(self.model, seq_len=self.seq_len)
+        return self
+
+
+def _check_model(model: GPTModelSpec | MLPModelSpec, *, seq_len: int | None) -> None:
+    """A plan's seq_len fits the model, and the model is within the planner's bound."""
+    if seq_len is not None:
+        if not isinstance(model, GPTModelSpec):
+            raise ValueError("seq_len only applies to a gpt model")
+        if seq_len > model.block_size:
+            raise ValueError(f"seq_len ({seq_len}) must be <= model.block_size ({model.block_size})")
+    num_params = model.to_spec().num_params
+    if num_params > memory.MAX_NUM_PARAMS:
+        raise ValueError(f"model has {num_params:,} parameters, above the limit of {memory.MAX_NUM_PARAMS:,}")
+
+
+class RecommendRequest(_Body):
+    """POST /v1/plan/recommend: the ZeRO stage 1 configurations of a model that fit, cheapest first."""
+
+    model: ModelSpec
+    global_batch_size: Int = Field(
+        ge=1,
+        le=MAX_GLOBAL_BATCH_SIZE,
+        description="Samples per optimizer step: num_gpus x micro_batch_size x accumulation_steps.",
+    )
+    seq_len: Int | None = Field(None, ge=1, le=100_000_000, description="Default: block_size (GPT only).")
+    precision: Precision = "fp16"
+    optimizer: OptimizerName = "adamw"
+    max_gpus: Int | None = Field(
+        None, ge=1, le=MAX_NUM_GPUS, description="Largest N considered. Default: the cluster's GPUs."
+    )
+    gpu_memory_gb: Float | None = Field(
+        None, gt=0, le=MAX_GPU_MEMORY_GB, allow_inf_nan=False, description="GB = 1e9 bytes. Default: the cluster's."
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RecommendRequest:
+        _check_model(self.model, seq_len=self.seq_len)
         return self
 
 
@@ -223,9 +257,12 @@ class JobSpec(_Body):
     precision: Precision = _train("precision")
     optimizer: OptimizerConfig = OptimizerConfig()
     steps: Int = Field(ge=1, le=100_000_000)
-    micro_batch_size: Int = Field(_train("micro_batch_size"), ge=1, le=1_000_000)
+    micro_batch_size: Int = Field(_train("micro_batch_size"), ge=1, le=MAX_MICRO_BATCH_SIZE)
     global_batch_size: Int | None = Field(
-        None, ge=1, le=100_000_000, description="Default micro_batch_size x num_gpus; more accumulates gradients."
+        None,
+        ge=1,
+        le=MAX_GLOBAL_BATCH_SIZE,
+        description="Default micro_batch_size x num_gpus; more accumulates gradients.",
     )
     seq_len: Int | None = Field(None, ge=1, le=100_000_000, description="GPT only; default block_size.")
     activation_checkpointing: Bool = _train("activation_checkpointing")

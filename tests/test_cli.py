@@ -74,6 +74,75 @@ def test_plan_rejects_bad_input_naming_the_field(args, message, capsys):
     assert message in capsys.readouterr().err
 
 
+GPT_7B_FLAGS = ["--model", "gpt", "--vocab-size", "59072", "--n-layer", "36", "--n-head", "32", "--n-embd", "4096"]
+GPT_7B_FLAGS += ["--block-size", "2048", "--precision", "bf16"]
+
+
+def test_plan_recommend_prints_the_table_of_what_fits_cheapest_first():
+    out = run_zero1("plan", *GPT_7B_FLAGS, "--recommend", "--global-batch-size", "64", "--max-gpus", "64")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == (
+        "7,500,029,952 parameters, global batch 64 (131,072 tokens), ZeRO stage 1 on up to 64 GPUs of 80.000 GB "
+        "(GB = 1e9 bytes): 8 configurations that fit, cheapest first"
+    )
+    assert lines[1].startswith("cost in GPU-seconds per optimizer step at 400 TFLOP/s and 100 GB/s per GPU: cost = N")
+    header = lines.index("     N  micro-batch   accum  ckpt  GB per GPU  headroom GB  cost GPU-s  why")
+    rows = [line.split(maxsplit=7) for line in lines[header + 1 :]]
+    assert len(rows) == 8
+    assert rows[0] == [
+        "4",
+        "2",
+        "8",
+        "no",
+        "73.884",
+        "6.116",
+        "15.65",
+        "micro-batch 2 is the largest that fits on 4 GPUs: 4 would need 94.27 GB > 80.00 GB",
+    ]
+    costs = [float(row[6]) for row in rows]
+    assert costs == sorted(costs)
+    fewest = min(rows, key=lambda row: int(row[0]))
+    assert fewest[:4] == ["2", "2", "16", "yes"] and fewest[7].startswith("the fewest GPUs it fits on: 1 would need")
+
+
+def test_plan_recommend_json_is_the_apis_json(client, capsys):
+    argv = ["plan", *GPT_7B_FLAGS, "--recommend", "--global-batch-size", "64", "--gpus", "64", "--json"]
+    assert main(argv) == 0
+    model = json.loads((ROOT / "examples" / "gpt-7.5b.json").read_text())["model"]
+    body = {"model": model, "global_batch_size": 64, "max_gpus": 64, "precision": "bf16"}
+    assert json.loads(capsys.readouterr().out) == client.post("/v1/plan/recommend", json=body).json()
+
+
+def test_plan_recommend_that_fits_nowhere_says_why_and_shows_the_least_plan():
+    out = run_zero1("plan", *GPT_7B_FLAGS, "--recommend", "--global-batch-size", "64", "--max-gpus", "1")
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr.startswith("does not fit: nothing fits within max_gpus = 1: the least per-GPU plan found is")
+    assert "N >= 2 would fit" in out.stderr and "min_gpus at stage 1: 2" in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--params", "7.5e9", "--recommend", "--global-batch-size", "8"], "--recommend needs a model"),
+        (["--model", "gpt", "--n-layer", "2", "--n-embd", "128", "--recommend"], "global_batch_size: Field required"),
+        (
+            ["--model", "gpt", "--n-layer", "2", "--n-embd", "128", "--recommend", "--global-batch-size", "8"]
+            + ["--micro-batch-size", "2"],
+            "--micro-batch-size do not apply to --recommend",
+        ),
+        (
+            ["--model", "gpt", "--n-layer", "2", "--n-embd", "128", "--recommend", "--global-batch-size", "0"],
+            "global_batch_size: Input should be greater than or equal to 1 (got 0)",
+        ),
+        (["--params", "7.5e9", "--global-batch-size", "8"], "--global-batch-size and --max-gpus apply to --recommend"),
+    ],
+)
+def test_plan_recommend_rejects_bad_input_naming_the_flag(args, message, capsys):
+    assert main(["plan", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_fractional_parameter_count_is_refused():
     out = run_zero1("plan", "--params", "7.5")
     assert out.returncode == 2 and "must be a whole number, got 7.5" in out.stderr

@@ -449,6 +449,74 @@ def test_the_planner_form_shows_the_breakdown_and_the_sweep(ui, server):
     ui.assert_no_console_errors()
 
 
+GPT_7B = json.loads((ROOT / "examples" / "gpt-7.5b.json").read_text())["model"]
+
+
+def _check_recommendations_shown(page: Page, expected: dict) -> None:
+    rows = page.locator("#recommendations tbody tr")
+    expect(rows).to_have_count(expected["count"])
+    for index, item in enumerate(expected["recommendations"]):
+        row = rows.nth(index)
+        expect(row).to_have_attribute("data-num-gpus", str(item["num_gpus"]))
+        expect(row).to_have_attribute("data-micro-batch-size", str(item["micro_batch_size"]))
+        expect(row).to_have_attribute("data-checkpointing", str(item["activation_checkpointing"]).lower())
+        expect(row).to_have_attribute("data-total-bytes", str(item["total_bytes"]))
+        expect(row.locator("td.why")).to_have_text(item["why"])
+
+
+def test_the_planner_recommends_what_fits_for_a_global_batch(ui, server):
+    page = ui.open("/plan")
+    page.evaluate("window.zero1FirstLoad = true")
+    page.get_by_label("GPT spec").check()
+    for label, key in (
+        ("Vocabulary", "vocab_size"),
+        ("Layers", "n_layer"),
+        ("Heads", "n_head"),
+        ("Width (n_embd)", "n_embd"),
+        ("Context (block_size)", "block_size"),
+    ):
+        page.get_by_label(label).fill(str(GPT_7B[key]))
+    page.get_by_label("Micro-batch").fill("1")
+    page.get_by_label("GPUs (N)").fill("64")
+    page.get_by_label("GPU memory (GB)").fill("80")
+    page.get_by_label("Precision").select_option("bf16")
+    page.get_by_label("Global batch size").fill("64")
+    page.get_by_role("button", name="Plan").click()
+    body = {"model": GPT_7B, "global_batch_size": 64, "max_gpus": 64, "gpu_memory_gb": 80, "precision": "bf16"}
+    expected = server.api.post("/v1/plan/recommend", json=body).json()
+    assert expected["count"] == 8 and expected["recommendations"][0]["num_gpus"] == 4
+    _check_recommendations_shown(page, expected)
+    expect(page.locator("#recommend-summary [data-field='formula']")).to_have_text(expected["cost_model"]["formula"])
+    expect(page.locator("#recommend-error")).to_be_hidden()
+    expect(page).to_have_url(re.compile(r"/plan\?.*global_batch_size=64"))
+    assert page.evaluate("window.zero1FirstLoad") is True, "the page reloaded"
+    ui.screenshot(page, "planner-recommend")
+    url = page.url
+
+    page.get_by_label("Global batch size").fill("")  # no global batch: no recommendations
+    page.get_by_role("button", name="Plan").click()
+    expect(page.locator("#recommend-result")).to_be_hidden()
+    ui.assert_no_console_errors()
+
+    page = ui.open(url, javascript=False)  # the same table from the first paint
+    _check_recommendations_shown(page, expected)
+    page = ui.open(url, width=375, height=740)
+    expect(page.locator("#recommendations tbody tr")).to_have_count(expected["count"])
+    assert _no_horizontal_scroll(page), "the recommendations scroll the page sideways at 375 px"
+    ui.screenshot(page, "phone-planner-recommend")
+
+    page = ui.open(url.replace("num_gpus=64", "num_gpus=1"), javascript=False)
+    expect(page.locator("#recommend-error")).to_contain_text("nothing fits within max_gpus = 1")
+    expect(page.locator("#recommend-list")).to_be_hidden()
+    invalid = server.api.get(
+        "/plan", params={"source": "gpt", "n_layer": "2", "n_head": "4", "n_embd": "128", "global_batch_size": "0"}
+    )
+    assert (
+        invalid.status_code == 422 and "global_batch_size: Input should be greater than or equal to 1" in invalid.text
+    )
+    ui.assert_no_console_errors()
+
+
 @pytest.mark.parametrize("num_gpus", ["1e1000000", "1e5000", "9" * 5000])
 def test_a_huge_number_in_the_planner_is_a_422_at_once_while_other_routes_answer(server, num_gpus):
     """int() of 1e1000000 would hold the server's GIL for tens of seconds; repr() of 1e5000 as an int raises."""

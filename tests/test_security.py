@@ -115,6 +115,7 @@ READS = [
     ("get", "/v1/cluster", {}),
     ("get", "/metrics", {}),
     ("post", "/v1/plan", {"json": {"num_params": 7_500_000_000}}),
+    ("post", "/v1/plan/recommend", {"json": {"model": {"kind": "mlp", "sizes": [4, 2]}, "global_batch_size": 4}}),
 ]
 BAD_CREDENTIALS = {
     "none": {},
@@ -176,10 +177,13 @@ def test_public_read_opens_reads_but_not_writes(public):
     for path in ("/v1/jobs", "/v1/cluster", "/metrics", "/", "/plan"):
         assert public.get(path, follow_redirects=False).status_code == 200, path
     assert public.post("/v1/plan", json={"num_params": 10**9}).status_code == 200
+    recommend = {"model": {"kind": "mlp", "sizes": [4, 2]}, "global_batch_size": 4}
+    assert public.post("/v1/plan/recommend", json=recommend).status_code == 200
     assert public.post("/v1/jobs", json=job_body()).status_code == 401
     assert public.post("/v1/jobs/1/cancel").status_code == 401
     schema = public.get("/openapi.json").json()["paths"]
     assert "security" not in schema["/v1/jobs"]["get"] and schema["/v1/jobs"]["post"]["security"]
+    assert "security" not in schema["/v1/plan/recommend"]["post"]  # a read, like POST /v1/plan
 
 
 def seed_cancelled_job(client: TestClient, *, owner: str) -> int:

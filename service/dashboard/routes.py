@@ -27,8 +27,9 @@ from service.dashboard import charts
 from service.dashboard.format import FILTERS, elapsed_s
 from service.errors import ServiceError, describe_validation_errors
 from service.planning import make_plan, plan_public
+from service.recommendations import cost_model_of, recommend_public
 from service.responses import JobPublic
-from service.schemas import JobStatus, PlanRequest, too_many_digits
+from service.schemas import JobStatus, PlanRequest, RecommendRequest, too_many_digits
 from workers.memory import GB
 
 HERE = Path(__file__).resolve().parent
@@ -158,6 +159,7 @@ PLAN_FORM_DEFAULTS = {
     "precision": "fp16",
     "optimizer": "adamw",
     "stage": "1",
+    "global_batch_size": "",
 }
 _GPT_FIELDS = ("vocab_size", "n_layer", "n_head", "n_embd", "block_size")
 
@@ -192,6 +194,38 @@ def plan_body(form: dict[str, str]) -> dict:
     return {key: value for key, value in body.items() if value is not None}
 
 
+def recommend_body(form: dict[str, str]) -> dict | None:
+    """The POST /v1/plan/recommend body of the form (dashboard.js: recommendBody): a GPT spec with a global
+    batch, on up to the form's N GPUs; None without a global batch, or when planning by parameter count."""
+    if form["source"] != "gpt" or _number(form["global_batch_size"]) is None:
+        return None
+    plan = plan_body(form)
+    body = {key: plan[key] for key in ("model", "seq_len", "precision", "optimizer", "gpu_memory_gb") if key in plan}
+    body |= {"global_batch_size": _number(form["global_batch_size"]), "max_gpus": plan.get("num_gpus")}
+    return {key: value for key, value in body.items() if value is not None}
+
+
+def recommend_context(form: dict[str, str], *, cluster, settings) -> tuple[dict, int]:
+    """What plan.html draws of the recommendations, and the page's status: 422 for a body that is not valid
+    (as the API answers); a configuration that fits nowhere is an answer, not an error."""
+    body = recommend_body(form)
+    context = {"recommend": None, "recommend_error": None, "recommend_asked": body is not None}
+    if body is None:
+        return context, 200
+    try:
+        request = RecommendRequest.model_validate(body)
+    except ValidationError as error:
+        return context | {"recommend_error": describe_validation_errors(list(error.errors()))[0]}, 422
+    overhead_bytes = round(settings.gpu_overhead_gb * GB)
+    try:
+        public = recommend_public(
+            request, cluster=cluster, overhead_bytes=overhead_bytes, cost_model=cost_model_of(settings)
+        )
+    except ServiceError as error:
+        return context | {"recommend_error": error.message}, 200
+    return context | {"recommend": public.model_dump(mode="json")}, 200
+
+
 @router.get("/plan", response_class=HTMLResponse)
 def plan_page(request: Request, cluster: ClusterDep, settings: SettingsDep):
     """The planner: a GET form, so a plan has a URL and works without JavaScript."""
@@ -201,7 +235,7 @@ def plan_page(request: Request, cluster: ClusterDep, settings: SettingsDep):
         form |= {"activation_checkpointing": ""} | given
     if form["source"] not in ("params", "gpt"):
         form["source"] = "params"
-    context = {"page": "plan", "form": form, "error": None, "plan": None}
+    context = {"page": "plan", "form": form, "error": None, "plan": None, "recommend": None, "recommend_error": None}
     try:
         plan_request = PlanRequest.model_validate(plan_body(form))
     except ValidationError as error:
@@ -209,7 +243,8 @@ def plan_page(request: Request, cluster: ClusterDep, settings: SettingsDep):
         return templates.TemplateResponse(request, "plan.html", context, status_code=422)
     plan = plan_public(make_plan(plan_request, cluster=cluster, overhead_bytes=round(settings.gpu_overhead_gb * GB)))
     context |= plan_context(plan.model_dump(mode="json"))
-    return templates.TemplateResponse(request, "plan.html", context)
+    recommend, status_code = recommend_context(form, cluster=cluster, settings=settings)
+    return templates.TemplateResponse(request, "plan.html", context | recommend, status_code=status_code)
 
 
 def plan_context(plan: dict) -> dict:

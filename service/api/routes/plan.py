@@ -1,4 +1,4 @@
-"""POST /v1/plan: capacity planning with the ZeRO memory model."""
+"""POST /v1/plan: capacity planning with the ZeRO memory model; POST /v1/plan/recommend: what fits, cheapest first."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ from fastapi import APIRouter
 
 from service.api.deps import ClusterDep, SettingsDep, TracerDep
 from service.planning import make_plan, plan_public
-from service.responses import ErrorPublic, PlanPublic
-from service.schemas import PlanRequest
+from service.recommendations import cost_model_of, recommend_public
+from service.responses import ErrorPublic, PlanPublic, RecommendationsPublic
+from service.schemas import PlanRequest, RecommendRequest
 from workers.memory import GB
 
 router = APIRouter(tags=["planning"])
@@ -18,3 +19,11 @@ def plan(request: PlanRequest, cluster: ClusterDep, settings: SettingsDep, trace
     """Per-GPU bytes of a model on N GPUs at a ZeRO stage, whether it fits, and the smallest N that does."""
     overhead_bytes = round(settings.gpu_overhead_gb * GB)
     return plan_public(make_plan(request, cluster=cluster, overhead_bytes=overhead_bytes, tracer=tracer))
+
+
+@router.post("/plan/recommend", response_model=RecommendationsPublic, responses={422: {"model": ErrorPublic}})
+def recommend(request: RecommendRequest, cluster: ClusterDep, settings: SettingsDep) -> RecommendationsPublic:
+    """The ZeRO stage 1 configurations (GPUs, micro-batch, accumulation, checkpointing) of a model and global
+    batch that fit, cheapest first by the cost model the response states; 422 does_not_fit when none does."""
+    overhead_bytes = round(settings.gpu_overhead_gb * GB)
+    return recommend_public(request, cluster=cluster, overhead_bytes=overhead_bytes, cost_model=cost_model_of(settings))

@@ -499,6 +499,71 @@
     return Object.fromEntries(Object.entries(body).filter(([, value]) => value != null));
   }
 
+  function recommendBody(form) {  // routes.recommend_body: a GPT spec with a global batch, on up to N GPUs
+    const globalBatch = number(form.elements.global_batch_size.value);
+    if (form.elements.source.value !== "gpt" || globalBatch == null) return null;
+    const plan = planBody(form), body = { global_batch_size: globalBatch, max_gpus: plan.num_gpus };
+    for (const key of ["model", "seq_len", "precision", "optimizer", "gpu_memory_gb"]) {
+      if (plan[key] != null) body[key] = plan[key];
+    }
+    return body;
+  }
+
+  function renderRecommendations(section, body) {
+    const cost = body.cost_model;
+    const field = (name) => $(`[data-field="${name}"]`, section);
+    setText(field("global_batch_size"), grouped(body.global_batch_size));
+    setText(field("tokens_per_step"), grouped(cost.tokens_per_step));
+    setText(field("max_gpus"), grouped(body.max_gpus));
+    setText(field("gpu_memory"), humanBytes(body.gpu_memory_bytes));
+    setText(field("unit"), cost.unit);
+    setText(field("gpu_tflops"), significant(cost.gpu_tflops));
+    setText(field("network_gb_per_s"), significant(cost.network_gb_per_s));
+    setText(field("formula"), cost.formula);
+    const rows = body.recommendations.map((item) => {
+      const row = document.createElement("tr");
+      Object.assign(row.dataset, {
+        numGpus: item.num_gpus, microBatchSize: item.micro_batch_size,
+        checkpointing: String(item.activation_checkpointing), totalBytes: item.total_bytes,
+      });
+      const cells = [
+        [item.num_gpus, "num"], [item.micro_batch_size, "num"], [item.accumulation_steps, "num"],
+        [item.activation_checkpointing ? "yes" : "no", ""], [humanBytes(item.total_bytes), "num"],
+        [humanBytes(item.headroom_bytes), "num"], [significant(item.cost), "num"], [item.why, "why"],
+      ];
+      for (const [text, className] of cells) {
+        const cell = document.createElement("td");
+        if (className) cell.className = className;
+        cell.textContent = text;
+        row.append(cell);
+      }
+      return row;
+    });
+    $("#recommendations tbody", section).replaceChildren(...rows);
+  }
+
+  async function refreshRecommendations(form) {
+    const section = $("#recommend-result"), error = $("#recommend-error"), list = $("#recommend-list");
+    const body = recommendBody(form);
+    section.hidden = body == null;
+    if (body == null) return;
+    try {
+      const answer = await api("/v1/plan/recommend", {
+        method: "POST",
+        headers: { "Content-Type": "application/json" },
+        body: JSON.stringify(body),
+      });
+      renderRecommendations(section, answer);
+      error.hidden = true;
+      list.hidden = false;
+    } catch (failure) {
+      if (!(failure instanceof ApiError)) throw failure;
+      error.textContent = failure.message;  // does_not_fit says why; a bad field is named
+      error.hidden = false;
+      list.hidden = true;
+    }
+  }
+
   function renderPlan(section, plan) {
     const perGpu = plan.per_gpu, floor = floorBytes(perGpu, plan.stage);
     const field = (name) => $$(`[data-field="${name}"]`, section);
@@ -549,6 +614,7 @@
           body: JSON.stringify(planBody(form)),
         });
         renderPlan(section, plan);
+        await refreshRecommendations(form);
         error.hidden = true;
         section.hidden = false;
         history.replaceState(null, "", `/plan?${query}`);

@@ -1,0 +1,359 @@
+"""Recommendations: the ZeRO stage 1 configurations of a model that fit, cheapest first.
+
+A configuration is a world size N, a micro-batch m and activation checkpointing on or off, for a
+fixed global batch G = N·m·accumulation_steps. Whether it fits is the memory model's answer
+(workers/memory.py: total_bytes of the workload /v1/plan builds); what it costs is the model below.
+
+Cost, in GPU-seconds per optimizer step (what a step costs on a bill), from Ψ parameters, the
+step's tokens, a stated per-GPU throughput and a stated per-GPU bandwidth:
+
+    cost      = N · (compute_s + comm_s)
+    compute_s = 6·Ψ·tokens / N / flops_per_gpu          x 4/3 with activation checkpointing
+    comm_s    = 2·(N−1)/N · Ψ · p / bytes_per_s_per_gpu
+
+6·Ψ FLOPs per token are the forward (2Ψ) and the backward (4Ψ); checkpointing runs each block's
+forward again in the backward (+2Ψ, a third more). comm_s is ZeRO-1's traffic once per step
+(gradients accumulate locally between micro-batches): a ring reduce-scatter of the gradients and a
+ring all-gather of the updated parameters each send (N−1)/N of Ψ·p bytes from every GPU. The micro-
+batch does not enter the cost: it changes neither the FLOPs nor the bytes per step, only memory.
+
+Standard library only, like the memory model it calls: the API, the CLI and tests load it alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from workers import memory
+from workers.memory import GB
+
+COST_UNIT = "GPU-seconds per optimizer step"
+COST_FORMULA = (
+    "cost = N * (compute_s + comm_s); compute_s = 6 * num_params * tokens_per_step / N / (gpu_tflops * 1e12), "
+    "x 4/3 with activation checkpointing; comm_s = 2 * (N - 1) / N * num_params * bytes_per_param "
+    "/ (network_gb_per_s * 1e9)"
+)
+CHECKPOINTING_COMPUTE_FACTOR = 4 / 3
+"""Forward 2Ψ + backward 4Ψ FLOPs per token; checkpointing recomputes the forward: 8Ψ / 6Ψ."""
+
+WorkloadOf = Callable[[int, bool], memory.Workload]
+"""(micro_batch_size, activation_checkpointing) -> the workload /v1/plan would plan."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CostModel:
+    """The stated hardware the cost is computed for (ZERO1_PLAN_GPU_TFLOPS, ZERO1_PLAN_NETWORK_GB_PER_S)."""
+
+    gpu_tflops: float
+    """Training throughput each GPU sustains, in TFLOP/s (dense, at the model's precision)."""
+    network_gb_per_s: float
+    """Bandwidth each GPU's reduce-scatter and all-gather achieve, in GB/s (1e9 bytes)."""
+
+    def __post_init__(self) -> None:
+        if not (self.gpu_tflops > 0 and self.network_gb_per_s > 0):
+            raise ValueError(
+                f"gpu_tflops ({self.gpu_tflops}) and network_gb_per_s ({self.network_gb_per_s}) must be > 0"
+            )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepCost:
+    """One configuration's cost: seconds each GPU computes and communicates, and their GPU-seconds."""
+
+    compute_s: float
+    comm_s: float
+    cost_gpu_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Recommendation:
+    num_gpus: int
+    micro_batch_size: int
+    accumulation_steps: int
+    activation_checkpointing: bool
+    total_bytes: int
+    headroom_bytes: int
+    compute_s: float
+    comm_s: float
+    cost_gpu_s: float
+    why: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Recommendations:
+    """What fits, cheapest first; and the least per-GPU bytes found, which says by how much when nothing does."""
+
+    items: tuple[Recommendation, ...]
+    least_bytes: int
+    least_bytes_num_gpus: int
+    """The N of least_bytes (at micro-batch 1, with checkpointing where it applies)."""
+
+
+# --------------------------------------------------------------------------- cost
+
+
+def compute_s(
+    *, num_params: int, num_tokens: int, num_gpus: int, activation_checkpointing: bool, gpu_tflops: float
+) -> float:
+    """Seconds each GPU spends on its share of the step's 6·Ψ·tokens FLOPs (x 4/3 with checkpointing)."""
+    flops = 6 * num_params * num_tokens / num_gpus
+    if activation_checkpointing:
+        flops *= CHECKPOINTING_COMPUTE_FACTOR
+    return flops / (gpu_tflops * 1e12)
+
+
+def comm_bytes_per_gpu(*, num_params: int, num_gpus: int, bytes_per_param: int) -> float:
+    """Bytes each GPU sends per step: reduce-scatter of the gradients + all-gather of the parameters."""
+    # each ring collective sends (N-1)/N of the Ψ·p-byte flat buffer from every rank; N = 1 sends nothing
+    return 2 * (num_gpus - 1) * num_params * bytes_per_param / num_gpus
+
+
+def step_cost(
+    *,
+    num_params: int,
+    num_tokens: int,
+    num_gpus: int,
+    activation_checkpointing: bool,
+    bytes_per_param: int,
+    cost_model: CostModel,
+) -> StepCost:
+    """GPU-seconds per optimizer step: N x (compute_s + comm_s)."""
+    compute = compute_s(
+        num_params=num_params,
+        num_tokens=num_tokens,
+        num_gpus=num_gpus,
+        activation_checkpointing=activation_checkpointing,
+        gpu_tflops=cost_model.gpu_tflops,
+    )
+    comm_bytes = comm_bytes_per_gpu(num_params=num_params, num_gpus=num_gpus, bytes_per_param=bytes_per_param)
+    comm = comm_bytes / (cost_model.network_gb_per_s * GB)
+    return StepCost(compute_s=compute, comm_s=comm, cost_gpu_s=num_gpus * (compute + comm))
+
+
+# --------------------------------------------------------------------------- candidates
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of n >= 1, ascending (trial division to √n: 10,000 steps for 1e8)."""
+    small, large = [], []
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d * d != n:
+                large.append(n // d)
+        d += 1
+    return small + large[::-1]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Fit:
+    """The largest micro-batch that fits at one (N, checkpointing), and what the next one up would need."""
+
+    micro_batch_size: int
+    total_bytes: int
+    next_micro_batch_size: int | None
+    next_total_bytes: int | None
+
+
+class _Planner:
+    """Per-GPU bytes of (N, m, checkpointing) through the memory model, each workload built once."""
+
+    def __init__(self, workload_of: WorkloadOf, *, gpu_memory_bytes: int):
+        self.workload_of, self.gpu_memory_bytes = workload_of, gpu_memory_bytes
+        self._workloads: dict[tuple[int, bool], memory.Workload] = {}
+
+    def workload(self, *, micro_batch_size: int, activation_checkpointing: bool) -> memory.Workload:
+        key = (micro_batch_size, activation_checkpointing)
+        if key not in self._workloads:
+            self._workloads[key] = self.workload_of(micro_batch_size, activation_checkpointing)
+        return self._workloads[key]
+
+    def total_bytes(self, *, num_gpus: int, micro_batch_size: int, activation_checkpointing: bool) -> int:
+        workload = self.workload(micro_batch_size=micro_batch_size, activation_checkpointing=activation_checkpointing)
+        return memory.total_bytes(workload, num_gpus=num_gpus, stage=1)
+
+    def largest_fit(
+        self, *, num_gpus: int, micro_batch_sizes: list[int], activation_checkpointing: bool
+    ) -> _Fit | None:
+        """Binary search of the ascending sizes: activations, and so the total, grow with the micro-batch."""
+        total = lambda m: self.total_bytes(
+            num_gpus=num_gpus, micro_batch_size=m, activation_checkpointing=activation_checkpointing
+        )
+        low, high = 0, len(micro_batch_sizes)  # sizes[:low] fit, sizes[high:] do not
+        while low < high:
+            mid = (low + high) // 2
+            if total(micro_batch_sizes[mid]) <= self.gpu_memory_bytes:
+                low = mid + 1
+            else:
+                high = mid
+        if low == 0:
+            return None
+        above = micro_batch_sizes[low] if low < len(micro_batch_sizes) else None
+        return _Fit(
+            micro_batch_size=micro_batch_sizes[low - 1],
+            total_bytes=total(micro_batch_sizes[low - 1]),
+            next_micro_batch_size=above,
+            next_total_bytes=None if above is None else total(above),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Choice:
+    num_gpus: int
+    activation_checkpointing: bool
+    fit: _Fit
+    without_checkpointing: _Fit | None
+    """At the same N, for a checkpointed choice: what fits without it (None: nothing)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Search:
+    """What is fixed: the global batch (and its tokens), the GPUs on offer and their memory."""
+
+    global_batch_size: int
+    num_tokens: int
+    """Tokens per optimizer step: global_batch_size x seq_len (an MLP's sample is one)."""
+    max_gpus: int
+    gpu_memory_bytes: int
+    checkpointing_applies: bool
+    """False for a model with no activation checkpointing (an MLP)."""
+    max_micro_batch_size: int
+    """The largest micro-batch a job takes."""
+
+    def __post_init__(self) -> None:
+        counts = {name: getattr(self, name) for name in ("global_batch_size", "num_tokens", "max_gpus")}
+        counts["max_micro_batch_size"] = self.max_micro_batch_size
+        if min(counts.values()) < 1 or self.gpu_memory_bytes < 0:
+            given = ", ".join(f"{name} ({value})" for name, value in counts.items())
+            raise ValueError(f"{given} must be >= 1 and gpu_memory_bytes ({self.gpu_memory_bytes}) >= 0")
+
+    def num_gpus_allowed(self) -> list[int]:
+        """The world sizes that can run the global batch: N <= max_gpus that divide it."""
+        return [n for n in divisors(self.global_batch_size) if n <= self.max_gpus]
+
+    def micro_batch_sizes(self, *, num_gpus: int) -> list[int]:
+        """The micro-batches N GPUs can run the global batch with (accumulating the rest), ascending."""
+        per_gpu = self.global_batch_size // num_gpus
+        return [m for m in divisors(per_gpu) if m <= self.max_micro_batch_size]
+
+
+def _choices(planner: _Planner, *, search: Search) -> list[_Choice]:
+    """For each N that divides G and each checkpointing, the largest micro-batch that fits; a checkpointed
+    choice only where it fits a larger micro-batch than no checkpointing does (else it costs more for nothing)."""
+    choices = []
+    for num_gpus in search.num_gpus_allowed():
+        sizes = search.micro_batch_sizes(num_gpus=num_gpus)
+        plain = planner.largest_fit(num_gpus=num_gpus, micro_batch_sizes=sizes, activation_checkpointing=False)
+        if plain is not None:
+            choices.append(
+                _Choice(num_gpus=num_gpus, activation_checkpointing=False, fit=plain, without_checkpointing=None)
+            )
+        if not search.checkpointing_applies or (plain is not None and plain.next_micro_batch_size is None):
+            continue
+        checkpointed = planner.largest_fit(num_gpus=num_gpus, micro_batch_sizes=sizes, activation_checkpointing=True)
+        if checkpointed is not None and (plain is None or checkpointed.micro_batch_size > plain.micro_batch_size):
+            choices.append(
+                _Choice(num_gpus=num_gpus, activation_checkpointing=True, fit=checkpointed, without_checkpointing=plain)
+            )
+    return choices
+
+
+# --------------------------------------------------------------------------- the list
+
+
+def recommend(workload_of: WorkloadOf, *, search: Search, cost_model: CostModel) -> Recommendations:
+    """Every (N, checkpointing)'s largest micro-batch that fits, cheapest first (then fewer GPUs, larger
+    micro-batch, no checkpointing); the fewest GPUs that fit are always among them."""
+    planner = _Planner(workload_of, gpu_memory_bytes=search.gpu_memory_bytes)
+    choices = _choices(planner, search=search)
+    floor = {n: _floor_bytes(planner, num_gpus=n, search=search) for n in search.num_gpus_allowed()}
+    least_num_gpus = min(floor, key=lambda n: (floor[n], n))
+    fewest = min((choice.num_gpus for choice in choices), default=None)
+    items = [
+        _recommendation(choice, planner=planner, search=search, cost_model=cost_model, fewest=fewest, floor=floor)
+        for choice in choices
+    ]
+    items.sort(key=lambda r: (r.cost_gpu_s, r.num_gpus, -r.micro_batch_size, r.activation_checkpointing))
+    return Recommendations(items=tuple(items), least_bytes=floor[least_num_gpus], least_bytes_num_gpus=least_num_gpus)
+
+
+def _floor_bytes(planner: _Planner, *, num_gpus: int, search: Search) -> int:
+    """The least a GPU can hold at N: micro-batch 1, with checkpointing where it applies."""
+    return planner.total_bytes(
+        num_gpus=num_gpus, micro_batch_size=1, activation_checkpointing=search.checkpointing_applies
+    )
+
+
+def _recommendation(
+    choice: _Choice, *, planner: _Planner, search: Search, cost_model: CostModel, fewest: int | None, floor: dict
+) -> Recommendation:
+    workload = planner.workload(micro_batch_size=1, activation_checkpointing=False)
+    cost = step_cost(
+        num_params=workload.num_params,
+        num_tokens=search.num_tokens,
+        num_gpus=choice.num_gpus,
+        activation_checkpointing=choice.activation_checkpointing,
+        bytes_per_param=memory.bytes_per_param(workload.precision)[0],
+        cost_model=cost_model,
+    )
+    n, m = choice.num_gpus, choice.fit.micro_batch_size
+    return Recommendation(
+        num_gpus=n,
+        micro_batch_size=m,
+        accumulation_steps=search.global_batch_size // (m * n),
+        activation_checkpointing=choice.activation_checkpointing,
+        total_bytes=choice.fit.total_bytes,
+        headroom_bytes=search.gpu_memory_bytes - choice.fit.total_bytes,
+        compute_s=cost.compute_s,
+        comm_s=cost.comm_s,
+        cost_gpu_s=cost.cost_gpu_s,
+        why=_why(choice, search=search, fewest=fewest, floor=floor),
+    )
+
+
+def _why(choice: _Choice, *, search: Search, fewest: int | None, floor: dict[int, int]) -> str:
+    """One sentence of what limits a choice, with the numbers."""
+    memory_size = _size(search.gpu_memory_bytes)
+    n, fit = choice.num_gpus, choice.fit
+    clauses = []
+    if n == fewest:
+        fewer = [k for k in floor if k < n]
+        clauses.append(
+            f"the fewest GPUs it fits on: {fewer[-1]} would need {_size(floor[fewer[-1]])} > {memory_size} even at "
+            f"micro-batch 1{' with checkpointing' if search.checkpointing_applies else ''}"
+            if fewer
+            else "the fewest GPUs it fits on"
+        )
+    if choice.activation_checkpointing:
+        without = choice.without_checkpointing
+        clauses.append(
+            "it fits only with activation checkpointing (a third more compute)"
+            if without is None
+            else f"activation checkpointing (a third more compute) fits micro-batch {fit.micro_batch_size} "
+            f"where {without.micro_batch_size} is the largest without"
+        )
+    batch = search.global_batch_size
+    if fit.next_micro_batch_size is None and fit.micro_batch_size * n == batch:
+        clauses.append(f"micro-batch is capped by the global batch: {batch} / ({_gpus(n)}) = {fit.micro_batch_size}")
+    elif fit.next_micro_batch_size is None:
+        clauses.append(f"micro-batch is capped at {search.max_micro_batch_size:,}, the largest a job takes")
+    else:
+        clauses.append(
+            f"micro-batch {fit.micro_batch_size} is the largest that fits on {_gpus(n)}: "
+            f"{fit.next_micro_batch_size} would need {_size(fit.next_total_bytes)} > {memory_size}"
+        )
+    return "; ".join(clauses)
+
+
+def _gpus(num_gpus: int) -> str:
+    return f"{num_gpus} GPU" if num_gpus == 1 else f"{num_gpus} GPUs"
+
+
+def _size(num_bytes: int) -> str:
+    """Decimal units, two decimals, as the planner counts (GB = 1e9 bytes): '91.20 GB', '13.80 MB'."""
+    for scale, unit in ((10**12, "TB"), (GB, "GB"), (10**6, "MB"), (10**3, "kB")):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:,.2f} {unit}"
+    return f"{num_bytes} B"
