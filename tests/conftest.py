@@ -9,6 +9,8 @@ import tempfile
 
 # Ray reads this when it is first imported: nodes, GCS and actors then bind 127.0.0.1
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# the model hub is never reached: Hugging Face models in tests are built from configs
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Ray's files (sockets, logs, the cluster address) go to a directory of the test session's own,
 # also for the `zero1 serve` subprocesses that start an embedded Ray. Short: socket paths must
 # fit 107 bytes.

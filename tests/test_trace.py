@@ -4,7 +4,6 @@ count on real tensors agree, and an independent tracer (torch's MemTracker) agre
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
@@ -221,7 +220,6 @@ class CausalLM(nn.Module):
 
 
 def llama(**overrides):
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import LlamaConfig
 
     return LlamaConfig(**(LLAMA_2_7B | overrides))
