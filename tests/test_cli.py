@@ -40,6 +40,21 @@ def test_plan_prints_the_breakdown_and_sweep():
     assert [line.split() for line in stages] == [["0", "120.000"], ["1", "31.406"], ["2", "16.641"], ["3", "1.875"]]
 
 
+def test_plan_trace_counts_the_step_in_the_cli_process():
+    gpt = ("--model", "gpt", "--vocab-size", "256", "--n-layer", "2", "--n-embd", "64", "--block-size", "64")
+    traced = run_zero1("plan", *gpt, "--micro-batch-size", "4", "--trace", "--json")
+    closed = run_zero1("plan", *gpt, "--micro-batch-size", "4", "--json")
+    assert traced.returncode == 0 == closed.returncode, traced.stderr + closed.stderr
+    traced, closed = json.loads(traced.stdout), json.loads(closed.stdout)
+    assert (traced["method"], closed["method"]) == ("traced", "model")
+    assert traced["num_params"] == closed["num_params"]
+    for kind in ("activations", "temporaries"):
+        assert traced["per_gpu"][f"{kind}_bytes"] == pytest.approx(closed["per_gpu"][f"{kind}_bytes"], rel=0.02)
+    table = run_zero1("plan", *gpt, "--trace")
+    assert "counted by traced" in table.stdout.splitlines()[0], table.stdout + table.stderr
+    assert any(line.startswith("temporaries") for line in table.stdout.splitlines())
+
+
 def test_plan_json_is_the_apis_json(client):
     out = run_zero1("plan", "--params", "7.5e9", "--gpus", "64", "--json")
     assert out.returncode == 0, out.stderr
