@@ -99,26 +99,26 @@ def test_plan_recommend_prints_the_table_of_what_fits_cheapest_first():
     lines = out.stdout.splitlines()
     assert lines[0] == (
         "7,500,029,952 parameters, global batch 64 (131,072 tokens), ZeRO stage 1 on up to 64 GPUs of 80.000 GB "
-        "(GB = 1e9 bytes): 8 configurations that fit, cheapest first"
+        "(GB = 1e9 bytes): 9 configurations that fit, cheapest first"
     )
     assert lines[1].startswith("cost in GPU-seconds per optimizer step at 400 TFLOP/s and 100 GB/s per GPU: cost = N")
     header = lines.index("     N  micro-batch   accum  ckpt  GB per GPU  headroom GB  cost GPU-s  why")
     rows = [line.split(maxsplit=7) for line in lines[header + 1 :]]
-    assert len(rows) == 8
+    assert len(rows) == 9
     assert rows[0] == [
         "4",
         "2",
         "8",
         "no",
-        "73.884",
-        "6.116",
+        "75.820",
+        "4.180",
         "15.65",
-        "micro-batch 2 is the largest that fits on 4 GPUs: 4 would need 94.27 GB > 80.00 GB",
+        "micro-batch 2 is the largest that fits on 4 GPUs: 4 would need 98.14 GB > 80.00 GB",
     ]
     costs = [float(row[6]) for row in rows]
     assert costs == sorted(costs)
     fewest = min(rows, key=lambda row: int(row[0]))
-    assert fewest[:4] == ["2", "2", "16", "yes"] and fewest[7].startswith("the fewest GPUs it fits on: 1 would need")
+    assert fewest[:4] == ["2", "1", "32", "yes"] and fewest[7].startswith("the fewest GPUs it fits on: 1 would need")
 
 
 def test_plan_recommend_json_is_the_apis_json(client, capsys):
