@@ -31,7 +31,6 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from torch.utils.weak import WeakIdKeyDictionary
 
 
 class LiveBytes(TorchDispatchMode):
@@ -39,7 +38,9 @@ class LiveBytes(TorchDispatchMode):
 
     def __init__(self, *, ignore: Iterable[Tensor] = ()) -> None:
         super().__init__()
-        self._counted = WeakIdKeyDictionary()  # storage -> bytes counted for it (0: a state's)
+        # id(storage) -> bytes counted for it (0: a state's); a finalizer drops the entry when the
+        # storage is freed, so an id is never met again while its entry stands
+        self._counted: dict[int, int] = {}
         self.live_bytes = 0
         self.peak_bytes = 0
         for tensor in ignore:
@@ -48,34 +49,42 @@ class LiveBytes(TorchDispatchMode):
     def ignore(self, tensor: Tensor) -> None:
         """Stop counting `tensor`'s storage (and never count it): a model state."""
         storage = tensor.untyped_storage()
-        self.live_bytes -= self._counted.get(storage, 0)
-        self._counted[storage] = 0
+        key = id(storage)
+        if key not in self._counted:
+            weakref.finalize(storage, self._free, key)
+        self.live_bytes -= self._counted.get(key, 0)
+        self._counted[key] = 0
 
     def count(self, tensor: Tensor) -> None:
         """Count `tensor`'s storage while it lives, as if an op had made it (a step's input batch)."""
         storage = tensor.untyped_storage()
-        if storage not in self._counted:
+        if id(storage) not in self._counted:
             self._add(storage)
 
     def _add(self, storage: torch.UntypedStorage) -> None:
-        nbytes = storage.nbytes()
-        self._counted[storage] = nbytes
-        weakref.finalize(storage, self._free, nbytes)
+        key, nbytes = id(storage), storage.nbytes()
+        self._counted[key] = nbytes
+        weakref.finalize(storage, self._free, key)
         self.live_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
-    def _free(self, nbytes: int) -> None:
-        self.live_bytes -= nbytes
+    def _free(self, key: int) -> None:
+        self.live_bytes -= self._counted.pop(key, 0)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)}
-        for tensor in tree_flatten(out)[0]:
+        outputs = out if isinstance(out, (tuple, list)) else (out,)
+        inputs = None
+        for tensor in outputs if all(isinstance(o, Tensor) for o in outputs) else tree_flatten(out)[0]:
             if not isinstance(tensor, Tensor):
                 continue
             storage = tensor.untyped_storage()
+            if id(storage) in self._counted:
+                continue
+            if inputs is None:
+                inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)}
             # a view or an in-place result shares an input's storage: nothing new was allocated
-            if id(storage) not in inputs and storage not in self._counted:
+            if id(storage) not in inputs:
                 self._add(storage)
         return out
 
