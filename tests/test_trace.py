@@ -277,7 +277,6 @@ def test_live_bytes_counts_what_ops_allocate_until_it_is_freed():
     assert (meter.live_bytes, meter.peak_bytes) == (0, 800)
 
 
-
 def test_a_tensor_counted_then_made_a_state_is_not_subtracted_again_when_freed():
     with LiveBytes() as meter:
         grad = torch.ones(100)  # counted: a gradient in flight
