@@ -48,8 +48,62 @@ class TextSpec:
             )
 
 
-DataSource = SyntheticSpec | TextSpec
+DATASET_FORMATS = ("jsonl", "parquet", "csv", "text")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DatasetSpec:
+    """Local files read with `datasets`, tokenized once (cached as a token file on the checkpoint
+    storage), packed into seq_len + 1 blocks joined by the EOS token, in a seeded order that does
+    not depend on the world size (DESIGN.md v2, "Data kind dataset")."""
+
+    format: str
+    """jsonl, parquet, csv or text."""
+    path: str
+    """A file, directory or glob, resolved inside `roots`."""
+    text_field: str = "text"
+    tokenizer: str | None = None
+    """A tokenizer.json or tokenizer directory inside the roots, or "bytes" (one token per UTF-8 byte,
+    EOS 256); None: the hf model directory's own tokenizer."""
+    validation_fraction: float = 0.01
+    """Blocks held out for evaluation."""
+    roots: tuple[str, ...] | None = None
+    """Absolute directories path and tokenizer must resolve into; None: anywhere (a caller's own files)."""
+    cache_dir: str | None = None
+    """Where the token file is cached (the checkpoint storage); None: beside nothing, tokenized per run."""
+
+    def __post_init__(self) -> None:
+        if self.format not in DATASET_FORMATS:
+            raise ValueError(f"format must be one of {DATASET_FORMATS}, got {self.format!r}")
+        if not 0 <= self.validation_fraction < 1:
+            raise ValueError(f"validation_fraction must be in [0, 1), got {self.validation_fraction}")
+
+
+DataSource = SyntheticSpec | TextSpec | DatasetSpec
 """What a job trains on (DataSpec in the API's schemas, converted once)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HFSpec:
+    """A Hugging Face transformers causal LM: `config` (config.json's fields, with model_type;
+    random init from the job's seed) or `path` (a save_pretrained directory: its weights)."""
+
+    config: dict[str, Any] | None = None
+    path: str | None = None
+    roots: tuple[str, ...] | None = None
+    """Absolute directories `path` must resolve into (ZERO1_MODEL_ROOTS); None: anywhere."""
+    vocab_size: int
+    """The model's vocabulary, resolved from its config when the job was admitted."""
+    block_size: int
+    """max_position_embeddings, resolved likewise: the default seq_len."""
+
+    def __post_init__(self) -> None:
+        if (self.config is None) == (self.path is None):
+            raise ValueError("exactly one of config or path is required")
+
+
+ModelKind = GPTSpec | MLPSpec | HFSpec
+"""What a job trains (ModelSpec in the API's schemas)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -68,7 +122,7 @@ class OptimizerSpec:
 class TrainConfig:
     """What one job trains; the same on every rank."""
 
-    model: GPTSpec | MLPSpec
+    model: ModelKind
     steps: int
     data: DataSource = field(default_factory=SyntheticSpec)
     precision: str = "bf16"
@@ -90,6 +144,10 @@ class TrainConfig:
     resume: bool = True
     """Resume from the latest complete checkpoint in checkpoint_dir. A job's first attempt
     (False) starts from scratch, and refuses a directory that already holds checkpoints."""
+    eval_every: int = 0
+    """Steps between evaluations on the held-out data (0: none); rows then carry eval_loss."""
+    eval_batches: int = 8
+    """Micro-batches each rank evaluates per evaluation."""
     max_nonfinite_steps: int = limits.DEFAULT_MAX_NONFINITE_STEPS
     """Steps in a row with a nan or inf global gradient norm (each skipped: it changes nothing)
     after which the run fails with NonFiniteError. Counted from 0 again after a resume."""
@@ -102,6 +160,8 @@ class TrainConfig:
                 f"need steps ({self.steps}) >= 1, micro_batch_size ({self.micro_batch_size}) >= 1, "
                 f"checkpoint_every ({self.checkpoint_every}) >= 0, keep_last ({self.keep_last}) >= 0"
             )
+        if self.eval_every < 0 or self.eval_batches < 1:
+            raise ValueError(f"need eval_every ({self.eval_every}) >= 0 and eval_batches ({self.eval_batches}) >= 1")
         if self.max_nonfinite_steps < 1:
             raise ValueError(f"need max_nonfinite_steps ({self.max_nonfinite_steps}) >= 1")
 

@@ -34,6 +34,8 @@ class MetricRow:
     mem_peak_bytes: tuple[int, ...]
     """Measured peak bytes, by rank."""
     mem_planned_bytes: int
+    eval_loss: float | None = None
+    """Mean loss on the held-out data, on a step that evaluated (eval_every); else None."""
     rank: int | None = None
 
     @classmethod
