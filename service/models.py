@@ -123,5 +123,7 @@ class Metric(Base):
     mem_peak_bytes: Mapped[list[int]] = mapped_column(JSON)
     """Measured peak bytes of each rank, by rank."""
     mem_planned_bytes: Mapped[int] = mapped_column(BigInteger)
+    eval_loss: Mapped[float | None] = mapped_column(Float)
+    """The held-out loss on a step that evaluated; null on the others (and when not finite)."""
     superseded: Mapped[bool] = mapped_column(Boolean, default=False)
     """True for rows of an attempt past the checkpoint a retry resumed from."""

@@ -125,8 +125,9 @@ class MetricPublic(BaseModel):
     tokens_per_s: float
     mem_peak_bytes: list[int] = Field(description="Measured peak bytes per rank.")
     mem_planned_bytes: int
+    eval_loss: float | None = Field(None, description="Held-out loss on a step that evaluated (eval_every).")
 
-    @field_validator("loss", "grad_norm", mode="before")
+    @field_validator("loss", "grad_norm", "eval_loss", mode="before")
     @classmethod
     def _finite_or_null(cls, value):
         return value if value is None or math.isfinite(value) else None

@@ -57,7 +57,7 @@ def _schema(url: str) -> tuple[set[str], str | None]:
         engine.dispose()
 
 
-HEAD = "0004"
+HEAD = "0005"
 
 
 def _count(database: Database, model: type[Base], job_id: int) -> int:
@@ -69,7 +69,7 @@ def test_one_linear_history(database_url):
     script = ScriptDirectory.from_config(alembic_config(database_url))
     assert script.get_heads() == [HEAD]
     revisions = [r.revision for r in script.walk_revisions()]  # head first, each down to the one before
-    assert revisions == ["0004", "0003", "0002", "0001"] and script.get_revision("0001").down_revision is None
+    assert revisions == ["0005", "0004", "0003", "0002", "0001"] and script.get_revision("0001").down_revision is None
 
 
 def test_migrations_match_the_models(database):

@@ -237,6 +237,7 @@ def test_training_reports_every_metric_and_its_planned_memory():
         "tokens_per_s",
         "mem_peak_bytes",
         "mem_planned_bytes",
+        "eval_loss",
     }
     assert all(set(r.to_json()) == keys and r.rank == 0 for r in rows)
     plan = breakdown(Workload.from_model(SMALL, precision="bf16", micro_batch_size=4), num_gpus=1, stage=1)
