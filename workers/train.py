@@ -163,6 +163,12 @@ def _count_skipped(skipped: int, row: MetricRow, *, limit: int) -> int:
     return skipped
 
 
+CPU_MEMORY_EVERY_STEPS = 10
+"""On CPU a step's peak is counted op by op (a Python dispatch mode, which slows a small model's step
+severalfold), so it is counted on an attempt's first step and every this many steps after; the steps
+between report the last count. CUDA's allocator measures every step at no cost."""
+
+
 @dataclass(kw_only=True, slots=True)
 class _StepContext:
     model: torch.nn.Module
@@ -174,11 +180,14 @@ class _StepContext:
     process_group: dist.ProcessGroup | None
     planned_bytes: int
     tokens_per_step: int
+    cpu_peak_bytes: int | None = None
+    """The last CPU count of a step's peak (model states and the step's bytes beyond them)."""
 
-    def micro_step(self, inputs: torch.Tensor, targets: torch.Tensor, *, accumulation: int) -> tuple[torch.Tensor, int]:
-        """Forward and backward of one micro-batch: its loss, and on CPU the bytes it held beyond the
-        model states at its peak, counted as the plan counts them (workers/trace.py); CUDA's
-        allocator measures the whole step instead."""
+    def micro_step(
+        self, inputs: torch.Tensor, targets: torch.Tensor, *, accumulation: int, count: bool
+    ) -> tuple[torch.Tensor, int]:
+        """Forward and backward of one micro-batch: its loss, and when `count`, the bytes it held beyond
+        the model states at its peak, counted as the plan counts them (workers/trace.py)."""
 
         def forward() -> torch.Tensor:
             return self.model(inputs, targets) / accumulation
@@ -186,7 +195,7 @@ class _StepContext:
         def backward(loss: torch.Tensor) -> None:
             self.opt.scale_loss(loss).backward()
 
-        if self.device.type == "cuda":
+        if not count:
             loss = forward()
             backward(loss)
             return loss, 0
@@ -200,11 +209,12 @@ class _StepContext:
         accumulation = self.batches.accumulation_steps
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         step_peak = 0
+        count = self.device.type != "cuda" and (self.cpu_peak_bytes is None or step % CPU_MEMORY_EVERY_STEPS == 0)
         for micro in range(accumulation):
             inputs, targets = (t.to(self.device) for t in self.batches.micro_batch(step, micro))
             # every micro-batch but the last accumulates locally; the last one's backward sends
             with self.opt.no_sync() if micro < accumulation - 1 else contextlib.nullcontext():
-                loss, used = self.micro_step(inputs, targets, accumulation=accumulation)
+                loss, used = self.micro_step(inputs, targets, accumulation=accumulation, count=count)
             loss_sum += loss.detach()
             step_peak = max(step_peak, used)
         self.opt.step()
@@ -217,7 +227,9 @@ class _StepContext:
             torch.cuda.synchronize(self.device)
             mem_peak = torch.cuda.max_memory_allocated(self.device)
         else:
-            mem_peak = self.opt.model_state_bytes() + step_peak
+            if count:
+                self.cpu_peak_bytes = self.opt.model_state_bytes() + step_peak
+            mem_peak = self.cpu_peak_bytes
         step_time_s = time.perf_counter() - start
         return MetricRow(
             step=step,
