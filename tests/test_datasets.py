@@ -300,19 +300,15 @@ def test_bad_datasets_are_422s_naming_the_field(data_app, tmp_path):
 
 
 def test_a_gpt_trains_on_the_example_corpus_through_the_api(data_app):
+    """examples/tiny-gpt-corpus.json, for 40 steps (its paths are relative to the repository)."""
     client, _, settings = data_app
-    body = helpers.job_body(
-        model={"kind": "gpt", "vocab_size": 512, "n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 64},
-        data={
-            "kind": "dataset",
-            "format": "jsonl",
-            "path": str(EXAMPLES / "tiny-corpus.jsonl"),
-            "tokenizer": str(EXAMPLES / "tokenizer.json"),
-        },  # fmt: skip
-        steps=40,
-        micro_batch_size=4,
-        optimizer={**helpers.FAST, "lr": 0.01},
-    )
+    body = json.loads((ROOT / "examples" / "tiny-gpt-corpus.json").read_text())
+    data = {
+        **body["data"],
+        "path": str(ROOT / body["data"]["path"]),
+        "tokenizer": str(ROOT / body["data"]["tokenizer"]),
+    }
+    body = {**body, "data": data, "steps": 40, "checkpoint_every": 0}
     r = client.post("/v1/jobs", json=body)
     assert r.status_code == 201, r.text
     tokens = list((Path(settings.checkpoint_uri) / "datasets" / "tokens").glob("*.bin"))
@@ -323,3 +319,15 @@ def test_a_gpt_trains_on_the_example_corpus_through_the_api(data_app):
     losses = [m["loss"] for m in client.get(f"/v1/jobs/{job['id']}/metrics").json()["data"]]
     assert len(losses) == 40 and sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 1.0, losses
     assert [p.stat().st_mtime_ns for p in tokens[0].parent.glob("*.bin")] == [mtime]  # the ranks mapped it
+
+
+def test_tokenizing_past_the_data_timeout_is_a_422(ray_cluster, tmp_path):
+    settings = make_settings(tmp_path, data_roots=[str(EXAMPLES)], data_timeout_s=0.01)
+    body = dataset_job(path=str(EXAMPLES / "tiny-corpus.jsonl"))
+    try:
+        with TestClient(create_app(settings), raise_server_exceptions=False) as client:
+            r = client.post("/v1/jobs", params={"dry_run": True}, json=body)
+    finally:
+        end_supervisors(settings.ray_namespace)
+    assert r.status_code == 422 and r.json()["error"] == "data_timeout", r.text
+    assert "ZERO1_DATA_TIMEOUT_S = 0.01 s" in r.json()["message"]
