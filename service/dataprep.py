@@ -10,9 +10,13 @@ answered 422 with that field.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from service.errors import ServiceError
 from workers.config import DatasetSpec
+
+if TYPE_CHECKING:
+    from workers.datasets import DatasetSummary
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -28,7 +32,7 @@ class DatasetRequest:
     """An hf model's directory, whose tokenizer.json is used when data.tokenizer is omitted."""
 
 
-def run_check(request: DatasetRequest):
+def run_check(request: DatasetRequest) -> DatasetSummary:
     """The check itself, in the process that calls it (a Ray task's): a DatasetSummary."""
     from workers.datasets import DatasetSource
 
@@ -50,7 +54,7 @@ class DatasetChecker:
         self.timeout_s = timeout_s
         self.in_process = in_process
 
-    def check(self, request: DatasetRequest):
+    def check(self, request: DatasetRequest) -> DatasetSummary:
         if self.in_process:
             try:
                 return run_check(request)

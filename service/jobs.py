@@ -26,6 +26,7 @@ from service.planning import make_plan, plan_public, workload_for
 from service.responses import EventPublic, JobPublic, MetricPublic, PlanPublic
 from service.schemas import DatasetDataSpec, JobSpec, TextDataSpec
 from workers import datafiles, memory
+from workers.config import ModelKind
 from workers.memory import GB
 from workers.records import finite_or_none
 
@@ -131,7 +132,7 @@ def _check_dataset_paths(spec: JobSpec, *, data: DatasetDataSpec, data_roots: Se
 
 
 def check_dataset(
-    spec: JobSpec, *, model, checker: DatasetChecker, data_roots: Sequence[str], cache_dir: str
+    spec: JobSpec, *, model: ModelKind, checker: DatasetChecker, data_roots: Sequence[str], cache_dir: str
 ) -> DatasetSummary | None:
     """A dataset job's files read and tokenized into the cache (a Ray task), or a 422 naming the field:
     text_field absent, tokenizer invalid or above the model's vocab_size, the dataset empty or under one
