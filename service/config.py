@@ -79,6 +79,10 @@ class Settings(BaseSettings):
     plan_timeout_s: float = Field(120.0, gt=0, le=86_400)
     """How long a traced plan (a model's step run on fake tensors in a Ray task) may take before
     it is stopped and the request answered 422 trace_timeout."""
+    data_timeout_s: float = Field(600.0, gt=0, le=86_400)
+    """How long a submitted `dataset` job's files may take to be read and tokenized (in a Ray task, into
+    the token cache under ZERO1_CHECKPOINT_URI/datasets) before it is stopped and the submit answered
+    422 data_timeout; a dataset already in the cache is only hashed."""
     scheduler_interval_s: float = Field(0.2, gt=0, le=60)
     """How often the scheduler admits queued jobs and collects metrics."""
     scheduler_stale_s: float = Field(120.0, gt=0, le=86_400)
@@ -95,7 +99,7 @@ class Settings(BaseSettings):
     names, owners, states and progress, not their specs, metrics or events; submitting and
     cancelling still need a token."""
     data_roots: Annotated[list[str], NoDecode] = ["data"]
-    """Directories a `text` job's data.path must resolve into (symlinks followed),
+    """Directories a `text` or `dataset` job's data.path (and tokenizer) must resolve into (symlinks followed),
     comma-separated or a JSON list; relative ones are under the service's working
     directory."""
     max_request_bytes: int = Field(1 << 20, ge=1024, le=1 << 30)

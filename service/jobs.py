@@ -10,6 +10,7 @@ import json
 import math
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
@@ -18,14 +19,19 @@ from sqlalchemy.orm.attributes import set_committed_value
 
 from service.auth import Principal
 from service.cluster import ClusterCapacity
+from service.dataprep import DatasetChecker, DatasetRequest, invalid_data
 from service.errors import ServiceError
 from service.models import Job, JobEvent, Metric, utcnow
 from service.planning import make_plan, plan_public, workload_for
 from service.responses import EventPublic, JobPublic, MetricPublic, PlanPublic
-from service.schemas import JobSpec, TextDataSpec
-from workers import memory
+from service.schemas import DatasetDataSpec, JobSpec, TextDataSpec
+from workers import datafiles, memory
+from workers.config import ModelKind
 from workers.memory import GB
 from workers.records import finite_or_none
+
+if TYPE_CHECKING:
+    from workers.datasets import DatasetSummary
 
 ACTIVE = ("starting", "running", "restarting")
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -94,23 +100,55 @@ def check_data(spec: JobSpec, *, data_roots: Sequence[str]) -> JobSpec:
 
     The workers then read the very file that was checked, whatever their working directory.
     """
+    if isinstance(spec.data, DatasetDataSpec):
+        return _check_dataset_paths(spec, data=spec.data, data_roots=data_roots)
     if not isinstance(spec.data, TextDataSpec):
         return spec
     path = spec.data.path
     resolved = os.path.realpath(path)
     roots = [os.path.realpath(root) for root in data_roots]
     if not any(os.path.commonpath([resolved, root]) == root for root in roots):
-        raise _invalid_data_path(
+        raise invalid_data(
             f"data.path: {path!r} is outside the data roots {roots} (ZERO1_DATA_ROOTS; symlinks are followed)"
         )
     if not os.path.isfile(resolved):
-        raise _invalid_data_path(f"data.path: no such file: {path!r}")
+        raise invalid_data(f"data.path: no such file: {path!r}")
     return spec.model_copy(update={"data": TextDataSpec(kind="text", path=resolved)})
 
 
-def _invalid_data_path(message: str) -> ServiceError:
-    detail = [{"field": "data.path", "message": message.removeprefix("data.path: "), "type": "value_error"}]
-    return ServiceError(message, status_code=422, error="invalid_request", detail=detail)
+def _check_dataset_paths(spec: JobSpec, *, data: DatasetDataSpec, data_roots: Sequence[str]) -> JobSpec:
+    """A 422 when a dataset's path or tokenizer is outside the roots or names no file (the standard
+    library's checks: reading and tokenizing is check_dataset's, in a Ray task); the paths made absolute."""
+    try:
+        datafiles.resolve_files(data.path, format=data.format, roots=data_roots)
+        if data.tokenizer not in (None, datafiles.BYTES):
+            datafiles.resolve_tokenizer(data.tokenizer, roots=data_roots)
+    except ValueError as exc:
+        raise invalid_data(str(exc)) from None
+    absolute = {"path": datafiles.absolute_path(data.path)}
+    if data.tokenizer not in (None, datafiles.BYTES):
+        absolute["tokenizer"] = os.path.realpath(data.tokenizer)
+    return spec.model_copy(update={"data": data.model_copy(update=absolute)})
+
+
+def check_dataset(
+    spec: JobSpec, *, model: ModelKind, checker: DatasetChecker, data_roots: Sequence[str], cache_dir: str
+) -> DatasetSummary | None:
+    """A dataset job's files read and tokenized into the cache (a Ray task), or a 422 naming the field:
+    text_field absent, tokenizer invalid or above the model's vocab_size, the dataset empty or under one
+    global batch of blocks. `model` is the job's workers' spec (vocab_size, block_size; an hf model's path)."""
+    if not isinstance(spec.data, DatasetDataSpec):
+        return None
+    seq_len = spec.seq_len or model.block_size
+    request = DatasetRequest(
+        data=spec.data.to_spec(data_roots=data_roots, cache_dir=cache_dir),
+        vocab_size=model.vocab_size,
+        seq_len=seq_len,
+        global_batch_size=spec.global_batch_size or spec.micro_batch_size * spec.num_gpus,
+        seed=spec.seed,
+        tokenizer_dir=getattr(model, "path", None),
+    )
+    return checker.check(request)
 
 
 def check_storage(problems: dict[str, str], *, uri: str) -> None:

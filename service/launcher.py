@@ -25,6 +25,12 @@ def checkpoint_dirname(job_id: int, run_id: str | None) -> str:
     return f"job-{job_id}" if run_id is None else f"job-{job_id}-{run_id}"
 
 
+def dataset_cache_dir(checkpoint_uri: str) -> Path:
+    """Where `dataset` jobs' token files are cached: datasets/ on the checkpoint storage, beside the jobs'
+    directories, which every rank reads."""
+    return Path(checkpoint_uri).resolve() / "datasets"
+
+
 def supervisor_name(job_id: int, attempt: int = 0) -> str:
     """Each attempt has its own supervisor: a retry never waits for the old name to be freed."""
     return f"zero1-job-{job_id}-a{attempt}"
@@ -123,6 +129,7 @@ class RayLauncher:
             keep_last=self.settings.checkpoint_keep_last,
             resume=job.attempt > 0,
             data_roots=self.settings.data_roots,
+            dataset_cache_dir=str(dataset_cache_dir(self.settings.checkpoint_uri)),
         )
         placement = Placement(
             num_workers=job.num_gpus,

@@ -6,6 +6,7 @@ import logging
 
 from service.cluster import RayCluster
 from service.config import Settings
+from service.dataprep import DatasetChecker
 from service.db import Database, upgrade
 from service.launcher import RayLauncher
 from service.scheduler import Scheduler
@@ -21,6 +22,7 @@ class Runtime:
         self.cluster = RayCluster(settings)
         self.launcher = RayLauncher(settings)
         self.tracer = Tracer(timeout_s=settings.plan_timeout_s)
+        self.datasets = DatasetChecker(timeout_s=settings.data_timeout_s)
         self.scheduler = Scheduler(
             db=self.db,
             launcher=self.launcher,

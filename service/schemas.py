@@ -19,7 +19,15 @@ from pydantic import (
 )
 
 from workers import limits, memory
-from workers.config import OptimizerSpec, SyntheticSpec, TextSpec, TrainConfig, default_of
+from workers.config import (
+    DATASET_FORMATS,
+    DatasetSpec,
+    OptimizerSpec,
+    SyntheticSpec,
+    TextSpec,
+    TrainConfig,
+    default_of,
+)
 
 Precision = Literal["fp16", "bf16", "fp32"]
 OptimizerName = Literal["adamw", "adam", "sgd_momentum", "sgd"]
@@ -193,7 +201,7 @@ class SyntheticDataSpec(_Body):
         default_of(SyntheticSpec, "branching"), ge=1, le=1_000_000, description="Successors per token: lower is easier."
     )
 
-    def to_spec(self, *, data_roots: Sequence[str] = ()) -> SyntheticSpec:
+    def to_spec(self, *, data_roots: Sequence[str] = (), cache_dir: str | None = None) -> SyntheticSpec:
         return SyntheticSpec(branching=self.branching)
 
 
@@ -203,14 +211,57 @@ class TextDataSpec(_Body):
     kind: Literal["text"]
     path: Text = Field(min_length=1, max_length=4096)
 
-    def to_spec(self, *, data_roots: Sequence[str] = ()) -> TextSpec:
+    def to_spec(self, *, data_roots: Sequence[str] = (), cache_dir: str | None = None) -> TextSpec:
         """With the data roots resolved here (a relative root is under the service's working directory),
         for the ranks to check again where they read the file: none given, they read none."""
         return TextSpec(path=self.path, roots=tuple(os.path.realpath(root) for root in data_roots))
 
 
-DataSpec = Annotated[SyntheticDataSpec | TextDataSpec, Field(discriminator="kind")]
-DATA_KINDS = ("synthetic", "text")
+def _dataset(name: str):
+    return default_of(DatasetSpec, name)
+
+
+class DatasetDataSpec(_Body):
+    """Local files read with `datasets`, tokenized once (cached on the checkpoint storage), packed into
+    seq_len + 1 blocks in a seeded order that does not depend on num_gpus."""
+
+    kind: Literal["dataset"]
+    format: Literal[DATASET_FORMATS]
+    path: Text = Field(
+        min_length=1, max_length=4096, description="A file, a directory or a glob, inside ZERO1_DATA_ROOTS."
+    )
+    text_field: Text = Field(
+        _dataset("text_field"), min_length=1, max_length=200, description="The column read (text format: text)."
+    )
+    tokenizer: Text | None = Field(
+        _dataset("tokenizer"),
+        min_length=1,
+        max_length=4096,
+        description="A tokenizer.json or its directory inside ZERO1_DATA_ROOTS, or bytes (UTF-8 bytes, EOS 256); "
+        "omitted: an hf model's own (its path's directory).",
+    )
+    validation_fraction: Float = Field(
+        _dataset("validation_fraction"), ge=0, le=0.5, allow_inf_nan=False, description="Blocks held out."
+    )
+
+    @model_validator(mode="after")
+    def _text_reads_text(self) -> DatasetDataSpec:
+        if self.format == "text" and self.text_field != "text":
+            raise ValueError(f"text_field ({self.text_field!r}) only applies to jsonl, parquet and csv: text is text")
+        return self
+
+    def to_spec(self, *, data_roots: Sequence[str] = (), cache_dir: str | None = None) -> DatasetSpec:
+        """With the data roots resolved here, for the ranks to check again where they read; cache_dir
+        is the checkpoint storage's datasets/ directory."""
+        return DatasetSpec(
+            **self.model_dump(exclude={"kind"}),
+            roots=tuple(os.path.realpath(root) for root in data_roots),
+            cache_dir=cache_dir,
+        )
+
+
+DataSpec = Annotated[SyntheticDataSpec | TextDataSpec | DatasetDataSpec, Field(discriminator="kind")]
+DATA_KINDS = ("synthetic", "text", "dataset")
 
 
 def _opt(name: str):
@@ -290,7 +341,7 @@ class JobSpec(_Body):
         if isinstance(self.model, MLPModelSpec):
             if self.seq_len is not None or self.activation_checkpointing:
                 raise ValueError("seq_len and activation_checkpointing only apply to a gpt model")
-            if isinstance(self.data, TextDataSpec):
+            if not isinstance(self.data, SyntheticDataSpec):
                 raise ValueError("an mlp model trains on synthetic data only")
         elif self.seq_len is not None and self.seq_len > self.model.block_size:
             raise ValueError(f"seq_len ({self.seq_len}) must be <= model.block_size ({self.model.block_size})")
@@ -300,13 +351,19 @@ class JobSpec(_Body):
         return self
 
     def to_config(
-        self, *, checkpoint_dir: str, keep_last: int = 0, resume: bool = True, data_roots: Sequence[str] = ()
+        self,
+        *,
+        checkpoint_dir: str,
+        keep_last: int = 0,
+        resume: bool = True,
+        data_roots: Sequence[str] = (),
+        dataset_cache_dir: str | None = None,
     ) -> TrainConfig:
         """The workers' view of this job: every field converted once, here."""
         return TrainConfig(
             model=self.model.to_spec(),
             steps=self.steps,
-            data=self.data.to_spec(data_roots=data_roots),
+            data=self.data.to_spec(data_roots=data_roots, cache_dir=dataset_cache_dir),
             precision=self.precision,
             optimizer=self.optimizer.to_spec(),
             micro_batch_size=self.micro_batch_size,

@@ -28,6 +28,7 @@ result = plan(Workload.from_num_params(7_500_000_000), num_gpus=64, gpu_memory_b
 assert result.per_gpu.total_bytes == 31_406_250_000, result
 import workers.limits  # service/schemas.py takes its defaults and bounds from there
 import workers.config, workers.records, workers.checkpoints, workers.specs  # the control plane builds and reads these
+import workers.datafiles  # the API checks a dataset's paths with it
 loaded = sorted(m for m in sys.modules if m.partition(".")[0] in {"torch", "ray", "pydantic", "numpy"})
 assert not loaded, loaded
 print("ok")

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from workers.config import DataSource, SyntheticSpec, TextSpec
+from workers.config import DatasetSpec, DataSource, SyntheticSpec, TextSpec
+from workers.datasets import DatasetSource
 from workers.memory import GPTSpec, MLPSpec
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, step, index) over 63 bits
@@ -212,6 +213,7 @@ class Batches:
                 f"world_size ({world_size}) x micro_batch_size ({micro_batch_size})"
             )
         self.seed, self.micro_batch_size = seed, micro_batch_size
+        self.global_batch_size, self.rank, self.world_size = global_batch_size, rank, world_size
         self.first = rank * per_rank
         self.accumulation_steps = per_rank // micro_batch_size
         self.model = model
@@ -222,7 +224,16 @@ class Batches:
             self.seq_len = 1
         else:
             self.seq_len = model.block_size if seq_len is None else seq_len
-            if isinstance(data, TextSpec):
+            if isinstance(data, DatasetSpec):
+                self.source = DatasetSource(
+                    spec=data,
+                    seq_len=self.seq_len,
+                    seed=seed,
+                    vocab_size=model.vocab_size,
+                    global_batch_size=global_batch_size,
+                    tokenizer_dir=getattr(model, "path", None),  # an hf model's directory holds its tokenizer
+                )
+            elif isinstance(data, TextSpec):
                 self.source = TextSource(spec=data, vocab_size=model.vocab_size)
             else:
                 self.source = MarkovSource(vocab_size=model.vocab_size, branching=data.branching, seed=seed)
@@ -234,10 +245,23 @@ class Batches:
     def micro_batch(self, step: int, micro: int) -> tuple[Tensor, Tensor]:
         """(inputs, targets) of micro-batch `micro` of this rank's slice of step `step`."""
         start = self.first + micro * self.micro_batch_size
+        if isinstance(self.source, DatasetSource):
+            indices = range(start, start + self.micro_batch_size)
+            tokens = self.source.train_block_tokens(step, indices, self.global_batch_size)
+            return tokens[:, :-1], tokens[:, 1:]
         seeds = [sample_seed(self.seed, step, i) for i in range(start, start + self.micro_batch_size)]
         if isinstance(self.source, TeacherSource):
             return self.source.sample(seeds)
         tokens = self.source.sample(seeds, self.seq_len + 1)
+        return tokens[:, :-1], tokens[:, 1:]
+
+    def held_out_micro_batch(self, index: int) -> tuple[Tensor, Tensor]:
+        """(inputs, targets) of this rank's `index`-th held-out micro-batch: global held-out samples
+        (index * world_size + rank) * m + j, j < m, taken mod the number of held-out blocks."""
+        if not isinstance(self.source, DatasetSource):
+            raise ValueError("held-out micro-batches come from a dataset (data.kind = dataset) only")
+        start = (index * self.world_size + self.rank) * self.micro_batch_size
+        tokens = self.source.held_out_tokens(range(start, start + self.micro_batch_size))
         return tokens[:, :-1], tokens[:, 1:]
 
     def loss_floor(self) -> float | None:

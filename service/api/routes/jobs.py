@@ -10,6 +10,7 @@ from pydantic import BaseModel
 from service import jobs
 from service.api.deps import ClusterDep, PrincipalDep, ReaderDep, RuntimeDep, SessionDep, SettingsDep
 from service.auth import check_can_cancel
+from service.launcher import dataset_cache_dir
 from service.responses import DryRunPublic, ErrorPublic, EventsPublic, JobPublic, JobsPublic, MetricsPublic
 from service.schemas import JobSpec, JobStatus
 from workers.memory import GB
@@ -59,6 +60,13 @@ def submit_job(
     plan = jobs.admit(spec, cluster=cluster, overhead_bytes=round(settings.gpu_overhead_gb * GB))
     spec = jobs.check_data(spec, data_roots=settings.data_roots)
     jobs.check_storage(runtime.launcher.storage_problems(), uri=settings.checkpoint_uri)
+    jobs.check_dataset(
+        spec,
+        model=spec.model.to_spec(),
+        checker=runtime.datasets,
+        data_roots=settings.data_roots,
+        cache_dir=str(dataset_cache_dir(settings.checkpoint_uri)),
+    )
     if dry_run:
         return _json(DryRunPublic(dry_run=True, admitted=True, plan=plan))
     job, created = jobs.submit_job(

@@ -1,0 +1,108 @@
+"""A `dataset` job's data checked at submit: read and tokenized into the token cache in a Ray task.
+
+Reading with `datasets` and tokenizing need libraries the API process does not load (torch among
+them), so a Ray task (num_cpus=0, like a trace: the submit must not queue behind training ranks)
+does it within ZERO1_DATA_TIMEOUT_S. It leaves the token file in the cache, so the job's ranks
+only hash the files and map it. Its ValueErrors name the field ("data.text_field: ...") and are
+answered 422 with that field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from service.errors import ServiceError
+from workers.config import DatasetSpec
+
+if TYPE_CHECKING:
+    from workers.datasets import DatasetSummary
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DatasetRequest:
+    """What the check depends on: the data, and the model's vocabulary and blocks."""
+
+    data: DatasetSpec
+    vocab_size: int
+    seq_len: int
+    global_batch_size: int
+    seed: int
+    tokenizer_dir: str | None = None
+    """An hf model's directory, whose tokenizer.json is used when data.tokenizer is omitted."""
+
+
+def run_check(request: DatasetRequest) -> DatasetSummary:
+    """The check itself, in the process that calls it (a Ray task's): a DatasetSummary."""
+    from workers.datasets import DatasetSource
+
+    source = DatasetSource(
+        spec=request.data,
+        seq_len=request.seq_len,
+        seed=request.seed,
+        vocab_size=request.vocab_size,
+        global_batch_size=request.global_batch_size,
+        tokenizer_dir=request.tokenizer_dir,
+    )
+    return source.summary()
+
+
+class DatasetChecker:
+    """Runs run_check on the Ray cluster within `timeout_s` (or in this process, for the CLI and tests)."""
+
+    def __init__(self, *, timeout_s: float, in_process: bool = False) -> None:
+        self.timeout_s = timeout_s
+        self.in_process = in_process
+
+    def check(self, request: DatasetRequest) -> DatasetSummary:
+        if self.in_process:
+            try:
+                return run_check(request)
+            except ValueError as exc:
+                raise invalid(exc) from None
+        import ray
+
+        ref = _remote_check().remote(request)
+        try:
+            return ray.get(ref, timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            ray.cancel(ref, force=True)
+            raise ServiceError(
+                f"data: reading and tokenizing the dataset took more than ZERO1_DATA_TIMEOUT_S = {self.timeout_s:g} s; "
+                "it was stopped",
+                status_code=422,
+                error="data_timeout",
+            ) from None
+        except ray.exceptions.RayTaskError as exc:
+            raise invalid(exc.cause if exc.cause is not None else exc) from None
+
+
+def invalid(exc: BaseException) -> ServiceError:
+    """A 422 naming the field the worker's message starts with ("data.tokenizer: ...")."""
+    lines = str(exc).strip().splitlines()
+    first = lines[0] if lines else type(exc).__name__
+    if not isinstance(exc, ValueError):  # not a check that failed, but the reading (an OSError...): say what broke
+        first = f"data: the dataset could not be read: {type(exc).__name__}: {first}"
+    return invalid_data(first)
+
+
+def invalid_data(message: str) -> ServiceError:
+    """A 422 for "data.<field>: why", naming that field in its detail."""
+    field, _, why = message.partition(": ")
+    if not field.startswith("data"):
+        field, why = "data", message
+    detail = [{"field": field, "message": why, "type": "value_error"}]
+    return ServiceError(message, status_code=422, error="invalid_request", detail=detail)
+
+
+_REMOTE = None
+
+
+def _remote_check():
+    """run_check as a Ray task, made once (ray.remote needs Ray imported, which the API does lazily)."""
+    global _REMOTE
+    if _REMOTE is None:
+        import ray
+
+        _REMOTE = ray.remote(num_cpus=0, max_retries=0)(run_check)
+    return _REMOTE
