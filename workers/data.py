@@ -2,7 +2,8 @@
 
 Sample i of step s is drawn from its own generator, seeded by (seed, s, i), so
 the global batch of a step is the same for any world size and rank r makes
-only its own slice of it.
+only its own slice of it. Held-out samples (evaluation) come from the "steps"
+below zero, which training never draws: see Batches.held_out_micro_batch.
 """
 
 from __future__ import annotations
@@ -211,7 +212,7 @@ class Batches:
                 f"global_batch_size ({global_batch_size}) must be a multiple of "
                 f"world_size ({world_size}) x micro_batch_size ({micro_batch_size})"
             )
-        self.seed, self.micro_batch_size = seed, micro_batch_size
+        self.seed, self.micro_batch_size, self.rank = seed, micro_batch_size, rank
         self.first = rank * per_rank
         self.accumulation_steps = per_rank // micro_batch_size
         self.model = model
@@ -234,7 +235,23 @@ class Batches:
     def micro_batch(self, step: int, micro: int) -> tuple[Tensor, Tensor]:
         """(inputs, targets) of micro-batch `micro` of this rank's slice of step `step`."""
         start = self.first + micro * self.micro_batch_size
-        seeds = [sample_seed(self.seed, step, i) for i in range(start, start + self.micro_batch_size)]
+        return self._samples([sample_seed(self.seed, step, i) for i in range(start, start + self.micro_batch_size)])
+
+    def held_out_micro_batch(self, index: int) -> tuple[Tensor, Tensor]:
+        """(inputs, targets) of this rank's held-out micro-batch `index` (evaluation).
+
+        Its samples are rank·micro_batch_size .. of held-out step -1 - index: a stream that
+        training (steps >= 0) never draws, so for the synthetic sources these are fresh samples of
+        the same law (the MLP teacher's too), and for text fresh windows of the same file (the
+        fit to that file, not a disjoint split). A seed could coincide with a training sample's
+        only where (step + 1 + index)·_MIX ≡ i' - i (mod 2^63) for sample indices i, i'.
+        """
+        start = self.rank * self.micro_batch_size
+        return self._samples(
+            [sample_seed(self.seed, -1 - index, i) for i in range(start, start + self.micro_batch_size)]
+        )
+
+    def _samples(self, seeds: list[int]) -> tuple[Tensor, Tensor]:
         if isinstance(self.source, TeacherSource):
             return self.source.sample(seeds)
         tokens = self.source.sample(seeds, self.seq_len + 1)
