@@ -1,9 +1,10 @@
 """The `zero1` command: `serve` runs the API; `plan` plans a model offline; `submit`,
-`jobs`, `status`, `watch` and `cancel` talk to a running API; `db upgrade` migrates."""
+`jobs`, `status`, `watch`, `cancel` and `download` talk to a running API; `db upgrade` migrates."""
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
@@ -104,6 +105,10 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("--url", **url)
         if name == "watch":
             command.add_argument("--interval", type=float, default=0.5, help="seconds between refreshes")
+    download = commands.add_parser("download", help="a succeeded job's final model, each file's sha256 checked")
+    download.add_argument("job_id", type=int)
+    download.add_argument("dir", help="where the files go (created)")
+    download.add_argument("--url", **url)
     db = commands.add_parser("db", help="database maintenance")
     db.add_argument("action", choices=("upgrade",), help="upgrade: apply the migrations (ZERO1_DATABASE_URL)")
     return parser
@@ -351,7 +356,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def _progress(job: dict, width: int = 30) -> str:
+def _progress(job: dict, *, eval_loss: float | None = None, width: int = 30) -> str:
+    """The watch line; eval_loss: the latest held-out loss seen (rows carry it only on steps that evaluate)."""
     done = 0 if job["step"] is None else job["step"] + 1
     filled = width * done // job["steps"]
     latest = job.get("latest") or {}
@@ -359,6 +365,7 @@ def _progress(job: dict, width: int = 30) -> str:
     return (
         f"[{'#' * filled}{'.' * (width - filled)}] {done}/{job['steps']}  "
         f"loss {'-' if loss is None else f'{loss:.4f}'}  "
+        f"{'' if eval_loss is None else f'eval {eval_loss:.4f}  '}"
         f"{'-' if speed is None else f'{speed:,.0f}'} tokens/s  {job['status']}"
     )
 
@@ -367,13 +374,17 @@ def _cmd_watch(args: argparse.Namespace) -> int:
     """A live progress line until the job ends; exit 0 only if it succeeded."""
     import time
 
+    seen_step, evaluated = None, {"step": -1, "eval_loss": None}
     with _client(args) as client:
         while True:
             response = client.get(f"/v1/jobs/{args.job_id}")
             if (code := _api_error(response)) is not None:
                 return code
             job = response.json()
-            print(f"\r{_progress(job)}", end="", flush=True)
+            if job["step"] is not None and job["step"] != seen_step:
+                seen_step = job["step"]
+                evaluated = _latest_eval(client, args.job_id, after=evaluated)
+            print(f"\r{_progress(job, eval_loss=evaluated['eval_loss'])}", end="", flush=True)
             if job["status"] in ("succeeded", "failed", "cancelled"):
                 print()
                 if job["error"]:
@@ -382,12 +393,60 @@ def _cmd_watch(args: argparse.Namespace) -> int:
             time.sleep(args.interval)
 
 
+def _latest_eval(client, job_id: int, *, after: dict) -> dict:
+    """The newest row that evaluated since `after` (a row, or its step -1 and no eval_loss), else
+    `after`: rows carry eval_loss only on the steps that evaluate, which a poll may not land on."""
+    response = client.get(
+        f"/v1/jobs/{job_id}/metrics", params={"evaluated": "true", "after_step": after["step"], "limit": 10_000}
+    )
+    rows = response.json()["data"] if response.is_success else []  # another's job: its metrics are not ours
+    return rows[-1] if rows else after
+
+
 def _cmd_cancel(args: argparse.Namespace) -> int:
     with _client(args) as client:
         response = client.post(f"/v1/jobs/{args.job_id}/cancel")
     if (code := _api_error(response)) is not None:
         return code
     print(f"job {args.job_id}: cancel requested ({response.json()['status']})")
+    return 0
+
+
+def _cmd_download(args: argparse.Namespace) -> int:
+    """Every file of the job's final model into DIR, streamed to a temporary name, its sha256 checked
+    against the listing before it takes its own name; a line per file. Exit 1 at the first mismatch."""
+    directory = Path(args.dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    with _client(args) as client:
+        listing = client.get(f"/v1/jobs/{args.job_id}/artifacts")
+        if (code := _api_error(listing)) is not None:
+            return code
+        files = listing.json()["data"]
+        if not files:
+            print(f"zero1 download: job {args.job_id} has no artifacts", file=sys.stderr)
+            return 1
+        for entry in files:
+            name = Path(entry["name"]).name  # a file name, never a path out of DIR
+            part = directory / f".{name}.part"
+            digest, size = hashlib.sha256(), 0
+            with client.stream("GET", f"/v1/jobs/{args.job_id}/artifacts/{name}") as response:
+                if (code := _api_error(response)) is not None:
+                    return code
+                with open(part, "wb") as file:
+                    for chunk in response.iter_bytes(1 << 20):
+                        digest.update(chunk)
+                        size += len(chunk)
+                        file.write(chunk)
+            if digest.hexdigest() != entry["sha256"] or size != entry["bytes"]:
+                part.unlink()
+                print(
+                    f"zero1 download: {name}: sha256 mismatch ({size:,} bytes, sha256 {digest.hexdigest()}; "
+                    f"listed {entry['bytes']:,} bytes, sha256 {entry['sha256']})",
+                    file=sys.stderr,
+                )
+                return 1
+            part.replace(directory / name)
+            print(f"{name}  {size:,} bytes  sha256 ok {entry['sha256'][:16]}")
     return 0
 
 
@@ -443,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
         "status": _cmd_status,
         "watch": _cmd_watch,
         "cancel": _cmd_cancel,
+        "download": _cmd_download,
         "db": _cmd_db,
     }
     try:

@@ -10,6 +10,7 @@ import json
 import math
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sqlalchemy import func, select, update
@@ -23,7 +24,7 @@ from service.dataprep import DatasetChecker, DatasetRequest, invalid_data
 from service.errors import ServiceError
 from service.models import Job, JobEvent, Metric, utcnow
 from service.planning import make_plan, plan_public, workload_for
-from service.responses import EventPublic, JobPublic, MetricPublic, PlanPublic
+from service.responses import ArtifactPublic, EventPublic, JobPublic, MetricPublic, PlanPublic
 from service.schemas import DatasetDataSpec, JobSpec, TextDataSpec
 from workers import datafiles, memory
 from workers.config import ModelKind
@@ -31,6 +32,7 @@ from workers.memory import GB
 from workers.records import finite_or_none
 
 if TYPE_CHECKING:
+    from service.launcher import RayLauncher
     from workers.datasets import DatasetSummary
 
 ACTIVE = ("starting", "running", "restarting")
@@ -373,14 +375,25 @@ def cancel_job(session: Session, job_id: int) -> Job:
 
 
 def job_metrics(
-    session: Session, job: Job, *, after_step: int | None, limit: int, max_points: int | None
+    session: Session,
+    job: Job,
+    *,
+    after_step: int | None,
+    limit: int,
+    max_points: int | None,
+    evaluated: bool = False,
 ) -> tuple[list[MetricPublic], int | None]:
-    """The surviving curve (superseded rows left out), optionally thinned to max_points by stride."""
+    """The surviving curve (superseded rows left out), optionally thinned to max_points by stride;
+    `evaluated`: only the steps that evaluated (eval_loss set), never thinned (they are every
+    eval_every-th step, which a stride would miss)."""
     base = select(Metric).where(Metric.job_id == job.id, Metric.superseded.is_(False))
     if after_step is not None:
         base = base.where(Metric.step > after_step)
+    if evaluated:
+        base = base.where(Metric.eval_loss.is_not(None))
     first = 0 if after_step is None else after_step + 1
-    if max_points is not None and job.step is not None and job.step - first + 1 > max_points:
+    thin = not evaluated and max_points is not None
+    if thin and job.step is not None and job.step - first + 1 > max_points:
         # looked up by (job_id, step): no scan of the whole curve
         base = base.where(Metric.step.in_(thinned_steps(first, job.step, max_points=max_points)))
     rows = list(session.scalars(base.order_by(Metric.step).limit(limit + 1)))
@@ -388,6 +401,29 @@ def job_metrics(
     rows = rows[:limit]
     data = [MetricPublic.model_validate(row, from_attributes=True) for row in rows]
     return data, (rows[-1].step if more else None)
+
+
+def job_artifacts(job: Job, *, launcher: RayLauncher) -> tuple[Path, list[ArtifactPublic]]:
+    """The final model's directory and files of a succeeded job (none when it wrote none: it
+    succeeded before artifacts existed, or its storage lost them); 409 for any other status."""
+    if job.status != "succeeded":
+        raise ServiceError(
+            f"job {job.id} is {job.status}: its artifacts are written when it succeeds",
+            status_code=409,
+            error="conflict",
+        )
+    directory, files = launcher.artifacts(job)
+    return directory, [ArtifactPublic.model_validate(entry) for entry in files]
+
+
+def artifact_file(job: Job, name: str, *, launcher: RayLauncher) -> Path:
+    """The path of one of the job's artifacts: a name its manifest lists (anything else, a path
+    with a separator or .. included, is a 404), a regular file in its final/ directory."""
+    directory, files = job_artifacts(job, launcher=launcher)
+    path = directory / name
+    if name not in {entry.name for entry in files} or Path(name).name != name or not path.is_file():
+        raise ServiceError(f"job {job.id} has no artifact {name!r}", status_code=404, error="not_found")
+    return path
 
 
 def thinned_steps(first: int, last: int, *, max_points: int) -> list[int]:

@@ -53,6 +53,14 @@ class RayLauncher:
         after a database restore; run ids do not)."""
         return Path(self.settings.checkpoint_uri).resolve() / checkpoint_dirname(job.id, job.run_id)
 
+    def artifacts(self, job: Job) -> tuple[Path, list[dict[str, Any]]]:
+        """The job's final/ directory and its files ({"name", "bytes", "sha256"} each, from its
+        manifest); no files when it wrote none."""
+        from workers.checkpoints import final_dir, read_manifest
+
+        root = self.checkpoint_dir(job)
+        return final_dir(root), read_manifest(root) or []
+
     def resume_step(self, job: Job) -> int:
         """The step a relaunch starts at: after the latest complete checkpoint, else 0."""
         from workers.checkpoints import latest_checkpoint
@@ -105,13 +113,14 @@ class RayLauncher:
 
     def retire(self, job: Job) -> None:
         """A finished job (its rows stored) keeps its newest ZERO1_CHECKPOINT_KEEP_FINISHED complete
-        checkpoints and nothing else; with 0 its directory goes. Logged, not raised, on failure."""
-        from workers.checkpoints import discard_stored_metrics, prune_checkpoints
+        checkpoints, its final model (final/) and nothing else; with 0 every checkpoint goes. Logged,
+        not raised, on failure."""
+        from workers.checkpoints import FINAL, discard_stored_metrics, prune_checkpoints
 
         directory, keep = self.checkpoint_dir(job), self.settings.checkpoint_keep_finished
         try:
             if keep == 0:
-                shutil.rmtree(directory, ignore_errors=True)
+                _remove_except(directory, keep_name=FINAL)
                 return
             if directory.exists():
                 prune_checkpoints(directory, keep_last=keep, keep_newest_unfinished=False)
@@ -249,6 +258,21 @@ class RayLauncher:
             if match and entry["namespace"] == self.settings.ray_namespace:
                 found.append((int(match[1]), int(match[2])))
         return found
+
+
+def _remove_except(directory: Path, *, keep_name: str) -> None:
+    """Delete everything in directory but its entry keep_name; the directory too when that is absent."""
+    if not directory.exists():
+        return
+    for child in directory.iterdir():
+        if child.name == keep_name:
+            continue
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child, ignore_errors=True)
+        else:
+            child.unlink(missing_ok=True)
+    if not any(directory.iterdir()):
+        directory.rmdir()
 
 
 def _on_head_node() -> Any:

@@ -138,6 +138,17 @@ class MetricsPublic(BaseModel):
     next_after_step: int | None = Field(description="Pass as after_step for the next page; null at the end.")
 
 
+class ArtifactPublic(BaseModel):
+    name: str
+    bytes: int
+    sha256: str = Field(description="Hex digest of the file's bytes, as its writer computed them.")
+
+
+class ArtifactsPublic(BaseModel):
+    data: list[ArtifactPublic]
+    count: int
+
+
 class EventPublic(BaseModel):
     at: datetime
     from_status: str | None

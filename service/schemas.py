@@ -321,6 +321,16 @@ class JobSpec(_Body):
     checkpoint_every: Int = Field(
         _train("checkpoint_every"), ge=0, le=100_000_000, description="0: a checkpoint at the end only."
     )
+    eval_every: Int = Field(
+        _train("eval_every"),
+        ge=0,
+        le=100_000_000,
+        description="Steps between evaluations on the held-out data (and the last step); 0: none. "
+        "Rows of those steps carry eval_loss.",
+    )
+    eval_batches: Int = Field(
+        _train("eval_batches"), ge=1, le=10_000, description="Held-out micro-batches each rank evaluates."
+    )
     max_retries: Int = Field(0, ge=0, le=100)
     max_nonfinite_steps: Int = Field(
         _train("max_nonfinite_steps"),
@@ -375,6 +385,8 @@ class JobSpec(_Body):
             keep_last=keep_last,
             activation_checkpointing=self.activation_checkpointing,
             max_nonfinite_steps=self.max_nonfinite_steps,
+            eval_every=self.eval_every,
+            eval_batches=self.eval_batches,
             resume=resume,
         )
 

@@ -99,6 +99,7 @@ def _metric_row(step: int) -> MetricRow:
         tokens_per_s=12_800.0,
         mem_peak_bytes=(1_500_000, 1_500_000),
         mem_planned_bytes=1_538_048,
+        eval_loss=4.5 / (1 + step) if step % 5 == 4 else None,  # eval_every 5
     )
 
 
@@ -269,7 +270,9 @@ def test_watch_a_job_wait_run_and_succeed_cancelling_the_job_ahead_of_it(ui, ser
     dashboard.evaluate("window.zero1FirstLoad = true")  # gone if the page ever reloads
 
     # 3 of the 4 GPUs: the example job's 2 are not free, so it waits behind
-    hog = server.submit({**TINY_GPT, "name": "hog", "num_gpus": 3, "steps": 100_000})
+    hog = server.submit(
+        {**TINY_GPT, "name": "hog", "num_gpus": 3, "steps": 100_000, "eval_every": 2, "eval_batches": 1}
+    )
     job = server.submit(TINY_GPT)
     row = dashboard.locator(f"#job-{job['id']}")
     expect(_status(row)).to_have_text("queued")
@@ -312,6 +315,9 @@ def _cancel_through_its_page(ui: Browsing, server: Server, job_id: int) -> None:
     expect(chart).not_to_have_attribute("data-points", "0", timeout=60_000)  # drawn live from the first step
     drawn = int(chart.get_attribute("data-points"))
     page.wait_for_function(f"Number(document.querySelector('#loss-chart').dataset.points) > {drawn}")
+    # the held-out loss beside it (eval_every 2): its own series on the same axes, and the latest in the strip
+    page.wait_for_function("Number(document.querySelector('#loss-chart path.eval-line').dataset.points) > 1")
+    expect(page.locator('#job-stats [data-field="eval-loss"]')).not_to_have_text("—")
     expect(page.locator('#peaks tr[data-rank="2"] td[data-bytes]')).not_to_have_text("—")
     ui.screenshot(page, "job-running")
 
@@ -584,11 +590,23 @@ def test_without_javascript_every_page_reads_from_the_first_paint(ui, server):
     metrics = server.api.get(f"/v1/jobs/{succeeded['id']}/metrics", params={"max_points": 200}).json()["data"]
     assert int(page.locator("#loss-chart").get_attribute("data-points")) == len(metrics) > 0
     assert page.locator("#loss-chart path.line").get_attribute("d").startswith("M")
+    assert int(page.locator("#loss-chart path.eval-line").get_attribute("data-points")) == sum(
+        m["eval_loss"] is not None for m in metrics
+    )
     for part in PARTS:
         cell = page.locator(f'#breakdown tr[data-part="{part}"] td[data-bytes]')
         assert int(cell.get_attribute("data-bytes")) == succeeded["plan"]["per_gpu"][f"{part}_bytes"]
     expect(page.locator("#cancel")).to_be_hidden()
     ui.screenshot(page, "nojs-job")
+
+    # a seeded job evaluated every 5th step: its held-out loss is a second series, and the latest in the strip
+    listed = server.api.get("/v1/jobs", params={"status": "succeeded", "limit": 50}).json()["data"]
+    seeded = next(j for j in listed if j["name"].startswith("history-"))
+    page = ui.open(f"/jobs/{seeded['id']}", javascript=False)
+    evaluated = server.api.get(f"/v1/jobs/{seeded['id']}/metrics", params={"evaluated": True}).json()["data"]
+    assert int(page.locator("#loss-chart path.eval-line").get_attribute("data-points")) == len(evaluated) == 4
+    assert page.locator("#loss-chart path.eval-line").get_attribute("d").count("L") == 3
+    expect(page.locator('#job-stats [data-field="eval-loss"]')).to_have_text(f"{evaluated[-1]['eval_loss']:.4g}")
 
     page = ui.open("/plan?source=params&num_params=7.5e9&num_gpus=64&gpu_memory_gb=80&stage=1", javascript=False)
     total = page.locator('#plan-breakdown tr[data-part="total"] td[data-bytes]')
@@ -709,6 +727,15 @@ def test_a_line_chart_breaks_where_a_value_is_missing():
     assert charts.line_chart([(0, None)]).path == ""
     flat = charts.line_chart([(5, 1.0)])  # one point sits mid-chart instead of dividing by zero
     assert flat.path == f"M{charts.LEFT + charts.PLOT_W / 2:.1f},{charts.TOP + charts.PLOT_H / 2:.1f}"
+
+
+def test_a_second_series_shares_the_axes_and_draws_one_line():
+    chart = charts.line_chart([(0, 4.0), (9, 1.0)], second=[(4, 6.0), (9, 2.0)])
+    assert chart.y_range == (1.0, 6.0) and chart.second_points == 2
+    assert chart.second_path.count("M") == 1 and chart.second_path.count("L") == 1
+    top = f"{charts.TOP:.1f}"
+    assert chart.second_path.split()[0].endswith(f",{top}")  # 6.0, the highest value, at the top of the plot
+    assert charts.line_chart([(0, 1.0)]).second_path == ""
 
 
 def test_the_table_puts_running_jobs_first_then_the_queue_in_order_then_the_newest():

@@ -359,11 +359,11 @@ def test_an_embedded_ray_job_resumes_from_its_checkpoint_when_the_service_restar
         )
         assert waited["attempt"] == 0
         # finished: the rows of pruned checkpoints went once stored, and of the complete ones
-        # only the final one stays (ZERO1_CHECKPOINT_KEEP_FINISHED=1), whole
+        # only the final one stays (ZERO1_CHECKPOINT_KEEP_FINISHED=1), whole, beside the final model
         directory = job_checkpoint_dir(svc.database_url, svc.checkpoints, job_id)
         wait_for(
             lambda: sorted(p.name for p in directory.iterdir()),
-            lambda left: left == ["step-000000199"],
+            lambda left: left == ["final", "step-000000199"],
             what="the finished job's checkpoints retired to the final one",
             timeout_s=30,
         )

@@ -364,9 +364,10 @@ def test_a_new_job_with_a_reused_id_trains_from_scratch_in_a_directory_of_its_ow
     assert [m["step"] for m in again_curve] == list(range(20)) and {m["attempt"] for m in again_curve} == {0}
     assert again_curve[0]["loss"] == first_curve[0]["loss"]  # the same seed from scratch, not a resumed model
     # each in its own directory; a finished job keeps its final checkpoint only (ZERO1_CHECKPOINT_KEEP_FINISHED=1)
+    # and its final model
     for run_id in (first_run, again_run):
         directory = checkpoints / checkpoint_dirname(1, run_id)
-        assert sorted(p.name for p in directory.iterdir()) == ["step-000000019"]
+        assert sorted(p.name for p in directory.iterdir()) == ["final", "step-000000019"]
     record(
         "a job id used again after a restore",
         faults=1,
@@ -377,11 +378,11 @@ def test_a_new_job_with_a_reused_id_trains_from_scratch_in_a_directory_of_its_ow
     )
 
 
-def test_a_finished_job_keeps_no_checkpoint_with_keep_finished_0(ray_cluster, tmp_path):
+def test_a_finished_job_keeps_no_checkpoint_but_its_final_model_with_keep_finished_0(ray_cluster, tmp_path):
     settings = make_settings(tmp_path, checkpoint_keep_finished=0)
     with TestClient(create_app(settings), raise_server_exceptions=False) as client:
         job_id = client.post("/v1/jobs", json=job_body(steps=6, checkpoint_every=2)).json()["id"]
         wait_for(lambda: _job(client, job_id), lambda j: j["status"] == "succeeded", what="the job")
         with client.app.state.runtime.db.session() as session:
             directory = client.app.state.runtime.launcher.checkpoint_dir(session.get(Job, job_id))
-    assert isinstance(directory, Path) and not directory.exists()
+    assert isinstance(directory, Path) and [p.name for p in directory.iterdir()] == ["final"]

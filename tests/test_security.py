@@ -217,7 +217,13 @@ def test_public_read_shows_the_shared_view_only_and_a_token_still_says_who_reads
         None,
     )
     assert [j["spec"] for j in public.get("/v1/jobs").json()["data"] if j["id"] == job_id] == [None]
-    for path in (f"/v1/jobs/{job_id}/metrics", f"/v1/jobs/{job_id}/events", f"/jobs/{job_id}"):
+    for path in (
+        f"/v1/jobs/{job_id}/metrics",
+        f"/v1/jobs/{job_id}/events",
+        f"/v1/jobs/{job_id}/artifacts",
+        f"/v1/jobs/{job_id}/artifacts/model.safetensors",
+        f"/jobs/{job_id}",
+    ):
         assert public.get(path).status_code == 404, path
     assert public.get(f"/v1/jobs/{job_id}", headers=bearer(ALICE)).json()["spec"]["name"] == "alice's run"
     assert public.get(f"/v1/jobs/{job_id}/events", headers=bearer(ALICE)).json()["data"][0]["reason"] == "seeded"
@@ -268,9 +274,11 @@ def test_a_jobs_spec_metrics_and_events_are_for_its_owner_and_admins_only(secure
         listed = {j["id"]: j for j in secured.get("/v1/jobs", headers=bearer(BOB)).json()["data"]}
         assert listed[job["id"]]["spec"] is None and listed[blocker["id"]]["spec"] is None
         assert listed[own["id"]]["spec"]["name"] == "bobs run"
-        for part in ("metrics", "events"):  # as if there were no such job
+        for part in ("metrics", "events", "artifacts", "artifacts/model.safetensors"):  # as if there were no such job
             hidden = secured.get(f"/v1/jobs/{job['id']}/{part}", headers=bearer(BOB))
             assert hidden.status_code == 404 and hidden.json()["message"] == f"no job with id {job['id']}"
+        for token in (ALICE, ROOT):  # its owner and admins are told it has none yet
+            assert secured.get(f"/v1/jobs/{job['id']}/artifacts", headers=bearer(token)).status_code == 409
         page = secured.get(f"/jobs/{job['id']}", headers=bearer(BOB))
         assert page.status_code == 404 and f"no job with id {job['id']}" in page.text and corpus not in page.text
         table = secured.get("/", headers=bearer(BOB))

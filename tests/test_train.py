@@ -269,6 +269,7 @@ def test_a_stopped_run_resumes_from_its_last_complete_checkpoint(tmp_path):
     }
     train(TrainConfig(**base, checkpoint_dir=str(tmp_path / "whole")))
     assert sorted(p.name for p in (tmp_path / "whole").iterdir()) == [
+        "final",
         "step-000000004",
         "step-000000009",
         "step-000000011",
@@ -356,7 +357,7 @@ def test_keep_last_prunes_older_checkpoints_and_a_crashs_leftovers(tmp_path):
     assert discard_stored_metrics(tmp_path, through_step=4) == [1, 3]
     assert [row.step for row in checkpointed_metrics(tmp_path, after_step=-1)] == list(range(4, 10))
     assert discard_stored_metrics(tmp_path, through_step=9) == [5]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000007", "step-000000009"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final", "step-000000007", "step-000000009"]
     with pytest.raises(ValueError, match=r"keep_last \(-1\) >= 0"):
         TrainConfig(model=SMALL, steps=1, keep_last=-1)
 

@@ -7,6 +7,8 @@ reads checkpoints without loading torch.
             rank-00000-of-00002.metrics.json  that rank's metric rows since the previous checkpoint
             complete.json                     rank 0's marker once every shard is in place
             pruned.json                       instead of complete.json: shards deleted, rows kept
+        final/                                a succeeded run's model (workers/artifacts.py writes it)
+            manifest.json                     every other file's name, bytes and sha256
 
 A marker or rows file that cannot be read (a torn write on a filesystem that lost it) makes
 that checkpoint not count, with a warning: the one before it is used, never an exception that
@@ -29,10 +31,27 @@ log = logging.getLogger(__name__)
 
 COMPLETE = "complete.json"
 PRUNED = "pruned.json"
+FINAL = "final"
+MANIFEST = "manifest.json"
 
 
 def step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:09d}"
+
+
+def final_dir(root: Path) -> Path:
+    """Where a succeeded run's model goes, beside its checkpoints."""
+    return root / FINAL
+
+
+def read_manifest(root: Path) -> list[dict[str, Any]] | None:
+    """The final model's files ({"name", "bytes", "sha256"} each) of the run under root; None when
+    it wrote none (it has not succeeded, or did before artifacts existed) or the manifest is unreadable."""
+    path = final_dir(root) / MANIFEST
+    if not path.exists():
+        return None
+    manifest = _read_json(path)
+    return manifest["files"] if isinstance(manifest, dict) and isinstance(manifest.get("files"), list) else None
 
 
 def step_of(directory: Path) -> int:

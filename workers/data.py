@@ -2,7 +2,8 @@
 
 Sample i of step s is drawn from its own generator, seeded by (seed, s, i), so
 the global batch of a step is the same for any world size and rank r makes
-only its own slice of it.
+only its own slice of it. Held-out samples (evaluation) come from the "steps"
+below zero, which training never draws: see Batches.held_out_micro_batch.
 """
 
 from __future__ import annotations
@@ -249,19 +250,32 @@ class Batches:
             indices = range(start, start + self.micro_batch_size)
             tokens = self.source.train_block_tokens(step, indices, self.global_batch_size)
             return tokens[:, :-1], tokens[:, 1:]
-        seeds = [sample_seed(self.seed, step, i) for i in range(start, start + self.micro_batch_size)]
+        return self._samples([sample_seed(self.seed, step, i) for i in range(start, start + self.micro_batch_size)])
+
+    def held_out_micro_batch(self, index: int) -> tuple[Tensor, Tensor]:
+        """(inputs, targets) of this rank's held-out micro-batch `index` (evaluation).
+
+        A dataset's: global held-out blocks (index * world_size + rank) * m + j, j < m, taken mod the
+        number of held-out blocks. The seeded sources': samples rank·micro_batch_size .. of held-out
+        step -1 - index, a stream that training (steps >= 0) never draws, so for the synthetic
+        sources these are fresh samples of the same law (the MLP teacher's too), and for text fresh
+        windows of the same file (the fit to that file, not a disjoint split). A seed could coincide
+        with a training sample's only where (step + 1 + index)·_MIX ≡ i' - i (mod 2^63) for sample
+        indices i, i'.
+        """
+        if isinstance(self.source, DatasetSource):
+            start = (index * self.world_size + self.rank) * self.micro_batch_size
+            tokens = self.source.held_out_tokens(range(start, start + self.micro_batch_size))
+            return tokens[:, :-1], tokens[:, 1:]
+        start = self.rank * self.micro_batch_size
+        return self._samples(
+            [sample_seed(self.seed, -1 - index, i) for i in range(start, start + self.micro_batch_size)]
+        )
+
+    def _samples(self, seeds: list[int]) -> tuple[Tensor, Tensor]:
         if isinstance(self.source, TeacherSource):
             return self.source.sample(seeds)
         tokens = self.source.sample(seeds, self.seq_len + 1)
-        return tokens[:, :-1], tokens[:, 1:]
-
-    def held_out_micro_batch(self, index: int) -> tuple[Tensor, Tensor]:
-        """(inputs, targets) of this rank's `index`-th held-out micro-batch: global held-out samples
-        (index * world_size + rank) * m + j, j < m, taken mod the number of held-out blocks."""
-        if not isinstance(self.source, DatasetSource):
-            raise ValueError("held-out micro-batches come from a dataset (data.kind = dataset) only")
-        start = (index * self.world_size + self.rank) * self.micro_batch_size
-        tokens = self.source.held_out_tokens(range(start, start + self.micro_batch_size))
         return tokens[:, :-1], tokens[:, 1:]
 
     def loss_floor(self) -> float | None:

@@ -368,6 +368,24 @@ class ZeRO1AdamW(torch.optim.Optimizer):
             loss_scaler=self._loss_scaler_state(),
         )
 
+    def gather_master_weights(
+        self, *, dst: int = 0, chunk_numel: int = 1 << 22
+    ) -> Iterator[tuple[Tensor, Tensor | None]]:
+        """(parameter, its fp32 master weights on CPU at rank `dst`, None elsewhere), one parameter
+        at a time, sent point-to-point `chunk_numel` elements at most a message: no rank holds the
+        full fp32 state (nor the full weights, unless dst keeps them). Every rank must iterate to the end."""
+        if chunk_numel < 1:
+            raise ValueError(f"chunk_numel must be >= 1, got {chunk_numel}")
+        gathered = optim_state.gather_master(
+            self._buffers,
+            process_group=self.process_group,
+            world_size=self.world_size,
+            rank=self.rank,
+            dst=dst,
+            chunk_numel=chunk_numel,
+        )
+        return ((slot.param, master) for slot, master in gathered)
+
     def load_consolidated_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the consolidated form at any world size: each rank takes its slices."""
         optim_state.load_consolidated_state(self._buffers, self._slots, state_dict)

@@ -10,9 +10,11 @@ gathers go through workers/comm.py, so one rank needs no process group.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from workers.comm import GroupComm, LocalComm
@@ -122,6 +124,41 @@ def consolidated_state_dict(
     for buf in buffers:
         groups[buf.group_index]["params"] += [slot.name for slot in buf.slots]
     return {"format": CONSOLIDATED_FORMAT, "param_groups": groups, "loss_scaler": loss_scaler, "params": params}
+
+
+def gather_master(
+    buffers: list[FlatBuffer],
+    *,
+    process_group: dist.ProcessGroup | None,
+    world_size: int,
+    rank: int,
+    dst: int,
+    chunk_numel: int,
+) -> Iterator[tuple[Slot, Tensor | None]]:
+    """Each parameter's fp32 master weights, on CPU at rank `dst` (None elsewhere), one parameter
+    at a time: the ranks owning pieces of it send them to dst point-to-point, at most chunk_numel
+    elements a message. No rank holds more than its own shard and one parameter beyond it; every
+    rank must run the iterator to its end, in step (the layout, the same on every rank, says who
+    sends what)."""
+    for buf in buffers:
+        master, size = buf.state_of("master"), buf.shard_numel
+        for slot in buf.slots:
+            out = torch.empty(slot.numel, dtype=torch.float32) if rank == dst else None
+            for owner in range(world_size):
+                # the part of the parameter inside owner's shard, in flat-buffer coordinates
+                lo, hi = max(slot.offset, owner * size), min(slot.offset + slot.numel, (owner + 1) * size)
+                for a in range(lo, hi, chunk_numel):
+                    b = min(a + chunk_numel, hi)
+                    piece, into = slice(a - owner * size, b - owner * size), slice(a - slot.offset, b - slot.offset)
+                    if owner == rank == dst:
+                        out[into].copy_(master[piece])
+                    elif owner == rank:
+                        dist.send(master[piece].float(), group=process_group, group_dst=dst)
+                    elif rank == dst:
+                        received = torch.empty(b - a, dtype=torch.float32, device=master.device)
+                        dist.recv(received, group=process_group, group_src=owner)
+                        out[into].copy_(received)
+            yield slot, None if out is None else out.view(slot.shape)
 
 
 def load_consolidated_state(buffers: list[FlatBuffer], slots: list[Slot], state_dict: dict[str, Any]) -> None:

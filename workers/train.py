@@ -5,6 +5,8 @@ forward and backward (gradients accumulate in the optimizer's flat buffer),
 then ZeRO1AdamW reduces, updates its shard and gathers. Each step yields one
 metrics row per rank; every `checkpoint_every` steps each rank writes its
 shard, and rank 0 marks the checkpoint complete once all shards are in place.
+Every `eval_every` steps (and at the last) the row carries the held-out loss;
+a run that completes its steps writes the final model (workers/artifacts.py).
 """
 
 from __future__ import annotations
@@ -12,16 +14,18 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from workers import memory
+from workers.artifacts import write_final
 from workers.checkpoints import (
     COMPLETE,
     atomic_write,
+    final_dir,
     latest_checkpoint,
     prune_checkpoints,
     shard_file,
@@ -125,6 +129,8 @@ def train(
         if should_stop():
             return TrainResult(rank=rank, first_step=first, last_step=last, cancelled=True)
         row = context.run_step(step)
+        if _evaluates(config, step):
+            row = replace(row, eval_loss=context.evaluate(num_batches=config.eval_batches))
         on_metrics(row)
         since_checkpoint.append(row)
         last = step
@@ -144,7 +150,22 @@ def train(
                 keep_last=config.keep_last,
             )
             since_checkpoint, due = [], False
+    if config.checkpoint_dir:  # every step is done (a resume past the last one too): the model goes out
+        write_final(
+            model,
+            opt,
+            config=config,
+            directory=final_dir(Path(config.checkpoint_dir)),
+            rank=rank,
+            world_size=world_size,
+            process_group=process_group,
+        )
     return TrainResult(rank=rank, first_step=first, last_step=last, cancelled=False)
+
+
+def _evaluates(config: TrainConfig, step: int) -> bool:
+    """Whether `step` evaluates: every eval_every steps, and the last one (when eval_every > 0)."""
+    return config.eval_every > 0 and ((step + 1) % config.eval_every == 0 or step + 1 == config.steps)
 
 
 def _count_skipped(skipped: int, row: MetricRow, *, limit: int) -> int:
@@ -201,6 +222,25 @@ class _StepContext:
             return loss, 0
         loss, used = measure_step(self.model, (inputs, targets), forward, backward)
         return loss, used.peak_bytes
+
+    @torch.no_grad()
+    def evaluate(self, *, num_batches: int) -> float:
+        """Mean loss of this rank's first `num_batches` held-out micro-batches, in eval mode, averaged
+        over the ranks (each rank's mean has the same weight: every rank evaluates as many)."""
+        was_training = self.model.training
+        self.model.eval()
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        try:
+            for index in range(num_batches):
+                inputs, targets = (t.to(self.device) for t in self.batches.held_out_micro_batch(index))
+                total += self.model(inputs, targets).float()
+        finally:
+            self.model.train(was_training)
+        total /= num_batches
+        if self.world_size > 1:
+            dist.all_reduce(total, group=self.process_group)
+            total /= self.world_size
+        return total.item()
 
     def run_step(self, step: int) -> MetricRow:
         start = time.perf_counter()

@@ -34,6 +34,9 @@ class LineChart:
     y_range: tuple[float, float] | None
     first: tuple[float, float] | None
     last: tuple[float, float] | None
+    second_path: str = ""
+    """A second series on the same axes (the loss chart's eval_loss), one unbroken line."""
+    second_points: int = 0
 
 
 def _span(low: float, high: float) -> tuple[float, float]:
@@ -43,13 +46,33 @@ def _span(low: float, high: float) -> tuple[float, float]:
     return low - pad, high + pad
 
 
-def line_chart(points: Sequence[tuple[float, float | None]]) -> LineChart:
-    """(step, value) pairs -> one polyline across the plot; None values break the line."""
+def line_chart(
+    points: Sequence[tuple[float, float | None]], *, second: Sequence[tuple[float, float]] = ()
+) -> LineChart:
+    """(step, value) pairs -> one polyline across the plot; None values break the line. `second`:
+    another series drawn on the same axes (both count for the ranges)."""
     finite = [(x, y) for x, y in points if y is not None]
     if not finite:
         return LineChart(path="", num_points=0, x_range=None, y_range=None, first=None, last=None)
-    x0, x1 = _span(min(x for x, _ in finite), max(x for x, _ in finite))
-    y0, y1 = _span(min(y for _, y in finite), max(y for _, y in finite))
+    both = finite + list(second)
+    x0, x1 = _span(min(x for x, _ in both), max(x for x, _ in both))
+    y0, y1 = _span(min(y for _, y in both), max(y for _, y in both))
+    return LineChart(
+        path=_path(points, x_range=(x0, x1), y_range=(y0, y1)),
+        num_points=len(finite),
+        x_range=(x0, x1),
+        y_range=(y0, y1),
+        first=finite[0],
+        last=finite[-1],
+        second_path=_path(second, x_range=(x0, x1), y_range=(y0, y1)),
+        second_points=len(second),
+    )
+
+
+def _path(
+    points: Sequence[tuple[float, float | None]], *, x_range: tuple[float, float], y_range: tuple[float, float]
+) -> str:
+    (x0, x1), (y0, y1) = x_range, y_range
     parts, pen_down = [], False
     for x, y in points:
         if y is None:
@@ -59,14 +82,7 @@ def line_chart(points: Sequence[tuple[float, float | None]]) -> LineChart:
         py = TOP + (1 - (y - y0) / (y1 - y0)) * PLOT_H
         parts.append(f"{'L' if pen_down else 'M'}{px:.1f},{py:.1f}")
         pen_down = True
-    return LineChart(
-        path=" ".join(parts),
-        num_points=len(finite),
-        x_range=(x0, x1),
-        y_range=(y0, y1),
-        first=finite[0],
-        last=finite[-1],
-    )
+    return " ".join(parts)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -119,6 +119,9 @@ def job_page(request: Request, job_id: int, session: SessionDep, principal: Read
         return templates.TemplateResponse(request, "not_found.html", {"message": error.message}, status_code=404)
     public = jobs.job_public(job, position=jobs.queue_position(session, job), principal=principal)
     metrics, _ = jobs.job_metrics(session, job, after_step=None, limit=10 * MAX_POINTS, max_points=MAX_POINTS)
+    evaluated, _ = jobs.job_metrics(
+        session, job, after_step=None, limit=10 * MAX_POINTS, max_points=None, evaluated=True
+    )
     plan = public.plan
     per_gpu, gpu_memory_bytes = plan["per_gpu"], plan["gpu_memory_bytes"]
     context = {
@@ -128,7 +131,10 @@ def job_page(request: Request, job_id: int, session: SessionDep, principal: Read
         "now": datetime.now(UTC),
         "elapsed_s": elapsed_s,
         "max_points": MAX_POINTS,
-        "loss": charts.line_chart([(m.step, m.loss) for m in metrics]),
+        "loss": charts.line_chart(
+            [(m.step, m.loss) for m in metrics], second=[(m.step, m.eval_loss) for m in evaluated]
+        ),
+        "eval_rows": evaluated,
         "step_time": charts.line_chart([(m.step, m.step_time_s) for m in metrics]),
         "per_gpu": per_gpu,
         "gpu_memory_bytes": gpu_memory_bytes,

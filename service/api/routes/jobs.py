@@ -1,17 +1,26 @@
-"""The jobs API: submit (admitted by the memory model), list, get, cancel, metrics, events."""
+"""The jobs API: submit (admitted by the memory model), list, get, cancel, metrics, events, artifacts."""
 
 from __future__ import annotations
 
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Path, Query, Response
+from fastapi.responses import FileResponse
 from pydantic import BaseModel
 
 from service import jobs
 from service.api.deps import ClusterDep, PrincipalDep, ReaderDep, RuntimeDep, SessionDep, SettingsDep
 from service.auth import check_can_cancel
 from service.launcher import dataset_cache_dir
-from service.responses import DryRunPublic, ErrorPublic, EventsPublic, JobPublic, JobsPublic, MetricsPublic
+from service.responses import (
+    ArtifactsPublic,
+    DryRunPublic,
+    ErrorPublic,
+    EventsPublic,
+    JobPublic,
+    JobsPublic,
+    MetricsPublic,
+)
 from service.schemas import JobSpec, JobStatus
 from workers.memory import GB
 
@@ -117,11 +126,14 @@ def job_metrics(
     after_step: Annotated[int | None, Query(ge=-1, le=_MAX_STEP)] = None,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
     max_points: Annotated[int | None, Query(ge=2, le=10_000)] = None,
+    evaluated: Annotated[bool, Query(description="Only the steps that evaluated (eval_loss set), unthinned.")] = False,
 ) -> Response:
     """Per-step metrics of the surviving attempt, oldest first; max_points thins them evenly. Its owner's and
     admins' only: to others a 404, as if there were no such job."""
     job = jobs.get_visible_job(session, job_id, principal=principal)
-    data, next_after = jobs.job_metrics(session, job, after_step=after_step, limit=limit, max_points=max_points)
+    data, next_after = jobs.job_metrics(
+        session, job, after_step=after_step, limit=limit, max_points=max_points, evaluated=evaluated
+    )
     return _json(MetricsPublic(data=data, next_after_step=next_after))
 
 
@@ -130,3 +142,31 @@ def job_events(job_id: JobId, session: SessionDep, principal: ReaderDep) -> Resp
     """The job's state changes and why; its owner's and admins' only (a 404 to others, as for metrics)."""
     job = jobs.get_visible_job(session, job_id, principal=principal)
     return _json(EventsPublic(data=jobs.job_events(session, job)))
+
+
+@router.get("/{job_id}/artifacts", response_model=ArtifactsPublic, responses=_ERRORS)
+def job_artifacts(job_id: JobId, session: SessionDep, principal: ReaderDep, runtime: RuntimeDep) -> Response:
+    """The files of a succeeded job's final model, with their bytes and sha256; 409 while it has not
+    succeeded. Its owner's and admins' only (a 404 to others, as for metrics)."""
+    job = jobs.get_visible_job(session, job_id, principal=principal)
+    _, files = jobs.job_artifacts(job, launcher=runtime.launcher)
+    return _json(ArtifactsPublic(data=files, count=len(files)))
+
+
+@router.get(
+    "/{job_id}/artifacts/{name}",
+    response_class=FileResponse,
+    responses={**_ERRORS, 206: {"description": "The bytes a Range header asked for"}, 416: {}},
+)
+def job_artifact(
+    job_id: JobId,
+    name: Annotated[str, Path(min_length=1, max_length=255)],
+    session: SessionDep,
+    principal: ReaderDep,
+    runtime: RuntimeDep,
+) -> FileResponse:
+    """One artifact's bytes, streamed; `Range: bytes=a-b` answers 206 with those bytes (416 past the
+    end). Only a name the listing gives; the job's owner's and admins' only."""
+    job = jobs.get_visible_job(session, job_id, principal=principal)
+    path = jobs.artifact_file(job, name, launcher=runtime.launcher)
+    return FileResponse(path, media_type="application/octet-stream", filename=name)

@@ -153,29 +153,41 @@
     return [low - pad, high + pad];
   }
 
-  function lineChart(points) {
+  function lineChart(points, second = []) {  // charts.line_chart: `second` shares the axes
     const finite = points.filter(([, y]) => y != null);
-    if (!finite.length) return { path: "", count: 0 };
-    const [x0, x1] = span(Math.min(...finite.map((p) => p[0])), Math.max(...finite.map((p) => p[0])));
-    const [y0, y1] = span(Math.min(...finite.map((p) => p[1])), Math.max(...finite.map((p) => p[1])));
-    const parts = [];
-    let penDown = false;
-    for (const [x, y] of points) {
-      if (y == null) { penDown = false; continue; }
-      const px = CHART.LEFT + ((x - x0) / (x1 - x0)) * CHART.PLOT_W;
-      const py = CHART.TOP + (1 - (y - y0) / (y1 - y0)) * CHART.PLOT_H;
-      parts.push(`${penDown ? "L" : "M"}${px.toFixed(1)},${py.toFixed(1)}`);
-      penDown = true;
-    }
+    if (!finite.length) return { path: "", count: 0, secondPath: "", secondCount: 0 };
+    const both = finite.concat(second);
+    const [x0, x1] = span(Math.min(...both.map((p) => p[0])), Math.max(...both.map((p) => p[0])));
+    const [y0, y1] = span(Math.min(...both.map((p) => p[1])), Math.max(...both.map((p) => p[1])));
+    const path = (series) => {
+      const parts = [];
+      let penDown = false;
+      for (const [x, y] of series) {
+        if (y == null) { penDown = false; continue; }
+        const px = CHART.LEFT + ((x - x0) / (x1 - x0)) * CHART.PLOT_W;
+        const py = CHART.TOP + (1 - (y - y0) / (y1 - y0)) * CHART.PLOT_H;
+        parts.push(`${penDown ? "L" : "M"}${px.toFixed(1)},${py.toFixed(1)}`);
+        penDown = true;
+      }
+      return parts.join(" ");
+    };
     const first = finite[0], last = finite[finite.length - 1];
-    return { path: parts.join(" "), count: finite.length, x0, x1, y0, y1, first, last };
+    return {
+      path: path(points), count: finite.length, x0, x1, y0, y1, first, last,
+      secondPath: path(second), secondCount: second.length,
+    };
   }
 
-  function drawLineChart(svg, points) {
-    const c = lineChart(points);
+  function drawLineChart(svg, points, second = []) {
+    const c = lineChart(points, second);
     const unit = svg.dataset.unit;
     svg.dataset.points = c.count;
     $("path.line", svg).setAttribute("d", c.path);
+    const secondLine = $("path.eval-line", svg);
+    if (secondLine) {
+      secondLine.setAttribute("d", c.secondPath);
+      secondLine.dataset.points = c.secondCount;
+    }
     setText($(".y-max", svg), c.count ? significant(c.y1, 3) : "");
     setText($(".y-min", svg), c.count ? significant(c.y0, 3) : "");
     setText($(".x-min", svg), c.count ? `step ${Math.trunc(c.x0)}` : "");
@@ -453,7 +465,10 @@
       const job = await api(`/v1/jobs/${id}`);
       if (String(job.step ?? "") !== lastStep) {
         const metrics = await api(`/v1/jobs/${id}/metrics?max_points=${maxPoints}&limit=${10 * maxPoints}`);
-        drawLineChart($("#loss-chart"), metrics.data.map((m) => [m.step, m.loss]));
+        const evaluated = (await api(`/v1/jobs/${id}/metrics?evaluated=true&limit=10000`)).data;
+        drawLineChart($("#loss-chart"), metrics.data.map((m) => [m.step, m.loss]),
+          evaluated.map((m) => [m.step, m.eval_loss]));
+        if (evaluated.length) setText($('[data-field="eval-loss"]', $("#job-stats")), significant(evaluated.at(-1).eval_loss));
         drawLineChart($("#step-time-chart"), metrics.data.map((m) => [m.step, m.step_time_s]));
         lastStep = String(job.step ?? "");
       }
