@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from workers.config import DataSource, SyntheticSpec, TextSpec
+from workers.config import DataSource, HFSpec, SyntheticSpec, TextSpec
 from workers.memory import GPTSpec, MLPSpec
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, step, index) over 63 bits
@@ -196,7 +196,7 @@ class Batches:
     def __init__(
         self,
         *,
-        model: GPTSpec | MLPSpec,
+        model: GPTSpec | MLPSpec | HFSpec,
         data: DataSource,
         seed: int,
         seq_len: int | None,

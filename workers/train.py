@@ -28,7 +28,7 @@ from workers.checkpoints import (
     step_dir,
     write_json,
 )
-from workers.config import TrainConfig
+from workers.config import HFSpec, TrainConfig
 from workers.data import Batches
 from workers.models import DTYPES, build_model
 from workers.optim import ZeRO1AdamW, decay_param_groups
@@ -47,7 +47,10 @@ def default_device() -> torch.device:
 
 
 def planned_bytes(config: TrainConfig, *, world_size: int) -> int:
-    """The planner's per-GPU bytes for this job: model states, activations and temporaries (no fixed overhead)."""
+    """The planner's per-GPU bytes for this job: model states, activations and temporaries (no fixed overhead);
+    the plan it was admitted by when the service traced it (an hf model)."""
+    if config.planned_bytes is not None:
+        return config.planned_bytes
     workload = memory.Workload.from_model(
         config.model,
         precision=config.precision,
@@ -80,13 +83,7 @@ def train(
         rank=rank,
         world_size=world_size,
     )
-    model = build_model(
-        config.model,
-        dtype=DTYPES[config.precision],
-        device=device,
-        activation_checkpointing=config.activation_checkpointing,
-        seed=config.seed,
-    )
+    model = _build(config, device=device)
     hyper = config.optimizer
     opt = ZeRO1AdamW(
         decay_param_groups(model, weight_decay=hyper.weight_decay),
@@ -145,6 +142,20 @@ def train(
             )
             since_checkpoint, due = [], False
     return TrainResult(rank=rank, first_step=first, last_step=last, cancelled=False)
+
+
+def _build(config: TrainConfig, *, device: torch.device) -> torch.nn.Module:
+    """The job's model, initialised from its seed (the same on every rank) or loaded (an hf path)."""
+    build = build_model
+    if isinstance(config.model, HFSpec):
+        from workers.hf import build_hf as build  # transformers loads in a second or two: only when needed
+    return build(
+        config.model,
+        dtype=DTYPES[config.precision],
+        device=device,
+        activation_checkpointing=config.activation_checkpointing,
+        seed=config.seed,
+    )
 
 
 def _count_skipped(skipped: int, row: MetricRow, *, limit: int) -> int:
