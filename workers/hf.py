@@ -19,6 +19,8 @@ from torch import Tensor, nn
 from workers.config import HFSpec, InvalidModelError
 from workers.trace import StepTrace, trace_layers
 
+MAX_LAYERS = 10_000
+"""Deepest model traced: its modules are built on the meta device (Python objects, not tensors)."""
 ATTENTION = "sdpa"
 """Attention implementation of every hf model: torch's fused scaled_dot_product_attention."""
 
@@ -157,8 +159,8 @@ def trace_hf(
     """One micro-batch of `config`'s training step on fake tensors, its depth extrapolated from
     two shallow traces (workers/trace.py); the parameters counted on the whole model."""
     num_layers = getattr(config, "num_hidden_layers", None)
-    if not isinstance(num_layers, int) or num_layers < 1:
-        raise InvalidModelError("model.config", f"needs num_hidden_layers >= 1, got {num_layers!r}")
+    if not isinstance(num_layers, int) or not 1 <= num_layers <= MAX_LAYERS:
+        raise InvalidModelError("model.config", f"needs num_hidden_layers in [1, {MAX_LAYERS}], got {num_layers!r}")
     with torch.device("meta"):  # a config transformers cannot build is the user's error, named as such
         from_config(config)
     return trace_layers(
