@@ -9,9 +9,11 @@ from fastapi.testclient import TestClient
 from torch.nn import functional as F
 
 from service.main import create_app
+from service.tracing import TraceRequest, run_trace
 from workers.config import HFSpec, InvalidModelError, OptimizerSpec, SyntheticSpec, TrainConfig
 from workers.data import Batches
 from workers.hf import build_hf
+from workers.memory import Workload, breakdown
 from workers.train import train
 
 import helpers
@@ -82,7 +84,24 @@ def test_every_rank_builds_the_same_model_and_its_loss_is_the_next_token_cross_e
     torch.testing.assert_close(first(inputs, targets), expected)
 
 
-def test_one_rank_trains_a_tied_model_with_activation_checkpointing():
+def test_one_rank_trains_a_tied_model_with_activation_checkpointing_within_2_percent_of_its_traced_plan():
+    traced = run_trace(
+        TraceRequest(
+            model={"kind": "hf", "config": TINY_LLAMA, "path": None},
+            precision="fp32",
+            micro_batch_size=4,
+            seq_len=16,
+            activation_checkpointing=True,
+        )
+    )
+    workload = Workload.from_trace(
+        group_numels=traced.group_numels,
+        frozen_numel=traced.frozen_numel,
+        activations_bytes=traced.activations_bytes,
+        temporaries_bytes=traced.temporaries_bytes,
+        precision="fp32",
+    )
+    planned = breakdown(workload, num_gpus=1, stage=1).total_bytes
     config = TrainConfig(
         model=tiny_spec(),
         steps=25,
@@ -92,12 +111,13 @@ def test_one_rank_trains_a_tied_model_with_activation_checkpointing():
         seq_len=16,
         seed=1,
         activation_checkpointing=True,
-        planned_bytes=123,
+        planned_bytes=planned,
     )
     rows = []
     train(config, on_metrics=rows.append)
     assert rows[-1].loss < rows[0].loss - 0.3, [r.loss for r in rows]
-    assert {r.mem_planned_bytes for r in rows} == {123}  # the admitted plan's, not a closed form
+    assert {r.mem_planned_bytes for r in rows} == {planned}  # the admitted plan's, not a closed form
+    assert rows[-1].mem_peak_bytes[0] == pytest.approx(planned, rel=0.02)  # the rank's count on its CPU tensors
 
 
 def test_a_rank_checks_the_model_path_against_the_roots_again(tmp_path):
