@@ -102,6 +102,10 @@ class Settings(BaseSettings):
     """Directories a `text` or `dataset` job's data.path (and tokenizer) must resolve into (symlinks followed),
     comma-separated or a JSON list; relative ones are under the service's working
     directory."""
+    model_roots: Annotated[list[str], NoDecode] = ["models"]
+    """Directories an `hf` model's path (a save_pretrained directory) must resolve into (symlinks
+    followed), comma-separated or a JSON list; relative ones are under the service's working
+    directory. Nothing is ever downloaded: a hub id is refused."""
     max_request_bytes: int = Field(1 << 20, ge=1024, le=1 << 30)
     """Largest request body the API reads, in bytes; larger ones get 413."""
     max_queued_jobs_per_user: int = Field(1000, ge=1, le=1_000_000)
@@ -118,7 +122,7 @@ class Settings(BaseSettings):
             )
         return self
 
-    @field_validator("data_roots", mode="before")
+    @field_validator("data_roots", "model_roots", mode="before")
     @classmethod
     def _split_roots(cls, value: object) -> object:
         """'a,b' or '["a", "b"]' -> ["a", "b"] (an environment variable is one string)."""

@@ -23,9 +23,10 @@ from service.cluster import ClusterCapacity
 from service.dataprep import DatasetChecker, DatasetRequest, invalid_data
 from service.errors import ServiceError
 from service.models import Job, JobEvent, Metric, utcnow
-from service.planning import make_plan, plan_public, workload_for
+from service.planning import make_plan, model_shape, plan_public, workload_for
 from service.responses import ArtifactPublic, EventPublic, JobPublic, MetricPublic, PlanPublic
 from service.schemas import DatasetDataSpec, JobSpec, TextDataSpec
+from service.tracing import Tracer
 from workers import datafiles, memory
 from workers.config import ModelKind
 from workers.memory import GB
@@ -76,23 +77,23 @@ def transition(session: Session, job: Job, to_status: str, reason: str) -> bool:
 # --------------------------------------------------------------------------- admission
 
 
-def admit(spec: JobSpec, *, cluster: ClusterCapacity, overhead_bytes: int) -> PlanPublic:
-    """The plan a job is admitted by, or a 422 does_not_fit that says what would fit."""
+def admit(spec: JobSpec, *, cluster: ClusterCapacity, overhead_bytes: int, tracer: Tracer | None = None) -> PlanPublic:
+    """The plan a job is admitted by (an hf model's traced by `tracer`), or a 422 does_not_fit that
+    says what would fit."""
     request = spec.plan_request().model_copy(update={"gpu_memory_gb": cluster.gpu_memory_bytes / GB})
-    plan = make_plan(request, cluster=cluster, overhead_bytes=overhead_bytes)
-    public = plan_public(plan)
+    plan = make_plan(request, cluster=cluster, overhead_bytes=overhead_bytes, tracer=tracer)
+    public = plan_public(plan, shape=model_shape(request, tracer=tracer))
+    fits = {"cluster": cluster, "request": request, "overhead_bytes": overhead_bytes, "tracer": tracer}
     if spec.num_gpus > cluster.num_gpus:
         raise _does_not_fit(
             public,
-            f"num_gpus ({spec.num_gpus}) exceeds the cluster's {cluster.num_gpus} GPUs"
-            + _what_fits(plan, cluster=cluster, request=request, overhead_bytes=overhead_bytes),
+            f"num_gpus ({spec.num_gpus}) exceeds the cluster's {cluster.num_gpus} GPUs" + _what_fits(plan, **fits),
         )
     if not plan.fits:
         raise _does_not_fit(
             public,
             f"the per-GPU plan at N = {spec.num_gpus} is {plan.per_gpu.total_bytes / GB:.2f} GB, above "
-            f"the {plan.gpu_memory_bytes / GB:.2f} GB of each GPU"
-            + _what_fits(plan, cluster=cluster, request=request, overhead_bytes=overhead_bytes),
+            f"the {plan.gpu_memory_bytes / GB:.2f} GB of each GPU" + _what_fits(plan, **fits),
         )
     return public
 
@@ -165,8 +166,10 @@ def check_storage(problems: dict[str, str], *, uri: str) -> None:
         )
 
 
-def _what_fits(plan: memory.Plan, *, cluster: ClusterCapacity, request, overhead_bytes: int) -> str:
-    workload = workload_for(request, overhead_bytes=overhead_bytes)
+def _what_fits(
+    plan: memory.Plan, *, cluster: ClusterCapacity, request, overhead_bytes: int, tracer: Tracer | None
+) -> str:
+    workload = workload_for(request, overhead_bytes=overhead_bytes, tracer=tracer)
     if plan.min_gpus is None:
         floor = memory.bytes_per_param(plan.precision)
         text = (

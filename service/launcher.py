@@ -12,6 +12,7 @@ from typing import Any
 
 from service.config import Settings
 from service.models import Job
+from service.responses import PlanPublic
 from service.schemas import JobSpec
 from workers.records import MetricRow, RankError
 
@@ -139,6 +140,8 @@ class RayLauncher:
             resume=job.attempt > 0,
             data_roots=self.settings.data_roots,
             dataset_cache_dir=str(dataset_cache_dir(self.settings.checkpoint_uri)),
+            model_roots=self.settings.model_roots,
+            plan=PlanPublic.model_validate(job.plan),
         )
         placement = Placement(
             num_workers=job.num_gpus,

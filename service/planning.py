@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from service.cluster import ClusterCapacity
+from service.errors import ServiceError
 from service.responses import PlanPublic
-from service.schemas import PlanRequest
+from service.schemas import HFModelSpec, PlanRequest
 from service.tracing import Tracer, TraceRequest
 from workers import memory
 
@@ -31,16 +32,34 @@ def workload_for(request: PlanRequest, *, overhead_bytes: int, tracer: Tracer | 
     )
 
 
-def _traced_workload(request: PlanRequest, *, overhead_bytes: int, tracer: Tracer) -> memory.Workload:
-    traced = tracer.trace(
-        TraceRequest(
-            model=request.model.model_dump(),
-            precision=request.precision,
-            micro_batch_size=request.micro_batch_size or 1,
-            seq_len=request.seq_len,
-            activation_checkpointing=bool(request.activation_checkpointing),
-        )
+def trace_request(request: PlanRequest) -> TraceRequest:
+    return TraceRequest(
+        model=request.model.model_dump(),
+        precision=request.precision,
+        micro_batch_size=request.micro_batch_size or 1,
+        seq_len=request.seq_len,
+        activation_checkpointing=bool(request.activation_checkpointing),
     )
+
+
+def model_shape(request: PlanRequest, *, tracer: Tracer | None) -> tuple[int, int] | None:
+    """(vocab_size, block_size) of an hf model as its trace resolved them (from the trace cache); None otherwise."""
+    if not isinstance(request.model, HFModelSpec):
+        return None
+    assert tracer is not None, "an hf model's plan needs a Tracer"
+    traced = tracer.trace(trace_request(request))
+    return traced.vocab_size, traced.max_position_embeddings
+
+
+def _traced_workload(request: PlanRequest, *, overhead_bytes: int, tracer: Tracer) -> memory.Workload:
+    traced = tracer.trace(trace_request(request))
+    num_params = sum(traced.group_numels) + traced.frozen_numel
+    if num_params > memory.MAX_NUM_PARAMS:
+        raise ServiceError(
+            f"model has {num_params:,} parameters, above the limit of {memory.MAX_NUM_PARAMS:,}",
+            status_code=422,
+            error="invalid_model",
+        )
     return memory.Workload.from_trace(
         group_numels=traced.group_numels,
         frozen_numel=traced.frozen_numel,
@@ -69,8 +88,10 @@ def make_plan(
     )
 
 
-def plan_public(plan: memory.Plan) -> PlanPublic:
-    """The API's JSON shape of a plan (stage keys are strings, as JSON needs)."""
+def plan_public(plan: memory.Plan, *, shape: tuple[int, int] | None = None) -> PlanPublic:
+    """The API's JSON shape of a plan (stage keys are strings, as JSON needs), with an hf model's
+    (vocab_size, block_size) when given."""
+    vocab_size, block_size = shape or (None, None)
     return PlanPublic(
         num_params=plan.num_params,
         method=plan.method,
@@ -85,4 +106,6 @@ def plan_public(plan: memory.Plan) -> PlanPublic:
         min_gpus=plan.min_gpus,
         stages={str(stage): total for stage, total in plan.stages.items()},
         sweep=[asdict(point) for point in plan.sweep],
+        vocab_size=vocab_size,
+        block_size=block_size,
     )

@@ -52,6 +52,12 @@ class PlanPublic(BaseModel):
     min_gpus: int | None = Field(description="Smallest N that fits at this stage; null if none does.")
     stages: dict[str, int] = Field(description="Per-GPU total of each stage 0-3 at this N.")
     sweep: list[SweepPointPublic] = Field(description="Per-GPU total at this stage for N = 1, 2, 4, ... 1024.")
+    vocab_size: int | None = Field(
+        None, description="An hf model's vocabulary, as its trace resolved the config; null for other plans."
+    )
+    block_size: int | None = Field(
+        None, description="An hf model's max_position_embeddings (the default seq_len), likewise; null otherwise."
+    )
 
 
 class HealthPublic(BaseModel):

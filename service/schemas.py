@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from decimal import Decimal
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -22,12 +23,17 @@ from workers import limits, memory
 from workers.config import (
     DATASET_FORMATS,
     DatasetSpec,
+    HFSpec,
+    ModelKind,
     OptimizerSpec,
     SyntheticSpec,
     TextSpec,
     TrainConfig,
     default_of,
 )
+
+if TYPE_CHECKING:
+    from service.responses import PlanPublic
 
 Precision = Literal["fp16", "bf16", "fp32"]
 OptimizerName = Literal["adamw", "adam", "sgd_momentum", "sgd"]
@@ -110,8 +116,73 @@ class MLPModelSpec(_Body):
         return memory.MLPSpec(sizes=tuple(self.sizes))
 
 
-ModelSpec = Annotated[GPTModelSpec | MLPModelSpec, Field(discriminator="kind")]
-MODEL_KINDS = ("gpt", "mlp")
+MAX_CONFIG_DEPTH = 32
+"""Nesting an hf model's config may have (config.json's are a few levels deep)."""
+
+
+def _json_safe(value: Any, *, where: str = "config", depth: int = 0) -> None:
+    """A stored spec must be JSON every database takes: no NUL in a string or key, no nan or inf."""
+    if depth > MAX_CONFIG_DEPTH:
+        raise ValueError(f"{where} is nested more than {MAX_CONFIG_DEPTH} levels deep")
+    if isinstance(value, str):
+        _no_nul(value)
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{where} must be finite, got {value}")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _no_nul(key)
+            _json_safe(item, where=f"{where}.{key}", depth=depth + 1)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _json_safe(item, where=f"{where}[{i}]", depth=depth + 1)
+
+
+class HFModelSpec(_Body):
+    """A Hugging Face transformers causal LM: exactly one of config or path. Nothing is downloaded."""
+
+    kind: Literal["hf"]
+    config: dict[str, Any] | None = Field(
+        None, description="config.json's fields, with model_type: a randomly initialised model (the job's seed)."
+    )
+    path: Text | None = Field(
+        None,
+        min_length=1,
+        max_length=4096,
+        description="A save_pretrained directory (config and weights) inside ZERO1_MODEL_ROOTS: fine-tuning.",
+    )
+
+    @field_validator("config")
+    @classmethod
+    def _has_model_type(cls, config: dict[str, Any] | None) -> dict[str, Any] | None:
+        if config is None:
+            return None
+        if not isinstance(config.get("model_type"), str) or not config["model_type"]:
+            raise ValueError(
+                f"needs model_type, a transformers model type such as 'llama', got {config.get('model_type')!r}"
+            )
+        _json_safe(config)
+        return config
+
+    @model_validator(mode="after")
+    def _one_source(self) -> HFModelSpec:
+        if (self.config is None) == (self.path is None):
+            given = "both" if self.config is not None else "neither"
+            raise ValueError(f"exactly one of model.config or model.path is required, got {given}")
+        return self
+
+    def to_spec(self, *, vocab_size: int, block_size: int, model_roots: Sequence[str] = ()) -> HFSpec:
+        """With the model roots resolved here, for the ranks to check `path` again where they read it."""
+        return HFSpec(
+            config=self.config,
+            path=self.path,
+            roots=tuple(os.path.realpath(root) for root in model_roots),
+            vocab_size=vocab_size,
+            block_size=block_size,
+        )
+
+
+ModelSpec = Annotated[GPTModelSpec | MLPModelSpec | HFModelSpec, Field(discriminator="kind")]
+MODEL_KINDS = ("gpt", "mlp", "hf")
 
 _MODEL_ONLY_FIELDS = ("micro_batch_size", "seq_len", "activation_checkpointing")
 
@@ -131,12 +202,15 @@ class PlanRequest(_Body):
     micro_batch_size: Int | None = Field(
         None, ge=1, le=MAX_MICRO_BATCH_SIZE, description="Default 1 (model plans only)."
     )
-    seq_len: Int | None = Field(None, ge=1, le=100_000_000, description="Default: block_size (GPT plans only).")
+    seq_len: Int | None = Field(
+        None, ge=1, le=100_000_000, description="Default: block_size, or an hf model's max_position_embeddings."
+    )
     activation_checkpointing: Bool | None = Field(None, description="Default false (model plans only).")
     method: Literal["model", "traced"] | None = Field(
         None,
         description="How a built-in model's step is counted: model (its closed forms, the default) or traced "
-        "(one micro-batch run on fake tensors in a Ray task, within ZERO1_PLAN_TIMEOUT_S; cached).",
+        "(one micro-batch run on fake tensors in a Ray task, within ZERO1_PLAN_TIMEOUT_S; cached). An hf model "
+        "is always traced.",
     )
 
     @model_validator(mode="after")
@@ -149,12 +223,18 @@ class PlanRequest(_Body):
             if extra:
                 raise ValueError(f"{', '.join(extra)} only apply to a plan for a model, not to num_params")
             return self
+        if isinstance(self.model, HFModelSpec):
+            if self.method == "model":
+                raise ValueError("an hf model is planned by its trace only: method must be traced (or omitted)")
+            self.method = "traced"
+            return self
         _check_model(self.model, seq_len=self.seq_len)
         return self
 
 
 def _check_model(model: GPTModelSpec | MLPModelSpec, *, seq_len: int | None) -> None:
-    """A plan's seq_len fits the model, and the model is within the planner's bound."""
+    """A plan's seq_len fits the model, and the model is within the planner's bound (an hf model's
+    both are checked by its trace)."""
     if seq_len is not None:
         if not isinstance(model, GPTModelSpec):
             raise ValueError("seq_len only applies to a gpt model")
@@ -186,6 +266,8 @@ class RecommendRequest(_Body):
 
     @model_validator(mode="after")
     def _consistent(self) -> RecommendRequest:
+        if isinstance(self.model, HFModelSpec):
+            raise ValueError("model: recommendations for an hf model are not supported yet; POST /v1/plan plans one")
         _check_model(self.model, seq_len=self.seq_len)
         return self
 
@@ -315,7 +397,12 @@ class JobSpec(_Body):
         le=MAX_GLOBAL_BATCH_SIZE,
         description="Default micro_batch_size x num_gpus; more accumulates gradients.",
     )
-    seq_len: Int | None = Field(None, ge=1, le=100_000_000, description="GPT only; default block_size.")
+    seq_len: Int | None = Field(
+        None,
+        ge=1,
+        le=100_000_000,
+        description="Sequence models only; default block_size (hf: max_position_embeddings).",
+    )
     activation_checkpointing: Bool = _train("activation_checkpointing")
     seed: Int = Field(_train("seed"), ge=0, le=2**63 - 1)
     checkpoint_every: Int = Field(
@@ -353,6 +440,8 @@ class JobSpec(_Body):
                 raise ValueError("seq_len and activation_checkpointing only apply to a gpt model")
             if not isinstance(self.data, SyntheticDataSpec):
                 raise ValueError("an mlp model trains on synthetic data only")
+        elif isinstance(self.model, HFModelSpec):
+            return self  # seq_len and the parameter count are checked by its trace, at admission
         elif self.seq_len is not None and self.seq_len > self.model.block_size:
             raise ValueError(f"seq_len ({self.seq_len}) must be <= model.block_size ({self.model.block_size})")
         num_params = self.model.to_spec().num_params
@@ -368,10 +457,15 @@ class JobSpec(_Body):
         resume: bool = True,
         data_roots: Sequence[str] = (),
         dataset_cache_dir: str | None = None,
+        model_roots: Sequence[str] = (),
+        plan: PlanPublic | None = None,
     ) -> TrainConfig:
-        """The workers' view of this job: every field converted once, here."""
+        """The workers' view of this job: every field converted once, here. An hf model takes its
+        vocab_size, block_size and planned bytes from the plan it was admitted by (its trace's)."""
+        hf = isinstance(self.model, HFModelSpec)
         return TrainConfig(
-            model=self.model.to_spec(),
+            model=self.model_spec(plan=plan, model_roots=model_roots),
+            planned_bytes=plan.per_gpu.total_bytes - plan.per_gpu.overhead_bytes if hf else None,
             steps=self.steps,
             data=self.data.to_spec(data_roots=data_roots, cache_dir=dataset_cache_dir),
             precision=self.precision,
@@ -390,6 +484,15 @@ class JobSpec(_Body):
             resume=resume,
         )
 
+    def model_spec(self, *, plan: PlanPublic | None = None, model_roots: Sequence[str] = ()) -> ModelKind:
+        """The workers' model: a built-in's spec, or an hf model's with the vocab_size and block_size its
+        traced plan resolved."""
+        if not isinstance(self.model, HFModelSpec):
+            return self.model.to_spec()
+        if plan is None or plan.vocab_size is None or plan.block_size is None:
+            raise ValueError("an hf job needs the traced plan it was admitted by (vocab_size, block_size)")
+        return self.model.to_spec(vocab_size=plan.vocab_size, block_size=plan.block_size, model_roots=model_roots)
+
     def plan_request(self) -> PlanRequest:
         """The capacity plan this job is admitted by: ZeRO stage 1 at N = num_gpus."""
         return PlanRequest(
@@ -400,7 +503,7 @@ class JobSpec(_Body):
             stage=1,
             micro_batch_size=self.micro_batch_size,
             seq_len=self.seq_len,
-            activation_checkpointing=self.activation_checkpointing if isinstance(self.model, GPTModelSpec) else None,
+            activation_checkpointing=None if isinstance(self.model, MLPModelSpec) else self.activation_checkpointing,
         )
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from service.errors import ServiceError
+from workers.config import InvalidModelError
 
 CACHE_ENTRIES = 1024
 """Traces the service remembers, least recently used dropped first (each is a few integers)."""
@@ -30,6 +31,10 @@ class TracedStep:
     frozen_numel: int
     activations_bytes: int
     temporaries_bytes: int
+    vocab_size: int | None = None
+    """An hf model's, resolved from its config; None for the built-in models."""
+    max_position_embeddings: int | None = None
+    """An hf model's longest sequence (its default seq_len), likewise."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -54,6 +59,8 @@ class TraceRequest:
 
 def run_trace(request: TraceRequest) -> TracedStep:
     """The trace itself, in the process that calls it (a Ray task's, or the CLI's): imports torch."""
+    if request.model["kind"] == "hf":
+        return _run_hf_trace(request)
     from workers.models import trace_builtin
     from workers.specs import GPTSpec, MLPSpec
 
@@ -71,6 +78,35 @@ def run_trace(request: TraceRequest) -> TracedStep:
         frozen_numel=trace.params.frozen_numel,
         activations_bytes=trace.memory.activations_bytes,
         temporaries_bytes=trace.memory.temporaries_bytes,
+    )
+
+
+def _run_hf_trace(request: TraceRequest) -> TracedStep:
+    """An hf model's trace: its config resolved by transformers (offline), its seq_len checked against it."""
+    from workers.hf import model_shape, resolve_config, trace_hf
+    from workers.models import DTYPES
+
+    config = resolve_config(config=request.model.get("config"), path=request.model.get("path"))
+    vocab_size, max_positions = model_shape(config)
+    seq_len = request.seq_len or max_positions
+    if seq_len > max_positions:
+        raise InvalidModelError(
+            "seq_len", f"seq_len ({seq_len}) must be <= the model's max_position_embeddings ({max_positions})"
+        )
+    trace = trace_hf(
+        config,
+        precision_dtype=DTYPES[request.precision],
+        micro_batch_size=request.micro_batch_size,
+        seq_len=seq_len,
+        activation_checkpointing=request.activation_checkpointing,
+    )
+    return TracedStep(
+        group_numels=(trace.params.decay_numel, trace.params.no_decay_numel),
+        frozen_numel=trace.params.frozen_numel,
+        activations_bytes=trace.memory.activations_bytes,
+        temporaries_bytes=trace.memory.temporaries_bytes,
+        vocab_size=vocab_size,
+        max_position_embeddings=max_positions,
     )
 
 
@@ -130,12 +166,21 @@ def _with_trace_errors(trace):
 
 
 def _trace_failed(exc: BaseException) -> ServiceError:
+    if isinstance(exc, InvalidModelError):
+        return invalid_model(exc.field, exc.reason)
     lines = str(exc).strip().splitlines()
     return ServiceError(
         f"the model's step could not be traced: {lines[0] if lines else type(exc).__name__}",
         status_code=422,
         error="trace_failed",
     )
+
+
+def invalid_model(field: str, message: str) -> ServiceError:
+    """A 422 naming the field of an hf model that transformers (or the model roots) refused."""
+    detail = [{"field": field, "message": message, "type": "value_error"}]
+    error = "invalid_model" if field.startswith("model") else "invalid_request"
+    return ServiceError(f"{field}: {message}", status_code=422, error=error, detail=detail)
 
 
 _REMOTE = None

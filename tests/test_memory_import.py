@@ -45,8 +45,8 @@ _API = r"""
 import sys
 import service.main, service.cli
 from service.main import create_app
-create_app()  # the routes, the dashboard, the settings: still no torch
-print(sorted(m for m in sys.modules if m.partition(".")[0] == "torch"))
+create_app()  # the routes, the dashboard, the settings: still no torch (nor transformers, which loads it)
+print(sorted(m for m in sys.modules if m.partition(".")[0] in ("torch", "transformers")))
 """
 
 

@@ -102,6 +102,20 @@ class HFSpec:
             raise ValueError("exactly one of config or path is required")
 
 
+class InvalidModelError(ValueError):
+    """An hf model's config or directory that transformers cannot use; `field` names it in the
+    job's body (model.config or model.path). Raised where transformers runs (a trace's Ray task,
+    a rank) and turned into a 422 by the service, so it lives here, away from torch."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.reason = message
+
+    def __reduce__(self):  # crosses Ray as (field, message), not as the formatted text
+        return type(self), (self.field, self.reason)
+
+
 ModelKind = GPTSpec | MLPSpec | HFSpec
 """What a job trains (ModelSpec in the API's schemas)."""
 
@@ -148,6 +162,9 @@ class TrainConfig:
     """Steps between evaluations on the held-out data (0: none); rows then carry eval_loss."""
     eval_batches: int = 8
     """Micro-batches each rank evaluates per evaluation."""
+    planned_bytes: int | None = None
+    """The per-GPU bytes the job was admitted by, overhead left out (an hf model's traced plan);
+    None: the rank plans a built-in model from its closed forms."""
     max_nonfinite_steps: int = limits.DEFAULT_MAX_NONFINITE_STEPS
     """Steps in a row with a nan or inf global gradient norm (each skipped: it changes nothing)
     after which the run fails with NonFiniteError. Counted from 0 again after a resume."""

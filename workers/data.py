@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from workers.config import DatasetSpec, DataSource, SyntheticSpec, TextSpec
+from workers.config import DatasetSpec, DataSource, HFSpec, SyntheticSpec, TextSpec
 from workers.datasets import DatasetSource
 from workers.memory import GPTSpec, MLPSpec
 
@@ -198,7 +198,7 @@ class Batches:
     def __init__(
         self,
         *,
-        model: GPTSpec | MLPSpec,
+        model: GPTSpec | MLPSpec | HFSpec,
         data: DataSource,
         seed: int,
         seq_len: int | None,

@@ -32,7 +32,7 @@ from workers.checkpoints import (
     step_dir,
     write_json,
 )
-from workers.config import TrainConfig
+from workers.config import HFSpec, TrainConfig
 from workers.data import Batches
 from workers.models import DTYPES, build_model
 from workers.optim import ZeRO1AdamW, decay_param_groups
@@ -51,7 +51,10 @@ def default_device() -> torch.device:
 
 
 def planned_bytes(config: TrainConfig, *, world_size: int) -> int:
-    """The planner's per-GPU bytes for this job: model states, activations and temporaries (no fixed overhead)."""
+    """The planner's per-GPU bytes for this job: model states, activations and temporaries (no fixed overhead);
+    the plan it was admitted by when the service traced it (an hf model)."""
+    if config.planned_bytes is not None:
+        return config.planned_bytes
     workload = memory.Workload.from_model(
         config.model,
         precision=config.precision,
@@ -84,13 +87,7 @@ def train(
         rank=rank,
         world_size=world_size,
     )
-    model = build_model(
-        config.model,
-        dtype=DTYPES[config.precision],
-        device=device,
-        activation_checkpointing=config.activation_checkpointing,
-        seed=config.seed,
-    )
+    model = _build(config, device=device)
     hyper = config.optimizer
     opt = ZeRO1AdamW(
         decay_param_groups(model, weight_decay=hyper.weight_decay),
@@ -166,6 +163,20 @@ def train(
 def _evaluates(config: TrainConfig, step: int) -> bool:
     """Whether `step` evaluates: every eval_every steps, and the last one (when eval_every > 0)."""
     return config.eval_every > 0 and ((step + 1) % config.eval_every == 0 or step + 1 == config.steps)
+
+
+def _build(config: TrainConfig, *, device: torch.device) -> torch.nn.Module:
+    """The job's model, initialised from its seed (the same on every rank) or loaded (an hf path)."""
+    build = build_model
+    if isinstance(config.model, HFSpec):
+        from workers.hf import build_hf as build  # transformers loads in a second or two: only when needed
+    return build(
+        config.model,
+        dtype=DTYPES[config.precision],
+        device=device,
+        activation_checkpointing=config.activation_checkpointing,
+        seed=config.seed,
+    )
 
 
 def _count_skipped(skipped: int, row: MetricRow, *, limit: int) -> int:

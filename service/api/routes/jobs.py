@@ -11,6 +11,7 @@ from pydantic import BaseModel
 from service import jobs
 from service.api.deps import ClusterDep, PrincipalDep, ReaderDep, RuntimeDep, SessionDep, SettingsDep
 from service.auth import check_can_cancel
+from service.hf import check_model_path
 from service.launcher import dataset_cache_dir
 from service.responses import (
     ArtifactsPublic,
@@ -66,12 +67,14 @@ def submit_job(
     idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
 ) -> Response:
     """Plan the job with the ZeRO-1 memory model against the cluster; queue it if it fits."""
-    plan = jobs.admit(spec, cluster=cluster, overhead_bytes=round(settings.gpu_overhead_gb * GB))
+    spec = check_model_path(spec, model_roots=settings.model_roots)
+    overhead_bytes = round(settings.gpu_overhead_gb * GB)
+    plan = jobs.admit(spec, cluster=cluster, overhead_bytes=overhead_bytes, tracer=runtime.tracer)
     spec = jobs.check_data(spec, data_roots=settings.data_roots)
     jobs.check_storage(runtime.launcher.storage_problems(), uri=settings.checkpoint_uri)
     jobs.check_dataset(
         spec,
-        model=spec.model.to_spec(),
+        model=spec.model_spec(plan=plan, model_roots=settings.model_roots),
         checker=runtime.datasets,
         data_roots=settings.data_roots,
         cache_dir=str(dataset_cache_dir(settings.checkpoint_uri)),

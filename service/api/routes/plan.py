@@ -5,7 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from service.api.deps import ClusterDep, SettingsDep, TracerDep
-from service.planning import make_plan, plan_public
+from service.hf import check_model_path
+from service.planning import make_plan, model_shape, plan_public
 from service.recommendations import cost_model_of, recommend_public
 from service.responses import ErrorPublic, PlanPublic, RecommendationsPublic
 from service.schemas import PlanRequest, RecommendRequest
@@ -17,8 +18,10 @@ router = APIRouter(tags=["planning"])
 @router.post("/plan", response_model=PlanPublic, responses={422: {"model": ErrorPublic}})
 def plan(request: PlanRequest, cluster: ClusterDep, settings: SettingsDep, tracer: TracerDep) -> PlanPublic:
     """Per-GPU bytes of a model on N GPUs at a ZeRO stage, whether it fits, and the smallest N that does."""
+    request = check_model_path(request, model_roots=settings.model_roots)
     overhead_bytes = round(settings.gpu_overhead_gb * GB)
-    return plan_public(make_plan(request, cluster=cluster, overhead_bytes=overhead_bytes, tracer=tracer))
+    plan = make_plan(request, cluster=cluster, overhead_bytes=overhead_bytes, tracer=tracer)
+    return plan_public(plan, shape=model_shape(request, tracer=tracer))
 
 
 @router.post("/plan/recommend", response_model=RecommendationsPublic, responses={422: {"model": ErrorPublic}})

@@ -1,0 +1,53 @@
+"""An hf model's path in the control plane: a save_pretrained directory confined to ZERO1_MODEL_ROOTS.
+
+Checked here, in the API, without transformers (which loads torch): the path is made real
+(symlinks followed) so that the trace and the ranks read the very directory that was checked,
+and the ranks check it again against the roots (workers/hf.py). A hub id is never downloaded.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from typing import TypeVar
+
+from pydantic import BaseModel
+
+from service.schemas import HFModelSpec
+from service.tracing import invalid_model
+
+Body = TypeVar("Body", bound=BaseModel)
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+"""What the Hugging Face hub names a model: `name` or `owner/name`."""
+
+
+def check_model_path(body: Body, *, model_roots: Sequence[str]) -> Body:
+    """`body` (a JobSpec or PlanRequest) with an hf model's path made real, or a 422 naming model.path."""
+    model = getattr(body, "model", None)
+    if not isinstance(model, HFModelSpec) or model.path is None:
+        return body
+    real = resolve_model_dir(model.path, model_roots=model_roots)
+    return body.model_copy(update={"model": model.model_copy(update={"path": real})})
+
+
+def resolve_model_dir(path: str, *, model_roots: Sequence[str]) -> str:
+    roots = [os.path.realpath(root) for root in model_roots]
+    if not os.path.lexists(path) and _HUB_ID.fullmatch(path):
+        raise invalid_model(
+            "model.path",
+            f"{path!r} is not a directory inside the model roots {roots} (ZERO1_MODEL_ROOTS), and a hub id is "
+            "never downloaded (HF_HUB_OFFLINE): save the model with save_pretrained under a model root",
+        )
+    real = os.path.realpath(path)
+    if not any(os.path.commonpath([real, root]) == root for root in roots):
+        raise invalid_model(
+            "model.path",
+            f"{path!r} is outside the model roots {roots} (ZERO1_MODEL_ROOTS; symlinks are followed)",
+        )
+    if not os.path.isdir(real):
+        raise invalid_model("model.path", f"no such directory: {path!r}")
+    if not os.path.isfile(os.path.join(real, "config.json")):
+        raise invalid_model("model.path", f"{path!r} is not a save_pretrained directory: it has no config.json")
+    return real
