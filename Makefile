@@ -20,8 +20,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $@
 
+# The tour's dataset examples read the corpus the repository ships (examples/data); set
+# ZERO1_DATA_ROOTS to choose other roots.
 run: install
-	$(BIN)/zero1 serve
+	ZERO1_DATA_ROOTS="$${ZERO1_DATA_ROOTS:-data,examples/data}" $(BIN)/zero1 serve
 
 test: install
 	$(BIN)/pytest
