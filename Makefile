@@ -40,6 +40,7 @@ bench: install
 	$(BIN)/python benchmarks/planner.py
 	$(BIN)/python benchmarks/optimizer.py
 	$(BIN)/python benchmarks/control_plane.py
+	$(BIN)/python benchmarks/throughput.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

@@ -1,0 +1,185 @@
+"""Training throughput through zero1 against a plain DDP loop: the service's overhead as a ratio.
+
+    .venv/bin/python benchmarks/throughput.py        (make bench runs every benchmark)
+
+The same job both ways, on 2 gloo ranks of this machine: examples/tiny-llama.json (a tiny Llama
+on the shipped corpus and tokenizer, fp32, micro-batch 8, global batch 16, seq 64), with
+evaluation off and one checkpoint at the end.
+
+- zero1: `zero1 serve` (embedded Ray) on loopback; the job is submitted over HTTP, its ranks are
+  Ray actors training with ZeRO1AdamW; tokens/s is each step's row (global batch tokens over the
+  step's wall time, as the ranks report it).
+- DDP: two processes (torch.multiprocessing), the same model from the same seed, the same
+  batches (workers.data.Batches over the same token file), DistributedDataParallel and
+  torch.optim.AdamW (foreach), timed per step the same way.
+
+Prints one table, medians over the steps after the first 10 (warm-up), and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = json.loads((ROOT / "examples" / "tiny-llama.json").read_text())
+WARMUP_STEPS = 10
+
+
+def _job(steps: int) -> dict:
+    data = {key: str(ROOT / EXAMPLE["data"][key]) for key in ("path", "tokenizer")}
+    return {
+        **EXAMPLE,
+        "data": {**EXAMPLE["data"], **data},
+        "steps": steps,
+        "eval_every": 0,
+        "checkpoint_every": 0,
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def zero1_rates(*, steps: int, scratch: Path) -> tuple[list[float], str]:
+    """Tokens/s of each step of the job run through `zero1 serve`, and the cache dir of its token file."""
+    port = _free_port()
+    env = {
+        **os.environ,
+        "ZERO1_DATABASE_URL": f"sqlite:///{scratch}/zero1.db",
+        "ZERO1_CHECKPOINT_URI": f"{scratch}/checkpoints",
+        "ZERO1_DATA_ROOTS": str(ROOT / "examples" / "data"),
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "HF_HUB_OFFLINE": "1",
+    }
+    zero1 = str(Path(sys.executable).with_name("zero1"))
+    server = subprocess.Popen(
+        [zero1, "serve", "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
+            _wait_healthy(client, server)
+            job = client.post("/v1/jobs", json=_job(steps))
+            job.raise_for_status()
+            job_id = job.json()["id"]
+            while (state := client.get(f"/v1/jobs/{job_id}").json())["status"] not in (
+                "succeeded",
+                "failed",
+                "cancelled",
+            ):
+                time.sleep(1)
+            if state["status"] != "succeeded":
+                raise SystemExit(f"the zero1 job ended {state['status']}: {state['error']}")
+            rows = client.get(f"/v1/jobs/{job_id}/metrics", params={"limit": 10_000}).json()["data"]
+            return [row["tokens_per_s"] for row in rows], f"{scratch}/checkpoints/datasets"
+    finally:
+        server.terminate()
+        server.wait(timeout=120)
+
+
+def _wait_healthy(client: httpx.Client, server: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 180  # the service starts its embedded Ray first
+    while True:
+        try:
+            if client.get("/healthz").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline or server.poll() is not None:
+            raise SystemExit("zero1 serve did not start")
+        time.sleep(0.2)
+
+
+def _ddp_rank(rank: int, world_size: int, port: int, steps: int, cache_dir: str, out: str) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from workers.config import DatasetSpec, HFSpec
+    from workers.data import Batches
+    from workers.hf import build_hf
+
+    torch.set_num_threads(1)  # as a Ray actor of 1 CPU runs
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    job = _job(steps)
+    spec = HFSpec(config=job["model"]["config"], vocab_size=512, block_size=128)
+    model = DistributedDataParallel(build_hf(spec, dtype=torch.float32, seed=job["seed"]))
+    hyper = job["optimizer"]
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=hyper["lr"], betas=hyper["betas"], eps=hyper["eps"], weight_decay=0.0, foreach=True
+    )
+    data = job["data"]
+    batches = Batches(
+        model=spec,
+        data=DatasetSpec(format=data["format"], path=data["path"], tokenizer=data["tokenizer"], cache_dir=cache_dir),
+        seed=job["seed"],
+        seq_len=job["seq_len"],
+        global_batch_size=job["micro_batch_size"] * world_size,
+        micro_batch_size=job["micro_batch_size"],
+        rank=rank,
+        world_size=world_size,
+    )
+    tokens = job["micro_batch_size"] * world_size * job["seq_len"]
+    rates = []
+    for step in range(steps):
+        dist.barrier()
+        start = time.perf_counter()
+        inputs, targets = batches.micro_batch(step, 0)
+        loss = model(inputs, targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), hyper["max_grad_norm"])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        reduced = loss.detach().clone()
+        dist.all_reduce(reduced)  # the global loss, as zero1 reports it each step
+        reduced.item()
+        rates.append(tokens / (time.perf_counter() - start))
+    if rank == 0:
+        Path(out).write_text(json.dumps(rates))
+    dist.destroy_process_group()
+
+
+def ddp_rates(*, steps: int, cache_dir: str, scratch: Path) -> list[float]:
+    out = scratch / "ddp.json"
+    mp.spawn(_ddp_rank, args=(2, _free_port(), steps, cache_dir, str(out)), nprocs=2, join=True)
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=150)
+    args = parser.parse_args()
+    scratch = Path(tempfile.mkdtemp(prefix="zero1-throughput-"))
+    try:
+        ours, cache_dir = zero1_rates(steps=args.steps, scratch=scratch)
+        theirs = ddp_rates(steps=args.steps, cache_dir=cache_dir, scratch=scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    rows = [("zero1 (service, Ray, ZeRO1AdamW)", ours), ("plain DDP + torch.optim.AdamW", theirs)]
+    header = f"{'tiny Llama, 2 gloo ranks, fp32':<36}{'steps':>7}{'tokens/s p50':>14}{'step p50':>11}{'vs DDP':>8}"
+    print(header)
+    print("-" * len(header))
+    base = statistics.median(theirs[WARMUP_STEPS:])
+    for label, rates in rows:
+        median = statistics.median(rates[WARMUP_STEPS:])
+        tokens = EXAMPLE["micro_batch_size"] * 2 * EXAMPLE["seq_len"]
+        print(f"{label:<36}{len(rates):>7}{median:>14,.0f}{1e3 * tokens / median:>9.1f}ms{median / base:>8.2f}")
+    print(f"(medians over steps {WARMUP_STEPS}..{args.steps - 1}; target: zero1 within 10% of DDP)")
+
+
+if __name__ == "__main__":
+    main()
