@@ -193,12 +193,14 @@ LLAMA = {
 }
 
 
-def test_an_lm_is_saved_with_save_pretrained_and_loads_with_the_same_logits(tmp_path):
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_an_lm_is_saved_as_save_pretrained_lays_it_out_and_loads_with_the_same_logits(tmp_path, tied):
     from tokenizers import Tokenizer, models
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
-    config = LlamaConfig(**{k: v for k, v in LLAMA.items() if k != "model_type"})
+    fields = {k: v for k, v in LLAMA.items() if k != "model_type"} | {"tie_word_embeddings": tied}
+    config = LlamaConfig(**fields)
     model = CausalLM(AutoModelForCausalLM.from_config(config, dtype=torch.float32))
     opt = ZeRO1AdamW(decay_param_groups(model, weight_decay=0.1), lr=1e-2)
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -209,7 +211,7 @@ def test_an_lm_is_saved_with_save_pretrained_and_loads_with_the_same_logits(tmp_
     tokenizer = tmp_path / "tokenizer.json"
     Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(tokenizer))
     job = TrainConfig(
-        model=HFSpec(config=LLAMA, vocab_size=64, block_size=32),
+        model=HFSpec(config=LLAMA | {"tie_word_embeddings": tied}, vocab_size=64, block_size=32),
         data=DatasetSpec(format="jsonl", path=str(tmp_path / "corpus.jsonl"), tokenizer=str(tokenizer)),
         steps=2,
         precision="fp32",

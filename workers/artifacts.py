@@ -3,16 +3,16 @@
 The weights are the optimizer's fp32 master weights, gathered to rank 0 one parameter at a time
 (ZeRO1AdamW.gather_master_weights: point-to-point pieces of at most CHUNK_NUMEL elements), and
 kept in fp32 for fidelity, as DeepSpeed's zero_to_fp32 does: the model's 16-bit parameters are a
-rounding of them. No rank ever holds the full fp32 optimizer state, nor, for the built-in kinds,
-the full weights: rank 0 writes each parameter into its place in model.safetensors as it arrives.
-A model with a Hugging Face `lm` (the hf kind) goes out through its own save_pretrained, which
-takes a whole state dict: there rank 0 holds the fp32 weights (4 bytes a parameter, in host
-memory), never the moments.
+rounding of them. No rank ever holds the full fp32 optimizer state, nor the full weights: rank 0
+writes each parameter into its place in model.safetensors as it arrives. A model with a Hugging
+Face `lm` (the hf kind) is laid out as its save_pretrained lays it out, so that
+AutoModelForCausalLM.from_pretrained(final/) loads it: its config through transformers' own
+writer, the weights under the lm's names (a tied weight once, which from_pretrained ties again).
 
     final/
-        model.safetensors   hf kinds: save_pretrained's files (config.json, model.safetensors, or its
-        spec.json           shards and index) and the tokenizer's; other kinds: the unique parameters
-        manifest.json       and persistent buffers under their state_dict names, and the model spec
+        model.safetensors   the unique parameters and persistent buffers under their state_dict names
+        spec.json           other kinds: the model spec; hf kinds: config.json (generation_config.json)
+        manifest.json       and the tokenizer's files when the job's data has a tokenizer
 
 Rank 0 writes into a temporary directory and renames it to final/ once complete; manifest.json
 lists every other file with its size and sha256 (what GET /v1/jobs/{id}/artifacts serves).
@@ -83,10 +83,10 @@ def write_final(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         lm = getattr(model, "lm", None)
+        trained = {id(p) for group in opt.param_groups for p in group["params"] if p.requires_grad}
         if lm is not None and hasattr(lm, "save_pretrained"):
-            _save_pretrained(lm, gathered, tmp, config=config)
+            _save_pretrained(lm, gathered, tmp, config=config, trained=trained)
         else:
-            trained = {id(p) for group in opt.param_groups for p in group["params"] if p.requires_grad}
             _save_safetensors(model, gathered, tmp / "model.safetensors", trained=trained)
             write_json(tmp / "spec.json", model_spec_json(config.model))
         _write_manifest(tmp)
@@ -153,15 +153,14 @@ def _write_at(file: IO[bytes], position: int, tensor: Tensor) -> None:
 # --------------------------------------------------------------------------- hf kinds
 
 
-def _save_pretrained(lm: nn.Module, gathered, directory: Path, *, config: TrainConfig) -> None:
-    """lm.save_pretrained with the fp32 weights under lm's own names (tied names share one tensor,
-    which save_pretrained writes once), and the tokenizer's files when the job has one."""
-    weights = {id(param): master for param, master in gathered}
-    state = {
-        name: weights[id(tensor)] if id(tensor) in weights else tensor.detach().cpu()
-        for name, tensor in lm.state_dict(keep_vars=True).items()
-    }
-    lm.save_pretrained(directory, state_dict=state, safe_serialization=True)
+def _save_pretrained(lm: nn.Module, gathered, directory: Path, *, config: TrainConfig, trained: set[int]) -> None:
+    """What lm.save_pretrained writes, with the weights streamed as the built-in kinds' are: its
+    config (and generation config) through transformers' writers, the fp32 weights under lm's own
+    names into model.safetensors, and the tokenizer's files when the job has one."""
+    lm.config.save_pretrained(directory)
+    if getattr(lm, "generation_config", None) is not None:
+        lm.generation_config.save_pretrained(directory)
+    _save_safetensors(lm, gathered, directory / "model.safetensors", trained=trained)
     for source in tokenizer_files(config):
         shutil.copyfile(source, directory / source.name)
 
