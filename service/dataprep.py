@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from service.errors import ServiceError
+from service.tasks import run_task
 from workers.config import DatasetSpec
 
 if TYPE_CHECKING:
@@ -60,21 +61,15 @@ class DatasetChecker:
                 return run_check(request)
             except ValueError as exc:
                 raise invalid(exc) from None
-        import ray
+        return run_task(run_check, request, timeout_s=self.timeout_s, timed_out=self._timed_out, failed=invalid)
 
-        ref = _remote_check().remote(request)
-        try:
-            return ray.get(ref, timeout=self.timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            ray.cancel(ref, force=True)
-            raise ServiceError(
-                f"data: reading and tokenizing the dataset took more than ZERO1_DATA_TIMEOUT_S = {self.timeout_s:g} s; "
-                "it was stopped",
-                status_code=422,
-                error="data_timeout",
-            ) from None
-        except ray.exceptions.RayTaskError as exc:
-            raise invalid(exc.cause if exc.cause is not None else exc) from None
+    def _timed_out(self) -> ServiceError:
+        return ServiceError(
+            f"data: reading and tokenizing the dataset took more than ZERO1_DATA_TIMEOUT_S = {self.timeout_s:g} s; "
+            "it was stopped",
+            status_code=422,
+            error="data_timeout",
+        )
 
 
 def invalid(exc: BaseException) -> ServiceError:
@@ -93,16 +88,3 @@ def invalid_data(message: str) -> ServiceError:
         field, why = "data", message
     detail = [{"field": field, "message": why, "type": "value_error"}]
     return ServiceError(message, status_code=422, error="invalid_request", detail=detail)
-
-
-_REMOTE = None
-
-
-def _remote_check():
-    """run_check as a Ray task, made once (ray.remote needs Ray imported, which the API does lazily)."""
-    global _REMOTE
-    if _REMOTE is None:
-        import ray
-
-        _REMOTE = ray.remote(num_cpus=0, max_retries=0)(run_check)
-    return _REMOTE

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from service.errors import ServiceError
+from service.tasks import run_task
 from workers.config import InvalidModelError
 
 CACHE_ENTRIES = 1024
@@ -139,21 +140,15 @@ class Tracer:
     def _run(self, request: TraceRequest) -> TracedStep:
         if self.in_process:
             return _with_trace_errors(lambda: run_trace(request))
-        import ray
+        return run_task(run_trace, request, timeout_s=self.timeout_s, timed_out=self._timed_out, failed=_trace_failed)
 
-        ref = _remote_trace().remote(request)
-        try:
-            return ray.get(ref, timeout=self.timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            ray.cancel(ref, force=True)
-            raise ServiceError(
-                f"tracing the model's step took more than ZERO1_PLAN_TIMEOUT_S = {self.timeout_s:g} s; "
-                "the trace was stopped",
-                status_code=422,
-                error="trace_timeout",
-            ) from None
-        except ray.exceptions.RayTaskError as exc:
-            raise _trace_failed(exc.cause if exc.cause is not None else exc) from None
+    def _timed_out(self) -> ServiceError:
+        return ServiceError(
+            f"tracing the model's step took more than ZERO1_PLAN_TIMEOUT_S = {self.timeout_s:g} s; "
+            "the trace was stopped",
+            status_code=422,
+            error="trace_timeout",
+        )
 
 
 def _with_trace_errors(trace):
@@ -181,16 +176,3 @@ def invalid_model(field: str, message: str) -> ServiceError:
     detail = [{"field": field, "message": message, "type": "value_error"}]
     error = "invalid_model" if field.startswith("model") else "invalid_request"
     return ServiceError(f"{field}: {message}", status_code=422, error=error, detail=detail)
-
-
-_REMOTE = None
-
-
-def _remote_trace():
-    """run_trace as a Ray task, made once (ray.remote needs Ray imported, which the API does lazily)."""
-    global _REMOTE
-    if _REMOTE is None:
-        import ray
-
-        _REMOTE = ray.remote(num_cpus=0, max_retries=0)(run_trace)
-    return _REMOTE

@@ -21,6 +21,18 @@ TINY = {"kind": "gpt", "vocab_size": 64, "n_layer": 2, "n_head": 2, "n_embd": 32
 """A GPT small enough that a few hundred steps on 2 CPU ranks take seconds."""
 FAST = {"lr": 0.003, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0, "max_grad_norm": 1.0}
 """Hyperparameters under which TINY's loss visibly falls within a few dozen steps."""
+LLAMA_2_7B = {
+    "model_type": "llama",
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+}
+"""A Llama-2-7B config.json's fields (6,738,415,616 parameters): planned, never built."""
 TERMINAL = ("succeeded", "failed", "cancelled")
 
 

@@ -18,19 +18,8 @@ from workers.train import train
 
 import helpers
 from conftest import end_supervisors, make_settings
-from helpers import TERMINAL, wait_job
+from helpers import LLAMA_2_7B, TERMINAL, wait_job
 
-LLAMA_2_7B = {
-    "model_type": "llama",
-    "vocab_size": 32000,
-    "hidden_size": 4096,
-    "intermediate_size": 11008,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 32,
-    "max_position_embeddings": 4096,
-    "tie_word_embeddings": False,
-}
 QWEN2_0_5B = {
     "model_type": "qwen2",
     "vocab_size": 151936,

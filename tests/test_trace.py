@@ -26,17 +26,9 @@ from workers.trace import (
     trace_step,
 )
 
+from helpers import LLAMA_2_7B
+
 GPT2_SMALL = GPTSpec(vocab_size=50304, n_layer=12, n_head=12, n_embd=768, block_size=1024)
-LLAMA_2_7B = {
-    "vocab_size": 32000,
-    "hidden_size": 4096,
-    "intermediate_size": 11008,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 32,
-    "max_position_embeddings": 4096,
-    "tie_word_embeddings": False,
-}
 
 
 def planned_step(spec, *, micro_batch_size: int, seq_len: int, precision: str, checkpointing: bool) -> tuple[int, int]:
@@ -222,7 +214,8 @@ class CausalLM(nn.Module):
 def llama(**overrides):
     from transformers import LlamaConfig
 
-    return LlamaConfig(**(LLAMA_2_7B | overrides))
+    fields = {k: v for k, v in LLAMA_2_7B.items() if k != "model_type"}
+    return LlamaConfig(**(fields | overrides))
 
 
 def test_a_llama_2_7b_config_has_its_published_parameter_count():
