@@ -259,13 +259,16 @@ class Scheduler:
         """Retry from the last checkpoint while max_retries allows, else fail with the cause."""
         max_retries = job.spec.get("max_retries", 0)
         cause = "failed" if error is None else error.reason()
+        tail = "" if error is None else error.traceback_text()  # the failing rank's traceback, last lines
         if job.num_retries >= max_retries:
             spent = f" after {job.num_retries} of max_retries {max_retries}" if max_retries else ""
-            return self._end(session, job, "failed", f"{cause}{spent}", error=error)
+            return self._end(session, job, "failed", f"{cause}{spent}{tail}", error=error)
         job.num_retries += 1
-        return self._record_relaunch(session, job, cause=f"{cause}; retry {job.num_retries} of {max_retries}")
+        return self._record_relaunch(
+            session, job, cause=f"{cause}; retry {job.num_retries} of {max_retries}", tail=tail
+        )
 
-    def _record_relaunch(self, session: Session, job: Job, *, cause: str) -> _Settled | None:
+    def _record_relaunch(self, session: Session, job: Job, *, cause: str, tail: str = "") -> _Settled | None:
         """A new attempt from the latest complete checkpoint; rows past it are superseded. The
         launch itself comes after the commit: a service that stops in between relaunches it."""
         resume = self.launcher.resume_step(job)
@@ -276,7 +279,7 @@ class Scheduler:
         supersede_after(session, job, resume_step=resume)
         where = f"checkpoint step {resume - 1}" if resume else "the start (no checkpoint yet)"
         if job.status != "restarting" and not transition(
-            session, job, "restarting", f"{cause}: attempt {job.attempt + 1} resumes from {where}"
+            session, job, "restarting", f"{cause}: attempt {job.attempt + 1} resumes from {where}{tail}"
         ):
             return None
         job.attempt += 1

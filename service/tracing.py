@@ -3,8 +3,9 @@
 The trace needs torch and runs the model's own code, so it never runs in the API process: a
 Ray task (num_cpus=0: a trace takes a second or so and must not queue behind the training
 ranks holding the CPUs) does it within ZERO1_PLAN_TIMEOUT_S. What a trace depends on — the
-model, precision, micro-batch, sequence length and checkpointing — is hashed into a digest;
-an identical request answers from the cache without asking Ray.
+model (a python model's code bundle digest with it), precision, micro-batch, sequence length and
+checkpointing — is hashed into a digest; an identical request answers from the cache without
+asking Ray. A python model's trace runs with its bundle as the task's working_dir.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import hashlib
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +64,8 @@ def run_trace(request: TraceRequest) -> TracedStep:
     """The trace itself, in the process that calls it (a Ray task's, or the CLI's): imports torch."""
     if request.model["kind"] == "hf":
         return _run_hf_trace(request)
+    if request.model["kind"] == "python":
+        return _run_python_trace(request)
     from workers.models import trace_builtin
     from workers.specs import GPTSpec, MLPSpec
 
@@ -111,13 +115,42 @@ def _run_hf_trace(request: TraceRequest) -> TracedStep:
     )
 
 
+def _run_python_trace(request: TraceRequest) -> TracedStep:
+    """A python model's trace, in a worker whose working directory is the job's code bundle."""
+    from workers.models import DTYPES
+    from workers.usercode import trace_python
+
+    assert request.seq_len is not None, "a python model's plan states seq_len"
+    traced = trace_python(
+        request.model["entrypoint"],
+        request.model.get("args") or {},
+        precision_dtype=DTYPES[request.precision],
+        micro_batch_size=request.micro_batch_size,
+        seq_len=request.seq_len,
+        vocab_size=request.model.get("vocab_size"),
+    )
+    trace = traced.trace
+    return TracedStep(
+        group_numels=(trace.params.decay_numel, trace.params.no_decay_numel),
+        frozen_numel=trace.params.frozen_numel,
+        activations_bytes=trace.memory.activations_bytes,
+        temporaries_bytes=trace.memory.temporaries_bytes,
+        vocab_size=traced.vocab_size,
+        max_position_embeddings=request.seq_len,
+    )
+
+
 class Tracer:
     """Traces on the Ray cluster within `timeout_s`, remembering each digest's result."""
 
-    def __init__(self, *, timeout_s: float, in_process: bool = False) -> None:
+    def __init__(
+        self, *, timeout_s: float, in_process: bool = False, code_uri: Callable[[str], str] | None = None
+    ) -> None:
         self.timeout_s = timeout_s
         self.in_process = in_process
         """Trace in this process (the CLI, which may import torch), not in a Ray task."""
+        self.code_uri = code_uri
+        """A code bundle's digest -> the URI Ray unpacks as a trace task's working_dir (a python model's)."""
         self.traces_run = 0
         """Traces made (not answered from the cache), since this Tracer was made."""
         self._cache: OrderedDict[str, TracedStep] = OrderedDict()
@@ -138,9 +171,23 @@ class Tracer:
         return traced
 
     def _run(self, request: TraceRequest) -> TracedStep:
+        code = request.model.get("code")
         if self.in_process:
+            if code is not None:  # user code never runs in this process
+                raise invalid_model("model", "a python model is planned by the service (POST /v1/plan), not here")
             return _with_trace_errors(lambda: run_trace(request))
-        return run_task(run_trace, request, timeout_s=self.timeout_s, timed_out=self._timed_out, failed=_trace_failed)
+        runtime_env = None
+        if code is not None:
+            assert self.code_uri is not None, "tracing a python model needs the code store"
+            runtime_env = {"working_dir": self.code_uri(code)}
+        return run_task(
+            run_trace,
+            request,
+            timeout_s=self.timeout_s,
+            timed_out=self._timed_out,
+            failed=_trace_failed,
+            runtime_env=runtime_env,
+        )
 
     def _timed_out(self) -> ServiceError:
         return ServiceError(

@@ -49,6 +49,9 @@ class Placement:
     rendezvous_timeout_s: float = 120.0
     """How long the placed ranks may take to start (their processes, imports) and report their address."""
     process_group_timeout_s: float = 300.0
+    working_dir: str | None = None
+    """A code bundle's URI (file://...zip) Ray unpacks on each rank's node as its working directory
+    (a python model's); None: the ranks run zero1's code only."""
 
     def __post_init__(self) -> None:
         if self.num_workers < 1 or self.timeout_s <= 0 or self.cpus_per_worker < 0 or self.rendezvous_timeout_s <= 0:
@@ -219,6 +222,7 @@ class JobSupervisor:
                 num_gpus=1,
                 num_cpus=p.cpus_per_worker,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank),
+                **({"runtime_env": {"working_dir": p.working_dir}} if p.working_dir else {}),
             ).remote(rank, p.num_workers)
             for rank in range(p.num_workers)
         ]

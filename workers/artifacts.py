@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from workers.checkpoints import MANIFEST, write_json
-from workers.config import DatasetSpec, HFSpec, TrainConfig
+from workers.config import DatasetSpec, HFSpec, ModelKind, PythonSpec, TrainConfig
 from workers.memory import GPTSpec, MLPSpec
 from workers.optim import ZeRO1AdamW
 
@@ -98,9 +98,10 @@ def write_final(
         dist.barrier(group=process_group)
 
 
-def model_spec_json(spec: GPTSpec | MLPSpec | HFSpec) -> dict[str, Any]:
-    """The model spec as the API's `model` takes it (kind included)."""
-    kind = {GPTSpec: "gpt", MLPSpec: "mlp", HFSpec: "hf"}[type(spec)]
+def model_spec_json(spec: ModelKind) -> dict[str, Any]:
+    """The model spec as the API's `model` takes it (kind included; a python model's with its
+    code digest and the vocab_size and block_size its trace resolved)."""
+    kind = {GPTSpec: "gpt", MLPSpec: "mlp", HFSpec: "hf", PythonSpec: "python"}[type(spec)]
     fields = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(spec).items()}
     return {"kind": kind, **fields}
 

@@ -102,10 +102,32 @@ class HFSpec:
             raise ValueError("exactly one of config or path is required")
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PythonSpec:
+    """A model of the user's own code: `entrypoint` ("package.module:function") called with `args`
+    returns a torch.nn.Module; `model(input_ids, labels)` returns the mean loss. The function runs
+    only where the job's code bundle is the working directory (a rank, a trace's Ray task)."""
+
+    entrypoint: str
+    args: dict[str, Any] = field(default_factory=dict)
+    code: str
+    """The bundle, "sha256:<64 hex>" (POST /v1/code)."""
+    vocab_size: int
+    """Token ids the model takes, as its trace resolved them when the job was admitted."""
+    block_size: int
+    """The job's seq_len: a python model's longest sequence is the one it was planned at."""
+
+    def __post_init__(self) -> None:
+        module, _, function = self.entrypoint.partition(":")
+        if not module or not function:
+            raise ValueError(f"entrypoint must be 'package.module:function', got {self.entrypoint!r}")
+
+
 class InvalidModelError(ValueError):
-    """An hf model's config or directory that transformers cannot use; `field` names it in the
-    job's body (model.config or model.path). Raised where transformers runs (a trace's Ray task,
-    a rank) and turned into a 422 by the service, so it lives here, away from torch."""
+    """An hf model's config or directory that transformers cannot use, or a python model's code
+    that fails; `field` names it in the job's body (model.config, model.path, model.entrypoint).
+    Raised where the model is built (a trace's Ray task, a rank) and turned into a 422 by the
+    service, so it lives here, away from torch."""
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
@@ -116,7 +138,7 @@ class InvalidModelError(ValueError):
         return type(self), (self.field, self.reason)
 
 
-ModelKind = GPTSpec | MLPSpec | HFSpec
+ModelKind = GPTSpec | MLPSpec | HFSpec | PythonSpec
 """What a job trains (ModelSpec in the API's schemas)."""
 
 

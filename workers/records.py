@@ -7,6 +7,7 @@ checkpoint files (JSON) and the scheduler into the database and the API. Standar
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
@@ -67,29 +68,57 @@ STORED_FIELDS = tuple(f.name for f in fields(MetricRow) if f.name != "rank")
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankError:
-    """Why an attempt ended: the exception's type and first line, and where (rank and node, when
-    one rank's failure ended it; None for a start, a supervisor or the control plane)."""
+    """Why an attempt ended: the exception's type and first line, the last lines of its traceback,
+    and where (rank and node, when one rank's failure ended it; None for a start, a supervisor or
+    the control plane)."""
 
     exception: str
     message: str
     rank: int | None = None
     node_id: str | None = None
+    traceback: tuple[str, ...] = ()
+    """The last TRACEBACK_LINES lines of the failing rank's traceback (a code bundle's files named
+    relative to it); empty where there is none."""
 
     @classmethod
     def of(cls, exc: BaseException, *, rank: int | None = None, node_id: str | None = None) -> RankError:
-        lines = str(exc).strip().splitlines()
+        """The error of `exc`; a Ray task error is its cause's, with the remote traceback's tail."""
+        cause = getattr(exc, "cause", None)  # ray.exceptions.RayTaskError wraps the rank's own exception
+        error = cause if isinstance(cause, BaseException) else exc
+        lines = str(error).strip().splitlines()
         return cls(
-            exception=type(exc).__name__, message=lines[0] if lines else type(exc).__name__, rank=rank, node_id=node_id
+            exception=type(error).__name__,
+            message=lines[0] if lines else type(error).__name__,
+            rank=rank,
+            node_id=node_id,
+            traceback=_traceback_tail(exc) if error is not exc else (),
         )
 
     def to_json(self) -> dict[str, Any]:
         """As a job's `error` stores it."""
-        return asdict(self)
+        return {**asdict(self), "traceback": list(self.traceback)}
 
     def reason(self) -> str:
         """The event text: where, then what."""
         where = f"rank {self.rank} on node {self.node_id}: " if self.rank is not None else ""
         return f"{where}{self.exception}: {self.message}"
+
+    def traceback_text(self) -> str:
+        """The traceback's last lines, each on a line of its own after a newline; "" without one."""
+        return "".join(f"\n{line}" for line in self.traceback)
+
+
+TRACEBACK_LINES = 12
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_BUNDLE_DIR = re.compile(r"\S*/working_dir_files/[^/]+/")
+"""Where Ray unpacks a code bundle on a node: a user's file is named relative to its bundle."""
+
+
+def _traceback_tail(exc: BaseException) -> tuple[str, ...]:
+    """The last lines of a Ray task error's remote traceback, without colours or caret lines."""
+    lines = [_BUNDLE_DIR.sub("", _ANSI.sub("", line)).rstrip() for line in str(exc).splitlines()]
+    kept = [line for line in lines[1:] if line.strip() and set(line.strip()) - set("^~")]
+    return tuple(line[:500] for line in kept[-TRACEBACK_LINES:])
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

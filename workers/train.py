@@ -32,12 +32,12 @@ from workers.checkpoints import (
     step_dir,
     write_json,
 )
-from workers.config import HFSpec, TrainConfig
+from workers.config import HFSpec, PythonSpec, TrainConfig
 from workers.data import Batches
 from workers.models import DTYPES, build_model
 from workers.optim import ZeRO1AdamW, decay_param_groups
 from workers.records import MetricRow, TrainResult
-from workers.trace import measure_step
+from workers.trace import loss_of, measure_step
 
 
 class NonFiniteError(RuntimeError):
@@ -170,6 +170,8 @@ def _build(config: TrainConfig, *, device: torch.device) -> torch.nn.Module:
     build = build_model
     if isinstance(config.model, HFSpec):
         from workers.hf import build_hf as build  # transformers loads in a second or two: only when needed
+    elif isinstance(config.model, PythonSpec):
+        from workers.usercode import build_python as build
     return build(
         config.model,
         dtype=DTYPES[config.precision],
@@ -222,7 +224,7 @@ class _StepContext:
         the model states at its peak, counted as the plan counts them (workers/trace.py)."""
 
         def forward() -> torch.Tensor:
-            return self.model(inputs, targets) / accumulation
+            return loss_of(self.model(inputs, targets)) / accumulation
 
         def backward(loss: torch.Tensor) -> None:
             self.opt.scale_loss(loss).backward()
@@ -244,7 +246,7 @@ class _StepContext:
         try:
             for index in range(num_batches):
                 inputs, targets = (t.to(self.device) for t in self.batches.held_out_micro_batch(index))
-                total += self.model(inputs, targets).float()
+                total += loss_of(self.model(inputs, targets)).float()
         finally:
             self.model.train(was_training)
         total /= num_batches
