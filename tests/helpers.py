@@ -1,11 +1,15 @@
 """What the tests share: the tiny job they train, waiting with a deadline, free loopback ports,
-where the service stored a job's files. One module, so no test file keeps its own copy."""
+where the service stored a job's files, the zips code bundle tests upload. One module, so no
+test file keeps its own copy."""
 
 from __future__ import annotations
 
+import io
 import random
 import socket
+import stat
 import time
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -154,3 +158,26 @@ def job_checkpoint_dir(database_url: str, checkpoints: Path, job_id: int) -> Pat
     finally:
         engine.dispose()
     return Path(checkpoints) / checkpoint_dirname(job_id, run_id)
+
+
+# --------------------------------------------------------------------------- code bundles
+
+
+def zip_of(files: dict[str, bytes], *, compression: int = zipfile.ZIP_DEFLATED) -> bytes:
+    """A zip of `files` (name -> bytes; a name ending in "/" is a directory), in that order."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", compression=compression) as archive:
+        for name, data in files.items():
+            archive.writestr(name, data)
+    return buffer.getvalue()
+
+
+def symlink_zip(name: str, target: str) -> bytes:
+    """A zip whose one entry is a symlink `name` -> `target`, as `zip --symlinks` stores one."""
+    info = zipfile.ZipInfo(name)
+    info.create_system = 3  # Unix: the mode's file type counts
+    info.external_attr = (stat.S_IFLNK | 0o777) << 16
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        archive.writestr(info, target)
+    return buffer.getvalue()
