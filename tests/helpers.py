@@ -8,8 +8,10 @@ import io
 import random
 import socket
 import stat
+import struct
 import time
 import zipfile
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -181,3 +183,24 @@ def symlink_zip(name: str, target: str) -> bytes:
     with zipfile.ZipFile(buffer, "w") as archive:
         archive.writestr(info, target)
     return buffer.getvalue()
+
+
+EIGHT_MIB = 8 << 20
+
+
+def deflated_zeros(*, num_blocks: int) -> bytes:
+    """A raw deflate stream of num_blocks * 8 MiB zeros, made without compressing them all: one block,
+    flushed so that it refers to nothing before it, repeated."""
+    compressor = zlib.compressobj(9, zlib.DEFLATED, -15)
+    block = compressor.compress(bytes(EIGHT_MIB)) + compressor.flush(zlib.Z_FULL_FLUSH)
+    return block * num_blocks + compressor.flush()
+
+
+def one_entry_zip(name: str, compressed: bytes, *, claimed_bytes: int, crc: int = 0) -> bytes:
+    """A zip of one deflated entry whose headers (local and central) say `claimed_bytes` and `crc`."""
+    raw = name.encode()
+    sizes = (crc, len(compressed), claimed_bytes)
+    local = struct.pack("<4s5H3I2H", b"PK\x03\x04", 20, 0, 8, 0, 0x21, *sizes, len(raw), 0) + raw
+    central = struct.pack("<4s6H3I5H2I", b"PK\x01\x02", 20, 20, 0, 8, 0, 0x21, *sizes, len(raw), 0, 0, 0, 0, 0, 0)
+    end = struct.pack("<4s4H2IH", b"PK\x05\x06", 0, 0, 1, 1, len(central) + len(raw), len(local) + len(compressed), 0)
+    return local + compressed + central + raw + end

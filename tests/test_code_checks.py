@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import random
-import struct
 import tracemalloc
 import zipfile
 import zlib
@@ -17,7 +16,7 @@ from ray._private.runtime_env.packaging import unzip_package
 from service.code import CodeStore, check_bundle, check_digest
 from service.errors import ServiceError
 
-from helpers import symlink_zip, zip_of
+from helpers import EIGHT_MIB, deflated_zeros, one_entry_zip, symlink_zip, zip_of
 
 FILES = {
     "pkg/": b"",
@@ -26,7 +25,6 @@ FILES = {
     "data/vocab.txt": bytes(range(256)) * 4,
     "README": b"",
 }
-EIGHT_MIB = 8 << 20
 
 
 def refusal(data: bytes, **limits) -> ServiceError:
@@ -35,24 +33,6 @@ def refusal(data: bytes, **limits) -> ServiceError:
     assert (caught.value.status_code, caught.value.error) == (422, "invalid_code")
     assert caught.value.extra["detail"][0]["field"] == "body"
     return caught.value
-
-
-def deflated_zeros(*, num_blocks: int) -> bytes:
-    """A raw deflate stream of num_blocks * 8 MiB zeros, made without compressing them all: one block,
-    flushed so that it refers to nothing before it, repeated."""
-    compressor = zlib.compressobj(9, zlib.DEFLATED, -15)
-    block = compressor.compress(bytes(EIGHT_MIB)) + compressor.flush(zlib.Z_FULL_FLUSH)
-    return block * num_blocks + compressor.flush()
-
-
-def one_entry_zip(name: str, compressed: bytes, *, claimed_bytes: int, crc: int = 0) -> bytes:
-    """A zip of one deflated entry whose headers (local and central) say `claimed_bytes` and `crc`."""
-    raw = name.encode()
-    sizes = (crc, len(compressed), claimed_bytes)
-    local = struct.pack("<4s5H3I2H", b"PK\x03\x04", 20, 0, 8, 0, 0x21, *sizes, len(raw), 0) + raw
-    central = struct.pack("<4s6H3I5H2I", b"PK\x01\x02", 20, 20, 0, 8, 0, 0x21, *sizes, len(raw), 0, 0, 0, 0, 0, 0)
-    end = struct.pack("<4s4H2IH", b"PK\x05\x06", 0, 0, 1, 1, len(central) + len(raw), len(local) + len(compressed), 0)
-    return local + compressed + central + raw + end
 
 
 # --------------------------------------------------------------------------- check_bundle
