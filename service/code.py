@@ -17,7 +17,7 @@ import tempfile
 import zipfile
 import zlib
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -101,20 +101,14 @@ def _unpack(data: bytes, *, into: zipfile.ZipFile | None, max_entries: int, max_
                 if into is not None:
                     into.writestr(_stored_info(f"{TOP_LEVEL_DIR}/{name}/"), b"")
                 continue
-            if into is None:
+            stored = _stored_info(f"{TOP_LEVEL_DIR}/{name}", mode=info.external_attr >> 16)
+            # zip64 fields once an entry may pass 4 GiB (deflate adds a little to incompressible data)
+            zip64 = max_uncompressed_bytes > zipfile.ZIP64_LIMIT // 2
+            with nullcontext() if into is None else into.open(stored, "w", force_zip64=zip64) as out:
                 total_bytes = _copy_entry(
-                    source, info, out=None, total_bytes=total_bytes, max_bytes=max_uncompressed_bytes
+                    source, info, out=out, total_bytes=total_bytes, max_bytes=max_uncompressed_bytes
                 )
-            else:
-                stored = _stored_info(f"{TOP_LEVEL_DIR}/{name}", mode=info.external_attr >> 16)
-                # zip64 fields once an entry may pass 4 GiB (deflate adds a little to incompressible data)
-                with into.open(stored, "w", force_zip64=max_uncompressed_bytes > zipfile.ZIP64_LIMIT // 2) as out:
-                    total_bytes = _copy_entry(
-                        source, info, out=out, total_bytes=total_bytes, max_bytes=max_uncompressed_bytes
-                    )
             num_files += 1
-    if num_files == 0:
-        raise invalid_code("the zip holds no files")
     return BundleInfo(digest=digest_of(data), bytes=len(data), files=num_files, uncompressed_bytes=total_bytes)
 
 
@@ -130,6 +124,8 @@ def _check_names(infos: list[zipfile.ZipInfo], *, max_entries: int) -> dict[str,
         if name in entries:
             raise invalid_code(f"entry {info.filename!r} names the same path as an earlier entry", entry=info.filename)
         entries[name] = info
+    if all(info.is_dir() for info in entries.values()):
+        raise invalid_code("the zip holds no files")
     return entries
 
 
