@@ -9,6 +9,7 @@ import zlib
 from pathlib import Path
 
 import pytest
+import ray
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
@@ -214,3 +215,21 @@ def test_the_store_is_code_under_the_checkpoint_uri(open_app):
     code = upload(open_app, BUNDLE)["code"]
     path = Path(runtime.settings.checkpoint_uri).resolve() / "code" / f"{code.removeprefix('sha256:')}.zip"
     assert path.is_file() and runtime.code.uri(code) == path.as_uri() == f"file://{path}"
+
+
+def test_a_ray_task_runs_in_the_stored_bundle(open_app):
+    """The contract the workers rely on: the store's URI as a runtime_env working_dir puts the user's
+    files at the root of the task's working directory, importable."""
+    data = zip_of({"ranked/": b"", "ranked/__init__.py": b"", "ranked/net.py": b"WIDTH = 7\n", "notes.txt": b"hi"})
+    code = upload(open_app, data)["code"]
+
+    @ray.remote(num_cpus=0)
+    def look() -> tuple[list[str], int]:
+        import os
+
+        from ranked.net import WIDTH
+
+        return sorted(os.listdir(".")), WIDTH
+
+    uri = open_app.app.state.runtime.code.uri(code)
+    assert ray.get(look.options(runtime_env={"working_dir": uri}).remote(), timeout=120) == (["notes.txt", "ranked"], 7)
