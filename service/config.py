@@ -107,7 +107,11 @@ class Settings(BaseSettings):
     followed), comma-separated or a JSON list; relative ones are under the service's working
     directory. Nothing is ever downloaded: a hub id is refused."""
     max_request_bytes: int = Field(1 << 20, ge=1024, le=1 << 30)
-    """Largest request body the API reads, in bytes; larger ones get 413."""
+    """Largest request body the API reads, in bytes; larger ones get 413. A code bundle has its own
+    limit, ZERO1_MAX_CODE_BYTES."""
+    max_code_bytes: int = Field(100 << 20, ge=1024, le=1 << 32)
+    """Largest code bundle (the zip of POST /v1/code) the API reads, in bytes; larger ones get 413. It is
+    held in memory while it is checked."""
     max_queued_jobs_per_user: int = Field(1000, ge=1, le=1_000_000)
     """Queued jobs one user (one token's user; everyone when auth is off) may have;
     a submit past it gets 429."""

@@ -11,7 +11,7 @@ from fastapi.staticfiles import StaticFiles
 
 from service import dashboard
 from service.api import root, v1
-from service.api.limits import BodySizeLimit
+from service.api.limits import BodyLimit, BodySizeLimit
 from service.auth import Authenticator, TokenTable, load_tokens
 from service.config import Settings, get_settings
 from service.dashboard.login import install_login, require_page_reader
@@ -47,7 +47,11 @@ def create_app(settings: Settings | None = None, *, tokens: TokenTable | None = 
         lifespan=lifespan,
     )
     app.state.authenticator = Authenticator(tokens, public_read=settings.public_read)
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
+    app.add_middleware(
+        BodySizeLimit,
+        default=BodyLimit(settings.max_request_bytes, "ZERO1_MAX_REQUEST_BYTES"),
+        by_path={"/v1/code": BodyLimit(settings.max_code_bytes, "ZERO1_MAX_CODE_BYTES")},
+    )
     install_error_handlers(app)
     app.include_router(root)
     app.include_router(v1)

@@ -1,4 +1,4 @@
-"""The database: jobs, their state transitions, and their per-step metrics.
+"""The database: jobs, their state transitions, their per-step metrics, and who uploaded which code.
 
 The schema changes only through Alembic migrations (migrations/); a test
 checks that these models and the migrations agree.
@@ -127,3 +127,21 @@ class Metric(Base):
     """The held-out loss on a step that evaluated; null on the others (and when not finite)."""
     superseded: Mapped[bool] = mapped_column(Boolean, default=False)
     """True for rows of an attempt past the checkpoint a retry resumed from."""
+
+
+class CodeBundle(Base):
+    """One uploader's record of a code bundle: the same bytes uploaded by two users are one stored zip
+    (named by its digest) and two rows."""
+
+    __tablename__ = "code_bundles"
+    # unique per uploader; its first column is also the index that finds a digest's rows
+    __table_args__ = (Index("ix_code_bundles_digest_uploader", "digest", "uploader", unique=True),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    digest: Mapped[str] = mapped_column(String(71))
+    """"sha256:<64 hex>" of the zip as uploaded."""
+    uploader: Mapped[str | None] = mapped_column(String(200), default=None)
+    """The token's user; null for an upload while auth was off."""
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    files: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)

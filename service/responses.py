@@ -214,3 +214,19 @@ class RecommendationsPublic(BaseModel):
     max_gpus: int
     gpu_memory_bytes: int
     cost_model: CostModelPublic
+
+
+class CodeBundlePublic(BaseModel):
+    """A stored code bundle, as its upload answers."""
+
+    code: str = Field(description="sha256:<64 hex> of the zip's bytes as uploaded: what a job's `code` names.")
+    bytes: int = Field(description="The zip's size.")
+    files: int = Field(description="Regular files in it.")
+
+
+class CodeBundleDetailPublic(CodeBundlePublic):
+    uploaded_by: list[str | None] = Field(
+        description="Who uploaded it, first uploader first: every one to an admin, only yourself to others; "
+        "null for an upload while auth was off."
+    )
+    created_at: datetime = Field(description="The first of those uploads.")

@@ -1,10 +1,11 @@
-"""What the service runs while it is up: database, Ray cluster, launcher and scheduler."""
+"""What the service runs while it is up: database, Ray cluster, launcher, scheduler and code store."""
 
 from __future__ import annotations
 
 import logging
 
 from service.cluster import RayCluster
+from service.code import CodeStore, code_dir
 from service.config import Settings
 from service.dataprep import DatasetChecker
 from service.db import Database, upgrade
@@ -21,6 +22,7 @@ class Runtime:
         self.db = Database(settings.database_url)
         self.cluster = RayCluster(settings)
         self.launcher = RayLauncher(settings)
+        self.code = CodeStore(code_dir(settings.checkpoint_uri))
         self.tracer = Tracer(timeout_s=settings.plan_timeout_s)
         self.datasets = DatasetChecker(timeout_s=settings.data_timeout_s)
         self.scheduler = Scheduler(

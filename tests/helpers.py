@@ -1,11 +1,17 @@
 """What the tests share: the tiny job they train, waiting with a deadline, free loopback ports,
-where the service stored a job's files. One module, so no test file keeps its own copy."""
+where the service stored a job's files, the zips code bundle tests upload. One module, so no
+test file keeps its own copy."""
 
 from __future__ import annotations
 
+import io
 import random
 import socket
+import stat
+import struct
 import time
+import zipfile
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -154,3 +160,47 @@ def job_checkpoint_dir(database_url: str, checkpoints: Path, job_id: int) -> Pat
     finally:
         engine.dispose()
     return Path(checkpoints) / checkpoint_dirname(job_id, run_id)
+
+
+# --------------------------------------------------------------------------- code bundles
+
+
+def zip_of(files: dict[str, bytes], *, compression: int = zipfile.ZIP_DEFLATED) -> bytes:
+    """A zip of `files` (name -> bytes; a name ending in "/" is a directory), in that order."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", compression=compression) as archive:
+        for name, data in files.items():
+            archive.writestr(name, data)
+    return buffer.getvalue()
+
+
+def symlink_zip(name: str, target: str) -> bytes:
+    """A zip whose one entry is a symlink `name` -> `target`, as `zip --symlinks` stores one."""
+    info = zipfile.ZipInfo(name)
+    info.create_system = 3  # Unix: the mode's file type counts
+    info.external_attr = (stat.S_IFLNK | 0o777) << 16
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        archive.writestr(info, target)
+    return buffer.getvalue()
+
+
+EIGHT_MIB = 8 << 20
+
+
+def deflated_zeros(*, num_blocks: int) -> bytes:
+    """A raw deflate stream of num_blocks * 8 MiB zeros, made without compressing them all: one block,
+    flushed so that it refers to nothing before it, repeated."""
+    compressor = zlib.compressobj(9, zlib.DEFLATED, -15)
+    block = compressor.compress(bytes(EIGHT_MIB)) + compressor.flush(zlib.Z_FULL_FLUSH)
+    return block * num_blocks + compressor.flush()
+
+
+def one_entry_zip(name: str, compressed: bytes, *, claimed_bytes: int, crc: int = 0) -> bytes:
+    """A zip of one deflated entry whose headers (local and central) say `claimed_bytes` and `crc`."""
+    raw = name.encode()
+    sizes = (crc, len(compressed), claimed_bytes)
+    local = struct.pack("<4s5H3I2H", b"PK\x03\x04", 20, 0, 8, 0, 0x21, *sizes, len(raw), 0) + raw
+    central = struct.pack("<4s6H3I5H2I", b"PK\x01\x02", 20, 20, 0, 8, 0, 0x21, *sizes, len(raw), 0, 0, 0, 0, 0, 0)
+    end = struct.pack("<4s4H2IH", b"PK\x05\x06", 0, 0, 1, 1, len(central) + len(raw), len(local) + len(compressed), 0)
+    return local + compressed + central + raw + end

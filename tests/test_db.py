@@ -12,9 +12,9 @@ from sqlalchemy import delete, func, inspect, select
 from sqlalchemy.exc import IntegrityError, StatementError
 
 from service.db import Database, alembic_config, downgrade, make_engine, upgrade
-from service.models import Base, Job, JobEvent, Metric
+from service.models import Base, CodeBundle, Job, JobEvent, Metric
 
-TABLES = {"jobs", "job_events", "metrics", "alembic_version"}
+TABLES = {"jobs", "job_events", "metrics", "code_bundles", "alembic_version"}
 GIB = 2**30
 
 
@@ -57,7 +57,7 @@ def _schema(url: str) -> tuple[set[str], str | None]:
         engine.dispose()
 
 
-HEAD = "0005"
+HEAD = "0006"
 
 
 def _count(database: Database, model: type[Base], job_id: int) -> int:
@@ -69,7 +69,10 @@ def test_one_linear_history(database_url):
     script = ScriptDirectory.from_config(alembic_config(database_url))
     assert script.get_heads() == [HEAD]
     revisions = [r.revision for r in script.walk_revisions()]  # head first, each down to the one before
-    assert revisions == ["0005", "0004", "0003", "0002", "0001"] and script.get_revision("0001").down_revision is None
+    assert (
+        revisions == ["0006", "0005", "0004", "0003", "0002", "0001"]
+        and script.get_revision("0001").down_revision is None
+    )
 
 
 def test_migrations_match_the_models(database):
@@ -185,3 +188,17 @@ def test_deleting_a_job_deletes_its_events_and_metrics(database):
 
     assert (_count(database, JobEvent, doomed.id), _count(database, Metric, doomed.id)) == (0, 0)
     assert (_count(database, JobEvent, kept.id), _count(database, Metric, kept.id)) == (1, 2)
+
+
+def test_a_code_bundle_is_recorded_once_per_uploader(database):
+    digest = "sha256:" + "ab" * 32
+    with database.session() as session:
+        session.add_all([CodeBundle(digest=digest, uploader=user, bytes=5 * GIB, files=3) for user in ("alice", "bob")])
+
+    with pytest.raises(IntegrityError), database.session() as session:
+        session.add(CodeBundle(digest=digest, uploader="alice", bytes=5 * GIB, files=3))
+
+    with database.session() as session:
+        rows = session.scalars(select(CodeBundle).where(CodeBundle.digest == digest).order_by(CodeBundle.id)).all()
+    assert [(row.uploader, row.bytes, row.files) for row in rows] == [("alice", 5 * GIB, 3), ("bob", 5 * GIB, 3)]
+    assert all(row.created_at.tzinfo is not None for row in rows)

@@ -106,13 +106,18 @@ def cancel_all(client: TestClient, jobs: list[dict]) -> None:
 # --------------------------------------------------------------------------- tokens
 
 
-MUTATIONS = [("post", "/v1/jobs", {"json": job_body()}), ("post", "/v1/jobs/1/cancel", {})]
+MUTATIONS = [
+    ("post", "/v1/jobs", {"json": job_body()}),
+    ("post", "/v1/jobs/1/cancel", {}),
+    ("post", "/v1/code", {"content": b"PK\x05\x06" + bytes(18)}),
+]
 READS = [
     ("get", "/v1/jobs", {}),
     ("get", "/v1/jobs/1", {}),
     ("get", "/v1/jobs/1/metrics", {}),
     ("get", "/v1/jobs/1/events", {}),
     ("get", "/v1/cluster", {}),
+    ("get", f"/v1/code/sha256:{'0' * 64}", {}),
     ("get", "/metrics", {}),
     ("post", "/v1/plan", {"json": {"num_params": 7_500_000_000}}),
     ("post", "/v1/plan/recommend", {"json": {"model": {"kind": "mlp", "sizes": [4, 2]}, "global_batch_size": 4}}),
@@ -181,6 +186,7 @@ def test_public_read_opens_reads_but_not_writes(public):
     assert public.post("/v1/plan/recommend", json=recommend).status_code == 200
     assert public.post("/v1/jobs", json=job_body()).status_code == 401
     assert public.post("/v1/jobs/1/cancel").status_code == 401
+    assert public.post("/v1/code", content=b"PK", headers={"Content-Type": "application/zip"}).status_code == 401
     schema = public.get("/openapi.json").json()["paths"]
     assert "security" not in schema["/v1/jobs"]["get"] and schema["/v1/jobs"]["post"]["security"]
     assert "security" not in schema["/v1/plan/recommend"]["post"]  # a read, like POST /v1/plan

@@ -7,12 +7,13 @@ ZERO1_PUBLIC_READ); the routes that change something ask for a writer too. /heal
 from fastapi import APIRouter, Depends
 
 from service.api.deps import require_reader
-from service.api.routes import cluster, health, jobs, plan, prometheus
+from service.api.routes import cluster, code, health, jobs, plan, prometheus
 
 v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_reader)])
 v1.include_router(plan.router)
 v1.include_router(jobs.router)
 v1.include_router(cluster.router)
+v1.include_router(code.router)
 
 root = APIRouter()
 root.include_router(health.router)

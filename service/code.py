@@ -1,0 +1,285 @@
+"""Code bundles: a user's zip, checked and stored content-addressed for Ray's `working_dir`.
+
+The standard library alone (and ServiceError): the API checks a bundle's entries without
+importing, let alone running, what is in it. User code runs only on the workers, where Ray
+unpacks the stored zip and puts it first on sys.path.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import io
+import os
+import re
+import stat
+import tempfile
+import zipfile
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from service.errors import ServiceError
+
+MAX_ENTRIES = 10_000
+MAX_UNCOMPRESSED_BYTES = 1 << 30
+RESERVED_NAMES = frozenset({"workers", "service", "zero1_migrations"})
+"""zero1's own top-level packages, which a bundle placed first on sys.path would shadow."""
+TOP_LEVEL_DIR = "bundle"
+"""Every entry of a stored zip is under it: Ray strips a remote package's single top-level directory."""
+DIGEST = re.compile(r"sha256:([0-9a-f]{64})")
+
+_CHUNK_BYTES = 1 << 20
+_UNKNOWN_SIZE = 1 << 62
+_METHODS = (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED)  # bzip2 and lzma decompress without a bound per read
+_DRIVE = re.compile(r"[A-Za-z]:")
+_EPOCH = (1980, 1, 1, 0, 0, 0)  # zip's earliest time: a stored zip depends on the files alone
+_UNITS = ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"))
+
+
+@dataclass(frozen=True, slots=True)
+class BundleInfo:
+    """A checked bundle: its digest (of the bytes as uploaded) and its sizes."""
+
+    digest: str
+    """"sha256:<64 hex>"."""
+    bytes: int
+    """The zip's size as uploaded."""
+    files: int
+    """Regular files (directories not counted)."""
+    uncompressed_bytes: int
+    """The files' bytes, as counted while decompressing them."""
+
+
+def invalid_code(message: str, *, entry: str | None = None) -> ServiceError:
+    """A 422 for a body that is not a bundle zero1 accepts, naming the entry."""
+    detail: dict[str, str] = {"field": "body", "message": message, "type": "value_error"}
+    if entry is not None:
+        detail["entry"] = entry
+    return ServiceError(f"body: {message}", status_code=422, error="invalid_code", detail=[detail])
+
+
+def check_digest(digest: str, *, field: str = "code") -> str:
+    """The 64 hex digits of "sha256:<64 hex>", or a 422 naming `field`."""
+    found = DIGEST.fullmatch(digest)
+    if found is None:
+        message = f"{digest[:80]!r} is not a code digest: expected 'sha256:' and 64 lowercase hex digits"
+        detail = [{"field": field, "message": message, "type": "value_error"}]
+        raise ServiceError(f"{field}: {message}", status_code=422, error="invalid_request", detail=detail)
+    return found.group(1)
+
+
+def digest_of(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def check_bundle(
+    data: bytes, *, max_entries: int = MAX_ENTRIES, max_uncompressed_bytes: int = MAX_UNCOMPRESSED_BYTES
+) -> BundleInfo:
+    """The bundle's digest and sizes, every file decompressed and counted; a 422 naming the entry otherwise."""
+    return _unpack(data, into=None, max_entries=max_entries, max_uncompressed_bytes=max_uncompressed_bytes)
+
+
+def _unpack(data: bytes, *, into: zipfile.ZipFile | None, max_entries: int, max_uncompressed_bytes: int) -> BundleInfo:
+    """Check the zip `data`; with `into`, write its files there under bundle/, in the order of their names."""
+    if not data:
+        raise invalid_code("the body is empty: send a zip")
+    try:
+        source = zipfile.ZipFile(io.BytesIO(data))
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError) as error:
+        raise invalid_code(f"not a zip file zero1 can read ({error})") from None
+    with source:
+        entries = _check_names(source.infolist(), max_entries=max_entries)
+        if into is not None:
+            into.writestr(_stored_info(TOP_LEVEL_DIR + "/"), b"")
+        num_files, total_bytes = 0, 0
+        for name, info in sorted(entries.items()):
+            if info.is_dir():
+                if into is not None:
+                    into.writestr(_stored_info(f"{TOP_LEVEL_DIR}/{name}/"), b"")
+                continue
+            stored = _stored_info(f"{TOP_LEVEL_DIR}/{name}", mode=info.external_attr >> 16)
+            # zip64 fields once an entry may pass 4 GiB (deflate adds a little to incompressible data)
+            zip64 = max_uncompressed_bytes > zipfile.ZIP64_LIMIT // 2
+            with nullcontext() if into is None else into.open(stored, "w", force_zip64=zip64) as out:
+                total_bytes = _copy_entry(
+                    source, info, out=out, total_bytes=total_bytes, max_bytes=max_uncompressed_bytes
+                )
+            num_files += 1
+    return BundleInfo(digest=digest_of(data), bytes=len(data), files=num_files, uncompressed_bytes=total_bytes)
+
+
+def _check_names(infos: list[zipfile.ZipInfo], *, max_entries: int) -> dict[str, zipfile.ZipInfo]:
+    """Plain name (no "." or empty parts, no trailing "/") -> entry, every name checked before any is read."""
+    if len(infos) > max_entries:
+        raise invalid_code(f"the zip has {len(infos)} entries, more than the limit of {max_entries}")
+    entries: dict[str, zipfile.ZipInfo] = {}
+    for info in infos:
+        name = _check_entry(info)
+        if name is None:
+            continue  # "./": the bundle's root itself
+        if name in entries:
+            raise invalid_code(f"entry {info.filename!r} names the same path as an earlier entry", entry=info.filename)
+        entries[name] = info
+    if all(info.is_dir() for info in entries.values()):
+        raise invalid_code("the zip holds no files")
+    return entries
+
+
+def _check_entry(info: zipfile.ZipInfo) -> str | None:
+    """The entry's plain name; a 422 for one that could land outside the bundle or shadow zero1."""
+    raw = info.filename
+    if raw.startswith(("/", "\\")) or _DRIVE.match(raw):
+        raise invalid_code(f"entry {raw!r} is an absolute path", entry=raw)
+    if "\\" in raw:  # Ray's unzip skips such a name without a word
+        raise invalid_code(f"entry {raw!r} has a backslash: a zip separates a path's parts with '/'", entry=raw)
+    parts = [part for part in raw.split("/") if part not in ("", ".")]
+    if ".." in parts:
+        raise invalid_code(f"entry {raw!r} has a '..' component", entry=raw)
+    if stat.S_ISLNK(info.external_attr >> 16):
+        raise invalid_code(f"entry {raw!r} is a symlink", entry=raw)
+    if not parts:
+        return None
+    package = parts[0] if len(parts) > 1 or info.is_dir() else parts[0].partition(".")[0]  # workers/ or workers.py
+    if package in RESERVED_NAMES:
+        raise invalid_code(
+            f"entry {raw!r} would shadow zero1's own package {package!r} (a bundle is first on sys.path): rename it",
+            entry=raw,
+        )
+    if not info.is_dir() and info.flag_bits & 0x1:
+        raise invalid_code(f"entry {raw!r} is encrypted", entry=raw)
+    if not info.is_dir() and info.compress_type not in _METHODS:
+        raise invalid_code(
+            f"entry {raw!r} is compressed by method {info.compress_type}; zip it with deflate (8) or none (0)",
+            entry=raw,
+        )
+    return "/".join(parts)
+
+
+def _copy_entry(
+    source: zipfile.ZipFile, info: zipfile.ZipInfo, *, out: IO[bytes] | None, total_bytes: int, max_bytes: int
+) -> int:
+    """Decompress one file in chunks into `out`, counting what comes out; the bundle's bytes so far.
+
+    The header's file_size is a claim, not a bound: zipfile is told the size is unknown, so that
+    it stops at the data's real end (and checks the CRC there), and the count decides.
+    """
+    raw = info.filename
+    unbounded = copy.copy(info)
+    unbounded.file_size = _UNKNOWN_SIZE
+    entry_bytes = 0
+    with _damaged_as_422(raw), source.open(unbounded) as stream:
+        while chunk := stream.read(_CHUNK_BYTES):
+            entry_bytes += len(chunk)
+            if total_bytes + entry_bytes > max_bytes:
+                raise invalid_code(f"the bundle unpacks to more than {_size(max_bytes)} at entry {raw!r}", entry=raw)
+            if out is not None:
+                out.write(chunk)
+    if entry_bytes != info.file_size:
+        raise invalid_code(
+            f"entry {raw!r} unpacks to {entry_bytes} bytes, but its header says {info.file_size}", entry=raw
+        )
+    return total_bytes + entry_bytes
+
+
+@contextmanager
+def _damaged_as_422(entry: str) -> Iterator[None]:
+    """zipfile's errors on a damaged entry (a bad CRC, bad deflate data, a cut-off file) as a 422 naming it."""
+    try:
+        yield
+    except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError, ValueError) as error:
+        raise invalid_code(f"entry {entry!r} is damaged ({error or type(error).__name__})", entry=entry) from None
+
+
+def _stored_info(name: str, *, mode: int = 0) -> zipfile.ZipInfo:
+    """A stored entry's header: a fixed time, 0o755 for directories and executables, 0o644 for other files."""
+    info = zipfile.ZipInfo(name, date_time=_EPOCH)
+    if name.endswith("/"):
+        info.external_attr = (stat.S_IFDIR | 0o755) << 16 | 0x10  # 0x10: MS-DOS's directory flag
+    else:
+        info.external_attr = (stat.S_IFREG | (0o755 if mode & 0o100 else 0o644)) << 16
+        info.compress_type = zipfile.ZIP_DEFLATED
+    return info
+
+
+def _size(num_bytes: int) -> str:
+    """1073741824 -> "1073741824 bytes (1 GiB)"."""
+    for unit_bytes, unit in _UNITS:
+        if num_bytes >= unit_bytes and num_bytes % unit_bytes == 0:
+            return f"{num_bytes} bytes ({num_bytes // unit_bytes} {unit})"
+    return f"{num_bytes} bytes"
+
+
+# --------------------------------------------------------------------------- the store
+
+
+def code_dir(checkpoint_uri: str) -> Path:
+    """Where bundles are stored: code/ under ZERO1_CHECKPOINT_URI, which every worker reads."""
+    return Path(checkpoint_uri).resolve() / "code"
+
+
+class CodeStore:
+    """Bundles as <root>/<64 hex>.zip, named by the digest of the bytes uploaded, each re-packed under
+    bundle/ so that Ray, which strips a remote zip's single top-level directory, unpacks the user's
+    files at the root of the job's working_dir."""
+
+    def __init__(
+        self, root: Path, *, max_entries: int = MAX_ENTRIES, max_uncompressed_bytes: int = MAX_UNCOMPRESSED_BYTES
+    ):
+        self.root, self.max_entries, self.max_uncompressed_bytes = root, max_entries, max_uncompressed_bytes
+
+    def path(self, digest: str) -> Path:
+        return self.root / f"{check_digest(digest)}.zip"
+
+    def uri(self, digest: str) -> str:
+        """The stored zip as a runtime_env working_dir: file://<path>."""
+        return self.path(digest).as_uri()
+
+    def exists(self, digest: str) -> bool:
+        return self.path(digest).is_file()
+
+    def put(self, data: bytes) -> tuple[BundleInfo, bool]:
+        """Check `data` and store it unless it is already; (its info, whether it was new to the store)."""
+        limits = {"max_entries": self.max_entries, "max_uncompressed_bytes": self.max_uncompressed_bytes}
+        target = self.path(digest_of(data))
+        if target.is_file():
+            return check_bundle(data, **limits), False
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            handle, temp = tempfile.mkstemp(dir=self.root, prefix=".upload-", suffix=".zip")
+        except OSError as error:
+            raise _unwritable(self.root, error) from None
+        try:
+            with os.fdopen(handle, "wb") as file:
+                with zipfile.ZipFile(file, "w", compression=zipfile.ZIP_DEFLATED) as into:
+                    info = _unpack(data, into=into, **limits)
+                file.flush()
+                os.fsync(file.fileno())
+            os.chmod(temp, 0o644)  # mkstemp's 0o600 would keep out workers that run as another user
+            os.replace(temp, target)  # atomic: a reader sees the whole zip or none
+            _fsync_dir(self.root)
+        except OSError as error:
+            raise _unwritable(self.root, error) from None
+        finally:
+            Path(temp).unlink(missing_ok=True)
+        return info, True
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename in `path` durable."""
+    handle = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(handle)
+    finally:
+        os.close(handle)
+
+
+def _unwritable(root: Path, error: OSError) -> ServiceError:
+    return ServiceError(
+        f"code storage under ZERO1_CHECKPOINT_URI ({root}) is not writable: {error.strerror or error}",
+        status_code=503,
+        error="code_storage_unwritable",
+    )
