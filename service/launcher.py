@@ -7,6 +7,7 @@ import math
 import re
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +44,10 @@ _NAME = re.compile(r"zero1-job-(\d+)-a(\d+)")
 class RayLauncher:
     """Starts, polls, cancels and releases job supervisors, one per (job, attempt)."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, code_uri: Callable[[str], str] | None = None) -> None:
         self.settings = settings
+        self.code_uri = code_uri
+        """A code bundle's digest -> the URI its ranks unpack as their working_dir (a python model's)."""
         self._supervisors: dict[tuple[int, int], Any] = {}
         self._storage_problems: dict[str, str] = {}
         self._storage_checked_at = -math.inf
@@ -148,6 +151,7 @@ class RayLauncher:
             cpus_per_worker=self.settings.cpus_per_worker,
             timeout_s=self.settings.placement_timeout_s,
             rendezvous_timeout_s=self.settings.rendezvous_timeout_s,
+            working_dir=self._working_dir(job.spec.get("code")),
         )
         supervisor = JobSupervisor.options(
             name=supervisor_name(job.id, job.attempt),
@@ -158,6 +162,12 @@ class RayLauncher:
         ).remote(str(job.id), config, placement)
         supervisor.start.remote()  # never raises: a start that fails is a "failed" status with its cause
         self._supervisors[(job.id, job.attempt)] = supervisor
+
+    def _working_dir(self, code: str | None) -> str | None:
+        if code is None:
+            return None
+        assert self.code_uri is not None, "a job with a code bundle needs the code store"
+        return self.code_uri(code)
 
     def _handle(self, job_id: int, attempt: int) -> Any | None:
         import ray

@@ -21,9 +21,9 @@ class Runtime:
         self.settings = settings
         self.db = Database(settings.database_url)
         self.cluster = RayCluster(settings)
-        self.launcher = RayLauncher(settings)
         self.code = CodeStore(code_dir(settings.checkpoint_uri))
-        self.tracer = Tracer(timeout_s=settings.plan_timeout_s)
+        self.launcher = RayLauncher(settings, code_uri=self.code.uri)
+        self.tracer = Tracer(timeout_s=settings.plan_timeout_s, code_uri=self.code.uri)
         self.datasets = DatasetChecker(timeout_s=settings.data_timeout_s)
         self.scheduler = Scheduler(
             db=self.db,
