@@ -11,11 +11,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from service.cluster import ClusterCapacity
+from service.data_specs import DatasetDataSpec, TextDataSpec
 from service.dataprep import DatasetChecker, DatasetRequest, invalid_data
 from service.errors import ServiceError
 from service.planning import make_plan, model_shape, plan_public, workload_for
 from service.responses import PlanPublic
-from service.schemas import DatasetDataSpec, JobSpec, TextDataSpec
+from service.schemas import JobSpec
 from service.tracing import Tracer
 from workers import datafiles, memory
 from workers.config import ModelKind

@@ -15,7 +15,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from service.config import get_settings
-from service.schemas import MAX_TEXT_DIGITS, too_many_digits
+from service.fields import MAX_TEXT_DIGITS, too_many_digits
 from workers.memory import GB, OPTIMIZERS, PRECISIONS, STAGES
 
 

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, load_model
 from torch import nn
 
 from service import cli
-from service.schemas import GPTModelSpec
+from service.model_specs import GPTModelSpec
 from workers.artifacts import write_final
 from workers.checkpoints import final_dir, shard_file
 from workers.config import DatasetSpec, HFSpec, SyntheticSpec, TrainConfig
