@@ -15,7 +15,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service.schemas import DATA_KINDS, MODEL_KINDS
+from service.data_specs import DATA_KINDS
+from service.model_specs import MODEL_KINDS
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from typing import TypeVar
 
 from pydantic import BaseModel
 
-from service.schemas import HFModelSpec
+from service.model_specs import HFModelSpec
 from service.tracing import invalid_model
 
 Body = TypeVar("Body", bound=BaseModel)

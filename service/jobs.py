@@ -1,4 +1,5 @@
-"""Jobs: admission by the memory model, the state machine, and the queries the API makes.
+"""Jobs: the state machine, storing a submitted job, and the queries the API makes (admission is
+service/admission.py's).
 
 Functions take the request's session and only flush; the caller commits.
 """
@@ -8,8 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,22 +18,14 @@ from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
 from service.auth import Principal
-from service.cluster import ClusterCapacity
-from service.dataprep import DatasetChecker, DatasetRequest, invalid_data
 from service.errors import ServiceError
 from service.models import Job, JobEvent, Metric, utcnow
-from service.planning import make_plan, model_shape, plan_public, workload_for
 from service.responses import ArtifactPublic, EventPublic, JobPublic, MetricPublic, PlanPublic
-from service.schemas import DatasetDataSpec, JobSpec, TextDataSpec
-from service.tracing import Tracer
-from workers import datafiles, memory
-from workers.config import ModelKind
-from workers.memory import GB
+from service.schemas import JobSpec
 from workers.records import finite_or_none
 
 if TYPE_CHECKING:
     from service.launcher import RayLauncher
-    from workers.datasets import DatasetSummary
 
 ACTIVE = ("starting", "running", "restarting")
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -72,126 +63,6 @@ def transition(session: Session, job: Job, to_status: str, reason: str) -> bool:
         set_committed_value(job, key, value)
     session.add(JobEvent(job_id=job.id, from_status=from_status, to_status=to_status, reason=reason))
     return True
-
-
-# --------------------------------------------------------------------------- admission
-
-
-def admit(spec: JobSpec, *, cluster: ClusterCapacity, overhead_bytes: int, tracer: Tracer | None = None) -> PlanPublic:
-    """The plan a job is admitted by (an hf model's traced by `tracer`), or a 422 does_not_fit that
-    says what would fit."""
-    request = spec.plan_request().model_copy(update={"gpu_memory_gb": cluster.gpu_memory_bytes / GB})
-    plan = make_plan(request, cluster=cluster, overhead_bytes=overhead_bytes, tracer=tracer)
-    public = plan_public(plan, shape=model_shape(request, tracer=tracer))
-    fits = {"cluster": cluster, "request": request, "overhead_bytes": overhead_bytes, "tracer": tracer}
-    if spec.num_gpus > cluster.num_gpus:
-        raise _does_not_fit(
-            public,
-            f"num_gpus ({spec.num_gpus}) exceeds the cluster's {cluster.num_gpus} GPUs" + _what_fits(plan, **fits),
-        )
-    if not plan.fits:
-        raise _does_not_fit(
-            public,
-            f"the per-GPU plan at N = {spec.num_gpus} is {plan.per_gpu.total_bytes / GB:.2f} GB, above "
-            f"the {plan.gpu_memory_bytes / GB:.2f} GB of each GPU" + _what_fits(plan, **fits),
-        )
-    return public
-
-
-def check_data(spec: JobSpec, *, data_roots: Sequence[str]) -> JobSpec:
-    """The spec with a text job's data.path made real (symlinks followed), or a 422 if that is outside the roots.
-
-    The workers then read the very file that was checked, whatever their working directory.
-    """
-    if isinstance(spec.data, DatasetDataSpec):
-        return _check_dataset_paths(spec, data=spec.data, data_roots=data_roots)
-    if not isinstance(spec.data, TextDataSpec):
-        return spec
-    path = spec.data.path
-    resolved = os.path.realpath(path)
-    roots = [os.path.realpath(root) for root in data_roots]
-    if not any(os.path.commonpath([resolved, root]) == root for root in roots):
-        raise invalid_data(
-            f"data.path: {path!r} is outside the data roots {roots} (ZERO1_DATA_ROOTS; symlinks are followed)"
-        )
-    if not os.path.isfile(resolved):
-        raise invalid_data(f"data.path: no such file: {path!r}")
-    return spec.model_copy(update={"data": TextDataSpec(kind="text", path=resolved)})
-
-
-def _check_dataset_paths(spec: JobSpec, *, data: DatasetDataSpec, data_roots: Sequence[str]) -> JobSpec:
-    """A 422 when a dataset's path or tokenizer is outside the roots or names no file (the standard
-    library's checks: reading and tokenizing is check_dataset's, in a Ray task); the paths made absolute."""
-    try:
-        datafiles.resolve_files(data.path, format=data.format, roots=data_roots)
-        if data.tokenizer not in (None, datafiles.BYTES):
-            datafiles.resolve_tokenizer(data.tokenizer, roots=data_roots)
-    except ValueError as exc:
-        raise invalid_data(str(exc)) from None
-    absolute = {"path": datafiles.absolute_path(data.path)}
-    if data.tokenizer not in (None, datafiles.BYTES):
-        absolute["tokenizer"] = os.path.realpath(data.tokenizer)
-    return spec.model_copy(update={"data": data.model_copy(update=absolute)})
-
-
-def check_dataset(
-    spec: JobSpec, *, model: ModelKind, checker: DatasetChecker, data_roots: Sequence[str], cache_dir: str
-) -> DatasetSummary | None:
-    """A dataset job's files read and tokenized into the cache (a Ray task), or a 422 naming the field:
-    text_field absent, tokenizer invalid or above the model's vocab_size, the dataset empty or under one
-    global batch of blocks. `model` is the job's workers' spec (vocab_size, block_size; an hf model's path)."""
-    if not isinstance(spec.data, DatasetDataSpec):
-        return None
-    seq_len = spec.seq_len or model.block_size
-    request = DatasetRequest(
-        data=spec.data.to_spec(data_roots=data_roots, cache_dir=cache_dir),
-        vocab_size=model.vocab_size,
-        seq_len=seq_len,
-        global_batch_size=spec.global_batch_size or spec.micro_batch_size * spec.num_gpus,
-        seed=spec.seed,
-        tokenizer_dir=getattr(model, "path", None),
-    )
-    return checker.check(request)
-
-
-def check_storage(problems: dict[str, str], *, uri: str) -> None:
-    """A 503 when some GPU node cannot write checkpoints (a job there could never save one)."""
-    if problems:
-        node, why = next(iter(problems.items()))
-        raise ServiceError(
-            f"checkpoint storage ZERO1_CHECKPOINT_URI ({uri}) is not writable from {len(problems)} GPU node(s); "
-            f"node {node}: {why}",
-            status_code=503,
-            error="checkpoint_storage_unwritable",
-        )
-
-
-def _what_fits(
-    plan: memory.Plan, *, cluster: ClusterCapacity, request, overhead_bytes: int, tracer: Tracer | None
-) -> str:
-    workload = workload_for(request, overhead_bytes=overhead_bytes, tracer=tracer)
-    if plan.min_gpus is None:
-        floor = memory.bytes_per_param(plan.precision)
-        text = (
-            f"; ZeRO stage 1 fits on no number of GPUs: the replicated {plan.precision} weights and gradients "
-            f"alone are {sum(floor) * plan.num_params / GB:.2f} GB"
-        )
-    elif plan.min_gpus > cluster.num_gpus:
-        text = f"; it needs min_gpus = {plan.min_gpus} at stage 1, and the cluster has {cluster.num_gpus}"
-    else:
-        text = f"; min_gpus = {plan.min_gpus} at stage 1 fits"
-    higher = [
-        f"stage {stage} on N >= {n}"
-        for stage in (2, 3)
-        if (n := memory.min_gpus(workload, stage=stage, gpu_memory_bytes=plan.gpu_memory_bytes)) is not None
-    ]
-    if higher and (plan.min_gpus is None or plan.min_gpus > cluster.num_gpus):
-        text += f"; ZeRO {' or '.join(higher)} would fit (zero1 runs stage 1)"
-    return text
-
-
-def _does_not_fit(plan: PlanPublic, message: str) -> ServiceError:
-    return ServiceError(message, status_code=422, error="does_not_fit", plan=plan.model_dump(mode="json"))
 
 
 def request_hash(spec: JobSpec) -> str:

@@ -6,8 +6,9 @@ from dataclasses import asdict
 
 from service.cluster import ClusterCapacity
 from service.errors import ServiceError
+from service.model_specs import HFModelSpec
 from service.responses import PlanPublic
-from service.schemas import HFModelSpec, PlanRequest
+from service.schemas import PlanRequest
 from service.tracing import Tracer, TraceRequest
 from workers import memory
 

@@ -7,9 +7,10 @@ from service import recommend
 from service.cluster import ClusterCapacity
 from service.config import Settings
 from service.errors import ServiceError
+from service.model_specs import GPTModelSpec
 from service.planning import make_plan, plan_public, workload_for
 from service.responses import CostModelPublic, RecommendationPublic, RecommendationsPublic
-from service.schemas import MAX_MICRO_BATCH_SIZE, GPTModelSpec, PlanRequest, RecommendRequest
+from service.schemas import MAX_MICRO_BATCH_SIZE, PlanRequest, RecommendRequest
 from workers import memory
 from workers.memory import GB
 

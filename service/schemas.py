@@ -1,36 +1,19 @@
-"""Request and response bodies of the REST API (and the CLI, which shares them)."""
+"""Request and response bodies of the REST API (and the CLI, which shares them): plans,
+recommendations and jobs. The model and data specs they hold are service/model_specs.py's and
+service/data_specs.py's; the field types all share, service/fields.py's."""
 
 from __future__ import annotations
 
-import math
-import os
 from collections.abc import Sequence
-from decimal import Decimal
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    StrictBool,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, model_validator
 
+from service.data_specs import DataSpec, SyntheticDataSpec
+from service.fields import Body, Bool, Float, Int, Text
+from service.model_specs import GPTModelSpec, HFModelSpec, MLPModelSpec, ModelSpec
 from workers import limits, memory
-from workers.config import (
-    DATASET_FORMATS,
-    DatasetSpec,
-    HFSpec,
-    ModelKind,
-    OptimizerSpec,
-    SyntheticSpec,
-    TextSpec,
-    TrainConfig,
-    default_of,
-)
+from workers.config import ModelKind, OptimizerSpec, TrainConfig, default_of
 
 if TYPE_CHECKING:
     from service.responses import PlanPublic
@@ -43,151 +26,11 @@ MAX_NUM_GPUS = 1 << 20
 MAX_GLOBAL_BATCH_SIZE = 100_000_000
 MAX_MICRO_BATCH_SIZE = 1_000_000
 MAX_GPU_MEMORY_GB = 1e6
-MAX_TEXT_DIGITS = 30
-"""Digits a number typed as text (the planner's form, the CLI) may have: more than any field's bound needs
-(2**63 - 1 has 19); int() of 1e1000000 takes time quadratic in its million digits, holding the GIL."""
-
-
-def too_many_digits(value: Decimal) -> bool:
-    """More than MAX_TEXT_DIGITS significant digits, or 10**MAX_TEXT_DIGITS or more; asked before int() expands it."""
-    # adjusted() is the exponent of the leading digit: 1e1000000 is measured without being expanded
-    return value.adjusted() >= MAX_TEXT_DIGITS or len(value.as_tuple().digits) > MAX_TEXT_DIGITS
-
-
-def _a_number(value: object) -> object:
-    # pydantic's lax mode reads true as 1 and "2" as 2; the schema says number, and a count
-    # given as a boolean or a string is a mistake
-    if isinstance(value, bool):
-        raise ValueError(f"Input should be a number, not a boolean (got {str(value).lower()})")
-    if isinstance(value, str):
-        raise ValueError(f"Input should be a number, not a string (got {value[:40]!r})")
-    return value
-
-
-def _no_nul(text: str) -> str:
-    # PostgreSQL's text columns cannot hold NUL (a 500 from the driver otherwise), nor can a file name
-    if "\x00" in text:
-        raise ValueError(f"must not contain a NUL character (\\u0000 at {text.index(chr(0))})")
-    return text
-
-
-Int = Annotated[int, BeforeValidator(_a_number)]
-Float = Annotated[float, BeforeValidator(_a_number)]
-Bool = StrictBool
-"""true or false: pydantic's lax mode would also read 0, 1, "yes" and "off"."""
-Text = Annotated[str, AfterValidator(_no_nul)]
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class GPTModelSpec(_Body):
-    """A GPT-2-style decoder (tied LM head, biases, pre-LayerNorm)."""
-
-    kind: Literal["gpt"]
-    vocab_size: Int = Field(ge=1, le=10_000_000)
-    n_layer: Int = Field(ge=1, le=100_000)
-    n_head: Int = Field(ge=1, le=100_000)
-    n_embd: Int = Field(ge=1, le=10_000_000)
-    block_size: Int = Field(ge=1, le=100_000_000)
-
-    @field_validator("n_embd")
-    @classmethod
-    def _heads_divide_width(cls, n_embd: int, info) -> int:
-        n_head = info.data.get("n_head")
-        if n_head and n_embd % n_head:
-            raise ValueError(
-                f"n_embd ({n_embd}) must be divisible by n_head ({n_head}): {n_embd} % {n_head} = {n_embd % n_head}"
-            )
-        return n_embd
-
-    def to_spec(self) -> memory.GPTSpec:
-        return memory.GPTSpec(**self.model_dump(exclude={"kind"}))
-
-
-class MLPModelSpec(_Body):
-    """Linear layers of the given widths with ReLU between them."""
-
-    kind: Literal["mlp"]
-    sizes: list[Annotated[Int, Field(ge=1, le=10_000_000)]] = Field(min_length=2, max_length=10_000)
-
-    def to_spec(self) -> memory.MLPSpec:
-        return memory.MLPSpec(sizes=tuple(self.sizes))
-
-
-MAX_CONFIG_DEPTH = 32
-"""Nesting an hf model's config may have (config.json's are a few levels deep)."""
-
-
-def _json_safe(value: Any, *, where: str = "config", depth: int = 0) -> None:
-    """A stored spec must be JSON every database takes: no NUL in a string or key, no nan or inf."""
-    if depth > MAX_CONFIG_DEPTH:
-        raise ValueError(f"{where} is nested more than {MAX_CONFIG_DEPTH} levels deep")
-    if isinstance(value, str):
-        _no_nul(value)
-    elif isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"{where} must be finite, got {value}")
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _no_nul(key)
-            _json_safe(item, where=f"{where}.{key}", depth=depth + 1)
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            _json_safe(item, where=f"{where}[{i}]", depth=depth + 1)
-
-
-class HFModelSpec(_Body):
-    """A Hugging Face transformers causal LM: exactly one of config or path. Nothing is downloaded."""
-
-    kind: Literal["hf"]
-    config: dict[str, Any] | None = Field(
-        None, description="config.json's fields, with model_type: a randomly initialised model (the job's seed)."
-    )
-    path: Text | None = Field(
-        None,
-        min_length=1,
-        max_length=4096,
-        description="A save_pretrained directory (config and weights) inside ZERO1_MODEL_ROOTS: fine-tuning.",
-    )
-
-    @field_validator("config")
-    @classmethod
-    def _has_model_type(cls, config: dict[str, Any] | None) -> dict[str, Any] | None:
-        if config is None:
-            return None
-        if not isinstance(config.get("model_type"), str) or not config["model_type"]:
-            raise ValueError(
-                f"needs model_type, a transformers model type such as 'llama', got {config.get('model_type')!r}"
-            )
-        _json_safe(config)
-        return config
-
-    @model_validator(mode="after")
-    def _one_source(self) -> HFModelSpec:
-        if (self.config is None) == (self.path is None):
-            given = "both" if self.config is not None else "neither"
-            raise ValueError(f"exactly one of model.config or model.path is required, got {given}")
-        return self
-
-    def to_spec(self, *, vocab_size: int, block_size: int, model_roots: Sequence[str] = ()) -> HFSpec:
-        """With the model roots resolved here, for the ranks to check `path` again where they read it."""
-        return HFSpec(
-            config=self.config,
-            path=self.path,
-            roots=tuple(os.path.realpath(root) for root in model_roots),
-            vocab_size=vocab_size,
-            block_size=block_size,
-        )
-
-
-ModelSpec = Annotated[GPTModelSpec | MLPModelSpec | HFModelSpec, Field(discriminator="kind")]
-MODEL_KINDS = ("gpt", "mlp", "hf")
 
 _MODEL_ONLY_FIELDS = ("micro_batch_size", "seq_len", "activation_checkpointing")
 
 
-class PlanRequest(_Body):
+class PlanRequest(Body):
     """POST /v1/plan: exactly one of num_params or model."""
 
     num_params: Int | None = Field(None, ge=1, le=memory.MAX_NUM_PARAMS)
@@ -245,7 +88,7 @@ def _check_model(model: GPTModelSpec | MLPModelSpec, *, seq_len: int | None) -> 
         raise ValueError(f"model has {num_params:,} parameters, above the limit of {memory.MAX_NUM_PARAMS:,}")
 
 
-class RecommendRequest(_Body):
+class RecommendRequest(Body):
     """POST /v1/plan/recommend: the ZeRO stage 1 configurations of a model that fit, cheapest first."""
 
     model: ModelSpec
@@ -275,82 +118,11 @@ class RecommendRequest(_Body):
 # --------------------------------------------------------------------------- jobs
 
 
-class SyntheticDataSpec(_Body):
-    """A random Markov chain over the vocabulary (GPT) or a random teacher's labels (MLP)."""
-
-    kind: Literal["synthetic"]
-    branching: Int = Field(
-        default_of(SyntheticSpec, "branching"), ge=1, le=1_000_000, description="Successors per token: lower is easier."
-    )
-
-    def to_spec(self, *, data_roots: Sequence[str] = (), cache_dir: str | None = None) -> SyntheticSpec:
-        return SyntheticSpec(branching=self.branching)
-
-
-class TextDataSpec(_Body):
-    """Characters of a UTF-8 file readable by the workers."""
-
-    kind: Literal["text"]
-    path: Text = Field(min_length=1, max_length=4096)
-
-    def to_spec(self, *, data_roots: Sequence[str] = (), cache_dir: str | None = None) -> TextSpec:
-        """With the data roots resolved here (a relative root is under the service's working directory),
-        for the ranks to check again where they read the file: none given, they read none."""
-        return TextSpec(path=self.path, roots=tuple(os.path.realpath(root) for root in data_roots))
-
-
-def _dataset(name: str):
-    return default_of(DatasetSpec, name)
-
-
-class DatasetDataSpec(_Body):
-    """Local files read with `datasets`, tokenized once (cached on the checkpoint storage), packed into
-    seq_len + 1 blocks in a seeded order that does not depend on num_gpus."""
-
-    kind: Literal["dataset"]
-    format: Literal[DATASET_FORMATS]
-    path: Text = Field(
-        min_length=1, max_length=4096, description="A file, a directory or a glob, inside ZERO1_DATA_ROOTS."
-    )
-    text_field: Text = Field(
-        _dataset("text_field"), min_length=1, max_length=200, description="The column read (text format: text)."
-    )
-    tokenizer: Text | None = Field(
-        _dataset("tokenizer"),
-        min_length=1,
-        max_length=4096,
-        description="A tokenizer.json or its directory inside ZERO1_DATA_ROOTS, or bytes (UTF-8 bytes, EOS 256); "
-        "omitted: an hf model's own (its path's directory).",
-    )
-    validation_fraction: Float = Field(
-        _dataset("validation_fraction"), ge=0, le=0.5, allow_inf_nan=False, description="Blocks held out."
-    )
-
-    @model_validator(mode="after")
-    def _text_reads_text(self) -> DatasetDataSpec:
-        if self.format == "text" and self.text_field != "text":
-            raise ValueError(f"text_field ({self.text_field!r}) only applies to jsonl, parquet and csv: text is text")
-        return self
-
-    def to_spec(self, *, data_roots: Sequence[str] = (), cache_dir: str | None = None) -> DatasetSpec:
-        """With the data roots resolved here, for the ranks to check again where they read; cache_dir
-        is the checkpoint storage's datasets/ directory."""
-        return DatasetSpec(
-            **self.model_dump(exclude={"kind"}),
-            roots=tuple(os.path.realpath(root) for root in data_roots),
-            cache_dir=cache_dir,
-        )
-
-
-DataSpec = Annotated[SyntheticDataSpec | TextDataSpec | DatasetDataSpec, Field(discriminator="kind")]
-DATA_KINDS = ("synthetic", "text", "dataset")
-
-
 def _opt(name: str):
     return default_of(OptimizerSpec, name)
 
 
-class OptimizerConfig(_Body):
+class OptimizerConfig(Body):
     lr: Float = Field(_opt("lr"), gt=0, le=10, allow_inf_nan=False)
     betas: tuple[
         Annotated[Float, Field(ge=0, lt=1, allow_inf_nan=False)],
@@ -380,7 +152,7 @@ def _train(name: str):
     return default_of(TrainConfig, name)
 
 
-class JobSpec(_Body):
+class JobSpec(Body):
     """POST /v1/jobs: what to train, on how many GPUs."""
 
     name: Text = Field(min_length=1, max_length=200)

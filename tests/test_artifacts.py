@@ -16,7 +16,8 @@ from safetensors.torch import load_file, load_model
 from torch import nn
 
 from service import cli
-from service.schemas import GPTModelSpec
+from service.cli import jobs as cli_jobs
+from service.model_specs import GPTModelSpec
 from workers.artifacts import write_final
 from workers.checkpoints import final_dir, shard_file
 from workers.config import DatasetSpec, HFSpec, SyntheticSpec, TrainConfig
@@ -312,7 +313,7 @@ def test_a_job_that_has_not_succeeded_has_no_artifacts_yet(client):
 
 
 def test_cli_download_verifies_every_file(client, succeeded, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(cli, "_client", lambda args: contextlib.nullcontext(client))
+    monkeypatch.setattr(cli_jobs, "_client", lambda args: contextlib.nullcontext(client))
     assert cli.main(["download", str(succeeded["id"]), str(tmp_path / "out")]) == 0
     root = _checkpoint_root(client, succeeded["id"])
     for name in ("model.safetensors", "spec.json"):
@@ -333,6 +334,6 @@ def test_cli_download_verifies_every_file(client, succeeded, tmp_path, monkeypat
                 return type("R", (), {"is_success": True, "json": lambda self: listing, "status_code": 200})()
             return client.get(url, **kwargs)
 
-    monkeypatch.setattr(cli, "_client", lambda args: contextlib.nullcontext(Tampered()))
+    monkeypatch.setattr(cli_jobs, "_client", lambda args: contextlib.nullcontext(Tampered()))
     assert cli.main(["download", str(succeeded["id"]), str(tmp_path / "bad")]) == 1
     assert "sha256 mismatch" in capsys.readouterr().err and not (tmp_path / "bad" / "spec.json").exists()

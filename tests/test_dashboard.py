@@ -24,12 +24,13 @@ import httpx
 import pytest
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
+from service.admission import admit
 from service.cluster import ClusterCapacity
 from service.dashboard import charts
 from service.dashboard.format import duration, human_bytes, significant
 from service.dashboard.routes import TABLE_LIMIT, _number, table_order
 from service.db import Database, upgrade
-from service.jobs import admit, submit_job, transition
+from service.jobs import submit_job, transition
 from service.scheduler import store_metrics
 from service.schemas import JobSpec
 from workers.memory import GB

@@ -16,7 +16,7 @@ import ray
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from service import jobs
+from service import admission, jobs
 from service.cluster import ClusterCapacity
 from service.db import Database, upgrade
 from service.launcher import RayLauncher, checkpoint_dirname, supervisor_name
@@ -36,7 +36,7 @@ CLUSTER = ClusterCapacity(num_gpus=4, num_gpus_free=4, gpu_memory_bytes=80 * GB,
 def queue_job(db: Database, **overrides) -> int:
     """A queued job stored as POST /v1/jobs stores it; its id."""
     spec = JobSpec.model_validate(job_body(**overrides))
-    plan = jobs.admit(spec, cluster=CLUSTER, overhead_bytes=GB)
+    plan = admission.admit(spec, cluster=CLUSTER, overhead_bytes=GB)
     with db.session() as session:
         job, _ = jobs.submit_job(session, spec=spec, plan=plan, idempotency_key=None)
         return job.id

@@ -19,13 +19,14 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service import auth
+from service.admission import admit
 from service.auth import TOKEN_COOKIE, check_bind, is_loopback, load_tokens
 from service.cli import main
 from service.cluster import ClusterCapacity, RayCluster
 from service.dashboard.lockout import MAX_FAILURES, WINDOW_S, LoginLockout, client_key
 from service.db import Database, upgrade
 from service.errors import ServiceError
-from service.jobs import admit, job_public, submit_job
+from service.jobs import job_public, submit_job
 from service.main import create_app
 from service.models import Job, JobEvent
 from service.schemas import JobSpec

@@ -80,7 +80,7 @@ class DatasetSpec:
 
 
 DataSource = SyntheticSpec | TextSpec | DatasetSpec
-"""What a job trains on (DataSpec in the API's schemas, converted once)."""
+"""What a job trains on (DataSpec in the API's schemas, service/data_specs.py, converted once)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -139,7 +139,7 @@ class InvalidModelError(ValueError):
 
 
 ModelKind = GPTSpec | MLPSpec | HFSpec | PythonSpec
-"""What a job trains (ModelSpec in the API's schemas)."""
+"""What a job trains (ModelSpec in the API's schemas, service/model_specs.py)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -14,8 +14,9 @@ workers/flat.py lays parameters, gradients and state out in flat buffers cut
 into equal shards (K·Ψ/N bytes of state per rank); workers/comm.py moves them
 between the ranks (beats 1 and 4; workers/buckets.py for the p2p reduce; one
 rank moves nothing); workers/adamw.py updates and casts the shard (beats 2 and
-3); workers/optim_state.py writes and reads the checkpoint formats;
-workers/loss_scale.py scales fp16 losses.
+3); workers/optim_state.py writes and reads the checkpoint formats (ZeRO1AdamW's
+state_dict() and the rest come from there); workers/loss_scale.py scales fp16
+losses.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def decay_param_groups(model: torch.nn.Module, *, weight_decay: float) -> list[d
     return [g for g in groups if g["params"]]
 
 
-class ZeRO1AdamW(torch.optim.Optimizer):
+class ZeRO1AdamW(optim_state.CheckpointMethods, torch.optim.Optimizer):
     """AdamW with its fp32 state sharded over the ranks of `process_group` (ZeRO Stage 1).
 
     Use it on an unwrapped model (no DDP: the optimizer reduces the gradients
@@ -324,84 +325,6 @@ class ZeRO1AdamW(torch.optim.Optimizer):
 
     def _gather_slices(self, buf: FlatBuffer) -> list[tuple[int, int]]:
         return shard_slices(buf, bucket_cap_mb=self.bucket_cap_mb)
-
-    # ------------------------------------------------------------------ checkpoints (workers/optim_state.py)
-
-    def nonfinite_state_numel(self) -> dict[str, int]:
-        """nan or inf elements of the fp32 state (master, exp_avg, exp_avg_sq) over all ranks, by
-        kind: one all-reduce of three counts, so every rank gets the same answer. Every rank must
-        call it. A full pass over the shard: once per checkpoint, not per step."""
-        return optim_state.nonfinite_state_numel(self._buffers, self._comm, device=self.device)
-
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's shard (owned elements only, padding is never saved) and its layout."""
-        return optim_state.sharded_state_dict(
-            self._buffers,
-            world_size=self.world_size,
-            rank=self.rank,
-            alignment_numel=self.alignment_numel,
-            param_groups=self.param_groups,
-            loss_scaler=self._loss_scaler_state(),
-        )
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a shard saved by state_dict() at the same world size and rank, or the consolidated form."""
-        if state_dict.get("format") == optim_state.CONSOLIDATED_FORMAT:
-            return self.load_consolidated_state_dict(state_dict)
-        optim_state.load_sharded_state(
-            self._buffers, state_dict, world_size=self.world_size, rank=self.rank, alignment_numel=self.alignment_numel
-        )
-        self._load_common(state_dict)
-
-    def consolidated_state_dict(self, *, dst: int = 0, chunk_numel: int = 1 << 22) -> dict[str, Any] | None:
-        """The world-size-independent form on rank `dst` (None elsewhere): per parameter,
-        fp32 master, exp_avg, exp_avg_sq and step, gathered to CPU `chunk_numel`
-        elements per rank at a time. Every rank must call it."""
-        if chunk_numel < 1:
-            raise ValueError(f"chunk_numel must be >= 1, got {chunk_numel}")
-        return optim_state.consolidated_state_dict(
-            self._buffers,
-            self._comm,
-            keep=self.rank == dst,
-            chunk_numel=chunk_numel,
-            param_groups=self.param_groups,
-            loss_scaler=self._loss_scaler_state(),
-        )
-
-    def gather_master_weights(
-        self, *, dst: int = 0, chunk_numel: int = 1 << 22
-    ) -> Iterator[tuple[Tensor, Tensor | None]]:
-        """(parameter, its fp32 master weights on CPU at rank `dst`, None elsewhere), one parameter
-        at a time, sent point-to-point `chunk_numel` elements at most a message: no rank holds the
-        full fp32 state (nor the full weights, unless dst keeps them). Every rank must iterate to the end."""
-        if chunk_numel < 1:
-            raise ValueError(f"chunk_numel must be >= 1, got {chunk_numel}")
-        gathered = optim_state.gather_master(
-            self._buffers,
-            process_group=self.process_group,
-            world_size=self.world_size,
-            rank=self.rank,
-            dst=dst,
-            chunk_numel=chunk_numel,
-        )
-        return ((slot.param, master) for slot, master in gathered)
-
-    def load_consolidated_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load the consolidated form at any world size: each rank takes its slices."""
-        optim_state.load_consolidated_state(self._buffers, self._slots, state_dict)
-        self._load_common(state_dict)
-
-    def _load_common(self, state_dict: dict[str, Any]) -> None:
-        optim_state.load_hyperparameters(self.param_groups, state_dict)
-        if self.loss_scaler is not None and state_dict.get("loss_scaler"):
-            self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
-        for buf in self._buffers:
-            if "master" in buf.state:
-                buf.param_shard().copy_(buf.state["master"])  # cast: fp32 shard -> model dtype
-        self._comm.gather_params()
-
-    def _loss_scaler_state(self) -> dict[str, float | int] | None:
-        return None if self.loss_scaler is None else self.loss_scaler.state_dict()
 
     # ------------------------------------------------------------------ names tests and benchmarks read
 

@@ -6,12 +6,14 @@ size, rank and alignment. The consolidated one (CONSOLIDATED_FORMAT) is the
 whole state per parameter name, gathered to one rank: it loads at any world
 size. Each rank's state lives in the flat buffers of workers/flat.py; the
 gathers go through workers/comm.py, so one rank needs no process group.
+ZeRO1AdamW takes its checkpoint methods (state_dict() and the rest) from
+CheckpointMethods, at the end.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -19,6 +21,9 @@ from torch import Tensor
 
 from workers.comm import GroupComm, LocalComm
 from workers.flat import STATE_KINDS, FlatBuffer, Slot
+
+if TYPE_CHECKING:
+    from workers.loss_scale import DynamicLossScaler
 
 SHARDED_FORMAT = "zero1.sharded.v1"
 CONSOLIDATED_FORMAT = "zero1.consolidated.v1"
@@ -89,7 +94,7 @@ def load_sharded_state(
             buf.state_of(kind)[: buf.owned_numel].copy_(saved_buf[kind])
 
 
-def consolidated_state_dict(
+def consolidated_state(
     buffers: list[FlatBuffer],
     comm: LocalComm | GroupComm,
     *,
@@ -192,9 +197,7 @@ def load_hyperparameters(param_groups: list[dict[str, Any]], state_dict: dict[st
         group.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
 
 
-def nonfinite_state_numel(
-    buffers: list[FlatBuffer], comm: LocalComm | GroupComm, *, device: torch.device
-) -> dict[str, int]:
+def nonfinite_numel(buffers: list[FlatBuffer], comm: LocalComm | GroupComm, *, device: torch.device) -> dict[str, int]:
     """nan or inf elements of the fp32 state by kind over all ranks, from one all-reduce of three counts."""
     counts = torch.zeros(len(STATE_KINDS), dtype=torch.int64, device=device)
     for buf in buffers:
@@ -220,3 +223,95 @@ def _gather_to_cpu(
             last = min(rank * size + hi, buf.numel)
             if first < last:
                 out[first:last].copy_(pieces[rank, : last - first])
+
+
+class CheckpointMethods:
+    """ZeRO1AdamW's checkpoint methods (a base class of it): the formats above, applied to the
+    flat buffers, communication, layout and loss scaler that its constructor sets up."""
+
+    _buffers: list[FlatBuffer]
+    _slots: list[Slot]
+    _comm: LocalComm | GroupComm
+    device: torch.device
+    process_group: dist.ProcessGroup | None
+    world_size: int
+    rank: int
+    alignment_numel: int
+    param_groups: list[dict[str, Any]]
+    loss_scaler: DynamicLossScaler | None
+
+    def nonfinite_state_numel(self) -> dict[str, int]:
+        """nan or inf elements of the fp32 state (master, exp_avg, exp_avg_sq) over all ranks, by
+        kind: one all-reduce of three counts, so every rank gets the same answer. Every rank must
+        call it. A full pass over the shard: once per checkpoint, not per step."""
+        return nonfinite_numel(self._buffers, self._comm, device=self.device)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard (owned elements only, padding is never saved) and its layout."""
+        return sharded_state_dict(
+            self._buffers,
+            world_size=self.world_size,
+            rank=self.rank,
+            alignment_numel=self.alignment_numel,
+            param_groups=self.param_groups,
+            loss_scaler=self._loss_scaler_state(),
+        )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a shard saved by state_dict() at the same world size and rank, or the consolidated form."""
+        if state_dict.get("format") == CONSOLIDATED_FORMAT:
+            return self.load_consolidated_state_dict(state_dict)
+        load_sharded_state(
+            self._buffers, state_dict, world_size=self.world_size, rank=self.rank, alignment_numel=self.alignment_numel
+        )
+        self._load_common(state_dict)
+
+    def consolidated_state_dict(self, *, dst: int = 0, chunk_numel: int = 1 << 22) -> dict[str, Any] | None:
+        """The world-size-independent form on rank `dst` (None elsewhere): per parameter,
+        fp32 master, exp_avg, exp_avg_sq and step, gathered to CPU `chunk_numel`
+        elements per rank at a time. Every rank must call it."""
+        if chunk_numel < 1:
+            raise ValueError(f"chunk_numel must be >= 1, got {chunk_numel}")
+        return consolidated_state(
+            self._buffers,
+            self._comm,
+            keep=self.rank == dst,
+            chunk_numel=chunk_numel,
+            param_groups=self.param_groups,
+            loss_scaler=self._loss_scaler_state(),
+        )
+
+    def gather_master_weights(
+        self, *, dst: int = 0, chunk_numel: int = 1 << 22
+    ) -> Iterator[tuple[Tensor, Tensor | None]]:
+        """(parameter, its fp32 master weights on CPU at rank `dst`, None elsewhere), one parameter
+        at a time, sent point-to-point `chunk_numel` elements at most a message: no rank holds the
+        full fp32 state (nor the full weights, unless dst keeps them). Every rank must iterate to the end."""
+        if chunk_numel < 1:
+            raise ValueError(f"chunk_numel must be >= 1, got {chunk_numel}")
+        gathered = gather_master(
+            self._buffers,
+            process_group=self.process_group,
+            world_size=self.world_size,
+            rank=self.rank,
+            dst=dst,
+            chunk_numel=chunk_numel,
+        )
+        return ((slot.param, master) for slot, master in gathered)
+
+    def load_consolidated_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load the consolidated form at any world size: each rank takes its slices."""
+        load_consolidated_state(self._buffers, self._slots, state_dict)
+        self._load_common(state_dict)
+
+    def _load_common(self, state_dict: dict[str, Any]) -> None:
+        load_hyperparameters(self.param_groups, state_dict)
+        if self.loss_scaler is not None and state_dict.get("loss_scaler"):
+            self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
+        for buf in self._buffers:
+            if "master" in buf.state:
+                buf.param_shard().copy_(buf.state["master"])  # cast: fp32 shard -> model dtype
+        self._comm.gather_params()
+
+    def _loss_scaler_state(self) -> dict[str, float | int] | None:
+        return None if self.loss_scaler is None else self.loss_scaler.state_dict()

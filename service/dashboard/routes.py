@@ -26,10 +26,11 @@ from service.auth import Principal
 from service.dashboard import charts
 from service.dashboard.format import FILTERS, elapsed_s
 from service.errors import ServiceError, describe_validation_errors
+from service.fields import too_many_digits
 from service.planning import make_plan, plan_public
 from service.recommendations import cost_model_of, recommend_public
 from service.responses import JobPublic
-from service.schemas import JobStatus, PlanRequest, RecommendRequest, too_many_digits
+from service.schemas import JobStatus, PlanRequest, RecommendRequest
 from workers.memory import GB
 
 HERE = Path(__file__).resolve().parent

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Header, Path, Query, Response
 from fastapi.responses import FileResponse
 from pydantic import BaseModel
 
-from service import jobs
+from service import admission, jobs
 from service.api.deps import ClusterDep, PrincipalDep, ReaderDep, RuntimeDep, SessionDep, SettingsDep
 from service.auth import check_can_cancel
 from service.hf import check_model_path
@@ -69,10 +69,10 @@ def submit_job(
     """Plan the job with the ZeRO-1 memory model against the cluster; queue it if it fits."""
     spec = check_model_path(spec, model_roots=settings.model_roots)
     overhead_bytes = round(settings.gpu_overhead_gb * GB)
-    plan = jobs.admit(spec, cluster=cluster, overhead_bytes=overhead_bytes, tracer=runtime.tracer)
-    spec = jobs.check_data(spec, data_roots=settings.data_roots)
-    jobs.check_storage(runtime.launcher.storage_problems(), uri=settings.checkpoint_uri)
-    jobs.check_dataset(
+    plan = admission.admit(spec, cluster=cluster, overhead_bytes=overhead_bytes, tracer=runtime.tracer)
+    spec = admission.check_data(spec, data_roots=settings.data_roots)
+    admission.check_storage(runtime.launcher.storage_problems(), uri=settings.checkpoint_uri)
+    admission.check_dataset(
         spec,
         model=spec.model_spec(plan=plan, model_roots=settings.model_roots),
         checker=runtime.datasets,

@@ -1,0 +1,148 @@
+"""The `zero1` command: `serve` runs the API; `plan` plans a model offline; `submit`,
+`jobs`, `status`, `watch`, `cancel` and `download` talk to a running API; `db upgrade` migrates."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from decimal import Decimal, InvalidOperation
+
+from service.cli.jobs import cmd_cancel, cmd_download, cmd_jobs, cmd_status, cmd_submit, cmd_watch
+from service.cli.plans import cmd_plan
+from service.cli.server import cmd_db, cmd_serve
+from service.fields import MAX_TEXT_DIGITS, too_many_digits
+from workers.memory import OPTIMIZERS, PRECISIONS, STAGES
+
+
+def _count(text: str) -> int:
+    """'7.5e9' -> 7500000000, exactly; a fractional count is an error."""
+    try:
+        value = Decimal(text)
+    except InvalidOperation:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if too_many_digits(value):
+        raise argparse.ArgumentTypeError(f"must have at most {MAX_TEXT_DIGITS} digits, got {text}")
+    if not value.is_finite() or value != value.to_integral_value():
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text}")
+    return int(value)
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"sizes must be comma-separated integers, got {text!r}") from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zero1", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the REST API and dashboard")
+    serve.add_argument("--host", help="bind address (default: ZERO1_HOST or 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (default: ZERO1_PORT or 8000)")
+
+    plan = commands.add_parser(
+        "plan",
+        help="per-GPU memory of a model under ZeRO, and the sweep over N",
+        description="Plan by parameter count (--params 7.5e9) or by model (--model gpt ...). GB = 1e9 bytes.",
+    )
+    what = plan.add_mutually_exclusive_group(required=True)
+    what.add_argument("--params", type=_count, metavar="PSI", help="number of parameters, e.g. 7.5e9")
+    what.add_argument("--model", choices=("gpt", "mlp"), help="plan a model spec (see the --n-* options)")
+    plan.add_argument("--gpus", type=int, help="data-parallel GPUs N (default: the cluster's)")
+    plan.add_argument("--gpu-memory-gb", type=float, help="memory per GPU in GB (default: the cluster's)")
+    plan.add_argument("--precision", choices=PRECISIONS, default="fp16")
+    plan.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    plan.add_argument("--stage", type=int, choices=STAGES, default=1)
+    gpt = plan.add_argument_group("gpt model")
+    gpt.add_argument("--vocab-size", type=int, default=50257)
+    gpt.add_argument("--n-layer", type=int)
+    gpt.add_argument("--n-head", type=int, help="default: n_embd / 64 (GPT-2's head width)")
+    gpt.add_argument("--n-embd", type=int)
+    gpt.add_argument("--block-size", type=int, default=1024)
+    gpt.add_argument("--seq-len", type=int, help="default: block size")
+    mlp = plan.add_argument_group("mlp model")
+    mlp.add_argument("--sizes", type=_sizes, help="layer widths, e.g. 784,1024,10")
+    jobs = plan.add_argument_group("model plans")
+    jobs.add_argument("--micro-batch-size", type=int)
+    jobs.add_argument("--activation-checkpointing", action="store_true", default=None)
+    jobs.add_argument(
+        "--trace", action="store_true", help="count the step by running it on fake tensors (method traced)"
+    )
+    recommend = plan.add_argument_group(
+        "recommendations", "the configurations of a model that fit, cheapest first (POST /v1/plan/recommend)"
+    )
+    recommend.add_argument("--recommend", action="store_true", help="list GPUs x micro-batch x checkpointing")
+    recommend.add_argument("--global-batch-size", type=int, metavar="G", help="samples per optimizer step")
+    recommend.add_argument("--max-gpus", type=int, help="largest N considered (default: --gpus, else the cluster's)")
+    plan.add_argument("--json", action="store_true", help="print the API's JSON instead of tables")
+
+    url = {
+        "default": os.environ.get("ZERO1_URL", "http://127.0.0.1:8000"),
+        "help": "the API (default: ZERO1_URL or http://127.0.0.1:8000)",
+    }
+    submit = commands.add_parser("submit", help="submit a job spec (JSON file); prints its plan and id")
+    submit.add_argument("spec", help="path of a JSON JobSpec, e.g. examples/tiny-gpt.json")
+    submit.add_argument("--dry-run", action="store_true", help="plan and admit, store nothing")
+    submit.add_argument("--url", **url)
+    jobs = commands.add_parser("jobs", help="list jobs, newest first")
+    jobs.add_argument("--status", action="append", help="only these statuses (repeatable)")
+    jobs.add_argument("--limit", type=int, default=20)
+    jobs.add_argument("--url", **url)
+    for name, text in (
+        ("status", "a job, with its events"),
+        ("watch", "a live progress bar until the job ends"),
+        ("cancel", "cancel a job"),
+    ):
+        command = commands.add_parser(name, help=text)
+        command.add_argument("job_id", type=int)
+        command.add_argument("--url", **url)
+        if name == "watch":
+            command.add_argument("--interval", type=float, default=0.5, help="seconds between refreshes")
+    download = commands.add_parser("download", help="a succeeded job's final model, each file's sha256 checked")
+    download.add_argument("job_id", type=int)
+    download.add_argument("dir", help="where the files go (created)")
+    download.add_argument("--url", **url)
+    db = commands.add_parser("db", help="database maintenance")
+    db.add_argument("action", choices=("upgrade",), help="upgrade: apply the migrations (ZERO1_DATABASE_URL)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    commands = {
+        "plan": cmd_plan,
+        "serve": cmd_serve,
+        "submit": cmd_submit,
+        "jobs": cmd_jobs,
+        "status": cmd_status,
+        "watch": cmd_watch,
+        "cancel": cmd_cancel,
+        "download": cmd_download,
+        "db": cmd_db,
+    }
+    try:
+        return commands[args.command](args)
+    except BrokenPipeError:  # `zero1 jobs | head -3`: the reader left, which is no error
+        _silence_stdout()
+        return 0
+    except Exception as exc:
+        import httpx
+
+        if not isinstance(exc, httpx.TransportError):
+            raise
+        print(
+            f"zero1 {args.command}: cannot reach the zero1 API at {args.url} ({type(exc).__name__}: {exc}). "
+            "Start it with `zero1 serve` (or `make run`), or point ZERO1_URL or --url at a running one.",
+            file=sys.stderr,
+        )
+        return 1
+
+
+def _silence_stdout() -> None:
+    """Send what is still buffered for stdout to /dev/null: the flush at exit would fail on the
+    closed pipe and print a traceback (https://docs.python.org/3/library/signal.html#note-on-sigpipe)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())

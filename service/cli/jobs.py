@@ -1,0 +1,190 @@
+"""The commands that talk to a running API: `zero1 submit`, `jobs`, `status`, `watch`, `cancel` and
+`download`, through an HTTP client that sends ZERO1_TOKEN."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+from service.cli.plans import format_plan
+
+
+def _client(args: argparse.Namespace):
+    """An HTTP client of the API that sends ZERO1_TOKEN, when set, as its bearer token."""
+    import httpx
+
+    token = os.environ.get("ZERO1_TOKEN", "").strip()
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.Client(base_url=args.url, timeout=30, headers=headers)
+
+
+def _api_error(response) -> int | None:
+    """Print an API error the way a person reads it; its exit code, or None on success."""
+    if response.is_success:
+        return None
+    try:
+        body = response.json()
+        message = body.get("message") or body
+    except ValueError:
+        message = response.text
+    print(f"zero1: {response.status_code} {message}", file=sys.stderr)
+    return 1
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    try:
+        body = json.loads(Path(args.spec).read_text())
+    except (OSError, ValueError) as exc:
+        print(f"zero1 submit: cannot read {args.spec}: {exc}", file=sys.stderr)
+        return 2
+    with _client(args) as client:
+        response = client.post("/v1/jobs", json=body, params={"dry_run": str(args.dry_run).lower()})
+    if response.status_code == 422 and response.json().get("error") == "does_not_fit":
+        print(f"does not fit: {response.json()['message']}", file=sys.stderr)
+        print(format_plan(response.json()["plan"]), file=sys.stderr)
+        return 1
+    if (code := _api_error(response)) is not None:
+        return code
+    body = response.json()
+    print(format_plan(body["plan"]))
+    if args.dry_run:
+        print("\ndry run: the job fits and would be admitted")
+    else:
+        print(f"\njob {body['id']} {body['status']} (queue position {body['queue_position']})")
+    return 0
+
+
+def _job_line(job: dict) -> str:
+    latest = job.get("latest") or {}
+    loss = latest.get("loss")
+    step = "-" if job["step"] is None else job["step"] + 1
+    return (
+        f"{job['id']:>6}  {job['status']:<10}  {step:>8}/{job['steps']:<8}  {job['num_gpus']:>4}  "
+        f"{'-' if loss is None else f'{loss:.4f}':>8}  {job['name']}"
+    )
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        response = client.get(
+            "/v1/jobs", params={"limit": args.limit, **({"status": args.status} if args.status else {})}
+        )
+    if (code := _api_error(response)) is not None:
+        return code
+    print(f"{'id':>6}  {'status':<10}  {'step':>8}/{'steps':<8}  {'gpus':>4}  {'loss':>8}  name")
+    for job in response.json()["data"]:
+        print(_job_line(job))
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        response = client.get(f"/v1/jobs/{args.job_id}")
+        if (code := _api_error(response)) is not None:
+            return code
+        events = client.get(f"/v1/jobs/{args.job_id}/events")
+    job = response.json()
+    print(json.dumps({k: v for k, v in job.items() if k not in ("spec", "plan")}, indent=2))
+    if not events.is_success:  # another user's job: its events are its owner's and admins'
+        return 0
+    for event in events.json()["data"]:
+        print(f"{event['at']}  {event['from_status'] or '-':>10} -> {event['to_status']:<10}  {event['reason']}")
+    return 0
+
+
+def _progress(job: dict, *, eval_loss: float | None = None, width: int = 30) -> str:
+    """The watch line; eval_loss: the latest held-out loss seen (rows carry it only on steps that evaluate)."""
+    done = 0 if job["step"] is None else job["step"] + 1
+    filled = width * done // job["steps"]
+    latest = job.get("latest") or {}
+    loss, speed = latest.get("loss"), latest.get("tokens_per_s")
+    return (
+        f"[{'#' * filled}{'.' * (width - filled)}] {done}/{job['steps']}  "
+        f"loss {'-' if loss is None else f'{loss:.4f}'}  "
+        f"{'' if eval_loss is None else f'eval {eval_loss:.4f}  '}"
+        f"{'-' if speed is None else f'{speed:,.0f}'} tokens/s  {job['status']}"
+    )
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    """A live progress line until the job ends; exit 0 only if it succeeded."""
+    import time
+
+    seen_step, evaluated = None, {"step": -1, "eval_loss": None}
+    with _client(args) as client:
+        while True:
+            response = client.get(f"/v1/jobs/{args.job_id}")
+            if (code := _api_error(response)) is not None:
+                return code
+            job = response.json()
+            if job["step"] is not None and job["step"] != seen_step:
+                seen_step = job["step"]
+                evaluated = _latest_eval(client, args.job_id, after=evaluated)
+            print(f"\r{_progress(job, eval_loss=evaluated['eval_loss'])}", end="", flush=True)
+            if job["status"] in ("succeeded", "failed", "cancelled"):
+                print()
+                if job["error"]:
+                    print(f"error: {job['error']}", file=sys.stderr)
+                return 0 if job["status"] == "succeeded" else 1
+            time.sleep(args.interval)
+
+
+def _latest_eval(client, job_id: int, *, after: dict) -> dict:
+    """The newest row that evaluated since `after` (a row, or its step -1 and no eval_loss), else
+    `after`: rows carry eval_loss only on the steps that evaluate, which a poll may not land on."""
+    response = client.get(
+        f"/v1/jobs/{job_id}/metrics", params={"evaluated": "true", "after_step": after["step"], "limit": 10_000}
+    )
+    rows = response.json()["data"] if response.is_success else []  # another's job: its metrics are not ours
+    return rows[-1] if rows else after
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        response = client.post(f"/v1/jobs/{args.job_id}/cancel")
+    if (code := _api_error(response)) is not None:
+        return code
+    print(f"job {args.job_id}: cancel requested ({response.json()['status']})")
+    return 0
+
+
+def cmd_download(args: argparse.Namespace) -> int:
+    """Every file of the job's final model into DIR, streamed to a temporary name, its sha256 checked
+    against the listing before it takes its own name; a line per file. Exit 1 at the first mismatch."""
+    directory = Path(args.dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    with _client(args) as client:
+        listing = client.get(f"/v1/jobs/{args.job_id}/artifacts")
+        if (code := _api_error(listing)) is not None:
+            return code
+        files = listing.json()["data"]
+        if not files:
+            print(f"zero1 download: job {args.job_id} has no artifacts", file=sys.stderr)
+            return 1
+        for entry in files:
+            name = Path(entry["name"]).name  # a file name, never a path out of DIR
+            part = directory / f".{name}.part"
+            digest, size = hashlib.sha256(), 0
+            with client.stream("GET", f"/v1/jobs/{args.job_id}/artifacts/{name}") as response:
+                if (code := _api_error(response)) is not None:
+                    return code
+                with open(part, "wb") as file:
+                    for chunk in response.iter_bytes(1 << 20):
+                        digest.update(chunk)
+                        size += len(chunk)
+                        file.write(chunk)
+            if digest.hexdigest() != entry["sha256"] or size != entry["bytes"]:
+                part.unlink()
+                print(
+                    f"zero1 download: {name}: sha256 mismatch ({size:,} bytes, sha256 {digest.hexdigest()}; "
+                    f"listed {entry['bytes']:,} bytes, sha256 {entry['sha256']})",
+                    file=sys.stderr,
+                )
+                return 1
+            part.replace(directory / name)
+            print(f"{name}  {size:,} bytes  sha256 ok {entry['sha256'][:16]}")
+    return 0

@@ -1,0 +1,84 @@
+"""What a job trains on: the API's data specs (synthetic, text, dataset), each converted once into the
+workers' data source by its to_spec()."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from service.fields import Body, Float, Int, Text
+from workers.config import DATASET_FORMATS, DatasetSpec, SyntheticSpec, TextSpec, default_of
+
+
+class SyntheticDataSpec(Body):
+    """A random Markov chain over the vocabulary (GPT) or a random teacher's labels (MLP)."""
+
+    kind: Literal["synthetic"]
+    branching: Int = Field(
+        default_of(SyntheticSpec, "branching"), ge=1, le=1_000_000, description="Successors per token: lower is easier."
+    )
+
+    def to_spec(self, *, data_roots: Sequence[str] = (), cache_dir: str | None = None) -> SyntheticSpec:
+        return SyntheticSpec(branching=self.branching)
+
+
+class TextDataSpec(Body):
+    """Characters of a UTF-8 file readable by the workers."""
+
+    kind: Literal["text"]
+    path: Text = Field(min_length=1, max_length=4096)
+
+    def to_spec(self, *, data_roots: Sequence[str] = (), cache_dir: str | None = None) -> TextSpec:
+        """With the data roots resolved here (a relative root is under the service's working directory),
+        for the ranks to check again where they read the file: none given, they read none."""
+        return TextSpec(path=self.path, roots=tuple(os.path.realpath(root) for root in data_roots))
+
+
+def _dataset(name: str):
+    return default_of(DatasetSpec, name)
+
+
+class DatasetDataSpec(Body):
+    """Local files read with `datasets`, tokenized once (cached on the checkpoint storage), packed into
+    seq_len + 1 blocks in a seeded order that does not depend on num_gpus."""
+
+    kind: Literal["dataset"]
+    format: Literal[DATASET_FORMATS]
+    path: Text = Field(
+        min_length=1, max_length=4096, description="A file, a directory or a glob, inside ZERO1_DATA_ROOTS."
+    )
+    text_field: Text = Field(
+        _dataset("text_field"), min_length=1, max_length=200, description="The column read (text format: text)."
+    )
+    tokenizer: Text | None = Field(
+        _dataset("tokenizer"),
+        min_length=1,
+        max_length=4096,
+        description="A tokenizer.json or its directory inside ZERO1_DATA_ROOTS, or bytes (UTF-8 bytes, EOS 256); "
+        "omitted: an hf model's own (its path's directory).",
+    )
+    validation_fraction: Float = Field(
+        _dataset("validation_fraction"), ge=0, le=0.5, allow_inf_nan=False, description="Blocks held out."
+    )
+
+    @model_validator(mode="after")
+    def _text_reads_text(self) -> DatasetDataSpec:
+        if self.format == "text" and self.text_field != "text":
+            raise ValueError(f"text_field ({self.text_field!r}) only applies to jsonl, parquet and csv: text is text")
+        return self
+
+    def to_spec(self, *, data_roots: Sequence[str] = (), cache_dir: str | None = None) -> DatasetSpec:
+        """With the data roots resolved here, for the ranks to check again where they read; cache_dir
+        is the checkpoint storage's datasets/ directory."""
+        return DatasetSpec(
+            **self.model_dump(exclude={"kind"}),
+            roots=tuple(os.path.realpath(root) for root in data_roots),
+            cache_dir=cache_dir,
+        )
+
+
+DataSpec = Annotated[SyntheticDataSpec | TextDataSpec | DatasetDataSpec, Field(discriminator="kind")]
+DATA_KINDS = ("synthetic", "text", "dataset")

@@ -1,0 +1,49 @@
+"""The field types every request body shares: numbers that must be JSON numbers, booleans that must be
+JSON booleans, text without NUL, and the bound on a number typed as text."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from typing import Annotated
+
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, StrictBool
+
+MAX_TEXT_DIGITS = 30
+"""Digits a number typed as text (the planner's form, the CLI) may have: more than any field's bound needs
+(2**63 - 1 has 19); int() of 1e1000000 takes time quadratic in its million digits, holding the GIL."""
+
+
+def too_many_digits(value: Decimal) -> bool:
+    """More than MAX_TEXT_DIGITS significant digits, or 10**MAX_TEXT_DIGITS or more; asked before int() expands it."""
+    # adjusted() is the exponent of the leading digit: 1e1000000 is measured without being expanded
+    return value.adjusted() >= MAX_TEXT_DIGITS or len(value.as_tuple().digits) > MAX_TEXT_DIGITS
+
+
+def _a_number(value: object) -> object:
+    # pydantic's lax mode reads true as 1 and "2" as 2; the schema says number, and a count
+    # given as a boolean or a string is a mistake
+    if isinstance(value, bool):
+        raise ValueError(f"Input should be a number, not a boolean (got {str(value).lower()})")
+    if isinstance(value, str):
+        raise ValueError(f"Input should be a number, not a string (got {value[:40]!r})")
+    return value
+
+
+def no_nul(text: str) -> str:
+    # PostgreSQL's text columns cannot hold NUL (a 500 from the driver otherwise), nor can a file name
+    if "\x00" in text:
+        raise ValueError(f"must not contain a NUL character (\\u0000 at {text.index(chr(0))})")
+    return text
+
+
+Int = Annotated[int, BeforeValidator(_a_number)]
+Float = Annotated[float, BeforeValidator(_a_number)]
+Bool = StrictBool
+"""true or false: pydantic's lax mode would also read 0, 1, "yes" and "off"."""
+Text = Annotated[str, AfterValidator(no_nul)]
+
+
+class Body(BaseModel):
+    """A request body: a field it does not know is an error, not silently dropped."""
+
+    model_config = ConfigDict(extra="forbid")
