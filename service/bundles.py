@@ -11,7 +11,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from service.auth import Principal
-from service.code import BundleInfo, check_digest
+from service.code import BundleInfo, CodeStore, check_digest
 from service.errors import ServiceError
 from service.models import CodeBundle
 from service.responses import CodeBundleDetailPublic
@@ -62,9 +62,12 @@ def get_bundle(session: Session, digest: str, *, principal: Principal) -> CodeBu
     )
 
 
-def require_bundle(session: Session, digest: str, *, principal: Principal) -> CodeBundle:
-    """The bundle a job of `principal` names as its `code`: a 422 when no one uploaded it, a 403 when only
-    others did (an admin may use any; with auth off anyone may)."""
+def require_bundle(
+    session: Session, digest: str, *, principal: Principal, store: CodeStore | None = None
+) -> CodeBundle:
+    """The bundle a job (or plan) of `principal` names as its `code`: a 422 when no one uploaded it, or
+    when `store` no longer holds its zip; a 403 when only others did (an admin may use any; with auth
+    off anyone may)."""
     check_digest(digest, field="code")
     rows, known = _visible(session, digest, principal=principal)
     if not known:
@@ -80,5 +83,12 @@ def require_bundle(session: Session, digest: str, *, principal: Principal) -> Co
             "submitter uploaded; upload the same zip with POST /v1/code (it is stored once)",
             status_code=403,
             error="forbidden_code",
+        )
+    if store is not None and not store.exists(digest):
+        raise ServiceError(
+            f"code {digest} is recorded but its zip is not in the code store ({store.root}): upload it again",
+            status_code=422,
+            error="unknown_code",
+            detail=[{"field": "code", "message": f"code {digest} is not in the store", "type": "value_error"}],
         )
     return rows[0]

@@ -1,4 +1,4 @@
-"""What a plan or job trains: the API's model specs (gpt, mlp, hf), each converted once into the
+"""What a plan or job trains: the API's model specs (gpt, mlp, hf, python), each converted once into the
 workers' spec by its to_spec()."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pydantic import Field, field_validator, model_validator
 
 from service.fields import Body, Int, Text, no_nul
 from workers import memory
-from workers.config import HFSpec
+from workers.config import HFSpec, PythonSpec
 
 
 class GPTModelSpec(Body):
@@ -114,5 +114,41 @@ class HFModelSpec(Body):
         )
 
 
-ModelSpec = Annotated[GPTModelSpec | MLPModelSpec | HFModelSpec, Field(discriminator="kind")]
-MODEL_KINDS = ("gpt", "mlp", "hf")
+ENTRYPOINT_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
+CODE_PATTERN = r"^sha256:[0-9a-f]{64}$"
+
+
+class PythonModelSpec(Body):
+    """A model of the user's own code, from the job's code bundle: entrypoint(**args) returns a
+    torch.nn.Module whose model(input_ids, labels) is the mean loss. Always planned by its trace."""
+
+    kind: Literal["python"]
+    entrypoint: Text = Field(
+        max_length=300,
+        pattern=ENTRYPOINT_PATTERN,
+        description="package.module:function in the code bundle, e.g. tinylm.model:build.",
+    )
+    args: dict[str, Any] = Field(default_factory=dict, description="The function's keyword arguments (JSON).")
+    vocab_size: Int | None = Field(
+        None,
+        ge=1,
+        le=10_000_000,
+        description="Token ids the model takes; default: the rows of the nn.Embedding that looks up input_ids.",
+    )
+
+    @field_validator("args")
+    @classmethod
+    def _storable(cls, args: dict[str, Any]) -> dict[str, Any]:
+        _json_safe(args, where="args")
+        return args
+
+    def to_spec(self, *, code: str, vocab_size: int, block_size: int) -> PythonSpec:
+        return PythonSpec(
+            entrypoint=self.entrypoint, args=self.args, code=code, vocab_size=vocab_size, block_size=block_size
+        )
+
+
+ModelSpec = Annotated[GPTModelSpec | MLPModelSpec | HFModelSpec | PythonModelSpec, Field(discriminator="kind")]
+MODEL_KINDS = ("gpt", "mlp", "hf", "python")
+TracedModelSpec = HFModelSpec | PythonModelSpec
+"""The kinds planned by their trace only (no closed forms)."""

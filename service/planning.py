@@ -6,7 +6,7 @@ from dataclasses import asdict
 
 from service.cluster import ClusterCapacity
 from service.errors import ServiceError
-from service.model_specs import HFModelSpec
+from service.model_specs import PythonModelSpec, TracedModelSpec
 from service.responses import PlanPublic
 from service.schemas import PlanRequest
 from service.tracing import Tracer, TraceRequest
@@ -34,8 +34,12 @@ def workload_for(request: PlanRequest, *, overhead_bytes: int, tracer: Tracer | 
 
 
 def trace_request(request: PlanRequest) -> TraceRequest:
+    """What the trace of a model plan depends on: a python model's code bundle with its spec."""
+    model = request.model.model_dump()
+    if isinstance(request.model, PythonModelSpec):
+        model["code"] = request.code
     return TraceRequest(
-        model=request.model.model_dump(),
+        model=model,
         precision=request.precision,
         micro_batch_size=request.micro_batch_size or 1,
         seq_len=request.seq_len,
@@ -44,10 +48,11 @@ def trace_request(request: PlanRequest) -> TraceRequest:
 
 
 def model_shape(request: PlanRequest, *, tracer: Tracer | None) -> tuple[int, int] | None:
-    """(vocab_size, block_size) of an hf model as its trace resolved them (from the trace cache); None otherwise."""
-    if not isinstance(request.model, HFModelSpec):
+    """(vocab_size, block_size) of an hf or python model as its trace resolved them (from the trace cache);
+    None otherwise."""
+    if not isinstance(request.model, TracedModelSpec):
         return None
-    assert tracer is not None, "an hf model's plan needs a Tracer"
+    assert tracer is not None, "a traced model's plan needs a Tracer"
     traced = tracer.trace(trace_request(request))
     return traced.vocab_size, traced.max_position_embeddings
 

@@ -11,7 +11,14 @@ from pydantic import Field, model_validator
 
 from service.data_specs import DataSpec, SyntheticDataSpec
 from service.fields import Body, Bool, Float, Int, Text
-from service.model_specs import GPTModelSpec, HFModelSpec, MLPModelSpec, ModelSpec
+from service.model_specs import (
+    CODE_PATTERN,
+    GPTModelSpec,
+    MLPModelSpec,
+    ModelSpec,
+    PythonModelSpec,
+    TracedModelSpec,
+)
 from workers import limits, memory
 from workers.config import ModelKind, OptimizerSpec, TrainConfig, default_of
 
@@ -28,6 +35,28 @@ MAX_MICRO_BATCH_SIZE = 1_000_000
 MAX_GPU_MEMORY_GB = 1e6
 
 _MODEL_ONLY_FIELDS = ("micro_batch_size", "seq_len", "activation_checkpointing")
+
+
+def _code_field():
+    return Field(
+        None,
+        pattern=CODE_PATTERN,
+        description="The code bundle a python model comes from: sha256:<64 hex>, as POST /v1/code answered.",
+    )
+
+
+def _check_code(model: ModelSpec, *, code: str | None, seq_len: int | None, activation_checkpointing) -> None:
+    """A python model needs its bundle and a stated seq_len, and checkpoints its own activations;
+    no other kind takes a bundle."""
+    if not isinstance(model, PythonModelSpec):
+        if code is not None:
+            raise ValueError(f"code only applies to a python model, not to a {model.kind} model")
+        return
+    missing = [name for name, value in (("code", code), ("seq_len", seq_len)) if value is None]
+    if missing:
+        raise ValueError(f"a python model needs {' and '.join(missing)} (code: POST /v1/code answers it)")
+    if activation_checkpointing:
+        raise ValueError("activation_checkpointing applies to gpt and hf models; a python model checkpoints its own")
 
 
 class PlanRequest(Body):
@@ -49,11 +78,12 @@ class PlanRequest(Body):
         None, ge=1, le=100_000_000, description="Default: block_size, or an hf model's max_position_embeddings."
     )
     activation_checkpointing: Bool | None = Field(None, description="Default false (model plans only).")
+    code: Text | None = _code_field()
     method: Literal["model", "traced"] | None = Field(
         None,
         description="How a built-in model's step is counted: model (its closed forms, the default) or traced "
-        "(one micro-batch run on fake tensors in a Ray task, within ZERO1_PLAN_TIMEOUT_S; cached). An hf model "
-        "is always traced.",
+        "(one micro-batch run on fake tensors in a Ray task, within ZERO1_PLAN_TIMEOUT_S; cached). An hf or "
+        "python model is always traced.",
     )
 
     @model_validator(mode="after")
@@ -62,13 +92,18 @@ class PlanRequest(Body):
             given = "both" if self.model is not None else "neither"
             raise ValueError(f"exactly one of num_params or model is required, got {given}")
         if self.model is None:
-            extra = [f for f in (*_MODEL_ONLY_FIELDS, "method") if getattr(self, f) is not None]
+            extra = [f for f in (*_MODEL_ONLY_FIELDS, "method", "code") if getattr(self, f) is not None]
             if extra:
                 raise ValueError(f"{', '.join(extra)} only apply to a plan for a model, not to num_params")
             return self
-        if isinstance(self.model, HFModelSpec):
+        _check_code(
+            self.model, code=self.code, seq_len=self.seq_len, activation_checkpointing=self.activation_checkpointing
+        )
+        if isinstance(self.model, TracedModelSpec):
             if self.method == "model":
-                raise ValueError("an hf model is planned by its trace only: method must be traced (or omitted)")
+                raise ValueError(
+                    f"an {self.model.kind} model is planned by its trace only: method must be traced (or omitted)"
+                )
             self.method = "traced"
             return self
         _check_model(self.model, seq_len=self.seq_len)
@@ -109,8 +144,10 @@ class RecommendRequest(Body):
 
     @model_validator(mode="after")
     def _consistent(self) -> RecommendRequest:
-        if isinstance(self.model, HFModelSpec):
-            raise ValueError("model: recommendations for an hf model are not supported yet; POST /v1/plan plans one")
+        if isinstance(self.model, TracedModelSpec):
+            raise ValueError(
+                f"model: recommendations for an {self.model.kind} model are not supported yet; POST /v1/plan plans one"
+            )
         _check_model(self.model, seq_len=self.seq_len)
         return self
 
@@ -176,6 +213,7 @@ class JobSpec(Body):
         description="Sequence models only; default block_size (hf: max_position_embeddings).",
     )
     activation_checkpointing: Bool = _train("activation_checkpointing")
+    code: Text | None = _code_field()
     seed: Int = Field(_train("seed"), ge=0, le=2**63 - 1)
     checkpoint_every: Int = Field(
         _train("checkpoint_every"), ge=0, le=100_000_000, description="0: a checkpoint at the end only."
@@ -207,12 +245,15 @@ class JobSpec(Body):
                 f"global_batch_size ({self.global_batch_size}) must be a multiple of micro_batch_size "
                 f"({self.micro_batch_size}) x num_gpus ({self.num_gpus}) = {per_step}"
             )
+        _check_code(
+            self.model, code=self.code, seq_len=self.seq_len, activation_checkpointing=self.activation_checkpointing
+        )
         if isinstance(self.model, MLPModelSpec):
             if self.seq_len is not None or self.activation_checkpointing:
                 raise ValueError("seq_len and activation_checkpointing only apply to a gpt model")
             if not isinstance(self.data, SyntheticDataSpec):
                 raise ValueError("an mlp model trains on synthetic data only")
-        elif isinstance(self.model, HFModelSpec):
+        elif isinstance(self.model, TracedModelSpec):
             return self  # seq_len and the parameter count are checked by its trace, at admission
         elif self.seq_len is not None and self.seq_len > self.model.block_size:
             raise ValueError(f"seq_len ({self.seq_len}) must be <= model.block_size ({self.model.block_size})")
@@ -232,12 +273,12 @@ class JobSpec(Body):
         model_roots: Sequence[str] = (),
         plan: PlanPublic | None = None,
     ) -> TrainConfig:
-        """The workers' view of this job: every field converted once, here. An hf model takes its
-        vocab_size, block_size and planned bytes from the plan it was admitted by (its trace's)."""
-        hf = isinstance(self.model, HFModelSpec)
+        """The workers' view of this job: every field converted once, here. An hf or python model takes
+        its vocab_size, block_size and planned bytes from the plan it was admitted by (its trace's)."""
+        traced = isinstance(self.model, TracedModelSpec)
         return TrainConfig(
             model=self.model_spec(plan=plan, model_roots=model_roots),
-            planned_bytes=plan.per_gpu.total_bytes - plan.per_gpu.overhead_bytes if hf else None,
+            planned_bytes=plan.per_gpu.total_bytes - plan.per_gpu.overhead_bytes if traced else None,
             steps=self.steps,
             data=self.data.to_spec(data_roots=data_roots, cache_dir=dataset_cache_dir),
             precision=self.precision,
@@ -257,12 +298,16 @@ class JobSpec(Body):
         )
 
     def model_spec(self, *, plan: PlanPublic | None = None, model_roots: Sequence[str] = ()) -> ModelKind:
-        """The workers' model: a built-in's spec, or an hf model's with the vocab_size and block_size its
-        traced plan resolved."""
-        if not isinstance(self.model, HFModelSpec):
+        """The workers' model: a built-in's spec, or an hf or python model's with the vocab_size and
+        block_size its traced plan resolved."""
+        if not isinstance(self.model, TracedModelSpec):
             return self.model.to_spec()
         if plan is None or plan.vocab_size is None or plan.block_size is None:
-            raise ValueError("an hf job needs the traced plan it was admitted by (vocab_size, block_size)")
+            raise ValueError(
+                f"an {self.model.kind} job needs the traced plan it was admitted by (vocab_size, block_size)"
+            )
+        if isinstance(self.model, PythonModelSpec):
+            return self.model.to_spec(code=self.code, vocab_size=plan.vocab_size, block_size=plan.block_size)
         return self.model.to_spec(vocab_size=plan.vocab_size, block_size=plan.block_size, model_roots=model_roots)
 
     def plan_request(self) -> PlanRequest:
@@ -276,6 +321,7 @@ class JobSpec(Body):
             micro_batch_size=self.micro_batch_size,
             seq_len=self.seq_len,
             activation_checkpointing=None if isinstance(self.model, MLPModelSpec) else self.activation_checkpointing,
+            code=self.code,
         )
 
 

@@ -110,7 +110,7 @@ class RankError:
 
 TRACEBACK_LINES = 12
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_BUNDLE_DIR = re.compile(r"\S*/working_dir_files/[^/]+/")
+_BUNDLE_DIR = re.compile(r"[^\s\"']*/working_dir_files/[^/]+/")
 """Where Ray unpacks a code bundle on a node: a user's file is named relative to its bundle."""
 
 

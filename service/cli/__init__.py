@@ -86,6 +86,12 @@ def _parser() -> argparse.ArgumentParser:
     submit = commands.add_parser("submit", help="submit a job spec (JSON file); prints its plan and id")
     submit.add_argument("spec", help="path of a JSON JobSpec, e.g. examples/tiny-gpt.json")
     submit.add_argument("--dry-run", action="store_true", help="plan and admit, store nothing")
+    submit.add_argument(
+        "--code",
+        metavar="DIR",
+        help="a python model's code: DIR zipped (without .git, __pycache__, virtualenvs and what its "
+        ".gitignore lists), uploaded, and set as the job's code",
+    )
     submit.add_argument("--url", **url)
     jobs = commands.add_parser("jobs", help="list jobs, newest first")
     jobs.add_argument("--status", action="append", help="only these statuses (repeatable)")

@@ -10,16 +10,22 @@ import os
 import sys
 from pathlib import Path
 
+from service.cli.bundle import upload_chunks, zip_directory
 from service.cli.plans import format_plan
 
 
-def _client(args: argparse.Namespace):
+def _client(args: argparse.Namespace, *, timeout_s: float = 30):
     """An HTTP client of the API that sends ZERO1_TOKEN, when set, as its bearer token."""
     import httpx
 
     token = os.environ.get("ZERO1_TOKEN", "").strip()
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    return httpx.Client(base_url=args.url, timeout=30, headers=headers)
+    return httpx.Client(base_url=args.url, timeout=timeout_s, headers=headers)
+
+
+SUBMIT_TIMEOUT_S = 600
+"""A submit waits for the service's admission: a traced plan and a dataset tokenized at submit
+(ZERO1_PLAN_TIMEOUT_S, ZERO1_DATA_TIMEOUT_S), each bounded by the service."""
 
 
 def _api_error(response) -> int | None:
@@ -41,7 +47,12 @@ def cmd_submit(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"zero1 submit: cannot read {args.spec}: {exc}", file=sys.stderr)
         return 2
-    with _client(args) as client:
+    with _client(args, timeout_s=SUBMIT_TIMEOUT_S) as client:
+        if args.code is not None:
+            digest = _upload_code(client, Path(args.code))
+            if digest is None:
+                return 1
+            body["code"] = digest
         response = client.post("/v1/jobs", json=body, params={"dry_run": str(args.dry_run).lower()})
     if response.status_code == 422 and response.json().get("error") == "does_not_fit":
         print(f"does not fit: {response.json()['message']}", file=sys.stderr)
@@ -56,6 +67,26 @@ def cmd_submit(args: argparse.Namespace) -> int:
     else:
         print(f"\njob {body['id']} {body['status']} (queue position {body['queue_position']})")
     return 0
+
+
+def _upload_code(client, directory: Path) -> str | None:
+    """DIR zipped and uploaded (POST /v1/code) with a progress bar on stderr: its digest, or None
+    (the reason printed) when it cannot be."""
+    if not directory.is_dir():
+        print(f"zero1 submit: --code {directory}: not a directory", file=sys.stderr)
+        return None
+    data, files = zip_directory(directory)
+    label = f"uploading {directory} ({files} files)"
+    response = client.post(
+        "/v1/code",
+        content=upload_chunks(data, label=label),
+        headers={"Content-Type": "application/zip", "Content-Length": str(len(data))},
+    )
+    if _api_error(response) is not None:
+        return None
+    code = response.json()["code"]
+    print(f"code {code} ({'stored' if response.status_code == 201 else 'already stored'})", file=sys.stderr)
+    return code
 
 
 def _job_line(job: dict) -> str:

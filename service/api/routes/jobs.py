@@ -11,6 +11,7 @@ from pydantic import BaseModel
 from service import admission, jobs
 from service.api.deps import ClusterDep, PrincipalDep, ReaderDep, RuntimeDep, SessionDep, SettingsDep
 from service.auth import check_can_cancel
+from service.bundles import require_bundle
 from service.hf import check_model_path
 from service.launcher import dataset_cache_dir
 from service.responses import (
@@ -68,6 +69,8 @@ def submit_job(
 ) -> Response:
     """Plan the job with the ZeRO-1 memory model against the cluster; queue it if it fits."""
     spec = check_model_path(spec, model_roots=settings.model_roots)
+    if spec.code is not None:  # before its trace runs the bundle's code
+        require_bundle(session, spec.code, principal=principal, store=runtime.code)
     overhead_bytes = round(settings.gpu_overhead_gb * GB)
     plan = admission.admit(spec, cluster=cluster, overhead_bytes=overhead_bytes, tracer=runtime.tracer)
     spec = admission.check_data(spec, data_roots=settings.data_roots)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from service.api.deps import ClusterDep, SettingsDep, TracerDep
+from service.api.deps import ClusterDep, ReaderDep, RuntimeDep, SessionDep, SettingsDep, TracerDep
+from service.bundles import require_bundle
 from service.hf import check_model_path
 from service.planning import make_plan, model_shape, plan_public
 from service.recommendations import cost_model_of, recommend_public
@@ -16,9 +17,19 @@ router = APIRouter(tags=["planning"])
 
 
 @router.post("/plan", response_model=PlanPublic, responses={422: {"model": ErrorPublic}})
-def plan(request: PlanRequest, cluster: ClusterDep, settings: SettingsDep, tracer: TracerDep) -> PlanPublic:
+def plan(
+    request: PlanRequest,
+    cluster: ClusterDep,
+    settings: SettingsDep,
+    tracer: TracerDep,
+    session: SessionDep,
+    principal: ReaderDep,
+    runtime: RuntimeDep,
+) -> PlanPublic:
     """Per-GPU bytes of a model on N GPUs at a ZeRO stage, whether it fits, and the smallest N that does."""
     request = check_model_path(request, model_roots=settings.model_roots)
+    if request.code is not None:  # a python model's trace runs its bundle's code: the caller's to use
+        require_bundle(session, request.code, principal=principal, store=runtime.code)
     overhead_bytes = round(settings.gpu_overhead_gb * GB)
     plan = make_plan(request, cluster=cluster, overhead_bytes=overhead_bytes, tracer=tracer)
     return plan_public(plan, shape=model_shape(request, tracer=tracer))
