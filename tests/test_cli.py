@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import httpx
@@ -275,3 +277,37 @@ def test_output_into_a_closed_pipe_is_no_error():
     finally:
         os.close(write_end)
     assert (result.returncode, result.stderr) == (0, "")
+
+
+def test_submit_code_zips_the_directory_without_vcs_caches_virtualenvs_or_ignored_files(tmp_path):
+    from service.cli.bundle import zip_directory
+
+    root = tmp_path / "project"
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/model.py": "def build(): ...\n",
+        "README.md": "mine\n",
+        ".gitignore": "# build output\n*.log\n/data/\nscratch/\n",
+        ".git/HEAD": "ref: refs/heads/main\n",
+        "pkg/__pycache__/model.cpython-311.pyc": "x",
+        "venv/pyvenv.cfg": "home = /usr/bin\n",
+        "venv/lib/site.py": "x",
+        "run.log": "x",
+        "pkg/deep/run.log": "x",
+        "data/big.bin": "x",
+        "pkg/data/kept.txt": "a data/ below the top is not /data/\n",
+        "pkg/scratch/tmp.txt": "x",
+    }
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    (root / "pkg" / "link.py").symlink_to(root / "pkg" / "model.py")
+
+    data, count = zip_directory(root)
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        names = archive.namelist()
+        assert archive.read("pkg/model.py") == b"def build(): ...\n"
+    assert names == [".gitignore", "README.md", "pkg/__init__.py", "pkg/data/kept.txt", "pkg/model.py"]
+    assert count == len(names)
+    (root / "README.md").touch()  # a newer mtime: the zip, and so the digest, depend on content only
+    assert zip_directory(root)[0] == data

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import json
 import os
 import re
 import secrets
@@ -31,6 +32,7 @@ from helpers import free_port, job_checkpoint_dir, wait_for
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 EXAMPLE = ROOT / "examples" / "two-nodes.json"
+BYO_EXAMPLE = ROOT / "examples" / "byo-model"
 DOCS_GCS_PORT = 6379
 
 # The commands of docs/deployment.md (there with the GCS on port 6379); `--temp-dir` is the test's addition.
@@ -310,8 +312,35 @@ def test_a_job_spread_over_two_ray_nodes_trains_with_postgresql_and_shared_check
         )
         assert watched.returncode == 0, watched.stdout + watched.stderr + service.log()[-3000:]
         assert watched.stdout.rstrip().endswith("succeeded")
+
+        # a model of the user's own code, its bundle uploaded by the CLI, its ranks on both nodes:
+        # each node unpacks the bundle from the shared checkpoint storage (Ray's file:// working_dir)
+        byo = _read_json(BYO_EXAMPLE / "job.json")
+        python_job = tmp_path / "byo.json"
+        python_job.write_text(
+            json.dumps({**byo, "data": {"kind": "synthetic"}, "num_gpus": 4, "steps": 10, "checkpoint_every": 0})
+        )
+        submitted = subprocess.run(
+            [BIN / "zero1", "submit", str(python_job), "--code", str(BYO_EXAMPLE)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+        assert re.search(r"^code sha256:[0-9a-f]{64} \(stored\)$", submitted.stderr, re.M), submitted.stderr
+        python_id = int(re.search(r"^job (\d+) queued", submitted.stdout, re.M).group(1))
+        watched = subprocess.run(
+            [BIN / "zero1", "watch", str(python_id)], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert watched.returncode == 0, watched.stdout + watched.stderr + service.log()[-3000:]
+        assert watched.stdout.rstrip().endswith("succeeded")
     finally:
         service.stop()
+
+    python_events = _events(database_url, python_id)
+    assert "4 ranks placed on 2 node(s)" in python_events[2][1], python_events
+    assert _metric_steps(database_url, python_id) == list(range(10))
 
     spec = _read_json(EXAMPLE)
     steps, world_size, every = spec["steps"], spec["num_gpus"], spec["checkpoint_every"]
