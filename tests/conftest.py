@@ -63,6 +63,19 @@ def app(ray_cluster, tmp_path) -> Iterator[tuple[TestClient, Settings]]:
         end_supervisors(settings.ray_namespace)
 
 
+@pytest.fixture(scope="module")
+def examples_app(ray_cluster, tmp_path_factory) -> Iterator[tuple[TestClient, Settings]]:
+    """The app with the shipped examples' data among its data roots, as `make run` has them, per module."""
+    settings = make_settings(
+        tmp_path_factory.mktemp("examples"), data_roots=[str(Path(__file__).resolve().parents[1] / "examples" / "data")]
+    )
+    try:
+        with TestClient(create_app(settings), raise_server_exceptions=False) as test_client:
+            yield test_client, settings
+    finally:
+        end_supervisors(settings.ray_namespace)
+
+
 def end_supervisors(namespace: str) -> None:
     """Kill every actor of a Ray namespace (an app's supervisors, a test's stand-ins)."""
     import ray

@@ -12,12 +12,10 @@ import torch
 from fastapi.testclient import TestClient
 from transformers import AutoModelForCausalLM
 
-from service.main import create_app
 from workers.checkpoints import shard_file
 from workers.config import HFSpec
 from workers.hf import build_hf
 
-from conftest import end_supervisors, make_settings
 from figures import record
 from helpers import TERMINAL, wait_for, wait_job
 from test_faults import assert_same_state, final_shards, kill_rank
@@ -27,15 +25,8 @@ EXAMPLE = json.loads((ROOT / "examples" / "tiny-llama.json").read_text())
 
 
 @pytest.fixture(scope="module")
-def served(ray_cluster, tmp_path_factory):
-    """The app with the shipped examples' data among its data roots, as `make run` has them."""
-    tmp = tmp_path_factory.mktemp("examples")
-    settings = make_settings(tmp, data_roots=[str(ROOT / "examples" / "data")])
-    try:
-        with TestClient(create_app(settings), raise_server_exceptions=False) as client:
-            yield client, settings
-    finally:
-        end_supervisors(settings.ray_namespace)
+def served(examples_app):
+    return examples_app
 
 
 def example(**overrides) -> dict:

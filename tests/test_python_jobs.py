@@ -55,14 +55,8 @@ def num_jobs(client: TestClient) -> int:
 
 
 @pytest.fixture(scope="module")
-def served(ray_cluster, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("python-jobs")
-    settings = make_settings(tmp, data_roots=[str(ROOT / "examples" / "data")])
-    try:
-        with TestClient(create_app(settings), raise_server_exceptions=False) as client:
-            yield client, settings
-    finally:
-        end_supervisors(settings.ray_namespace)
+def served(examples_app):
+    return examples_app
 
 
 def test_the_example_bundle_uploads_plans_by_its_trace_and_trains_on_two_ranks(served):
@@ -144,6 +138,17 @@ def test_an_entrypoint_that_raises_is_refused_at_submit_and_nothing_is_queued(se
     )
     assert r.json()["detail"][0]["field"] == "model.entrypoint"
     assert num_jobs(client) == before
+
+
+def test_a_tokenizer_larger_than_the_embedding_of_input_ids_is_refused_at_submit(served):
+    client, _ = served
+    code = upload(client, EXAMPLE_DIR)
+    small = {**EXAMPLE["model"], "args": {**EXAMPLE["model"]["args"], "vocab_size": 300}}  # the tokenizer has 512
+    before = num_jobs(client)
+    r = client.post("/v1/jobs", json=example(code, model=small))
+    assert r.status_code == 422, r.text
+    assert "its vocabulary has 512 tokens, more than the model's" in r.json()["message"], r.text
+    assert "300" in r.json()["message"] and num_jobs(client) == before
 
 
 def test_a_python_job_needs_a_known_bundle_and_a_seq_len(served):
