@@ -49,7 +49,9 @@ def venv(wheel, tmp_path_factory) -> Path:
     """A new venv with the wheel (no extras) and torch: its bin/ directory."""
     root = tmp_path_factory.mktemp("venv")
     _run(sys.executable, "-m", "venv", root)
-    pip = [root / "bin" / "python", "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    # --no-compile: byte-compiling torch's and ray's thousands of modules is most of an install's time,
+    # and the commands below compile what they import anyway
+    pip = [root / "bin" / "python", "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-compile"]
     _run(*pip, TORCH_SPEC)
     _run(*pip, wheel)
     return root / "bin"
