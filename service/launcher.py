@@ -41,6 +41,40 @@ def supervisor_name(job_id: int, attempt: int = 0) -> str:
 _NAME = re.compile(r"zero1-job-(\d+)-a(\d+)")
 
 
+def placement_group_name(namespace: str, job_id: int, attempt: int) -> str:
+    """The placement group of an attempt: its supervisor's name, under this deployment's namespace
+    (placement group names are not kept apart by namespace)."""
+    return f"{namespace}/{supervisor_name(job_id, attempt)}"
+
+
+_PG_NAME = re.compile(r"(.+)/zero1-job-(\d+)-a(\d+)")
+
+
+def remove_placement_groups(namespace: str, *, keep: Callable[[int, int], bool] = lambda job_id, attempt: False) -> int:
+    """Remove every live placement group of the namespace's attempts that keep(job id, attempt)
+    does not hold; the number removed.
+
+    A supervisor frees its group itself when its attempt ends or is cancelled. This catches the
+    rest: a supervisor killed between asking Ray for its group and recording it, or one that died
+    on its own; Ray frees such a group only when the process that launched the supervisor (this
+    service) exits, and meanwhile its GPUs would stay reserved."""
+    import ray
+    from ray._raylet import PlacementGroupID
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    removed = 0
+    for group_id, entry in ray.util.placement_group_table().items():
+        match = _PG_NAME.fullmatch(entry.get("name") or "")
+        if match is None or match[1] != namespace or entry.get("state") == "REMOVED":
+            continue
+        if keep(int(match[2]), int(match[3])):
+            continue
+        remove_placement_group(PlacementGroup(PlacementGroupID.from_hex(group_id)))
+        log.warning("removed placement group %s: its attempt is not running", entry["name"])
+        removed += 1
+    return removed
+
+
 class RayLauncher:
     """Starts, polls, cancels and releases job supervisors, one per (job, attempt)."""
 
@@ -152,6 +186,7 @@ class RayLauncher:
             timeout_s=self.settings.placement_timeout_s,
             rendezvous_timeout_s=self.settings.rendezvous_timeout_s,
             working_dir=self._working_dir(job.spec.get("code")),
+            name=placement_group_name(self.settings.ray_namespace, job.id, job.attempt),
         )
         supervisor = JobSupervisor.options(
             name=supervisor_name(job.id, job.attempt),
@@ -253,13 +288,19 @@ class RayLauncher:
                 log.warning("job %s: supervisor gone while cancelling", job_id)
 
     def release(self, job_id: int, attempt: int) -> None:
-        """End an attempt's supervisor; its workers and placement group go with it."""
+        """End an attempt's supervisor, its workers and its placement group."""
         import ray
 
         supervisor = self._supervisors.pop((job_id, attempt), None) or self._handle(job_id, attempt)
         self._supervisors.pop((job_id, attempt), None)
         if supervisor is not None:
             ray.kill(supervisor, no_restart=True)
+        remove_placement_groups(self.settings.ray_namespace, keep=lambda j, a: (j, a) != (job_id, attempt))
+
+    def sweep(self, attempts: set[tuple[int, int]]) -> int:
+        """Remove the placement groups of this deployment that no attempt in `attempts` (the
+        active ones) owns; the number removed. See remove_placement_groups."""
+        return remove_placement_groups(self.settings.ray_namespace, keep=lambda j, a: (j, a) in attempts)
 
     def supervisors(self) -> list[tuple[int, int]]:
         """(job id, attempt) of every zero1 supervisor alive in this deployment's namespace."""

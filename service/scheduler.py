@@ -34,6 +34,8 @@ from workers.records import STORED_FIELDS, MetricRow, RankError
 log = logging.getLogger(__name__)
 
 _ALL_STEPS = 2**62
+_SWEEP_EVERY_S = 10.0
+"""How often a tick looks for placement groups no active attempt owns (launcher.sweep)."""
 
 
 def store_metrics(session: Session, job: Job, rows: list[MetricRow]) -> int:
@@ -80,6 +82,7 @@ class Scheduler:
         self.last_tick_at: float | None = None
         """clock() when the last tick completed (when the scheduler started, before the first)."""
         self._starting_since: dict[tuple[int, int], float] = {}  # (job, attempt) -> clock() first seen starting
+        self._swept_at = -float("inf")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -113,6 +116,8 @@ class Scheduler:
     def tick(self) -> None:
         """Settle every active job, each alone, then admit from the queue."""
         jobs = self._active()
+        if self.clock() - self._swept_at >= _SWEEP_EVERY_S:  # before this tick launches anything
+            self._sweep({(job.id, job.attempt) for job in jobs})
         states = self.launcher.poll_many([(job.id, job.attempt, _after(job)) for job in jobs])
         attempts = set(states)
         self._starting_since = {key: at for key, at in self._starting_since.items() if key in attempts}
@@ -133,16 +138,26 @@ class Scheduler:
                     stored += store_metrics(session, fresh, rows)
         return stored
 
+    def _sweep(self, attempts: set[tuple[int, int]]) -> None:
+        """Free the placement groups no active attempt owns; a Ray that does not answer is asked next time."""
+        self._swept_at = self.clock()
+        try:
+            self.launcher.sweep(attempts)
+        except Exception:
+            log.exception("could not look for orphaned placement groups")
+
     def recover(self) -> None:
         """At start-up: adopt the supervisors that outlived the last service process, relaunch the
         active jobs whose supervisor is gone (an embedded Ray dies with the service), and end
-        supervisors no active job owns. Queued jobs wait in the database as they were."""
+        supervisors and placement groups no active job owns. Queued jobs wait in the database as
+        they were."""
         jobs = {job.id: job for job in self._active()}
         for job_id, attempt in self.launcher.supervisors():
             job = jobs.get(job_id)
             if job is None or attempt != job.attempt:
                 log.warning("ending orphaned supervisor of job %s attempt %s", job_id, attempt)
                 self.launcher.release(job_id, attempt)
+        self._sweep({(job.id, job.attempt) for job in jobs.values()})
         for job in jobs.values():
             if self.launcher.exists(job.id, job.attempt):
                 log.info("job %s: re-attached to attempt %s", job.id, job.attempt)

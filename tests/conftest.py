@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
 import tempfile
+import time
 
 # Ray reads this when it is first imported: nodes, GCS and actors then bind 127.0.0.1
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -44,11 +46,22 @@ def make_settings(tmp_path: Path, **overrides) -> Settings:
     return Settings(**{**values, **overrides})
 
 
+@contextlib.contextmanager
+def serve(settings: Settings) -> Iterator[TestClient]:
+    """The app on `settings`, started and stopped by a TestClient. Its supervisors and placement
+    groups end with it: a job a test leaves running (or a test that fails midway) never holds
+    the session cluster's GPUs for the tests after it."""
+    try:
+        with TestClient(create_app(settings), raise_server_exceptions=False) as test_client:
+            yield test_client
+    finally:
+        end_supervisors(settings.ray_namespace)
+
+
 @pytest.fixture(scope="module")
 def client(ray_cluster, tmp_path_factory) -> Iterator[TestClient]:
     """The app on the session's Ray cluster (4 logical GPUs) with a SQLite database, per module."""
-    settings = make_settings(tmp_path_factory.mktemp("app"))
-    with TestClient(create_app(settings), raise_server_exceptions=False) as test_client:
+    with serve(make_settings(tmp_path_factory.mktemp("app"))) as test_client:
         yield test_client
 
 
@@ -56,11 +69,8 @@ def client(ray_cluster, tmp_path_factory) -> Iterator[TestClient]:
 def app(ray_cluster, tmp_path) -> Iterator[tuple[TestClient, Settings]]:
     """The app on the session's Ray cluster with a SQLite database of the test's own, and its settings."""
     settings = make_settings(tmp_path)
-    try:
-        with TestClient(create_app(settings), raise_server_exceptions=False) as test_client:
-            yield test_client, settings
-    finally:  # a test that failed midway leaves no job holding the session cluster's GPUs
-        end_supervisors(settings.ray_namespace)
+    with serve(settings) as test_client:
+        yield test_client, settings
 
 
 @pytest.fixture(scope="module")
@@ -69,20 +79,42 @@ def examples_app(ray_cluster, tmp_path_factory) -> Iterator[tuple[TestClient, Se
     settings = make_settings(
         tmp_path_factory.mktemp("examples"), data_roots=[str(Path(__file__).resolve().parents[1] / "examples" / "data")]
     )
-    try:
-        with TestClient(create_app(settings), raise_server_exceptions=False) as test_client:
-            yield test_client, settings
-    finally:
-        end_supervisors(settings.ray_namespace)
+    with serve(settings) as test_client:
+        yield test_client, settings
 
 
 def end_supervisors(namespace: str) -> None:
-    """Kill every actor of a Ray namespace (an app's supervisors, a test's stand-ins)."""
+    """Kill every actor of a Ray namespace (an app's supervisors, a test's stand-ins) and remove its
+    placement groups: a job a test leaves running never holds the session cluster's GPUs."""
     import ray
+
+    from service.launcher import remove_placement_groups
 
     for entry in ray.util.list_named_actors(all_namespaces=True):
         if entry["namespace"] == namespace:
             ray.kill(ray.get_actor(entry["name"], namespace=namespace), no_restart=True)
+    remove_placement_groups(namespace)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _session_cluster_left_free(request) -> Iterator[None]:
+    """After each module, every GPU of the session's Ray cluster is free again: a module that
+    leaves one held fails here, by name, rather than the modules after it by placement timeouts."""
+    import ray
+
+    yield
+    if not ray.is_initialized():  # the module ran no test on the session cluster, nor did any before
+        return
+    deadline = time.monotonic() + 60
+    while (free := ray.available_resources().get("GPU", 0)) < 4:
+        if time.monotonic() > deadline:
+            held = [
+                (entry["name"], entry["state"])
+                for entry in ray.util.placement_group_table().values()
+                if entry["state"] != "REMOVED"
+            ]
+            pytest.fail(f"{request.module.__name__} left {4 - free:g} of the session cluster's 4 GPUs held: {held}")
+        time.sleep(0.1)
 
 
 @pytest.fixture(scope="session")

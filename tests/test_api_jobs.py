@@ -16,7 +16,7 @@ from service.jobs import thinned_steps
 from service.main import create_app
 
 import helpers
-from conftest import make_settings
+from conftest import make_settings, serve
 from helpers import FAST, TERMINAL, TINY, wait_job
 
 
@@ -27,15 +27,13 @@ def job_body(**overrides) -> dict:
 @pytest.fixture
 def app_client(ray_cluster, database_url, tmp_path):
     """A fresh app per test on each database backend."""
-    with TestClient(
-        create_app(make_settings(tmp_path, database_url=database_url)), raise_server_exceptions=False
-    ) as client:
+    with serve(make_settings(tmp_path, database_url=database_url)) as client:
         yield client
 
 
 @pytest.fixture
 def sqlite_client(ray_cluster, tmp_path):
-    with TestClient(create_app(make_settings(tmp_path)), raise_server_exceptions=False) as client:
+    with serve(make_settings(tmp_path)) as client:
         yield client
 
 

@@ -142,6 +142,21 @@ def test_a_cancel_during_dispatch_ends_cancelled_with_no_supervisor_and_no_gpu_h
     record("cancel during dispatch", faults=1, jobs_accepted=2, jobs_stored=2)
 
 
+def test_the_scheduler_frees_a_placement_group_its_killed_supervisor_left(app):
+    """A supervisor killed between asking Ray for its group and recording it leaves a group that
+    Ray frees only when the service exits. The scheduler's sweep finds it by its name (an attempt
+    of this deployment that is not active) and frees its GPUs."""
+    from ray.util.placement_group import placement_group
+
+    from service.launcher import placement_group_name
+
+    _, settings = app
+    left = placement_group([{"GPU": 1, "CPU": 0.5}] * 2, name=placement_group_name(settings.ray_namespace, 999, 0))
+    ray.get(left.ready(), timeout=30)
+    assert _gpus_free() == 2
+    wait_for(_gpus_free, lambda free: free == 4, what="the orphaned group's 2 GPUs back", timeout_s=60)
+
+
 def test_one_jobs_error_fails_it_alone_and_the_others_and_the_queue_go_on(app):
     """An I/O error while relaunching one job (its checkpoint storage fails) fails that job with
     the cause; a job running beside it and one queued behind both finish."""

@@ -265,6 +265,48 @@ def test_cancel_stops_every_rank_and_frees_the_gpus(ray_cluster):
         time.sleep(0.05)
 
 
+def _groups_named(name: str) -> list[str]:
+    """The states of every placement group of that name Ray has seen (a removed one stays listed)."""
+    return [entry["state"] for entry in ray.util.placement_group_table().values() if entry["name"] == name]
+
+
+def test_a_cancel_before_the_start_reserves_nothing(ray_cluster):
+    """cancel() then start(): the start sees the cancel before it asks Ray for a placement group,
+    so no group is ever made (one made after the cancel freed nothing would hold its GPUs until
+    the service exits, if the supervisor were killed before it finished)."""
+    placement = Placement(num_workers=2, cpus_per_worker=0.5, timeout_s=30, name="test/cancel-first")
+    supervisor = JobSupervisor.remote("cancel-first", config(), placement)
+    ray.get(supervisor.cancel.remote())
+    ray.get(supervisor.start.remote())
+    assert ray.get(supervisor.poll.remote())["status"] == "cancelled"
+    assert _groups_named("test/cancel-first") == []
+
+
+def test_a_placement_group_no_attempt_owns_is_removed_and_one_an_active_attempt_owns_is_kept(ray_cluster):
+    """What a supervisor killed while asking for its group leaves: a named group of the
+    deployment's namespace that nothing will remove. The sweep frees it; it keeps the groups of
+    active attempts and of other namespaces."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from service.launcher import placement_group_name, remove_placement_groups
+
+    orphan = placement_group([{"GPU": 1, "CPU": 0.5}], name=placement_group_name("sweep-ns", 7, 0))
+    active = placement_group([{"GPU": 1, "CPU": 0.5}], name=placement_group_name("sweep-ns", 8, 2))
+    other = placement_group([{"GPU": 1, "CPU": 0.5}], name=placement_group_name("other-ns", 7, 0))
+    ray.get([orphan.ready(), active.ready(), other.ready()], timeout=30)
+    assert _gpus_free() == 1
+    try:
+        assert remove_placement_groups("sweep-ns", keep=lambda job_id, attempt: (job_id, attempt) == (8, 2)) == 1
+        assert _groups_named("sweep-ns/zero1-job-7-a0") == ["REMOVED"]
+        assert _groups_named("sweep-ns/zero1-job-8-a2") == ["CREATED"]
+        assert _groups_named("other-ns/zero1-job-7-a0") == ["CREATED"]
+        wait_until(_gpus_free, lambda free: free == 2, what="the orphan's GPU back")
+    finally:
+        remove_placement_group(active)
+        remove_placement_group(other)
+    wait_until(_gpus_free, lambda free: free == 4, what="all 4 GPUs back")
+
+
 def final_shards(root: Path) -> list[dict]:
     step, world = latest_checkpoint(root)
     return [torch.load(root / f"step-{step:09d}" / f"rank-{r:05d}-of-{world:05d}.pt") for r in range(world)]

@@ -52,6 +52,9 @@ class Placement:
     working_dir: str | None = None
     """A code bundle's URI (file://...zip) Ray unpacks on each rank's node as its working directory
     (a python model's); None: the ranks run zero1's code only."""
+    name: str = ""
+    """The placement group's name: the control plane finds a group by it and removes one its
+    attempt no longer owns (service.launcher.placement_group_name)."""
 
     def __post_init__(self) -> None:
         if self.num_workers < 1 or self.timeout_s <= 0 or self.cpus_per_worker < 0 or self.rendezvous_timeout_s <= 0:
@@ -209,23 +212,29 @@ class JobSupervisor:
 
     def _start(self) -> None:
         p = self.placement
-        self._pg = placement_group([p.bundle] * p.num_workers, strategy=p.strategy)
-        ready, _ = ray.wait([self._pg.ready()], timeout=p.timeout_s)
+        with self._lock:  # a cancel() either comes first (no group is made) or sees the group
+            if self.status != "starting":
+                return
+            pg = self._pg = placement_group([p.bundle] * p.num_workers, strategy=p.strategy, name=p.name)
+        ready, _ = ray.wait([pg.ready()], timeout=p.timeout_s)
         if not ready:
             raise PlacementError(
                 f"could not place {p.num_workers} ranks of {p.bundle} ({p.strategy}) within {p.timeout_s:g} s: "
                 f"requested GPU={p.num_workers}, CPU={p.num_workers * p.cpus_per_worker:g}; "
                 f"available {_resources(ray.available_resources())} of {_resources(ray.cluster_resources())}"
             )
-        self._workers = [
-            TrainWorker.options(
-                num_gpus=1,
-                num_cpus=p.cpus_per_worker,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank),
-                **({"runtime_env": {"working_dir": p.working_dir}} if p.working_dir else {}),
-            ).remote(rank, p.num_workers)
-            for rank in range(p.num_workers)
-        ]
+        with self._lock:  # likewise: the ranks are made only while no cancel() has come
+            if self.status != "starting":
+                return
+            self._workers = [
+                TrainWorker.options(
+                    num_gpus=1,
+                    num_cpus=p.cpus_per_worker,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
+                    **({"runtime_env": {"working_dir": p.working_dir}} if p.working_dir else {}),
+                ).remote(rank, p.num_workers)
+                for rank in range(p.num_workers)
+            ]
         try:
             rendezvous = ray.get([w.rendezvous.remote() for w in self._workers], timeout=p.rendezvous_timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -311,11 +320,12 @@ class JobSupervisor:
         self._release()
 
     def _release(self) -> None:
-        for worker in self._workers:
+        with self._lock:
+            workers, pg, self._pg = list(self._workers), self._pg, None
+        for worker in workers:
             ray.kill(worker, no_restart=True)
-        if self._pg is not None:
-            remove_placement_group(self._pg)
-            self._pg = None
+        if pg is not None:
+            remove_placement_group(pg)
 
 
 def _resources(resources: dict[str, float]) -> str:
