@@ -25,8 +25,12 @@ $(VENV)/.installed: pyproject.toml Makefile
 run: install
 	ZERO1_DATA_ROOTS="$${ZERO1_DATA_ROOTS:-data,examples/data}" $(BIN)/zero1 serve
 
+# Two workers (pytest-xdist), each with its own Ray cluster, take a test file at a time;
+# PYTEST_WORKERS=0 runs the suite in one process.
+PYTEST_WORKERS ?= 2
+
 test: install
-	$(BIN)/pytest
+	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile
 
 lint: install
 	$(BIN)/ruff format --check .

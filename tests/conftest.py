@@ -187,6 +187,22 @@ def database(database_url) -> Iterator[Database]:
         db.dispose()
 
 
+def pytest_sessionfinish(session) -> None:
+    """An xdist worker hands its figures to the controller, which prints the summary."""
+    from figures import FIGURES
+
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["figures"] = [[test, figures] for test, figures in FIGURES]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    """The controller gathers the figures of each xdist worker as it finishes."""
+    from figures import FIGURES
+
+    FIGURES.extend((test, figures) for test, figures in node.workeroutput.get("figures", []))
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
     """The reliability figures of the fault, fuzz and load tests that ran (docs/guarantees.md)."""
     from figures import FIGURES, summary_lines
