@@ -41,10 +41,16 @@ def admit(spec: JobSpec, *, cluster: ClusterCapacity, overhead_bytes: int, trace
     if not plan.fits:
         raise _does_not_fit(
             public,
-            f"the per-GPU plan at N = {spec.num_gpus} is {plan.per_gpu.total_bytes / GB:.2f} GB, above "
+            f"the per-GPU plan at N = {request.num_gpus}{_fewest(spec)} is {plan.per_gpu.total_bytes / GB:.2f} GB, "
+            "above "
             f"the {plan.gpu_memory_bytes / GB:.2f} GB of each GPU" + _what_fits(plan, **fits),
         )
     return public
+
+
+def _fewest(spec: JobSpec) -> str:
+    """An elastic job's plan is at the fewest GPUs it may run on: say so."""
+    return "" if spec.world_sizes() == [spec.num_gpus] else " (the fewest this elastic job runs on)"
 
 
 def check_data(spec: JobSpec, *, data_roots: Sequence[str]) -> JobSpec:
@@ -96,7 +102,7 @@ def check_dataset(
         data=spec.data.to_spec(data_roots=data_roots, cache_dir=cache_dir),
         vocab_size=model.vocab_size,
         seq_len=seq_len,
-        global_batch_size=spec.global_batch_size or spec.micro_batch_size * spec.num_gpus,
+        global_batch_size=spec.batch_size,
         seed=spec.seed,
         tokenizer_dir=getattr(model, "path", None),
     )

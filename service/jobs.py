@@ -21,7 +21,7 @@ from service.auth import Principal
 from service.errors import ServiceError
 from service.models import Job, JobEvent, Metric, utcnow
 from service.responses import ArtifactPublic, EventPublic, JobPublic, MetricPublic, PlanPublic
-from service.schemas import JobSpec
+from service.schemas import JobSpec, world_sizes
 from workers.records import finite_or_none
 
 if TYPE_CHECKING:
@@ -94,6 +94,7 @@ def submit_job(
         spec=spec.model_dump(mode="json"),
         plan=plan.model_dump(mode="json"),
         num_gpus=spec.num_gpus,
+        min_gpus=spec.min_gpus,
         steps=spec.steps,
         idempotency_key=idempotency_key,
         request_hash=digest,
@@ -189,6 +190,8 @@ def job_public(job: Job, *, position: int | None, principal: Principal) -> JobPu
         spec=job.spec if mine else None,
         plan=job.plan,
         num_gpus=job.num_gpus,
+        min_gpus=job.min_gpus or job.num_gpus,
+        world_size=job.world_size,
         created_at=job.created_at,
         started_at=job.started_at,
         finished_at=job.finished_at,
@@ -317,5 +320,21 @@ def job_events(session: Session, job: Job) -> list[EventPublic]:
     return [EventPublic.model_validate(e, from_attributes=True) for e in events]
 
 
-def gpus_in_use(session: Session) -> int:
-    return session.scalar(select(func.coalesce(func.sum(Job.num_gpus), 0)).where(Job.status.in_(ACTIVE)))
+def job_world_sizes(job: Job) -> list[int]:
+    """The N the stored job may run at (schemas.world_sizes), read off its stored spec."""
+    micro = job.spec.get("micro_batch_size") or 1
+    return world_sizes(
+        min_gpus=job.min_gpus or job.num_gpus,
+        num_gpus=job.num_gpus,
+        micro_batch_size=micro,
+        batch_size=job.spec.get("global_batch_size") or micro * job.num_gpus,
+    )
+
+
+def gpus_in_use(session: Session, *, besides: int | None = None) -> int:
+    """GPUs the active jobs hold (each its current world size), not counting job `besides`."""
+    held = func.coalesce(Job.world_size, Job.num_gpus)
+    query = select(func.coalesce(func.sum(held), 0)).where(Job.status.in_(ACTIVE))
+    if besides is not None:
+        query = query.where(Job.id != besides)
+    return session.scalar(query)

@@ -181,7 +181,7 @@ class RayLauncher:
             plan=PlanPublic.model_validate(job.plan),
         )
         placement = Placement(
-            num_workers=job.num_gpus,
+            num_workers=job.world_size or job.num_gpus,
             cpus_per_worker=self.settings.cpus_per_worker,
             timeout_s=self.settings.placement_timeout_s,
             rendezvous_timeout_s=self.settings.rendezvous_timeout_s,
@@ -286,6 +286,21 @@ class RayLauncher:
                 ray.get(supervisor.cancel.remote(), timeout=self.settings.ray_rpc_timeout_s)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 log.warning("job %s: supervisor gone while cancelling", job_id)
+
+    def request_stop(self, job_id: int, attempt: int) -> bool:
+        """Ask the attempt's ranks to stop after their next checkpoint (its poll then says
+        "stopped"); whether the supervisor took the request."""
+        import ray
+
+        supervisor = self._handle(job_id, attempt)
+        if supervisor is None:
+            return False
+        try:
+            ray.get(supervisor.request_stop.remote(), timeout=self.settings.ray_rpc_timeout_s)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            log.warning("job %s: supervisor of attempt %s did not take the stop request", job_id, attempt)
+            return False
+        return True
 
     def release(self, job_id: int, attempt: int) -> None:
         """End an attempt's supervisor, its workers and its placement group."""

@@ -65,6 +65,11 @@ class Job(Base):
     spec: Mapped[dict[str, Any]]
     plan: Mapped[dict[str, Any]]
     num_gpus: Mapped[int] = mapped_column(Integer)
+    """The most GPUs it runs on (all of them unless elastic)."""
+    min_gpus: Mapped[int | None] = mapped_column(Integer, default=None)
+    """An elastic job's fewest; null: num_gpus (also for jobs stored before elastic jobs)."""
+    world_size: Mapped[int | None] = mapped_column(Integer, default=None)
+    """The N its current attempt runs at; null before its first start."""
     steps: Mapped[int] = mapped_column(Integer)
     step: Mapped[int | None] = mapped_column(Integer, default=None)
     """Last step with a stored metrics row."""
@@ -125,6 +130,8 @@ class Metric(Base):
     mem_planned_bytes: Mapped[int] = mapped_column(BigInteger)
     eval_loss: Mapped[float | None] = mapped_column(Float)
     """The held-out loss on a step that evaluated; null on the others (and when not finite)."""
+    world_size: Mapped[int | None] = mapped_column(Integer, default=None)
+    """The N the step ran at (an elastic job's changes); null for rows stored before it was kept."""
     superseded: Mapped[bool] = mapped_column(Boolean, default=False)
     """True for rows of an attempt past the checkpoint a retry resumed from."""
 

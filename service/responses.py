@@ -88,7 +88,9 @@ class JobPublic(BaseModel):
         description="The JobSpec as submitted (data.path resolved); null unless the caller owns the job or is an admin."
     )
     plan: dict
-    num_gpus: int
+    num_gpus: int = Field(description="The most GPUs it runs on (all of them unless elastic).")
+    min_gpus: int = Field(description="The fewest it runs on: num_gpus unless elastic.")
+    world_size: int | None = Field(description="The N its current attempt runs at; null before its first start.")
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
@@ -132,6 +134,9 @@ class MetricPublic(BaseModel):
     mem_peak_bytes: list[int] = Field(description="Measured peak bytes per rank.")
     mem_planned_bytes: int
     eval_loss: float | None = Field(None, description="Held-out loss on a step that evaluated (eval_every).")
+    world_size: int | None = Field(
+        None, description="The N the step ran at (an elastic job's changes); null for rows stored before it was kept."
+    )
 
     @field_validator("loss", "grad_norm", "eval_loss", mode="before")
     @classmethod

@@ -31,6 +31,7 @@ class Runtime:
             total_gpus=lambda: self.cluster.capacity().num_gpus,
             interval_s=settings.scheduler_interval_s,
             start_timeout_s=settings.start_timeout_s,
+            grow_interval_s=settings.elastic_grow_interval_s,
         )
 
     def start(self) -> None:

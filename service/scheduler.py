@@ -25,8 +25,9 @@ from sqlalchemy import select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
+from service import elastic
 from service.db import Database
-from service.jobs import ACTIVE, gpus_in_use, transition
+from service.jobs import ACTIVE, gpus_in_use, job_world_sizes, transition
 from service.launcher import RayLauncher
 from service.models import Job, Metric
 from workers.records import STORED_FIELDS, MetricRow, RankError
@@ -75,10 +76,13 @@ class Scheduler:
         total_gpus: Callable[[], int],
         interval_s: float,
         start_timeout_s: float = 300.0,
+        grow_interval_s: float = 300.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.db, self.launcher, self.total_gpus, self.interval_s = db, launcher, total_gpus, interval_s
-        self.start_timeout_s, self.clock = start_timeout_s, clock
+        self.start_timeout_s, self.grow_interval_s, self.clock = start_timeout_s, grow_interval_s, clock
+        self._resized_at: dict[int, float] = {}  # elastic job -> clock() of its last start or resize
+        self._growing: set[tuple[int, int]] = set()  # (job, attempt) asked to stop at a checkpoint to grow
         self.last_tick_at: float | None = None
         """clock() when the last tick completed (when the scheduler started, before the first)."""
         self._starting_since: dict[tuple[int, int], float] = {}  # (job, attempt) -> clock() first seen starting
@@ -121,9 +125,11 @@ class Scheduler:
         states = self.launcher.poll_many([(job.id, job.attempt, _after(job)) for job in jobs])
         attempts = set(states)
         self._starting_since = {key: at for key, at in self._starting_since.items() if key in attempts}
+        self._growing &= attempts
         for job in jobs:
             self._isolated(job, lambda job=job: self._advance(job, states[(job.id, job.attempt)]))
         self._admit()  # a database that cannot be reached raises here: the tick does not count
+        self._grow()
         self.last_tick_at = self.clock()
 
     def drain(self) -> int:
@@ -244,8 +250,10 @@ class Scheduler:
         if every and job.step is not None and (before is None or (job.step + 1) // every > (before + 1) // every):
             stored_through = job.step  # a checkpoint interval's rows stored: once an interval
         status = state["status"]
-        if job.status in ("starting", "restarting") and status in ("running", "succeeded"):
+        if job.status in ("starting", "restarting") and status in ("running", "succeeded", "stopped"):
             transition(session, job, "running", _running_reason(job, nodes=len(set(state["nodes"]))))
+        if status == "stopped":  # at a checkpoint, as asked: relaunched at the N free now, no retry spent
+            return self._record_relaunch(session, job, cause="GPUs free and no job queued")
         if status == "succeeded":
             return self._end(session, job, "succeeded", f"all {job.num_gpus} ranks finished step {job.steps - 1}")
         if status in ("failed", "lost"):
@@ -293,11 +301,16 @@ class Scheduler:
         store_metrics(session, job, [row for row in saved if row.step < resume])
         supersede_after(session, job, resume_step=resume)
         where = f"checkpoint step {resume - 1}" if resume else "the start (no checkpoint yet)"
+        old, new = job.world_size or job.num_gpus, elastic.relaunch_size(session, job, total=self.total_gpus())
+        if new != old:
+            cause = f"resized {old} -> {new}: {cause}"
         if job.status != "restarting" and not transition(
             session, job, "restarting", f"{cause}: attempt {job.attempt + 1} resumes from {where}{tail}"
         ):
             return None
         job.attempt += 1
+        job.world_size = new
+        self._resized_at[job.id] = self.clock()
         log.info("job %s: %s; attempt %s resumes from %s", job.id, cause, job.attempt, where)
         return _Settled(stored_through=resume - 1, relaunch=True)
 
@@ -321,13 +334,35 @@ class Scheduler:
             total = self.total_gpus()
             with self.db.session() as session:
                 job = session.scalar(head)  # only the head is read: the queue may be long
-                if job is None or job.num_gpus > total - gpus_in_use(session):
-                    return  # strict FIFO: the head waits for its GPUs
-                started = transition(
-                    session, job, "starting", f"{job.num_gpus} GPUs free: placing {job.num_gpus} ranks"
-                )
+                if job is None:
+                    return
+                sizes = job_world_sizes(job)
+                fits = [n for n in sizes if n <= total - gpus_in_use(session)]
+                if not fits:
+                    return  # strict FIFO: the head waits for its GPUs (an elastic job for its fewest)
+                n = fits[-1]
+                note = f" (elastic: it runs at N in {sizes})" if len(sizes) > 1 else ""
+                started = transition(session, job, "starting", f"{n} GPUs free: placing {n} ranks{note}")
+                if started:
+                    job.world_size = n
             if started:  # else cancelled since it was read: the next head
+                self._resized_at[job.id] = self.clock()
                 self._launch(job, what="dispatch")
+
+    def _grow(self) -> None:
+        """Ask each running elastic job that may grow (elastic.growable) to stop at its next
+        checkpoint; it stops ("stopped") and is relaunched at the larger N (_progress)."""
+        with self.db.session() as session:
+            candidates = elastic.growable(session, total=self.total_gpus())
+        now = self.clock()
+        for job, target in candidates:
+            if (job.id, job.attempt) in self._growing:
+                continue
+            if now - self._resized_at.setdefault(job.id, now) < self.grow_interval_s:
+                continue
+            if self.launcher.request_stop(job.id, job.attempt):
+                log.info("job %s: growing %s -> %s at its next checkpoint", job.id, job.world_size, target)
+                self._growing.add((job.id, job.attempt))
 
 
 def _still_active(session: Session, job: Job) -> Job | None:

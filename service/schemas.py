@@ -189,13 +189,27 @@ def _train(name: str):
     return default_of(TrainConfig, name)
 
 
+def world_sizes(*, min_gpus: int, num_gpus: int, micro_batch_size: int, batch_size: int) -> list[int]:
+    """The N a job may run at, ascending: those in [min_gpus, num_gpus] with batch_size a multiple of
+    micro_batch_size x N (gradient accumulation makes up the rest). [num_gpus] for a job that is not
+    elastic (min_gpus == num_gpus)."""
+    return [n for n in range(min_gpus, num_gpus + 1) if batch_size % (micro_batch_size * n) == 0]
+
+
 class JobSpec(Body):
     """POST /v1/jobs: what to train, on how many GPUs."""
 
     name: Text = Field(min_length=1, max_length=200)
     model: ModelSpec
     data: DataSpec = SyntheticDataSpec(kind="synthetic")
-    num_gpus: Int = Field(ge=1, le=MAX_NUM_GPUS, description="Data-parallel world size N.")
+    num_gpus: Int = Field(ge=1, le=MAX_NUM_GPUS, description="Data-parallel world size N (elastic: the most).")
+    min_gpus: Int | None = Field(
+        None,
+        ge=1,
+        le=MAX_NUM_GPUS,
+        description="Elastic: the fewest GPUs it runs on (default num_gpus: not elastic). It runs at any N in "
+        "[min_gpus, num_gpus] that divides its global batch into micro-batches, resized at checkpoints.",
+    )
     precision: Precision = _train("precision")
     optimizer: OptimizerConfig = OptimizerConfig()
     steps: Int = Field(ge=1, le=100_000_000)
@@ -237,13 +251,37 @@ class JobSpec(Body):
         "fp16's loss scaler may skip up to 16 in a row at the start.",
     )
 
+    @property
+    def batch_size(self) -> int:
+        """Samples per optimizer step: global_batch_size, or micro_batch_size x num_gpus. The same at
+        every world size an elastic job runs at (accumulation makes up the rest)."""
+        return self.global_batch_size or self.micro_batch_size * self.num_gpus
+
+    def world_sizes(self) -> list[int]:
+        """The N it may run at (see world_sizes())."""
+        return world_sizes(
+            min_gpus=self.min_gpus or self.num_gpus,
+            num_gpus=self.num_gpus,
+            micro_batch_size=self.micro_batch_size,
+            batch_size=self.batch_size,
+        )
+
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:
-        per_step = self.micro_batch_size * self.num_gpus
-        if self.global_batch_size is not None and self.global_batch_size % per_step:
+        if self.min_gpus is None or self.min_gpus == self.num_gpus:
+            per_step = self.micro_batch_size * self.num_gpus
+            if self.global_batch_size is not None and self.global_batch_size % per_step:
+                raise ValueError(
+                    f"global_batch_size ({self.global_batch_size}) must be a multiple of micro_batch_size "
+                    f"({self.micro_batch_size}) x num_gpus ({self.num_gpus}) = {per_step}"
+                )
+        elif self.min_gpus > self.num_gpus:
+            raise ValueError(f"min_gpus ({self.min_gpus}) must be <= num_gpus ({self.num_gpus})")
+        elif not self.world_sizes():
             raise ValueError(
-                f"global_batch_size ({self.global_batch_size}) must be a multiple of micro_batch_size "
-                f"({self.micro_batch_size}) x num_gpus ({self.num_gpus}) = {per_step}"
+                f"no world size N in [min_gpus, num_gpus] = [{self.min_gpus}, {self.num_gpus}] divides the global "
+                f"batch ({self.batch_size}) into micro-batches of {self.micro_batch_size}: "
+                f"N x micro_batch_size must divide global_batch_size"
             )
         _check_code(
             self.model, code=self.code, seq_len=self.seq_len, activation_checkpointing=self.activation_checkpointing
@@ -284,7 +322,7 @@ class JobSpec(Body):
             precision=self.precision,
             optimizer=self.optimizer.to_spec(),
             micro_batch_size=self.micro_batch_size,
-            global_batch_size=self.global_batch_size,
+            global_batch_size=self.batch_size,  # fixed: an elastic job's does not change with N
             seq_len=self.seq_len,
             seed=self.seed,
             checkpoint_every=self.checkpoint_every,
@@ -311,10 +349,11 @@ class JobSpec(Body):
         return self.model.to_spec(vocab_size=plan.vocab_size, block_size=plan.block_size, model_roots=model_roots)
 
     def plan_request(self) -> PlanRequest:
-        """The capacity plan this job is admitted by: ZeRO stage 1 at N = num_gpus."""
+        """The capacity plan this job is admitted by: ZeRO stage 1 at the fewest GPUs it may run on
+        (num_gpus unless elastic), where each GPU holds the most."""
         return PlanRequest(
             model=self.model,
-            num_gpus=self.num_gpus,
+            num_gpus=self.world_sizes()[0],
             precision=self.precision,
             optimizer="adamw",
             stage=1,

@@ -13,6 +13,9 @@ import time
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # the model hub is never reached: Hugging Face models in tests are built from configs
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# no Ray node of the tests (the session's, `zero1 serve`'s embedded ones) starts idle workers ahead
+# of need: the suite starts dozens of nodes, and most such workers would exit unused (CPU time on 2 cores)
+os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 # Ray's files (sockets, logs, the cluster address) go to a directory of the test session's own,
 # also for the `zero1 serve` subprocesses that start an embedded Ray. Short: socket paths must
 # fit 107 bytes.

@@ -238,8 +238,9 @@ def test_training_reports_every_metric_and_its_planned_memory():
         "mem_peak_bytes",
         "mem_planned_bytes",
         "eval_loss",
+        "world_size",
     }
-    assert all(set(r.to_json()) == keys and r.rank == 0 for r in rows)
+    assert all(set(r.to_json()) == keys and r.rank == 0 and r.world_size == 1 for r in rows)
     plan = breakdown(Workload.from_model(SMALL, precision="bf16", micro_batch_size=4), num_gpus=1, stage=1)
     assert rows[0].mem_planned_bytes == plan.total_bytes
     (peak,) = rows[0].mem_peak_bytes  # this rank's own

@@ -163,7 +163,12 @@ class TrainWorker:
         sink = _MetricsSink(supervisor, self.rank)
         try:
             result = train(
-                config, rank=self.rank, world_size=self.world_size, on_metrics=sink, should_stop=self.raylet_gone
+                config,
+                rank=self.rank,
+                world_size=self.world_size,
+                on_metrics=sink,
+                should_stop=self.raylet_gone,
+                stop_at_checkpoint=lambda step: ray.get(supervisor.stop_requested.remote(step), timeout=60),
             )
             if result.cancelled:  # the node's Ray is gone: no one to report to, no peer to wait for
                 os._exit(1)
@@ -191,6 +196,7 @@ class JobSupervisor:
         self._nodes: list[str] = []
         self._pg = None
         self._started = False
+        self._stop_requested = False
 
     def ping(self) -> str:
         """The status, without touching the metrics: is this supervisor alive?"""
@@ -283,13 +289,21 @@ class JobSupervisor:
                 "nodes": list(self._nodes),
             }
 
+    def request_stop(self) -> None:
+        """Stop the ranks after their next checkpoint (status "stopped"): an elastic job's resize."""
+        self._stop_requested = True
+
+    def stop_requested(self, step: int) -> bool:
+        """Rank 0 asks after each checkpoint (at `step`) whether to stop there."""
+        return self._stop_requested
+
     def worker(self, rank: int) -> Any:
         return self._workers[rank]
 
     def cancel(self) -> None:
         """Kill every rank and free the placement group."""
         with self._lock:
-            if self.status in ("succeeded", "failed", "cancelled"):
+            if self.status in ("succeeded", "failed", "cancelled", "stopped"):
                 return
             self.status = "cancelled"
         self._release()
@@ -307,7 +321,7 @@ class JobSupervisor:
                     return
         with self._lock:
             if self.status == "running":
-                self.status = "succeeded"
+                self.status = "stopped" if any(r.stopped for r in self.results.values()) else "succeeded"
         self._release()
 
     def _fail(self, rank: int | None, exc: Exception) -> None:

@@ -1,8 +1,9 @@
 """ZeRO1AdamW's checkpoint formats: its fp32 state to and from dictionaries that torch.save writes.
 
 Two formats. The sharded one (SHARDED_FORMAT) is one rank's shard, owned
-elements only, with the layout it was cut from: it loads at the same world
-size, rank and alignment. The consolidated one (CONSOLIDATED_FORMAT) is the
+elements only, with the layout it was cut from: one shard loads at the same
+world size, rank and alignment; all of a checkpoint's shards load at any world
+size (load_resharded_state, elastic jobs). The consolidated one (CONSOLIDATED_FORMAT) is the
 whole state per parameter name, gathered to one rank: it loads at any world
 size. Each rank's state lives in the flat buffers of workers/flat.py; the
 gathers go through workers/comm.py, so one rank needs no process group.
@@ -79,19 +80,67 @@ def load_sharded_state(
         raise ValueError(
             f"sharded checkpoint of rank {saved[1]} of {saved[0]} (alignment {saved[2]}) cannot load into "
             f"rank {rank} of {world_size} (alignment {alignment_numel}); "
-            "load its consolidated form to change world size"
+            "load every shard with load_resharded_state_dicts() to change world size"
         )
     if len(state_dict["buffers"]) != len(buffers):
         raise ValueError(f"checkpoint has {len(state_dict['buffers'])} flat buffers, optimizer has {len(buffers)}")
     for buf, saved_buf in zip(buffers, state_dict["buffers"], strict=True):
-        layout = [(s.name, s.offset, s.numel, s.shape) for s in buf.slots]
-        saved_layout = [(p["name"], p["offset"], p["numel"], tuple(p["shape"])) for p in saved_buf["params"]]
-        if layout != saved_layout:
-            raise ValueError(f"parameter layout differs from the checkpoint's in group {buf.group_index}")
+        _check_layout(buf, saved_buf)
         for slot, saved_param in zip(buf.slots, saved_buf["params"], strict=True):
             slot.step = int(saved_param["step"])
         for kind in STATE_KINDS:
             buf.state_of(kind)[: buf.owned_numel].copy_(saved_buf[kind])
+
+
+def load_resharded_state(buffers: list[FlatBuffer], shards: list[dict[str, Any]]) -> None:
+    """Steps and this rank's slices of the state from every shard of a sharded checkpoint saved at
+    another world size (or the same): elastic resizing, with no consolidation step.
+
+    The flat layout does not depend on the world size, only the cut does: saved rank r' of N' holds
+    [r'·S', r'·S' + owned') of each buffer, and this rank copies the part of each that falls in its
+    own range straight into its state. Shards loaded with torch.load(mmap=True) are file pages
+    read where they are touched, so a rank reads the bytes it now owns (and each shard's small
+    header), never the whole state, and holds nothing beyond its own shard while it loads."""
+    world_size = len(shards)
+    formats = {shard.get("format") for shard in shards}
+    if formats != {SHARDED_FORMAT}:
+        raise ValueError(f"not zero1 optimizer checkpoints (formats {sorted(map(repr, formats))})")
+    ranks = [shard["rank"] for shard in shards]
+    if ranks != list(range(world_size)) or {shard["world_size"] for shard in shards} != {world_size}:
+        raise ValueError(
+            f"need every shard of one checkpoint in rank order: got ranks {ranks} of world sizes "
+            f"{sorted({shard['world_size'] for shard in shards})}"
+        )
+    first = shards[0]
+    if len(first["buffers"]) != len(buffers):
+        raise ValueError(f"checkpoint has {len(first['buffers'])} flat buffers, optimizer has {len(buffers)}")
+    for i, buf in enumerate(buffers):
+        _check_layout(buf, first["buffers"][i])
+        own_lo, own_hi = buf.start, buf.start + buf.owned_numel
+        copied = 0
+        for shard in shards:
+            saved = shard["buffers"][i]
+            saved_lo = shard["rank"] * saved["shard_numel"]
+            lo, hi = max(own_lo, saved_lo), min(own_hi, saved_lo + saved["master"].numel())
+            if lo >= hi:
+                continue
+            for kind in STATE_KINDS:
+                buf.state_of(kind)[lo - buf.start : hi - buf.start].copy_(saved[kind][lo - saved_lo : hi - saved_lo])
+            copied += hi - lo
+        if copied != buf.owned_numel:
+            raise ValueError(
+                f"the {world_size} shards hold {copied} of the {buf.owned_numel} elements this rank owns "
+                f"in group {buf.group_index}"
+            )
+        for slot, saved_param in zip(buf.slots, first["buffers"][i]["params"], strict=True):
+            slot.step = int(saved_param["step"])
+
+
+def _check_layout(buf: FlatBuffer, saved: dict[str, Any]) -> None:
+    layout = [(s.name, s.offset, s.numel, s.shape) for s in buf.slots]
+    saved_layout = [(p["name"], p["offset"], p["numel"], tuple(p["shape"])) for p in saved["params"]]
+    if layout != saved_layout:
+        raise ValueError(f"parameter layout differs from the checkpoint's in group {buf.group_index}")
 
 
 def consolidated_state(
@@ -265,6 +314,12 @@ class CheckpointMethods:
             self._buffers, state_dict, world_size=self.world_size, rank=self.rank, alignment_numel=self.alignment_numel
         )
         self._load_common(state_dict)
+
+    def load_resharded_state_dicts(self, shards: list[dict[str, Any]]) -> None:
+        """Load this rank's part of a sharded checkpoint saved at any world size: every rank's
+        state dict, in rank order (torch.load(mmap=True): only the owned bytes are read)."""
+        load_resharded_state(self._buffers, shards)
+        self._load_common(shards[0])
 
     def consolidated_state_dict(self, *, dst: int = 0, chunk_numel: int = 1 << 22) -> dict[str, Any] | None:
         """The world-size-independent form on rank `dst` (None elsewhere): per parameter,

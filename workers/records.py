@@ -37,6 +37,8 @@ class MetricRow:
     mem_planned_bytes: int
     eval_loss: float | None = None
     """Mean loss on the held-out data, on a step that evaluated (eval_every); else None."""
+    world_size: int | None = None
+    """The N the step ran at (an elastic job's changes with each resize)."""
     rank: int | None = None
 
     @classmethod
@@ -131,3 +133,5 @@ class TrainResult:
     last_step: int
     """The last step completed; -1 if none."""
     cancelled: bool
+    stopped: bool = False
+    """It stopped after the checkpoint of last_step, asked to (an elastic job's resize)."""

@@ -74,8 +74,12 @@ def train(
     device: torch.device | None = None,
     on_metrics: Callable[[MetricRow], None] = lambda row: None,
     should_stop: Callable[[], bool] = lambda: False,
+    stop_at_checkpoint: Callable[[int], bool] = lambda step: False,
 ) -> TrainResult:
-    """Train `config` as `rank` of `world_size`, resuming from the latest complete checkpoint."""
+    """Train `config` as `rank` of `world_size`, resuming from the latest complete checkpoint.
+
+    After each checkpoint but the last, rank 0's stop_at_checkpoint(step) decides for every rank
+    whether to stop there (TrainResult.stopped): an elastic job resized at a checkpoint boundary."""
     device = device or default_device()
     batches = Batches(
         model=config.model,
@@ -147,6 +151,8 @@ def train(
                 keep_last=config.keep_last,
             )
             since_checkpoint, due = [], False
+            if not done and _agree(stop_at_checkpoint(step) if rank == 0 else False, context):
+                return TrainResult(rank=rank, first_step=first, last_step=last, cancelled=False, stopped=True)
     if config.checkpoint_dir:  # every step is done (a resume past the last one too): the model goes out
         write_final(
             model,
@@ -158,6 +164,15 @@ def train(
             process_group=process_group,
         )
     return TrainResult(rank=rank, first_step=first, last_step=last, cancelled=False)
+
+
+def _agree(decision: bool, context: _StepContext) -> bool:
+    """Rank 0's decision, on every rank (one broadcast)."""
+    if context.world_size == 1:
+        return decision
+    flag = torch.tensor([int(decision)], device=context.device)
+    dist.broadcast(flag, group_src=0, group=context.process_group)
+    return bool(flag.item())
 
 
 def _evaluates(config: TrainConfig, step: int) -> bool:
@@ -295,6 +310,7 @@ class _StepContext:
             tokens_per_s=self.tokens_per_step / step_time_s,
             mem_peak_bytes=(mem_peak,),
             mem_planned_bytes=self.planned_bytes,
+            world_size=self.world_size,
         )
 
 
@@ -343,12 +359,16 @@ def _refuse_nonfinite_state(opt: ZeRO1AdamW, *, step: int) -> None:
 
 
 def resume(opt: ZeRO1AdamW, root: Path, *, rank: int, world_size: int) -> int:
-    """Load this rank's shard of the latest complete checkpoint; the step to start at."""
+    """Load this rank's part of the latest complete checkpoint; the step to start at. Written by
+    another number of ranks (an elastic job resized), it is resharded: every shard is mapped
+    (mmap), and this rank reads the byte ranges it now owns."""
     found = latest_checkpoint(root) if root.exists() else None
     if found is None:
         return 0
     step, saved_world = found
-    if saved_world != world_size:
-        raise ValueError(f"checkpoint at step {step} was written by {saved_world} ranks, this run has {world_size}")
-    opt.load_state_dict(torch.load(shard_file(root, step, rank, world_size), map_location=opt.device))
+    if saved_world == world_size:
+        opt.load_state_dict(torch.load(shard_file(root, step, rank, world_size), map_location=opt.device))
+    else:
+        shards = [torch.load(shard_file(root, step, r, saved_world), mmap=True) for r in range(saved_world)]
+        opt.load_resharded_state_dicts(shards)
     return step + 1

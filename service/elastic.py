@@ -1,0 +1,50 @@
+"""Elastic jobs: the N a job runs at, chosen at each start, retry and growth (DESIGN.md, v2).
+
+A job with min_gpus < num_gpus runs at any allowed N (schemas.world_sizes): the scheduler starts
+it at the largest that is free once its fewest are; a retry after a failure resumes at the largest
+free, leaving the head of the queue what it needs; and while GPUs sit free with no job queued it
+grows at its next checkpoint. Each attempt reshards the optimizer state it resumes from
+(workers/optim_state.py, load_resharded_state); the global batch and the sample order do not
+depend on N, so the loss curve does not either, up to the order of floating-point sums.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from service.jobs import gpus_in_use, job_world_sizes
+from service.models import Job
+
+
+def relaunch_size(session: Session, job: Job, *, total: int) -> int:
+    """The N a relaunch runs at: num_gpus unless elastic; an elastic job's largest allowed N that
+    is free, leaving the head of the queue what it needs to start where that still leaves the job
+    one of its sizes (else the job, admitted first, takes what is free; its fewest if none is)."""
+    sizes = job_world_sizes(job)
+    if len(sizes) == 1:
+        return sizes[0]
+    free = total - gpus_in_use(session, besides=job.id)
+    head = session.scalar(select(Job).where(Job.status == "queued").order_by(Job.id).limit(1))
+    if head is not None and (fits := [n for n in sizes if n <= free - job_world_sizes(head)[0]]):
+        return fits[-1]
+    fits = [n for n in sizes if n <= free]
+    return fits[-1] if fits else sizes[0]
+
+
+def growable(session: Session, *, total: int) -> list[tuple[Job, int]]:
+    """(job, the N it would grow to) for each running elastic job below its most GPUs that saves
+    checkpoints, while GPUs are free and no job is queued (the queue comes first: free GPUs are the
+    head's to wait for), oldest first, each taking what the ones before it leave."""
+    if session.scalar(select(Job.id).where(Job.status == "queued").limit(1)) is not None:
+        return []
+    free = total - gpus_in_use(session)
+    running = session.scalars(select(Job).where(Job.status == "running", Job.min_gpus < Job.num_gpus).order_by(Job.id))
+    out = []
+    for job in running:
+        current = job.world_size or job.num_gpus
+        larger = [n for n in job_world_sizes(job) if current < n <= current + free]
+        if larger and job.spec.get("checkpoint_every"):
+            out.append((job, larger[-1]))
+            free -= larger[-1] - current
+    return out
