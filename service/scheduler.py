@@ -255,7 +255,9 @@ class Scheduler:
         if status == "stopped":  # at a checkpoint, as asked: relaunched at the N free now, no retry spent
             return self._record_relaunch(session, job, cause="GPUs free and no job queued")
         if status == "succeeded":
-            return self._end(session, job, "succeeded", f"all {job.num_gpus} ranks finished step {job.steps - 1}")
+            return self._end(
+                session, job, "succeeded", f"all {job.world_size or job.num_gpus} ranks finished step {job.steps - 1}"
+            )
         if status in ("failed", "lost"):
             return self._on_failure(session, job, state["error"])
         return _Settled(stored_through=stored_through)
@@ -406,5 +408,5 @@ def _start_timeout(job: Job, timeout_s: float) -> RankError:
 
 def _running_reason(job: Job, *, nodes: int) -> str:
     if job.status == "restarting":
-        return f"attempt {job.attempt}: {job.num_gpus} ranks placed on {nodes} node(s), resumed"
-    return f"{job.num_gpus} ranks placed on {nodes} node(s) and training"
+        return f"attempt {job.attempt}: {job.world_size or job.num_gpus} ranks placed on {nodes} node(s), resumed"
+    return f"{job.world_size or job.num_gpus} ranks placed on {nodes} node(s) and training"

@@ -365,6 +365,9 @@ def _check_job_page(ui: Browsing, server: Server, page: Page, job_id: int) -> No
         assert int(svg.get_attribute("data-points")) == len(metrics)
         assert len(re.findall(r"[ML]", svg.locator("path.line").get_attribute("d"))) == len(metrics)
     expect(page.locator("#loss-chart .x-max")).to_have_text("step 299")
+    world = page.locator("#world-size-chart")  # one size all along: a flat line, one point a row
+    assert int(world.get_attribute("data-points")) == len(metrics)
+    expect(world.locator(".y-max")).to_have_text(f"{job['world_size'] * 1.05:.3g}")
 
     plan = job["plan"]
     for part in PARTS:
@@ -737,6 +740,20 @@ def test_a_second_series_shares_the_axes_and_draws_one_line():
     top = f"{charts.TOP:.1f}"
     assert chart.second_path.split()[0].endswith(f",{top}")  # 6.0, the highest value, at the top of the plot
     assert charts.line_chart([(0, 1.0)]).second_path == ""
+
+
+def test_an_elastic_jobs_world_size_is_drawn_as_steps():
+    """4 -> 2 at step 10: a point at step 10 with the old N first, so the line drops straight down."""
+    assert charts.steps_of([(0, 4), (5, 4), (10, 2), (12, None), (15, 2), (20, 4)]) == [
+        (0, 4),
+        (5, 4),
+        (10, 4),
+        (10, 2),
+        (15, 2),
+        (20, 2),
+        (20, 4),
+    ]
+    assert charts.steps_of([]) == []
 
 
 def test_the_table_puts_running_jobs_first_then_the_queue_in_order_then_the_newest():

@@ -77,6 +77,12 @@ def test_an_elastic_job_starts_small_grows_shrinks_and_ends_where_an_unresized_r
     assert events[3]["reason"].startswith("resized 2 -> 4: GPUs free and no job queued: attempt 1 resumes"), events
     assert events[5]["reason"].startswith("resized 4 -> 2: rank 3 on node "), events
     assert "retry 1 of 2" in events[5]["reason"]
+    assert [e["reason"].split(" ranks placed")[0] for e in events if e["to_status"] == "running"] == [
+        "2",
+        "attempt 1: 4",
+        "attempt 2: 2",
+    ]
+    assert events[-1]["reason"] == f"all 2 ranks finished step {STEPS - 1}"
 
     curve = client.get(f"/v1/jobs/{elastic}/metrics", params={"limit": 10_000}).json()["data"]
     assert [m["step"] for m in curve] == list(range(STEPS))  # every step once

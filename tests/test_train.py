@@ -66,18 +66,27 @@ def batches(world_size: int, rank: int, *, micro: int, data=None, model=SMALL) -
     )
 
 
+@pytest.mark.parametrize("kind", ["synthetic", "text"])
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_the_global_batch_is_the_same_for_any_world_size(world_size):
-    whole = torch.cat([batches(1, 0, micro=2).micro_batch(3, m)[0] for m in range(4)])
+def test_the_global_batch_is_the_same_for_any_world_size(world_size, kind, tmp_path):
+    """Sample i of step s is the same at any N (an elastic job's resizes change nothing); the
+    dataset kind's order is tests/test_datasets.py's."""
+    data = None
+    if kind == "text":
+        path = tmp_path / "corpus.txt"
+        path.write_text("".join(chr(ord("a") + (i * 7) % 26) for i in range(5_000)))
+        data = TextSpec(path=str(path))
+    whole = torch.cat([batches(1, 0, micro=2, data=data).micro_batch(3, m)[0] for m in range(4)])
     sliced = torch.cat(
         [
-            batches(world_size, r, micro=2).micro_batch(3, m)[0]
+            batches(world_size, r, micro=2, data=data).micro_batch(3, m)[0]
             for r in range(world_size)
             for m in range(4 // world_size)
         ]
     )
     assert torch.equal(whole, sliced)
-    assert not torch.equal(whole, torch.cat([batches(1, 0, micro=8).micro_batch(4, 0)[0]]))  # steps differ
+    other_step = batches(1, 0, micro=8, data=data).micro_batch(4, 0)[0]
+    assert not torch.equal(whole, other_step)  # steps differ
 
 
 def test_batch_sizes_must_divide():

@@ -69,6 +69,19 @@ def line_chart(
     )
 
 
+def steps_of(points: Sequence[tuple[float, float | None]]) -> list[tuple[float, float]]:
+    """(step, value) pairs as a step function: where the value changes, a point at the new step
+    with the old value first, so a line through them is flat between changes (an elastic job's N)."""
+    out: list[tuple[float, float]] = []
+    for x, y in points:
+        if y is None:
+            continue
+        if out and out[-1][1] != y:
+            out.append((x, out[-1][1]))
+        out.append((x, y))
+    return out
+
+
 def _path(
     points: Sequence[tuple[float, float | None]], *, x_range: tuple[float, float], y_range: tuple[float, float]
 ) -> str:

@@ -137,6 +137,7 @@ def job_page(request: Request, job_id: int, session: SessionDep, principal: Read
         ),
         "eval_rows": evaluated,
         "step_time": charts.line_chart([(m.step, m.step_time_s) for m in metrics]),
+        "world_size": charts.line_chart(charts.steps_of([(m.step, m.world_size) for m in metrics])),
         "per_gpu": per_gpu,
         "gpu_memory_bytes": gpu_memory_bytes,
         "against_memory": charts.stacked_shares(per_gpu, scale_bytes=max(gpu_memory_bytes, per_gpu["total_bytes"])),

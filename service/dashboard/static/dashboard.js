@@ -178,6 +178,16 @@
     };
   }
 
+  function stepsOf(points) {  // charts.steps_of: flat between changes
+    const out = [];
+    for (const [x, y] of points) {
+      if (y == null) continue;
+      if (out.length && out.at(-1)[1] !== y) out.push([x, out.at(-1)[1]]);
+      out.push([x, y]);
+    }
+    return out;
+  }
+
   function drawLineChart(svg, points, second = []) {
     const c = lineChart(points, second);
     const unit = svg.dataset.unit;
@@ -423,6 +433,7 @@
       setText($('[data-field="step-time"]', stats), stepTime);
       setText($('[data-field="elapsed"]', stats), duration(elapsedS(job)));
       setText($('[data-field="attempt"]', stats), job.attempt);
+      setText($('[data-field="world-size"]', stats), job.world_size ?? job.num_gpus);
       setText($('[data-field="queue"]', stats), queueText(job));
       const error = $("#job-error");
       error.hidden = !job.error;
@@ -470,6 +481,7 @@
           evaluated.map((m) => [m.step, m.eval_loss]));
         if (evaluated.length) setText($('[data-field="eval-loss"]', $("#job-stats")), significant(evaluated.at(-1).eval_loss));
         drawLineChart($("#step-time-chart"), metrics.data.map((m) => [m.step, m.step_time_s]));
+        drawLineChart($("#world-size-chart"), stepsOf(metrics.data.map((m) => [m.step, m.world_size])));
         lastStep = String(job.step ?? "");
       }
       if (`${job.status}/${job.attempt}` !== eventsFor) {
