@@ -14,10 +14,12 @@ TORCH_INDEX_URL ?=
 
 install: $(VENV)/.installed
 
+# --no-compile: Python byte-compiles each module when it is first imported (most of torch never
+# is), instead of pip compiling every file of every package at install, most of an install's time
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --no-compile $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet --no-compile -e '.[dev]'
 	touch $@
 
 # The tour's dataset examples read the corpus the repository ships (examples/data); set

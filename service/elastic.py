@@ -10,6 +10,8 @@ depend on N, so the loss curve does not either, up to the order of floating-poin
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -17,14 +19,18 @@ from service.jobs import gpus_in_use, job_world_sizes
 from service.models import Job
 
 
-def relaunch_size(session: Session, job: Job, *, total: int) -> int:
+def relaunch_size(session: Session, job: Job, *, total: int, ray_free: Callable[[], int | None]) -> int:
     """The N a relaunch runs at: num_gpus unless elastic; an elastic job's largest allowed N that
     is free, leaving the head of the queue what it needs to start where that still leaves the job
-    one of its sizes (else the job, admitted first, takes what is free; its fewest if none is)."""
+    one of its sizes (else the job, admitted first, takes what is free; its fewest if none is).
+    Free is the database's count (GPUs less those other jobs hold), and no more than Ray's
+    (ray_free(): what a lost node or another workload leaves; None when Ray does not say)."""
     sizes = job_world_sizes(job)
     if len(sizes) == 1:
         return sizes[0]
     free = total - gpus_in_use(session, besides=job.id)
+    if (in_ray := ray_free()) is not None:
+        free = min(free, in_ray)
     head = session.scalar(select(Job).where(Job.status == "queued").order_by(Job.id).limit(1))
     if head is not None and (fits := [n for n in sizes if n <= free - job_world_sizes(head)[0]]):
         return fits[-1]

@@ -287,6 +287,27 @@ class RayLauncher:
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 log.warning("job %s: supervisor gone while cancelling", job_id)
 
+    def gpus_free_to(self, job_id: int, attempt: int) -> int | None:
+        """GPUs Ray could give the job's next attempt now: those unreserved, plus those the
+        attempt's own placement group still holds on live nodes (freed when it is released).
+        Counts what zero1 does not know of (another workload's reservations, a lost node);
+        None when Ray does not say."""
+        import ray
+
+        try:
+            free = ray.available_resources().get("GPU", 0)
+            alive = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+            name = placement_group_name(self.settings.ray_namespace, job_id, attempt)
+            held = sum(
+                sum(1 for node in entry.get("bundles_to_node_id", {}).values() if node in alive)
+                for entry in ray.util.placement_group_table().values()
+                if entry.get("name") == name and entry.get("state") == "CREATED"
+            )
+        except Exception:  # a Ray that does not answer leaves the database's count
+            log.warning("job %s: could not read Ray's free GPUs", job_id, exc_info=True)
+            return None
+        return round(free) + held  # rounded: a probe task holds 0.01 of a GPU for a moment
+
     def request_stop(self, job_id: int, attempt: int) -> bool:
         """Ask the attempt's ranks to stop after their next checkpoint (its poll then says
         "stopped"); whether the supervisor took the request."""

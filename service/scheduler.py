@@ -253,7 +253,7 @@ class Scheduler:
         if job.status in ("starting", "restarting") and status in ("running", "succeeded", "stopped"):
             transition(session, job, "running", _running_reason(job, nodes=len(set(state["nodes"]))))
         if status == "stopped":  # at a checkpoint, as asked: relaunched at the N free now, no retry spent
-            return self._record_relaunch(session, job, cause="GPUs free and no job queued")
+            return self._record_relaunch(session, job, cause="GPUs free and no job queued", grown=True)
         if status == "succeeded":
             return self._end(
                 session, job, "succeeded", f"all {job.world_size or job.num_gpus} ranks finished step {job.steps - 1}"
@@ -293,7 +293,9 @@ class Scheduler:
             session, job, cause=f"{cause}; retry {job.num_retries} of {max_retries}", tail=tail
         )
 
-    def _record_relaunch(self, session: Session, job: Job, *, cause: str, tail: str = "") -> _Settled | None:
+    def _record_relaunch(
+        self, session: Session, job: Job, *, cause: str, tail: str = "", grown: bool = False
+    ) -> _Settled | None:
         """A new attempt from the latest complete checkpoint; rows past it are superseded. The
         launch itself comes after the commit: a service that stops in between relaunches it."""
         resume = self.launcher.resume_step(job)
@@ -303,7 +305,10 @@ class Scheduler:
         store_metrics(session, job, [row for row in saved if row.step < resume])
         supersede_after(session, job, resume_step=resume)
         where = f"checkpoint step {resume - 1}" if resume else "the start (no checkpoint yet)"
-        old, new = job.world_size or job.num_gpus, elastic.relaunch_size(session, job, total=self.total_gpus())
+        # a growth was decided on free GPUs; Ray's view may not yet show the stopped attempt's as free
+        ray_free = (lambda: None) if grown else (lambda: self.launcher.gpus_free_to(job.id, job.attempt))
+        old = job.world_size or job.num_gpus
+        new = elastic.relaunch_size(session, job, total=self.total_gpus(), ray_free=ray_free)
         if new != old:
             cause = f"resized {old} -> {new}: {cause}"
         if job.status != "restarting" and not transition(

@@ -425,6 +425,44 @@ def test_a_removed_node_fails_its_ranks_and_the_job_resumes_on_the_nodes_left(ap
     )
 
 
+def test_an_elastic_job_continues_on_the_node_left_instead_of_waiting(app, ray_cluster):
+    """As above, but 2 of the session's GPUs stay held by another workload and the job is elastic
+    (4 GPUs, at least 2): it starts on 4 across the session's free 2 and a third node's 2; when
+    that node goes, its retry resumes at once on the 2 GPUs left, where a 4-rank job would wait."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    client, settings = app
+    placeholder = placement_group([{"GPU": 1, "CPU": 0.5}] * 2)
+    node = None
+    try:
+        assert ray.get(placeholder.ready(), timeout=60)
+        node = ray_cluster.add_node(num_cpus=2, num_gpus=2)
+        wait_for(lambda: client.get("/v1/cluster").json()["num_gpus"], lambda n: n == 6, what="the third node")
+        body = job_body(steps=100_000, checkpoint_every=10, max_retries=1, num_gpus=4, min_gpus=2)
+        job_id = client.post("/v1/jobs", json=body).json()["id"]
+        job = lambda: client.get(f"/v1/jobs/{job_id}").json()
+        started = wait_for(job, lambda j: (j["step"] or 0) >= 15, what="training on 4 GPUs over two nodes")
+        assert started["world_size"] == 4
+        supervisor = ray.get_actor(supervisor_name(job_id, 0), namespace=settings.ray_namespace)
+        assert node.node_id in ray.get(supervisor.poll.remote())["nodes"]
+        ray_cluster.remove_node(node)
+        node = None
+        resumed = wait_for(
+            job, lambda j: j["attempt"] == 1 and j["status"] in ("running", "failed"), what="the retry on 2 GPUs"
+        )
+        assert resumed["status"] == "running" and resumed["world_size"] == 2, resumed
+        restart = [e for e in client.get(f"/v1/jobs/{job_id}/events").json()["data"] if e["to_status"] == "restarting"]
+        assert restart[0]["reason"].startswith("resized 4 -> 2: "), restart
+        moved = wait_for(job, lambda j: j["step"] >= resumed["step"] + 5, what="steps on the node left")
+        assert moved["world_size"] == 2 and moved["latest"]["world_size"] == 2
+        assert client.post(f"/v1/jobs/{job_id}/cancel").status_code == 202
+        wait_for(job, lambda j: j["status"] == "cancelled", what="the cancel")
+    finally:
+        if node is not None:
+            ray_cluster.remove_node(node)
+        remove_placement_group(placeholder)
+
+
 def test_shutdown_drains_the_rows_the_supervisors_hold(ray_cluster, tmp_path):
     """Rows a supervisor holds when the service stops are stored before it exits (SIGTERM runs
     the same lifespan shutdown): the scheduler's loop is stopped first, so only the drain can."""

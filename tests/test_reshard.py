@@ -67,13 +67,14 @@ def _uninterrupted(rank: int, world_size: int, root: str, dtype: torch.dtype) ->
         torch.save(consolidated, Path(root) / "uninterrupted.pt")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_a_sharded_checkpoint_reshards_4_3_2_4_to_the_uninterrupted_state(tmp_path, dtype):
-    """Each hop loads the state bit for bit (bf16: the fp32 master copy apart from the bf16 weights).
-    In fp32 the run ends where an unresized 4-rank run ends, up to the order in which each step's
-    gradients were summed; in bf16 each rank's sum rounds to bf16, so only the hops are compared."""
+@pytest.mark.parametrize(("dtype", "phases"), [(torch.float32, PHASES), (torch.bfloat16, [4, 3])], ids=["fp32", "bf16"])
+def test_a_sharded_checkpoint_reshards_4_3_2_4_to_the_uninterrupted_state(tmp_path, dtype, phases):
+    """Each hop loads the state bit for bit (bf16, one hop: the fp32 master copy apart from the
+    bf16 weights). In fp32 the run ends where an unresized 4-rank run ends, up to the order in
+    which each step's gradients were summed; in bf16 each rank's sum rounds to bf16, so only the
+    hop is compared."""
     saved_world = None
-    for phase, world_size in enumerate(PHASES):
+    for phase, world_size in enumerate(phases):
         run_ranks(world_size, _phase, str(tmp_path), phase, saved_world, dtype)
         saved_world = world_size
     if dtype == torch.bfloat16:
