@@ -21,38 +21,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import select, update
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service import elastic
 from service.db import Database
 from service.jobs import ACTIVE, gpus_in_use, job_world_sizes, transition
 from service.launcher import RayLauncher
-from service.models import Job, Metric
-from workers.records import STORED_FIELDS, MetricRow, RankError
+from service.metric_rows import store_metrics, supersede_after
+from service.models import Job
+from workers.records import MetricRow, RankError
 
 log = logging.getLogger(__name__)
 
 _ALL_STEPS = 2**62
 _SWEEP_EVERY_S = 10.0
 """How often a tick looks for placement groups no active attempt owns (launcher.sweep)."""
-
-
-def store_metrics(session: Session, job: Job, rows: list[MetricRow]) -> int:
-    """Insert one attempt's rows (a row already stored is skipped), note the latest on the job;
-    the number of rows given."""
-    if not rows:
-        return 0
-    values = [{**row.stored(), "job_id": job.id, "attempt": job.attempt} for row in rows]
-    dialect = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite
-    statement = dialect.insert(Metric).on_conflict_do_nothing(index_elements=["job_id", "attempt", "step"])
-    session.execute(statement, values)
-    last = max(rows, key=lambda row: row.step)
-    if job.step is None or last.step >= job.step:
-        job.step = last.step
-        job.latest = last.stored()
-    return len(values)
 
 
 @dataclass(frozen=True, slots=True)
@@ -383,24 +367,6 @@ def _still_active(session: Session, job: Job) -> Job | None:
 def _after(job: Job) -> int:
     """The step through which the job's rows are stored (-1: none)."""
     return -1 if job.step is None else job.step
-
-
-def supersede_after(session: Session, job: Job, *, resume_step: int) -> None:
-    """Mark the rows a relaunch will redo (step >= resume_step) superseded; the job's step and
-    latest row fall back to the surviving curve's last."""
-    session.execute(
-        update(Metric)
-        .where(Metric.job_id == job.id, Metric.step >= resume_step, Metric.superseded.is_(False))
-        .values(superseded=True)
-    )
-    last = session.scalar(
-        select(Metric)
-        .where(Metric.job_id == job.id, Metric.superseded.is_(False))
-        .order_by(Metric.step.desc())
-        .limit(1)
-    )
-    job.step = None if last is None else last.step
-    job.latest = None if last is None else {k: getattr(last, k) for k in STORED_FIELDS}
 
 
 def _start_timeout(job: Job, timeout_s: float) -> RankError:

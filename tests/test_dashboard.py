@@ -31,7 +31,7 @@ from service.dashboard.format import duration, human_bytes, significant
 from service.dashboard.routes import TABLE_LIMIT, _number, table_order
 from service.db import Database, upgrade
 from service.jobs import submit_job, transition
-from service.scheduler import store_metrics
+from service.metric_rows import store_metrics
 from service.schemas import JobSpec
 from workers.memory import GB
 from workers.records import MetricRow
