@@ -311,3 +311,11 @@ def test_submit_code_zips_the_directory_without_vcs_caches_virtualenvs_or_ignore
     assert count == len(names)
     (root / "README.md").touch()  # a newer mtime: the zip, and so the digest, depend on content only
     assert zip_directory(root)[0] == data
+
+
+def test_the_jobs_table_shows_an_elastic_jobs_n_against_its_most():
+    from service.cli.jobs import _gpus
+
+    assert _gpus({"num_gpus": 4, "min_gpus": 4, "world_size": 4}) == "4"
+    assert _gpus({"num_gpus": 4, "min_gpus": 2, "world_size": 2}) == "2/4"
+    assert _gpus({"num_gpus": 4, "min_gpus": 2, "world_size": None}) == "-/4"  # queued: not started yet

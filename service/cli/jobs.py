@@ -94,9 +94,17 @@ def _job_line(job: dict) -> str:
     loss = latest.get("loss")
     step = "-" if job["step"] is None else job["step"] + 1
     return (
-        f"{job['id']:>6}  {job['status']:<10}  {step:>8}/{job['steps']:<8}  {job['num_gpus']:>4}  "
+        f"{job['id']:>6}  {job['status']:<10}  {step:>8}/{job['steps']:<8}  {_gpus(job):>5}  "
         f"{'-' if loss is None else f'{loss:.4f}':>8}  {job['name']}"
     )
+
+
+def _gpus(job: dict) -> str:
+    """The N it runs at; an elastic job's as N/most (2/4), its most before it starts."""
+    num_gpus = job["num_gpus"]
+    if job.get("min_gpus", num_gpus) == num_gpus:
+        return str(num_gpus)
+    return f"{job.get('world_size') or '-'}/{num_gpus}"
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
@@ -106,7 +114,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         )
     if (code := _api_error(response)) is not None:
         return code
-    print(f"{'id':>6}  {'status':<10}  {'step':>8}/{'steps':<8}  {'gpus':>4}  {'loss':>8}  name")
+    print(f"{'id':>6}  {'status':<10}  {'step':>8}/{'steps':<8}  {'gpus':>5}  {'loss':>8}  name")
     for job in response.json()["data"]:
         print(_job_line(job))
     return 0
