@@ -27,9 +27,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 run: install
 	ZERO1_DATA_ROOTS="$${ZERO1_DATA_ROOTS:-data,examples/data}" $(BIN)/zero1 serve
 
-# Two workers (pytest-xdist), each with its own Ray cluster, take a test file at a time;
-# PYTEST_WORKERS=0 runs the suite in one process.
-PYTEST_WORKERS ?= 2
+# One process by default: on 2 cores the suite is CPU-bound (most of it is Ray workers importing
+# torch and training), and two pytest-xdist workers gained 12% once and took twice as long another
+# time. PYTEST_WORKERS=2 runs two workers, each with its own Ray cluster, a test file each at a time.
+PYTEST_WORKERS ?= 0
 
 test: install
 	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile
