@@ -115,6 +115,10 @@ class Settings(BaseSettings):
     max_code_bytes: int = Field(100 << 20, ge=1024, le=1 << 32)
     """Largest code bundle (the zip of POST /v1/code) the API reads, in bytes; larger ones get 413. It is
     held in memory while it is checked."""
+    log_max_bytes: int = Field(16 << 20, ge=1024, le=1 << 40)
+    """Bytes of log lines (their text) kept per job: past it the oldest lines are dropped, and one
+    marker line in their place says how many. It also bounds what a rank and a job's supervisor
+    hold before the lines are stored."""
     max_queued_jobs_per_user: int = Field(1000, ge=1, le=1_000_000)
     """Queued jobs one user (one token's user; everyone when auth is off) may have;
     a submit past it gets 429."""

@@ -17,6 +17,9 @@ from service.responses import PlanPublic
 from service.schemas import JobSpec
 from workers.records import MetricRow, RankError
 
+LogAcks = dict[int, int]
+"""Rank -> the n of its last log line stored (service.log_lines.log_acks)."""
+
 log = logging.getLogger(__name__)
 _ALL_STEPS = 2**62
 _STORAGE_TTL_S = 60.0
@@ -187,6 +190,7 @@ class RayLauncher:
             rendezvous_timeout_s=self.settings.rendezvous_timeout_s,
             working_dir=self._working_dir(job.spec.get("code")),
             name=placement_group_name(self.settings.ray_namespace, job.id, job.attempt),
+            log_max_bytes=self.settings.log_max_bytes,
         )
         supervisor = JobSupervisor.options(
             name=supervisor_name(job.id, job.attempt),
@@ -235,13 +239,14 @@ class RayLauncher:
             return False
         return True
 
-    def poll(self, job_id: int, attempt: int, *, after_step: int) -> dict[str, Any]:
-        """The supervisor's poll(after_step); see poll_many."""
-        return self.poll_many([(job_id, attempt, after_step)])[(job_id, attempt)]
+    def poll(self, job_id: int, attempt: int, *, after_step: int, log_acks: LogAcks) -> dict[str, Any]:
+        """The supervisor's poll(after_step, log_acks); see poll_many."""
+        return self.poll_many([(job_id, attempt, after_step, log_acks)])[(job_id, attempt)]
 
-    def poll_many(self, attempts: list[tuple[int, int, int]]) -> dict[tuple[int, int], dict[str, Any]]:
-        """(job id, attempt) -> the supervisor's poll(after_step) for each (job id, attempt,
-        after_step), asked of all at once and waited for together, at most ZERO1_RAY_RPC_TIMEOUT_S.
+    def poll_many(self, attempts: list[tuple[int, int, int, LogAcks]]) -> dict[tuple[int, int], dict[str, Any]]:
+        """(job id, attempt) -> the supervisor's poll(after_step, log_acks) for each (job id,
+        attempt, after_step, log_acks: what is stored), asked of all at once and waited for
+        together, at most ZERO1_RAY_RPC_TIMEOUT_S.
 
         Status "lost" only when the supervisor is known dead (no such actor, or Ray says it died);
         a supervisor that did not answer in time is "unknown": asked again next tick, never
@@ -249,14 +254,14 @@ class RayLauncher:
         import ray
 
         states, asked = {}, {}
-        for job_id, attempt, after_step in attempts:
+        for job_id, attempt, after_step, log_acks in attempts:
             supervisor = self._handle(job_id, attempt)
             if supervisor is None:
                 states[(job_id, attempt)] = _lost(
                     f"no supervisor {supervisor_name(job_id, attempt)} in the Ray cluster"
                 )
             else:
-                asked[supervisor.poll.remote(after_step)] = (job_id, attempt)
+                asked[supervisor.poll.remote(after_step, log_acks)] = (job_id, attempt)
         ready = []
         if asked:
             ready, _ = ray.wait(list(asked), num_returns=len(asked), timeout=self.settings.ray_rpc_timeout_s)
@@ -378,7 +383,7 @@ def _on_head_node() -> Any:
 
 
 def _unknown() -> dict[str, Any]:
-    return {"status": "unknown", "metrics": [], "nodes": [], "error": None}
+    return {"status": "unknown", "metrics": [], "nodes": [], "error": None, "logs": [], "log_dropped": (0, 0)}
 
 
 def _lost(message: str) -> dict[str, Any]:
@@ -387,4 +392,6 @@ def _lost(message: str) -> dict[str, Any]:
         "metrics": [],
         "nodes": [],
         "error": RankError(exception="SupervisorLost", message=message),
+        "logs": [],
+        "log_dropped": (0, 0),
     }

@@ -1,4 +1,4 @@
-"""The database: jobs, their state transitions, their per-step metrics, and who uploaded which code.
+"""The database: jobs, their state transitions, their per-step metrics and logs, and who uploaded which code.
 
 The schema changes only through Alembic migrations (migrations/); a test
 checks that these models and the migrations agree.
@@ -90,6 +90,9 @@ class Job(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(default=None)
     finished_at: Mapped[datetime | None] = mapped_column(default=None)
+    log_state: Mapped[dict[str, Any] | None] = mapped_column(default=None)
+    """What its logs hold (service.log_lines): the bytes kept, the lines dropped past
+    ZERO1_LOG_MAX_BYTES, and per rank the n of the last line of this attempt stored."""
 
 
 class JobEvent(Base):
@@ -134,6 +137,29 @@ class Metric(Base):
     """The N the step ran at (an elastic job's changes); null for rows stored before it was kept."""
     superseded: Mapped[bool] = mapped_column(Boolean, default=False)
     """True for rows of an attempt past the checkpoint a retry resumed from."""
+
+
+class LogLine(Base):
+    """One line a rank wrote (stdout, stderr or logging), or the marker that says how many older
+    lines were dropped. `id` is its place in the job's log, in the order the lines were stored."""
+
+    __tablename__ = "logs"
+    __table_args__ = (
+        Index("ix_logs_job_id", "job_id", "id"),  # a job's log, in order
+        Index("ix_logs_job_rank_id", "job_id", "rank", "id"),  # one rank's
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt: Mapped[int | None] = mapped_column(Integer)
+    """Null for the marker line."""
+    rank: Mapped[int | None] = mapped_column(Integer)
+    """Null for the marker line."""
+    time: Mapped[datetime] = mapped_column(default=utcnow)
+    """When the rank wrote it."""
+    stream: Mapped[str] = mapped_column(String(8))
+    """stdout, stderr, log (Python logging) or marker."""
+    line: Mapped[str] = mapped_column(Text)
 
 
 class CodeBundle(Base):

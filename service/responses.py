@@ -149,6 +149,23 @@ class MetricsPublic(BaseModel):
     next_after_step: int | None = Field(description="Pass as after_step for the next page; null at the end.")
 
 
+class LogLinePublic(BaseModel):
+    seq: int = Field(description="Its place in the job's log: pass the last one seen as `after`.")
+    time: datetime = Field(description="When the rank wrote it.")
+    rank: int | None = Field(description="The rank that wrote it; null for the marker line.")
+    attempt: int | None = Field(description="The attempt it was written in; null for the marker line.")
+    stream: Literal["stdout", "stderr", "log", "marker"] = Field(
+        description="stdout, stderr, log (Python logging), or marker: how many older lines were dropped "
+        "(ZERO1_LOG_MAX_BYTES)."
+    )
+    line: str
+
+
+class LogsPublic(BaseModel):
+    data: list[LogLinePublic]
+    next: int = Field(description="Pass as `after` for the next page (the last seq; `after` when there is none).")
+
+
 class ArtifactPublic(BaseModel):
     name: str
     bytes: int

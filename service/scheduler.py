@@ -28,9 +28,10 @@ from service import elastic
 from service.db import Database
 from service.jobs import ACTIVE, gpus_in_use, job_world_sizes, transition
 from service.launcher import RayLauncher
+from service.log_lines import log_acks, store_logs
 from service.metric_rows import store_metrics, supersede_after
 from service.models import Job
-from workers.records import MetricRow, RankError
+from workers.records import RankError
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class Scheduler:
     ) -> None:
         self.db, self.launcher, self.total_gpus, self.interval_s = db, launcher, total_gpus, interval_s
         self.start_timeout_s, self.grow_interval_s, self.clock = start_timeout_s, grow_interval_s, clock
+        self.log_max_bytes = launcher.settings.log_max_bytes
         self._resized_at: dict[int, float] = {}  # elastic job -> clock() of its last start or resize
         self._growing: set[tuple[int, int]] = set()  # (job, attempt) asked to stop at a checkpoint to grow
         self.last_tick_at: float | None = None
@@ -106,7 +108,7 @@ class Scheduler:
         jobs = self._active()
         if self.clock() - self._swept_at >= _SWEEP_EVERY_S:  # before this tick launches anything
             self._sweep({(job.id, job.attempt) for job in jobs})
-        states = self.launcher.poll_many([(job.id, job.attempt, _after(job)) for job in jobs])
+        states = self.launcher.poll_many([_acks(job) for job in jobs])
         attempts = set(states)
         self._starting_since = {key: at for key, at in self._starting_since.items() if key in attempts}
         self._growing &= attempts
@@ -117,15 +119,14 @@ class Scheduler:
         self.last_tick_at = self.clock()
 
     def drain(self) -> int:
-        """One last collection of every active job's metrics, admitting nothing; rows stored."""
+        """One last collection of every active job's metrics and log lines, admitting nothing; rows stored."""
         jobs = self._active()
-        states = self.launcher.poll_many([(job.id, job.attempt, _after(job)) for job in jobs])
+        states = self.launcher.poll_many([_acks(job) for job in jobs])
         stored = 0
         for job in jobs:
-            rows = states[(job.id, job.attempt)]["metrics"]
             with self.db.session() as session:
                 if (fresh := _still_active(session, job)) is not None:
-                    stored += store_metrics(session, fresh, rows)
+                    stored += self._ingest(session, fresh, states[(job.id, job.attempt)])
         return stored
 
     def _sweep(self, attempts: set[tuple[int, int]]) -> None:
@@ -208,11 +209,10 @@ class Scheduler:
     def _advance(self, job: Job, state: dict[str, Any]) -> None:
         if job.cancel_requested:
             self.launcher.cancel(job.id, job.attempt)
-            state = self.launcher.poll(job.id, job.attempt, after_step=_after(job))  # the rows up to the stop
+            _, _, after, acks = _acks(job)
+            state = self.launcher.poll(job.id, job.attempt, after_step=after, log_acks=acks)  # up to the stop
             reason = "cancelled by request: every rank stopped, GPUs freed"
-            self._settle(
-                job, lambda session, fresh: self._end(session, fresh, "cancelled", reason, rows=state["metrics"])
-            )
+            self._settle(job, lambda session, fresh: self._end(session, fresh, "cancelled", reason, state=state))
             return
         if state["status"] == "unknown":  # no answer in time: ask again next tick, never take it for dead
             return
@@ -228,7 +228,7 @@ class Scheduler:
 
     def _progress(self, session: Session, job: Job, state: dict[str, Any]) -> _Settled | None:
         before = job.step
-        store_metrics(session, job, state["metrics"])
+        self._ingest(session, job, state)
         stored_through = None
         every = job.spec.get("checkpoint_every") or 0
         if every and job.step is not None and (before is None or (job.step + 1) // every > (before + 1) // every):
@@ -254,15 +254,22 @@ class Scheduler:
         reason: str,
         *,
         error: RankError | None = None,
-        rows: list[MetricRow] = (),
+        state: dict[str, Any] | None = None,
     ) -> _Settled | None:
-        """A terminal transition; None if the job changed status under us (nothing to do after)."""
-        store_metrics(session, job, list(rows))
+        """A terminal transition, after storing what a last poll (`state`) brought; None if the job
+        changed status under us (nothing to do after)."""
+        if state is not None:
+            self._ingest(session, job, state)
         if error is not None:
             job.error = error.to_json()
         if not transition(session, job, status, reason):
             return None
         return _Settled(stored_through=_ALL_STEPS, ended=True)  # never relaunched: no saved row is needed
+
+    def _ingest(self, session: Session, job: Job, state: dict[str, Any]) -> int:
+        """Store a poll's metric rows and log lines; the number of rows."""
+        store_logs(session, job, state["logs"], dropped=state["log_dropped"], max_bytes=self.log_max_bytes)
+        return store_metrics(session, job, state["metrics"])
 
     def _on_failure(self, session: Session, job: Job, error: RankError | None) -> _Settled | None:
         """Retry from the last checkpoint while max_retries allows, else fail with the cause."""
@@ -362,6 +369,12 @@ def _still_active(session: Session, job: Job) -> Job | None:
     if fresh is None or fresh.attempt != job.attempt or fresh.status not in ACTIVE:
         return None
     return fresh
+
+
+def _acks(job: Job) -> tuple[int, int, int, dict[int, int]]:
+    """What a poll of the job's supervisor says is stored: (job, attempt, its last stored step, its
+    ranks' last stored log lines)."""
+    return job.id, job.attempt, _after(job), log_acks(job)
 
 
 def _after(job: Job) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -194,6 +195,81 @@ def test_an_exception_in_user_code_at_run_time_fails_the_attempt_with_its_traceb
     assert [e["to_status"] for e in events][-3:] == ["restarting", "running", "failed"]
     for event in (events[-3], events[-1]):  # the retry and the failure each carry the traceback's tail
         assert "RuntimeError: user code gave up at call 4" in event["reason"].splitlines()[-1], event
+    # and the failing rank's logs hold the whole traceback, on its stderr
+    logs = client.get(f"/v1/jobs/{job['id']}/logs", params={"attempt": 1, "rank": error["rank"]}).json()["data"]
+    stderr = [line["line"] for line in logs if line["stream"] == "stderr"]
+    assert "Traceback (most recent call last):" in stderr, logs
+    assert stderr[-1] == "RuntimeError: user code gave up at call 4" and any("tinylm/model.py" in x for x in stderr)
+
+
+def test_every_ranks_prints_and_logging_reach_the_logs_in_order_and_follow_streams_them_live(served, tmp_path):
+    """Each rank prints and logs on every forward; the ranks wait at their third until the test has
+    seen those lines arrive through ?follow=true (the job is running then), and the stream ends
+    with the job."""
+    client, _ = served
+    gate = tmp_path / "go-on"
+    source = (EXAMPLE_DIR / "tinylm" / "model.py").read_text()
+    talking = source.replace("import torch\n", "import logging\nimport os\nimport time\n\nimport torch\n", 1).replace(
+        "        logits = self.head(self.norm(x))\n",
+        "        logits = self.head(self.norm(x))\n"
+        "        if not isinstance(x, torch._subclasses.FakeTensor) and self.training:  # ranks only, not the trace\n"
+        "            self.calls = getattr(self, 'calls', 0) + 1\n"
+        "            rank = torch.distributed.get_rank()\n"
+        "            print(f'rank {rank} call {self.calls}')\n"
+        "            logging.getLogger('tinylm').info('rank %d logged call %d', rank, self.calls)\n"
+        f"            while self.calls == 3 and not os.path.exists({str(gate)!r}):\n"
+        "                time.sleep(0.05)\n",
+    )
+    assert talking.count("rank {rank} call") == 1
+    code = upload(client, write_bundle(tmp_path / "talks", {"tinylm/__init__.py": "", "tinylm/model.py": talking}))
+    steps = 8
+    r = client.post("/v1/jobs", json=example(code, steps=steps, checkpoint_every=0))
+    assert r.status_code == 201, r.text
+    job_id = r.json()["id"]
+
+    streamed, end = [], None
+    with client.stream("GET", f"/v1/jobs/{job_id}/logs", params={"follow": "true"}) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        for event in server_sent_events(response.iter_lines()):
+            if event.get("event") == "end":
+                end = json.loads(event["data"])
+                break
+            line = json.loads(event["data"])
+            assert int(event["id"]) == line["seq"]
+            streamed.append(line)
+            seen = {(x["rank"], x["line"]) for x in streamed}
+            if not gate.exists() and all((rank, f"rank {rank} call 3") in seen for rank in (0, 1)):
+                assert client.get(f"/v1/jobs/{job_id}").json()["status"] == "running"  # live, not after the fact
+                gate.touch()
+    assert gate.exists() and end == {"status": "succeeded"}, (end, streamed[-5:])
+
+    stored = client.get(f"/v1/jobs/{job_id}/logs", params={"limit": 10_000}).json()
+    assert stored["data"] == streamed and stored["next"] == streamed[-1]["seq"]
+    for rank in (0, 1):
+        mine = [x for x in streamed if x["rank"] == rank]
+        assert [x["line"] for x in mine if x["stream"] == "stdout"] == [
+            f"rank {rank} call {k}" for k in range(1, steps + 1)
+        ]
+        logged = [x["line"] for x in mine if x["stream"] == "log" and "tinylm" in x["line"]]
+        assert logged == [f"INFO tinylm: rank {rank} logged call {k}" for k in range(1, steps + 1)]
+        assert any(x["line"].startswith(f"INFO zero1.train: rank {rank} of 2 on cpu") for x in mine), mine
+    trainer = [x["line"] for x in streamed if x["rank"] == 0 and "zero1.train: step " in x["line"]]
+    assert [int(line.split("step ")[1].split("/")[0]) for line in trainer] == list(range(steps))
+    only_one = client.get(f"/v1/jobs/{job_id}/logs", params={"rank": 1}).json()["data"]
+    assert only_one and {x["rank"] for x in only_one} == {1}
+
+
+def server_sent_events(lines) -> Iterator[dict[str, str]]:
+    """The messages of a text/event-stream, as {field: value}; comments skipped."""
+    event: dict[str, str] = {}
+    for line in lines:
+        if not line:
+            if event:
+                yield event
+            event = {}
+        elif not line.startswith(":"):
+            field, _, value = line.partition(":")
+            event[field] = value.removeprefix(" ")
 
 
 @pytest.fixture(scope="module")

@@ -229,9 +229,9 @@ class StandInSupervisor:
     def resume(self) -> None:
         self.answering.set()
 
-    def poll(self, after_step: int = -1) -> dict:
+    def poll(self, after_step: int = -1, log_acks: dict | None = None) -> dict:
         self.answering.wait()
-        return {"status": self.status, "error": None, "metrics": [], "nodes": []}
+        return {"status": self.status, "error": None, "metrics": [], "nodes": [], "logs": [], "log_dropped": (0, 0)}
 
     def ping(self) -> str:
         return self.status

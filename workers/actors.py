@@ -22,8 +22,9 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from workers.capture import HeldLines, OutputCapture
 from workers.config import TrainConfig
-from workers.records import MetricRow, RankError, TrainResult
+from workers.records import MetricRow, OutputLine, RankError, TrainResult
 
 Strategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 _REPORT_EVERY_ROWS = 50
@@ -55,6 +56,9 @@ class Placement:
     name: str = ""
     """The placement group's name: the control plane finds a group by it and removes one its
     attempt no longer owns (service.launcher.placement_group_name)."""
+    log_max_bytes: int = 16 << 20
+    """The most bytes of log lines a rank, and the supervisor, hold before they are stored
+    (ZERO1_LOG_MAX_BYTES): past it the oldest are dropped, with a count."""
 
     def __post_init__(self) -> None:
         if self.num_workers < 1 or self.timeout_s <= 0 or self.cpus_per_worker < 0 or self.rendezvous_timeout_s <= 0:
@@ -144,7 +148,25 @@ class TrainWorker:
         port = self._store.port if self._store is not None else 0
         return address, port, ray.get_runtime_context().get_node_id()
 
-    def run(self, config: TrainConfig, address: str, port: int, supervisor: Any, pg_timeout_s: float) -> TrainResult:
+    def run(
+        self, config: TrainConfig, address: str, port: int, supervisor: Any, pg_timeout_s: float, log_max_bytes: int
+    ) -> TrainResult:
+        """Train as this rank, its stdout, stderr and logging captured for the job's logs; a rank
+        that raises leaves its traceback there."""
+        capture = OutputCapture(
+            rank=self.rank,
+            send=lambda lines: supervisor.report_logs.remote(self.rank, lines),
+            delivered=_delivered,
+            max_bytes=log_max_bytes,
+        )
+        with capture:
+            try:
+                return self._run(config, address, port, supervisor, pg_timeout_s)
+            except BaseException as exc:
+                capture.print_exception(exc)
+                raise
+
+    def _run(self, config: TrainConfig, address: str, port: int, supervisor: Any, pg_timeout_s: float) -> TrainResult:
         import torch
         import torch.distributed as dist
 
@@ -191,6 +213,7 @@ class JobSupervisor:
         self.results: dict[int, TrainResult] = {}
         self._lock = threading.Lock()
         self._metrics: list[MetricRow] = []
+        self._logs = HeldLines(max_bytes=placement.log_max_bytes)
         self._partial: dict[int, dict[int, dict[str, Any]]] = {}  # step -> rank -> row
         self._workers: list[Any] = []
         self._nodes: list[str] = []
@@ -252,7 +275,7 @@ class JobSupervisor:
         address, port, _ = rendezvous[0]
         me = ray.get_runtime_context().current_actor
         runs = {
-            w.run.remote(self.config, address, port, me, p.process_group_timeout_s): rank
+            w.run.remote(self.config, address, port, me, p.process_group_timeout_s, p.log_max_bytes): rank
             for rank, w in enumerate(self._workers)
         }
         with self._lock:
@@ -273,12 +296,20 @@ class JobSupervisor:
                 if len(by_rank) == self.placement.num_workers:
                     self._metrics.append(MetricRow.merge(self._partial.pop(row.step)))
 
-    def poll(self, after_step: int = -1) -> dict[str, Any]:
-        """Status, error, and the steps after `after_step` completed on every rank: one row a
-        step, rank 0's global values with every rank's mem_peak_bytes as a list.
+    def report_logs(self, rank: int, lines: list[OutputLine]) -> None:
+        """Log lines of one rank, in its order; held until a poll's caller says they are stored.
+        Past the bound (Placement.log_max_bytes) the oldest held are dropped, and counted."""
+        with self._lock:
+            self._logs.add(lines)
 
-        Rows up to `after_step` are dropped: the caller says what it has stored, so a
-        caller that failed to store a batch gets it again on its next poll.
+    def poll(self, after_step: int = -1, log_acks: dict[int, int] | None = None) -> dict[str, Any]:
+        """Status, error, the steps after `after_step` completed on every rank (one row a step,
+        rank 0's global values with every rank's mem_peak_bytes as a list), and each rank's log
+        lines after the n `log_acks` gives for it (HeldLines.after), with the count of lines
+        dropped (log_dropped: lines, bytes, since the attempt began).
+
+        Rows up to `after_step` and lines up to the acks are dropped: the caller says what it has
+        stored, so a caller that failed to store a batch gets it again on its next poll.
         """
         with self._lock:
             self._metrics = [row for row in self._metrics if row.step > after_step]
@@ -287,6 +318,8 @@ class JobSupervisor:
                 "error": self.error,
                 "metrics": list(self._metrics),
                 "nodes": list(self._nodes),
+                "logs": self._logs.after(log_acks or {}),
+                "log_dropped": self._logs.dropped,
             }
 
     def request_stop(self) -> None:
@@ -340,6 +373,12 @@ class JobSupervisor:
             ray.kill(worker, no_restart=True)
         if pg is not None:
             remove_placement_group(pg)
+
+
+def _delivered(ref: Any, timeout_s: float | None) -> bool:
+    """Whether a Ray call has completed (delivered, or failed), waiting at most timeout_s."""
+    ready, _ = ray.wait([ref], timeout=timeout_s)
+    return bool(ready)
 
 
 def _resources(resources: dict[str, float]) -> str:

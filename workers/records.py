@@ -123,6 +123,31 @@ def _traceback_tail(exc: BaseException) -> tuple[str, ...]:
     return tuple(line[:500] for line in kept[-TRACEBACK_LINES:])
 
 
+STREAMS = ("stdout", "stderr", "log", "marker")
+"""Where a line came from: a rank's stdout, its stderr, its Python logging, or zero1 (a marker
+saying lines were dropped)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OutputLine:
+    """One line a rank wrote: its stdout, stderr or a logging record (workers.capture)."""
+
+    rank: int
+    n: int
+    """The rank's count of its lines in this attempt, from 0: the order they were written in."""
+    time: float
+    """When it was written (seconds since the epoch)."""
+    stream: str
+    """One of STREAMS."""
+    line: str
+    """The text, without its newline; at most workers.capture.MAX_LINE_CHARS characters."""
+
+    @property
+    def size(self) -> int:
+        """Bytes it counts against a job's bound (ZERO1_LOG_MAX_BYTES): its UTF-8 text."""
+        return len(self.line.encode("utf-8", "replace"))
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TrainResult:
     """What a rank's run returns."""

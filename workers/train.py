@@ -12,6 +12,7 @@ a run that completes its steps writes the final model (workers/artifacts.py).
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -38,6 +39,8 @@ from workers.models import DTYPES, build_model
 from workers.optim import ZeRO1AdamW, decay_param_groups
 from workers.records import MetricRow, TrainResult
 from workers.trace import loss_of, measure_step
+
+log = logging.getLogger("zero1.train")
 
 
 class NonFiniteError(RuntimeError):
@@ -122,6 +125,16 @@ def train(
         planned_bytes=planned_bytes(config, world_size=world_size),
         tokens_per_step=config.global_batch(world_size) * batches.seq_len,
     )
+    num_params = sum(p.numel() for p in model.parameters())
+    log.info(
+        "rank %d of %d on %s: %s parameters, steps %d to %d",
+        rank,
+        world_size,
+        device,
+        f"{num_params:,}",
+        first,
+        config.steps - 1,
+    )
     last = first - 1
     since_checkpoint: list[MetricRow] = []
     skipped = 0  # steps skipped in a row (nan/inf norm); a resumed run counts from 0 again
@@ -133,6 +146,8 @@ def train(
         if _evaluates(config, step):
             row = replace(row, eval_loss=context.evaluate(num_batches=config.eval_batches))
         on_metrics(row)
+        if rank == 0:
+            log.info("%s", _step_line(row, steps=config.steps))
         since_checkpoint.append(row)
         last = step
         skipped = _count_skipped(skipped, row, limit=config.max_nonfinite_steps)
@@ -164,6 +179,17 @@ def train(
             process_group=process_group,
         )
     return TrainResult(rank=rank, first_step=first, last_step=last, cancelled=False)
+
+
+def _step_line(row: MetricRow, *, steps: int) -> str:
+    """Rank 0's log line of a step."""
+    loss = "-" if row.loss is None else f"{row.loss:.4f}"
+    evaluated = "" if row.eval_loss is None else f"  eval {row.eval_loss:.4f}"
+    skipped = "  skipped (non-finite gradients)" if row.skipped else ""
+    return (
+        f"step {row.step}/{steps - 1}  loss {loss}{evaluated}  {row.step_time_s * 1000:.1f} ms  "
+        f"{row.tokens_per_s:,.0f} tokens/s{skipped}"
+    )
 
 
 def _agree(decision: bool, context: _StepContext) -> bool:

@@ -1,19 +1,26 @@
-"""The jobs API: submit (admitted by the memory model), list, get, cancel, metrics, events, artifacts."""
+"""The jobs API: submit (admitted by the memory model), list, get, cancel, metrics, logs, events, artifacts."""
 
 from __future__ import annotations
 
-from typing import Annotated
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, Path, Query, Response
-from fastapi.responses import FileResponse
+from fastapi import APIRouter, Header, Path, Query, Request, Response
+from fastapi.responses import FileResponse, StreamingResponse
 from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
 
 from service import admission, jobs
 from service.api.deps import ClusterDep, PrincipalDep, ReaderDep, RuntimeDep, SessionDep, SettingsDep
 from service.auth import check_can_cancel
 from service.bundles import require_bundle
+from service.db import Database
 from service.hf import check_model_path
 from service.launcher import dataset_cache_dir
+from service.log_lines import read_logs
+from service.models import Job
 from service.responses import (
     ArtifactsPublic,
     DryRunPublic,
@@ -21,6 +28,8 @@ from service.responses import (
     EventsPublic,
     JobPublic,
     JobsPublic,
+    LogLinePublic,
+    LogsPublic,
     MetricsPublic,
 )
 from service.schemas import JobSpec, JobStatus
@@ -141,6 +150,80 @@ def job_metrics(
         session, job, after_step=after_step, limit=limit, max_points=max_points, evaluated=evaluated
     )
     return _json(MetricsPublic(data=data, next_after_step=next_after))
+
+
+@router.get(
+    "/{job_id}/logs",
+    response_model=LogsPublic,
+    responses={
+        **_ERRORS,
+        200: {
+            "model": LogsPublic,
+            "description": "A page of lines; with follow=true, a text/event-stream of them (one `data:` line "
+            "each, `id:` its seq) that ends with `event: end` once the job has ended",
+            "content": {"text/event-stream": {}},
+        },
+    },
+)
+def job_logs(
+    job_id: JobId,
+    request: Request,
+    session: SessionDep,
+    principal: ReaderDep,
+    runtime: RuntimeDep,
+    rank: Annotated[int | None, Query(ge=0, le=_MAX_STEP, description="Only this rank's lines")] = None,
+    attempt: Annotated[int | None, Query(ge=0, le=_MAX_STEP, description="Only this attempt's lines")] = None,
+    after: Annotated[int, Query(ge=0, le=_MAX_ID, description="`next` of the previous page, or a line's seq")] = 0,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
+    follow: Annotated[bool, Query(description="Stream the lines as they come, until the job ends")] = False,
+) -> Response:
+    """Every rank's stdout, stderr and logging, oldest first (the job's newest ZERO1_LOG_MAX_BYTES; a
+    marker line says how many older lines were dropped). Its owner's and admins' only (a 404 to others)."""
+    job = jobs.get_visible_job(session, job_id, principal=principal)
+    selection = {"rank": rank, "attempt": attempt, "limit": limit}
+    if not follow:
+        data, cursor = read_logs(session, job, after=after, **selection)
+        return _json(LogsPublic(data=data, next=cursor))
+    return StreamingResponse(
+        _follow(request, runtime.db, job_id, after=after, **selection),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+_FOLLOW_POLL_S = 0.5
+_KEEPALIVE_S = 15.0
+
+
+async def _follow(request: Request, db: Database, job_id: int, *, after: int, **selection: Any) -> AsyncIterator[str]:
+    """Server-sent events: each stored line after `after` as it comes, then `end` once the job has
+    ended and its last line is sent; a comment every 15 s of quiet keeps proxies from closing it.
+    Ends when the client goes."""
+    cursor, quiet_since = after, time.monotonic()
+    while not await request.is_disconnected():
+        status, data = await run_in_threadpool(_logs_after, db, job_id, cursor, selection)
+        for line in data:
+            yield f"id: {line['seq']}\ndata: {LogLinePublic(**line).model_dump_json()}\n\n"
+        if data:
+            cursor, quiet_since = data[-1]["seq"], time.monotonic()
+            if len(data) == selection["limit"]:
+                continue  # more are stored: no wait
+        if status in jobs.TERMINAL:  # read before the lines: the last ones were stored with the status
+            yield f'event: end\ndata: {{"status": "{status}"}}\n\n'
+            return
+        if time.monotonic() - quiet_since >= _KEEPALIVE_S:
+            yield ": keep-alive\n\n"
+            quiet_since = time.monotonic()
+        await asyncio.sleep(_FOLLOW_POLL_S)
+
+
+def _logs_after(db: Database, job_id: int, after: int, selection: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
+    """The job's status, then its lines after `after`, in one session."""
+    with db.session() as session:
+        job = session.get(Job, job_id)
+        status = job.status
+        data, _ = read_logs(session, job, after=after, **selection)
+        return status, data
 
 
 @router.get("/{job_id}/events", response_model=EventsPublic, responses=_ERRORS)

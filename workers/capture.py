@@ -1,0 +1,267 @@
+"""A rank's output, kept: its stdout, stderr and Python logging, line by line, shipped in batches
+to its job's supervisor, and still written where they went before (the Ray worker's log files).
+
+Lines are numbered in the order they are written (OutputLine.n). A batch is sent only once the
+one before it has been delivered, so the supervisor receives a rank's lines in order. What waits
+to be sent is bounded: past `max_bytes` the oldest waiting lines are dropped, and a marker line
+in their place says how many.
+
+Python-level capture: what a C extension writes to file descriptors 1 and 2 itself stays only in
+Ray's worker log files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from typing import Any, TextIO
+
+from workers.records import OutputLine
+
+MAX_LINE_CHARS = 4096
+"""A longer line is cut here and goes on in the next (a progress bar without newlines, a dump)."""
+SEND_EVERY_S = 0.5
+SEND_EVERY_LINES = 500
+LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
+
+Send = Callable[[list[OutputLine]], Any]
+"""Sends a batch; returns a handle that Delivered waits on (a Ray ObjectRef)."""
+Delivered = Callable[[Any, float | None], bool]
+"""Whether the batch of a handle has been delivered, waiting at most the timeout (None: no limit)."""
+
+
+class OutputCapture:
+    """Captures a rank's output between __enter__ and __exit__ (or close())."""
+
+    def __init__(self, *, rank: int, send: Send, delivered: Delivered, max_bytes: int) -> None:
+        self.rank, self.max_bytes = rank, max_bytes
+        self._send, self._delivered = send, delivered
+        self._lock = threading.Lock()  # the waiting lines and the line count
+        self._ship_lock = threading.Lock()  # one sender at a time: batches go out in order
+        self._waiting: deque[OutputLine] = deque()
+        self._waiting_bytes = 0
+        self._count = 0
+        self._dropped = (0, 0, -1)  # lines, bytes, n of the last dropped line
+        self._in_flight: Any = None
+        self._wake = threading.Event()
+        self._closed = threading.Event()
+        self._inside = threading.local()  # set while this thread writes: output made then is not captured again
+        self._saved: tuple[TextIO, TextIO, int] | None = None
+        self._handler: logging.Handler | None = None
+        self._shipper: threading.Thread | None = None
+
+    def __enter__(self) -> OutputCapture:
+        root = logging.getLogger()
+        self._saved = (sys.stdout, sys.stderr, root.level)
+        sys.stdout = _LineStream(self, "stdout", sys.stdout)
+        sys.stderr = _LineStream(self, "stderr", sys.stderr)
+        self._handler = _LogHandler(self, self._saved[1])
+        root.addHandler(self._handler)
+        if root.level == logging.NOTSET or root.level > logging.INFO:
+            root.setLevel(logging.INFO)  # INFO records reach the handler (Python's default root level is WARNING)
+        self._shipper = threading.Thread(target=self._ship_loop, daemon=True, name=f"zero1-logs-rank{self.rank}")
+        self._shipper.start()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def print_exception(self, exc: BaseException) -> None:
+        """The traceback of `exc` into the rank's stderr (a rank that raises leaves it in its logs)."""
+        traceback.print_exception(exc, file=sys.stderr)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop capturing, then send what waits and wait (at most timeout_s) for its delivery."""
+        if self._saved is None:
+            return
+        for stream in (sys.stdout, sys.stderr):
+            if isinstance(stream, _LineStream):
+                stream.end()
+        stdout, stderr, level = self._saved
+        sys.stdout, sys.stderr = stdout, stderr
+        root = logging.getLogger()
+        root.removeHandler(self._handler)
+        root.setLevel(level)
+        self._saved = None
+        self._closed.set()
+        self._wake.set()
+        if self._shipper is not None:
+            self._shipper.join(timeout=timeout_s)
+        deadline = time.monotonic() + timeout_s
+        with contextlib.suppress(Exception):  # no supervisor to take them: the worker's log files have them
+            while self._ship(wait_s=max(0.0, deadline - time.monotonic())):
+                pass
+            if self._in_flight is not None:
+                self._delivered(self._in_flight, max(0.0, deadline - time.monotonic()))
+
+    # ----------------------------------------------------------------------- lines in
+
+    def add(self, stream: str, text: str) -> None:
+        """One line (no newline) of `stream`, cut into MAX_LINE_CHARS pieces."""
+        now = time.time()
+        pieces = [text[i : i + MAX_LINE_CHARS] for i in range(0, len(text), MAX_LINE_CHARS)] or [""]
+        with self._lock:
+            for piece in pieces:
+                line = OutputLine(rank=self.rank, n=self._count, time=now, stream=stream, line=piece)
+                self._count += 1
+                self._waiting.append(line)
+                self._waiting_bytes += line.size
+            while self._waiting_bytes > self.max_bytes and len(self._waiting) > 1:
+                oldest = self._waiting.popleft()
+                self._waiting_bytes -= oldest.size
+                lines, size, _ = self._dropped
+                self._dropped = (lines + 1, size + oldest.size, oldest.n)
+            if len(self._waiting) >= SEND_EVERY_LINES:
+                self._wake.set()
+
+    def writing(self) -> bool:
+        """Whether this thread is already inside the capture (its own output is not captured)."""
+        return getattr(self._inside, "active", False)
+
+    def guard(self, active: bool) -> None:
+        self._inside.active = active
+
+    # ----------------------------------------------------------------------- lines out
+
+    def _ship_loop(self) -> None:
+        while not self._closed.is_set():
+            self._wake.wait(SEND_EVERY_S)
+            self._wake.clear()
+            with contextlib.suppress(Exception):  # a send that fails keeps its batch for the next try
+                self._ship(wait_s=0.0)
+
+    def _ship(self, *, wait_s: float) -> bool:
+        """Send the waiting lines if the previous batch was delivered (waiting at most wait_s);
+        whether a batch was sent."""
+        with self._ship_lock:
+            if self._in_flight is not None and not self._delivered(self._in_flight, wait_s):
+                return False
+            self._in_flight = None
+            with self._lock:
+                batch, self._waiting, self._waiting_bytes = list(self._waiting), deque(), 0
+                (lines, size, last_n), self._dropped = self._dropped, (0, 0, -1)
+            if lines:  # in the place of the dropped lines: the n of the last of them
+                text = (
+                    f"[zero1] {lines:,} lines ({size:,} bytes) of rank {self.rank} were dropped: written faster than "
+                    f"they could be shipped (ZERO1_LOG_MAX_BYTES {self.max_bytes:,})"
+                )
+                batch.insert(0, OutputLine(rank=self.rank, n=last_n, time=time.time(), stream="marker", line=text))
+            if not batch:
+                return False
+            self.guard(True)
+            try:
+                self._in_flight = self._send(batch)
+            except BaseException:
+                with self._lock:
+                    self._waiting.extendleft(reversed(batch))
+                    self._waiting_bytes += sum(line.size for line in batch)
+                raise
+            finally:
+                self.guard(False)
+            return True
+
+
+class HeldLines:
+    """The supervisor's side: every rank's lines, in arrival order, held until the control plane
+    says they are stored; past `max_bytes` the oldest are dropped, and counted."""
+
+    POLL_LINES = 10_000
+    """The most lines one poll hands on (the rest come with the next)."""
+
+    def __init__(self, *, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._lines: deque[OutputLine] = deque()
+        self._bytes = 0
+        self.dropped = (0, 0)
+        """Lines and bytes dropped since the attempt began."""
+
+    def add(self, lines: list[OutputLine]) -> None:
+        self._lines.extend(lines)
+        self._bytes += sum(line.size for line in lines)
+        while self._bytes > self.max_bytes and len(self._lines) > 1:
+            oldest = self._lines.popleft()
+            self._bytes -= oldest.size
+            self.dropped = (self.dropped[0] + 1, self.dropped[1] + oldest.size)
+
+    def after(self, acks: dict[int, int]) -> list[OutputLine]:
+        """Forget each rank's lines through its ack (the n stored last; -1 or absent: none), and
+        give the oldest POLL_LINES of the rest."""
+        if any(line.n <= acks.get(line.rank, -1) for line in self._lines):
+            self._lines = deque(line for line in self._lines if line.n > acks.get(line.rank, -1))
+            self._bytes = sum(line.size for line in self._lines)
+        return [self._lines[i] for i in range(min(len(self._lines), self.POLL_LINES))]
+
+
+class _LineStream(io.TextIOBase):
+    """sys.stdout or sys.stderr: each write goes on to the stream it replaced, and each whole
+    line into the capture. A carriage return starts the line again, as on a terminal."""
+
+    def __init__(self, capture: OutputCapture, name: str, inner: TextIO) -> None:
+        self.capture, self.name, self.inner = capture, name, inner
+        self._partial = ""
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        self.inner.write(text)
+        if self.capture.writing():
+            return len(text)
+        with self._lock:
+            lines = (self._partial + text).split("\n")
+            self._partial = lines.pop()
+            if "\r" in self._partial:
+                self._partial = self._partial.rsplit("\r", 1)[1]
+        for line in lines:
+            self.capture.add(self.name, line.rsplit("\r", 1)[-1] if "\r" in line else line)
+        return len(text)
+
+    def end(self) -> None:
+        """The unfinished last line, if any, as a line."""
+        with self._lock:
+            partial, self._partial = self._partial, ""
+        if partial:
+            self.capture.add(self.name, partial)
+        self.inner.flush()
+
+    def flush(self) -> None:
+        self.inner.flush()
+
+    def writable(self) -> bool:
+        return True
+
+    def isatty(self) -> bool:
+        return False
+
+    def fileno(self) -> int:
+        return self.inner.fileno()
+
+    @property
+    def encoding(self) -> str:
+        return getattr(self.inner, "encoding", "utf-8")
+
+
+class _LogHandler(logging.Handler):
+    """The rank's Python logging (the root logger's records): one line per record line, stream
+    "log", and on to the stderr it had (where the worker's log files get it)."""
+
+    def __init__(self, capture: OutputCapture, stderr: TextIO) -> None:
+        super().__init__(logging.INFO)
+        self.capture, self.stderr = capture, stderr
+        self.setFormatter(logging.Formatter(LOG_FORMAT))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.capture.writing():  # a record logged while shipping (Ray's own): not captured again
+            return
+        try:
+            text = self.format(record)
+            self.stderr.write(text + "\n")
+            for line in text.split("\n"):
+                self.capture.add("log", line)
+        except Exception:  # noqa: BLE001 - logging's contract: a handler reports its own errors
+            self.handleError(record)
