@@ -17,6 +17,7 @@ from service.config import Settings, get_settings
 from service.dashboard.login import install_login, require_page_reader
 from service.errors import install_error_handlers
 from service.runtime import Runtime
+from service.telemetry import RequestTimer, Telemetry
 
 _PUBLIC_PATHS = ("/healthz",)
 
@@ -25,16 +26,19 @@ def create_app(settings: Settings | None = None, *, tokens: TokenTable | None = 
     """The app; on start-up it migrates the database, connects Ray and starts the scheduler.
 
     `tokens` (parsed from the settings if not given) decide who may read and write; a malformed
-    entry is a ValueError here, before anything starts.
+    entry is a ValueError here, before anything starts. The app's metrics (app.state.telemetry)
+    exist from here; their jobs and GPUs gauges read the runtime's database once it has started.
     """
     settings = settings or get_settings()
     tokens = load_tokens(settings) if tokens is None else tokens
+    telemetry = Telemetry()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        runtime = Runtime(settings)
+        runtime = Runtime(settings, telemetry=telemetry)
         runtime.start()
         app.state.runtime = runtime
+        telemetry.bind(runtime.db, total_gpus=lambda: runtime.cluster.capacity().num_gpus)
         try:
             yield
         finally:
@@ -47,11 +51,13 @@ def create_app(settings: Settings | None = None, *, tokens: TokenTable | None = 
         lifespan=lifespan,
     )
     app.state.authenticator = Authenticator(tokens, public_read=settings.public_read)
+    app.state.telemetry = telemetry
     app.add_middleware(
         BodySizeLimit,
         default=BodyLimit(settings.max_request_bytes, "ZERO1_MAX_REQUEST_BYTES"),
         by_path={"/v1/code": BodyLimit(settings.max_code_bytes, "ZERO1_MAX_CODE_BYTES")},
     )
+    app.add_middleware(RequestTimer, telemetry=telemetry)  # added last, so outermost: a 413 is timed too
     install_error_handlers(app)
     app.include_router(root)
     app.include_router(v1)

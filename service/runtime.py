@@ -11,13 +11,14 @@ from service.dataprep import DatasetChecker
 from service.db import Database, upgrade
 from service.launcher import RayLauncher
 from service.scheduler import Scheduler
+from service.telemetry import Telemetry
 from service.tracing import Tracer
 
 log = logging.getLogger(__name__)
 
 
 class Runtime:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, telemetry: Telemetry | None = None) -> None:
         self.settings = settings
         self.db = Database(settings.database_url)
         self.cluster = RayCluster(settings)
@@ -32,6 +33,7 @@ class Runtime:
             interval_s=settings.scheduler_interval_s,
             start_timeout_s=settings.start_timeout_s,
             grow_interval_s=settings.elastic_grow_interval_s,
+            telemetry=telemetry,
         )
 
     def start(self) -> None:

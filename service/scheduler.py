@@ -31,6 +31,7 @@ from service.launcher import RayLauncher
 from service.log_lines import log_acks, store_logs
 from service.metric_rows import store_metrics, supersede_after
 from service.models import Job
+from service.telemetry import Telemetry
 from workers.records import RankError
 
 log = logging.getLogger(__name__)
@@ -63,10 +64,12 @@ class Scheduler:
         start_timeout_s: float = 300.0,
         grow_interval_s: float = 300.0,
         clock: Callable[[], float] = time.monotonic,
+        telemetry: Telemetry | None = None,
     ) -> None:
         self.db, self.launcher, self.total_gpus, self.interval_s = db, launcher, total_gpus, interval_s
         self.start_timeout_s, self.grow_interval_s, self.clock = start_timeout_s, grow_interval_s, clock
         self.log_max_bytes = launcher.settings.log_max_bytes
+        self.telemetry = telemetry or Telemetry()  # a registry of its own where no app's is given (tests)
         self._resized_at: dict[int, float] = {}  # elastic job -> clock() of its last start or resize
         self._growing: set[tuple[int, int]] = set()  # (job, attempt) asked to stop at a checkpoint to grow
         self.last_tick_at: float | None = None
@@ -105,6 +108,7 @@ class Scheduler:
 
     def tick(self) -> None:
         """Settle every active job, each alone, then admit from the queue."""
+        started = time.perf_counter()
         jobs = self._active()
         if self.clock() - self._swept_at >= _SWEEP_EVERY_S:  # before this tick launches anything
             self._sweep({(job.id, job.attempt) for job in jobs})
@@ -117,6 +121,7 @@ class Scheduler:
         self._admit()  # a database that cannot be reached raises here: the tick does not count
         self._grow()
         self.last_tick_at = self.clock()
+        self.telemetry.tick_took(time.perf_counter() - started)  # a tick that completes
 
     def drain(self) -> int:
         """One last collection of every active job's metrics and log lines, admitting nothing; rows stored."""
@@ -200,6 +205,10 @@ class Scheduler:
         if settled.stored_through is not None:
             self.launcher.discard_stored_metrics(fresh, through_step=settled.stored_through)
         if settled.ended:
+            if fresh.started_at is not None and fresh.finished_at is not None:
+                self.telemetry.job_ended(
+                    fresh.status, duration_s=(fresh.finished_at - fresh.started_at).total_seconds()
+                )
             self.launcher.release(job.id, job.attempt)
             self.launcher.retire(fresh)
         if settled.relaunch:
@@ -268,8 +277,10 @@ class Scheduler:
 
     def _ingest(self, session: Session, job: Job, state: dict[str, Any]) -> int:
         """Store a poll's metric rows and log lines; the number of rows."""
-        store_logs(session, job, state["logs"], dropped=state["log_dropped"], max_bytes=self.log_max_bytes)
-        return store_metrics(session, job, state["metrics"])
+        num_lines = store_logs(session, job, state["logs"], dropped=state["log_dropped"], max_bytes=self.log_max_bytes)
+        num_rows = store_metrics(session, job, state["metrics"])
+        self.telemetry.ingested_on_commit(session, num_rows=num_rows, num_lines=num_lines)
+        return num_rows
 
     def _on_failure(self, session: Session, job: Job, error: RankError | None) -> _Settled | None:
         """Retry from the last checkpoint while max_retries allows, else fail with the cause."""
@@ -344,6 +355,7 @@ class Scheduler:
                 if started:
                     job.world_size = n
             if started:  # else cancelled since it was read: the next head
+                self.telemetry.queue_waited((job.started_at - job.created_at).total_seconds())
                 self._resized_at[job.id] = self.clock()
                 self._launch(job, what="dispatch")
 

@@ -11,6 +11,7 @@ import ray
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 
 from service.jobs import thinned_steps
 from service.main import create_app
@@ -75,8 +76,18 @@ def test_a_job_runs_to_success_with_every_metric_stored(app_client):
     times = [datetime.fromisoformat(e["at"]) for e in events]
     assert times == sorted(times)
 
-    prometheus = app_client.get("/metrics").text
-    assert 'zero1_jobs{status="succeeded"} 1' in prometheus and "zero1_gpus_in_use 0" in prometheus
+    prometheus = {
+        (sample.name, sample.labels.get("status") or sample.labels.get("outcome")): sample.value
+        for family in text_string_to_metric_families(app_client.get("/metrics").text)
+        for sample in family.samples
+    }
+    assert prometheus["zero1_jobs", "succeeded"] == 1 and prometheus["zero1_gpus_in_use", None] == 0
+    # the scheduler's own: the job's run and wait, the rows and lines it stored (rank 0 logs a line a step)
+    assert prometheus["zero1_job_duration_seconds_count", "succeeded"] == 1
+    assert prometheus["zero1_queue_wait_seconds_count", None] == 1
+    assert prometheus["zero1_scheduler_tick_duration_seconds_count", None] > 0
+    assert prometheus["zero1_metric_rows_ingested_total", None] == 40
+    assert prometheus["zero1_log_lines_ingested_total", None] >= 40
 
 
 def _held(events_by_job: dict[int, list[dict]]) -> list[tuple[datetime, int, int]]:

@@ -1,0 +1,217 @@
+"""The service's Prometheus metrics: what GET /metrics renders.
+
+`Telemetry` holds them in a registry of its own, one per app (never prometheus_client's process-wide
+default: a test process builds many apps). HTTP latency is observed by `RequestTimer`, the scheduler's
+work by the scheduler through Telemetry's methods, and the jobs and GPUs gauges are read from the
+database at each scrape (`JobGauges`), so a scrape shows the database as it is.
+
+The histograms' buckets, in seconds:
+
+- `zero1_http_request_duration_seconds`: 5 ms to 60 s. A read answers in milliseconds; a plan that
+  traces a model or a code upload takes seconds; an artifact download may take a minute.
+- `zero1_job_duration_seconds`: 1 min to 7 days, from a smoke test to a week-long run.
+- `zero1_scheduler_tick_duration_seconds`: 1 ms to 30 s. A tick is milliseconds; seconds mean Ray
+  or the database is slow to answer, and the scheduler falls behind ZERO1_SCHEDULER_INTERVAL_S.
+- `zero1_queue_wait_seconds`: 1 s to 2 days, from an idle cluster to a long queue.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from sqlalchemy import event, func, select
+from sqlalchemy.orm import Session
+from starlette.routing import BaseRoute, Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.db import Database
+from service.jobs import TERMINAL, gpus_in_use
+from service.models import Job
+from service.schemas import JobStatus
+
+try:  # newer FastAPI keeps an included router whole in app.routes; this lists its routes, prefixed
+    from fastapi.routing import iter_route_contexts
+except ImportError:  # older FastAPI copied them, prefixed, into app.routes
+    iter_route_contexts = list
+
+HTTP_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+JOB_BUCKETS_S = (60, 300, 900, 1800, 3600, 2 * 3600, 4 * 3600, 8 * 3600, 12 * 3600, 86_400, 2 * 86_400, 7 * 86_400)
+TICK_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+QUEUE_BUCKETS_S = (1, 5, 15, 30, 60, 300, 900, 1800, 3600, 2 * 3600, 4 * 3600, 12 * 3600, 86_400, 2 * 86_400)
+
+UNMATCHED = "<unmatched>"
+"""The route label of a request no route matches (a 404, a slash redirect): never the raw path,
+whose values are unbounded."""
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+"""Methods labelled as sent; any other is "other" (a client may send any token)."""
+
+_GAUGES = {
+    "zero1_jobs": "Jobs by status.",
+    "zero1_gpus_in_use": "GPUs held by starting, running and restarting jobs.",
+    "zero1_gpus_total": "GPUs in the cluster.",
+    "zero1_steps_per_second": "Training steps per second, summed over running jobs.",
+}
+
+
+class Telemetry:
+    """The metrics, their registry, and a method for each thing the service observes."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.gauges = JobGauges()
+        self.registry.register(self.gauges)
+        self._request_s = Histogram(
+            "zero1_http_request_duration_seconds",
+            "HTTP requests, from the request in to the response's last byte, by method, route template and status.",
+            ["method", "route", "status"],
+            buckets=HTTP_BUCKETS_S,
+            registry=self.registry,
+        )
+        self._job_s = Histogram(
+            "zero1_job_duration_seconds",
+            "Jobs that ran, from their start to their end, by outcome.",
+            ["outcome"],
+            buckets=JOB_BUCKETS_S,
+            registry=self.registry,
+        )
+        for outcome in TERMINAL:  # every outcome scraped from the start, at 0
+            self._job_s.labels(outcome)
+        self._rows = Counter(
+            "zero1_metric_rows_ingested", "Metric rows stored from the workers.", registry=self.registry
+        )
+        self._log_lines = Counter(
+            "zero1_log_lines_ingested", "Log lines stored from the workers.", registry=self.registry
+        )
+        self._tick_s = Histogram(
+            "zero1_scheduler_tick_duration_seconds",
+            "Scheduler ticks that completed.",
+            buckets=TICK_BUCKETS_S,
+            registry=self.registry,
+        )
+        self._queue_s = Histogram(
+            "zero1_queue_wait_seconds",
+            "Jobs started, from their submission to their start.",
+            buckets=QUEUE_BUCKETS_S,
+            registry=self.registry,
+        )
+
+    def bind(self, db: Database, *, total_gpus: Callable[[], int]) -> None:
+        """Read the jobs and GPUs gauges from `db` from now on (the runtime's, once the app started)."""
+        self.gauges.bind(db, total_gpus=total_gpus)
+
+    def render(self) -> bytes:
+        """Every metric in Prometheus' text format (this reads the database)."""
+        return generate_latest(self.registry)
+
+    def request_took(self, method: str, *, route: str, status: int, duration_s: float) -> None:
+        method = method if method in _METHODS else "other"
+        self._request_s.labels(method, route, str(status)).observe(duration_s)
+
+    def job_ended(self, outcome: str, *, duration_s: float) -> None:
+        """A job that started reached `outcome` (succeeded, failed or cancelled) `duration_s` after its start."""
+        assert outcome in TERMINAL, f"outcome {outcome!r} is not one of {TERMINAL}"
+        self._job_s.labels(outcome).observe(duration_s)
+
+    def rows_ingested(self, num_rows: int) -> None:
+        self._rows.inc(num_rows)
+
+    def log_lines_ingested(self, num_lines: int) -> None:
+        self._log_lines.inc(num_lines)
+
+    def ingested_on_commit(self, session: Session, *, num_rows: int, num_lines: int) -> None:
+        """Count metric rows and log lines stored in `session` once it commits: a transaction rolled
+        back is never counted (its poll is stored, and counted, again)."""
+
+        def count(_: Session) -> None:
+            self.rows_ingested(num_rows)
+            self.log_lines_ingested(num_lines)
+
+        event.listen(session, "after_commit", count, once=True)
+
+    def tick_took(self, duration_s: float) -> None:
+        self._tick_s.observe(duration_s)
+
+    def queue_waited(self, duration_s: float) -> None:
+        self._queue_s.observe(duration_s)
+
+
+class JobGauges:
+    """A collector of zero1_jobs{status}, zero1_gpus_in_use, zero1_gpus_total and zero1_steps_per_second,
+    read from the database at each scrape; it yields nothing until bound."""
+
+    def __init__(self) -> None:
+        self._db: Database | None = None
+        self._total_gpus: Callable[[], int] | None = None
+
+    def bind(self, db: Database, *, total_gpus: Callable[[], int]) -> None:
+        self._db, self._total_gpus = db, total_gpus
+
+    def describe(self) -> list[Metric]:
+        """The names, without reading the database: the registry refuses another collector of the same names."""
+        return [GaugeMetricFamily(name, text) for name, text in _GAUGES.items()]
+
+    def collect(self) -> Iterator[Metric]:
+        if self._db is None or self._total_gpus is None:
+            return
+        with self._db.session() as session:
+            counts = dict(session.execute(select(Job.status, func.count()).group_by(Job.status)).all())
+            running = session.scalars(select(Job.latest).where(Job.status == "running")).all()
+            num_in_use = gpus_in_use(session)
+        jobs = GaugeMetricFamily("zero1_jobs", _GAUGES["zero1_jobs"], labels=["status"])
+        for status in JobStatus.__args__:
+            jobs.add_metric([status], counts.get(status, 0))
+        yield jobs
+        yield GaugeMetricFamily("zero1_gpus_in_use", _GAUGES["zero1_gpus_in_use"], value=num_in_use)
+        yield GaugeMetricFamily("zero1_gpus_total", _GAUGES["zero1_gpus_total"], value=self._total_gpus())
+        steps_per_s = sum(1 / row["step_time_s"] for row in running if row and row.get("step_time_s"))
+        yield GaugeMetricFamily("zero1_steps_per_second", _GAUGES["zero1_steps_per_second"], value=steps_per_s)
+
+
+class RequestTimer:
+    """ASGI middleware: observes each HTTP request's seconds, until its response's last byte, by route template.
+
+    Pure ASGI, so a streamed response passes through message by message, never buffered. The
+    template is found before the app runs (routing rewrites the scope: a mount's root_path).
+    """
+
+    def __init__(self, app: ASGIApp, *, telemetry: Telemetry) -> None:
+        self.app, self.telemetry = app, telemetry
+        self._routes: list[BaseRoute] | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self._routes is None:  # all routes are added by the first request
+            self._routes = list(iter_route_contexts(scope["app"].routes))
+        route = route_template(self._routes, scope)
+        status = 500  # what ServerErrorMiddleware answers for an exception raised before a response started
+        started = time.perf_counter()
+
+        async def send_noting_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_noting_status)
+        finally:
+            duration_s = time.perf_counter() - started
+            self.telemetry.request_took(scope["method"], route=route, status=status, duration_s=duration_s)
+
+
+def route_template(routes: Sequence[BaseRoute], scope: Scope) -> str:
+    """The path template of the route that serves `scope`, chosen as the router chooses: the first full
+    match, else the first that matches the path but not the method (a 405); UNMATCHED if none."""
+    partial = None
+    for route in routes:
+        match, _ = route.matches(scope)
+        if match is Match.FULL:
+            return getattr(route, "path_format", UNMATCHED)
+        if match is Match.PARTIAL and partial is None:
+            partial = getattr(route, "path_format", UNMATCHED)
+    return partial or UNMATCHED
