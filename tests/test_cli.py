@@ -1,15 +1,18 @@
-"""The `zero1` command as a user runs it: `zero1 plan` and `zero1 serve`."""
+"""The `zero1` command as a user runs it: `zero1 plan`, `zero1 serve`, and the client commands
+against a served API or a stand-in one, in a pipe and on a terminal."""
 
 from __future__ import annotations
 
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -203,6 +206,7 @@ def test_serve_plans_admits_and_trains_as_a_user_would(tmp_path):
     }
     server = subprocess.Popen([ZERO1, "serve", "--port", str(port)], env=env, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
+    following = None
     try:
         assert wait_healthy(base, server=server)["status"] == "ok"
         assert httpx.get(f"{base}/v1/cluster").json()["num_gpus"] == 64
@@ -230,6 +234,8 @@ def test_serve_plans_admits_and_trains_as_a_user_would(tmp_path):
         )
         assert submitted.returncode == 0, submitted.stderr
         job_id = int(submitted.stdout.strip().splitlines()[-1].split()[1])
+        # its lines as they come, from before it starts until the server's end event
+        following = subprocess.Popen([ZERO1, "logs", "-f", str(job_id)], env=env, stdout=subprocess.PIPE, text=True)
         watched = subprocess.run([ZERO1, "watch", str(job_id)], env=env, capture_output=True, text=True, timeout=300)
         assert watched.returncode == 0, watched.stdout + watched.stderr
         assert watched.stdout.rstrip().endswith("succeeded")
@@ -237,7 +243,24 @@ def test_serve_plans_admits_and_trains_as_a_user_would(tmp_path):
         assert [m["step"] for m in metrics] == list(range(300))
         listed = subprocess.run([ZERO1, "jobs"], env=env, capture_output=True, text=True, timeout=60)
         assert f"{job_id:>6}  succeeded" in listed.stdout
+        code, drawn = run_on_a_terminal("jobs", env=env)
+        assert code == 0 and f"{job_id}  \x1b[32msucceeded" in drawn, drawn  # a table, the status green
+
+        followed, _ = following.communicate(timeout=60)
+        logs = subprocess.run([ZERO1, "logs", str(job_id)], env=env, capture_output=True, text=True, timeout=60)
+        assert following.returncode == 0 == logs.returncode, logs.stderr
+        assert followed == logs.stdout and "\x1b" not in followed
+        lines = followed.splitlines()
+        assert {line.split("]")[0] for line in lines} == {"[rank 0", "[rank 1"}, lines[:5]
+        assert any(line.startswith("[rank 1] INFO zero1.train: rank 1 of 2 on cpu") for line in lines), lines[:5]
+        assert sum("INFO zero1.train: step " in line for line in lines) == 300  # rank 0's, a line a step
+        one = subprocess.run(
+            [ZERO1, "logs", str(job_id), "--rank", "1"], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert one.stdout.splitlines() == [line for line in lines if line.startswith("[rank 1] ")]
     finally:
+        if following is not None and following.poll() is None:
+            following.kill()
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=60)
     # uvicorn shuts down gracefully, then re-raises SIGTERM so the exit status tells why it stopped
@@ -245,6 +268,27 @@ def test_serve_plans_admits_and_trains_as_a_user_would(tmp_path):
     log = server.stderr.read()
     assert f"Uvicorn running on http://127.0.0.1:{port}" in log
     assert "Application shutdown complete" in log
+
+
+def run_on_a_terminal(*args: str, env: dict[str, str]) -> tuple[int, str]:
+    """`zero1 ARGS` with its stdout and stderr a pseudo-terminal 200 columns wide: its exit status and
+    what it drew there."""
+    import pty
+
+    env = {key: value for key, value in env.items() if not key.startswith(("NO_COLOR", "FORCE_COLOR", "TTY_"))}
+    env |= {"TERM": "xterm-256color", "COLUMNS": "200"}
+    reader, writer = pty.openpty()
+    process = subprocess.Popen([ZERO1, *args], env=env, stdout=writer, stderr=writer)
+    os.close(writer)  # the child's copy is the last: reading past its exit is an EIO
+    drawn = b""
+    try:
+        while chunk := os.read(reader, 1 << 16):
+            drawn += chunk
+    except OSError:
+        pass
+    finally:
+        os.close(reader)
+    return process.wait(timeout=60), drawn.decode()
 
 
 def test_the_deployment_docs_list_every_setting():
@@ -255,7 +299,7 @@ def test_the_deployment_docs_list_every_setting():
     assert table == env_table()
 
 
-@pytest.mark.parametrize("command", [["jobs"], ["status", "1"], ["watch", "1"], ["cancel", "1"]])
+@pytest.mark.parametrize("command", [["jobs"], ["status", "1"], ["watch", "1"], ["logs", "1", "-f"], ["cancel", "1"]])
 def test_a_client_command_with_no_server_says_where_it_looked_and_how_to_point_it(command):
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     result = subprocess.run([ZERO1, *command, "--url", url], capture_output=True, text=True, timeout=60)
@@ -319,3 +363,301 @@ def test_the_jobs_table_shows_an_elastic_jobs_n_against_its_most():
     assert _gpus({"num_gpus": 4, "min_gpus": 4, "world_size": 4}) == "4"
     assert _gpus({"num_gpus": 4, "min_gpus": 2, "world_size": 2}) == "2/4"
     assert _gpus({"num_gpus": 4, "min_gpus": 2, "world_size": None}) == "-/4"  # queued: not started yet
+
+
+# --------------------------------------------------------------------------- output: terminal or plain
+
+
+class Terminal(io.StringIO):
+    """A stream that says it is a tty: what rich draws on, captured."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.fixture
+def on_a_terminal(monkeypatch) -> Callable[[], Terminal]:
+    """A call that makes stdout a 200-column colour terminal, whatever the environment running the
+    tests says, and returns it. A call, not the fixture's value: pytest's capture takes sys.stdout
+    back between a test's setup and its body."""
+    for name in ("NO_COLOR", "FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TERM", "xterm-256color")
+    monkeypatch.setenv("COLUMNS", "200")
+
+    def swap() -> Terminal:
+        monkeypatch.setattr(sys, "stdout", Terminal())
+        return sys.stdout
+
+    return swap
+
+
+def fake_api(monkeypatch, handler) -> list[httpx.Request]:
+    """The client commands talk to `handler` (an httpx.MockTransport's) instead of a server; the
+    requests it was sent, in order."""
+    from service.cli import jobs as cli_jobs
+
+    requests = []
+
+    def record(request: httpx.Request) -> httpx.Response:
+        requests.append(request)
+        return handler(request)
+
+    transport = httpx.MockTransport(record)
+    monkeypatch.setattr(cli_jobs, "_client", lambda args: httpx.Client(base_url=args.url, transport=transport))
+    return requests
+
+
+def test_output_is_plain_text_unless_stdout_is_a_terminal_rich_would_draw_on(on_a_terminal, monkeypatch):
+    from service.cli.output import terminal
+
+    a_terminal = on_a_terminal()
+
+    assert terminal(io.StringIO()) is None
+    assert terminal(a_terminal) is not None and terminal() is not None  # stdout by default
+    monkeypatch.setenv("FORCE_COLOR", "1")  # colours asked for: still no table in a pipe
+    assert terminal(io.StringIO()) is None
+    for name, value in (("TERM", "dumb"), ("TTY_COMPATIBLE", "0"), ("TTY_INTERACTIVE", "0")):
+        with monkeypatch.context() as env:
+            env.setenv(name, value)
+            assert terminal(a_terminal) is None, name
+    monkeypatch.setenv("NO_COLOR", "1")  # the layout, without colours
+    assert terminal(a_terminal).no_color
+
+
+def test_the_cli_loads_rich_only_in_the_commands_that_draw():
+    """`zero1 plan` and `zero1 serve` start without it (100 ms of imports)."""
+    code = "import sys, service.cli; print(sorted(m for m in sys.modules if m.split('.')[0] == 'rich'))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert (out.returncode, out.stdout.strip()) == (0, "[]"), out.stderr
+
+
+JOBS = [
+    {"id": 12, "status": "running", "step": 41, "steps": 300, "num_gpus": 4, "min_gpus": 2, "world_size": 2}
+    | {"latest": {"loss": 1.23456}, "name": "[bold]elastic[/]"},
+    {"id": 11, "status": "succeeded", "step": 299, "steps": 300, "num_gpus": 2, "latest": None, "name": "tiny"},
+]
+
+
+def _jobs_api(request: httpx.Request) -> httpx.Response:
+    return httpx.Response(200, json={"data": JOBS, "count": len(JOBS)})
+
+
+def test_jobs_in_a_pipe_prints_the_plain_listing(monkeypatch, capsys):
+    fake_api(monkeypatch, _jobs_api)
+    assert main(["jobs"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "    id  status          step/steps      gpus      loss  name",
+        "    12  running           42/300         2/4    1.2346  [bold]elastic[/]",
+        "    11  succeeded        300/300           2         -  tiny",
+    ]
+
+
+def test_jobs_on_a_terminal_is_a_table_with_the_status_coloured(on_a_terminal, monkeypatch):
+    a_terminal = on_a_terminal()
+    fake_api(monkeypatch, _jobs_api)
+    assert main(["jobs"]) == 0
+    out = a_terminal.getvalue()
+    assert "\x1b[32msucceeded" in out and "\x1b[36mrunning" in out  # green, cyan
+    plain = [line.split() for line in re.sub(r"\x1b\[[0-9;]*m", "", out).splitlines()]
+    assert plain == [
+        ["id", "status", "step", "gpus", "loss", "name"],
+        ["12", "running", "42/300", "2/4", "1.2346", "[bold]elastic[/]"],  # a name is text, never markup
+        ["11", "succeeded", "300/300", "2", "-", "tiny"],
+    ]
+
+
+def test_the_watch_line():
+    from service.cli.jobs import _progress
+
+    job = {"step": 149, "steps": 300, "status": "running", "latest": {"loss": 1.5, "tokens_per_s": 37700.4}}
+    assert _progress(job) == f"[{'#' * 15}{'.' * 15}] 150/300  loss 1.5000  37,700 tokens/s  running"
+    assert _progress(job, eval_loss=1.75).endswith("150/300  loss 1.5000  eval 1.7500  37,700 tokens/s  running")
+    queued = {"step": None, "steps": 300, "status": "queued", "latest": None}
+    assert _progress(queued) == f"[{'.' * 30}] 0/300  loss -  - tokens/s  queued"
+
+
+def _watched_api(statuses: list[str]):
+    """A job that is polled through `statuses` a step at a time, the last with an error if it failed."""
+    polls = iter(range(len(statuses)))
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/metrics"):
+            return httpx.Response(200, json={"data": [{"step": 0, "eval_loss": 2.5}]})
+        step = next(polls)
+        status = statuses[step]
+        job = {"id": 5, "status": status, "step": step, "steps": len(statuses), "error": None}
+        job |= {"latest": {"loss": 3.0 - step, "tokens_per_s": 1000.0}}
+        return httpx.Response(200, json=job | ({"error": "rank 1 died"} if status == "failed" else {}))
+
+    return handler
+
+
+def test_watch_in_a_pipe_redraws_its_line_and_exits_by_the_final_status(monkeypatch, capsys):
+    fake_api(monkeypatch, _watched_api(["running", "running", "succeeded"]))
+    assert main(["watch", "5", "--interval", "0"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\r") == 3 and out.endswith("3/3  loss 1.0000  eval 2.5000  1,000 tokens/s  succeeded\n")
+    fake_api(monkeypatch, _watched_api(["running", "failed"]))
+    assert main(["watch", "5", "--interval", "0"]) == 1
+    assert capsys.readouterr().err == "error: rank 1 died\n"
+
+
+def test_watch_on_a_terminal_draws_a_rich_bar(on_a_terminal, monkeypatch, capsys):
+    a_terminal = on_a_terminal()
+    fake_api(monkeypatch, _watched_api(["running", "running", "failed"]))
+    assert main(["watch", "5", "--interval", "0"]) == 1
+    out = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", a_terminal.getvalue())
+    final = out.strip().splitlines()[-1].split()
+    assert final[:2] == ["job", "5"] and final[3:] == [
+        "3/3",
+        "loss",
+        "1.0000",
+        "eval",
+        "2.5000",
+        "1,000",
+        "tokens/s",
+        "failed",
+    ], out
+    assert "\x1b[31mfailed" in a_terminal.getvalue()  # red
+    assert capsys.readouterr().err == "error: rank 1 died\n"
+
+
+def test_the_upload_bar_is_one_plain_line_unless_stderr_is_a_terminal(on_a_terminal):
+    from service.cli.bundle import UPLOAD_CHUNK_BYTES, upload_chunks
+
+    on_a_terminal()  # a colour terminal's environment; the bar goes to the stream given
+
+    data = bytes(range(256)) * (UPLOAD_CHUNK_BYTES // 128)  # two chunks
+    plain = io.StringIO()
+    assert b"".join(upload_chunks(data, label="uploading x", stream=plain)) == data
+    assert plain.getvalue() == f"uploading x [{'#' * 30}] 100% 2.10/2.10 MB\n"
+    drawn = Terminal()
+    assert b"".join(upload_chunks(data, label="uploading [x]", stream=drawn)) == data
+    assert "uploading [x]" in drawn.getvalue() and "2.1/2.1 MB" in drawn.getvalue()
+
+
+# --------------------------------------------------------------------------- zero1 logs
+
+
+STREAM = (
+    ": keep-alive\r\n"
+    "id: 1\r\n"
+    'data: {"seq": 1, "rank": 0, "line": "step 0"}\r\n'
+    "\r\n"
+    "retry: 100\n"
+    "id: 2\n"
+    "data:first\n"
+    "data: second\n"
+    "\n"
+    "id\n"  # a field without a colon: the id emptied
+    "event: end\r"
+    'data: {"status": "succeeded"}\r'
+    "\r"
+    "data: never dispatched, no blank line after it"
+)
+MESSAGES = [("message", '{"seq": 1, "rank": 0, "line": "step 0"}', "1"), ("message", "first\nsecond", "2")]
+MESSAGES += [("end", '{"status": "succeeded"}', "")]
+
+
+def test_sse_messages_from_chunks_split_anywhere():
+    from service.cli.logs import sse_messages
+
+    def parsed(chunks):
+        return [(message.event, message.data, message.id) for message in sse_messages(chunks)]
+
+    assert parsed([STREAM]) == MESSAGES
+    assert parsed(list(STREAM)) == MESSAGES  # a character at a time: \r\n split between chunks
+    for cut in range(1, len(STREAM)):
+        assert parsed([STREAM[:cut], "", STREAM[cut:]]) == MESSAGES, cut
+    assert parsed([": only comments\n\n", "event: end\n\n"]) == []  # no data: nothing dispatched
+
+
+LOG_ROWS = [
+    {"seq": 1, "time": "2025-01-01T00:00:00Z", "rank": None, "attempt": None, "stream": "marker"}
+    | {"line": "1,000 older lines dropped"},
+    {"seq": 2, "time": "2025-01-01T00:00:01Z", "rank": 0, "attempt": 1, "stream": "stdout", "line": "step 0 [x]"},
+    {"seq": 3, "time": "2025-01-01T00:00:01Z", "rank": 1, "attempt": 1, "stream": "stderr", "line": "warning"},
+    {"seq": 5, "time": "2025-01-01T00:00:02Z", "rank": 1, "attempt": 1, "stream": "log", "line": "INFO saved"},
+]
+LOG_LINES = ["[zero1] 1,000 older lines dropped", "[rank 0] step 0 [x]", "[rank 1] warning", "[rank 1] INFO saved"]
+
+
+def _paged_logs(request: httpx.Request) -> httpx.Response:
+    """GET /v1/jobs/7/logs in pages of 2 rows; any other job is unknown."""
+    if request.url.path != "/v1/jobs/7/logs":
+        return httpx.Response(404, json={"error": "not_found", "message": "job 8 not found"})
+    after = int(request.url.params["after"])
+    page = [row for row in LOG_ROWS if row["seq"] > after][:2]
+    return httpx.Response(200, json={"data": page, "next": page[-1]["seq"] if page else after})
+
+
+def test_logs_pages_until_a_page_is_empty(monkeypatch, capsys):
+    requests = fake_api(monkeypatch, _paged_logs)
+    assert main(["logs", "7", "--rank", "1", "--attempt", "1"]) == 0
+    assert capsys.readouterr().out.splitlines() == LOG_LINES  # the fake filters nothing: the printing is the point
+    assert [dict(request.url.params) for request in requests] == [
+        {"rank": "1", "attempt": "1", "after": after} for after in ("0", "2", "5")
+    ]
+    assert main(["logs", "8"]) == 1
+    assert capsys.readouterr() == ("", "zero1: 404 job 8 not found\n")
+
+
+def test_logs_on_a_terminal_colour_stderr_red_and_log_lines_dim(on_a_terminal, monkeypatch):
+    a_terminal = on_a_terminal()
+    fake_api(monkeypatch, _paged_logs)
+    assert main(["logs", "7"]) == 0
+    out = a_terminal.getvalue()
+    assert re.sub(r"\x1b\[[0-9;]*m", "", out).splitlines() == LOG_LINES
+    assert "\x1b[31m[rank 1] warning" in out and "\x1b[2m[rank 1] INFO saved" in out
+    assert "[rank 0] step 0 [x]\n" in out  # stdout unstyled, and a line is text, never markup
+
+
+def _sse(row: dict) -> str:
+    return f"id: {row['seq']}\ndata: {json.dumps(row)}\n\n"
+
+
+@pytest.mark.parametrize(("status", "code"), [("succeeded", 0), ("failed", 1), ("cancelled", 1)])
+def test_logs_follow_prints_each_line_as_it_arrives_until_the_end_event(status, code, monkeypatch, capsys):
+    printed = []
+
+    def body():
+        for row in LOG_ROWS:
+            text = _sse(row)
+            yield f": keep-alive\n{text[:12]}".encode()  # a message split across chunks, mid-line
+            yield text[12:].encode()
+            printed.append(capsys.readouterr().out)  # what the CLI printed before the next chunk was sent
+        yield f'event: end\ndata: {{"status": "{status}"}}\n\n'.encode()
+        raise AssertionError("read past the end event")
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"Content-Type": "text/event-stream"}, content=body())
+
+    requests = fake_api(monkeypatch, handler)
+    assert main(["logs", "7", "-f", "--rank", "0"]) == code
+    assert printed == [f"{line}\n" for line in LOG_LINES]
+    assert dict(requests[0].url.params) == {"rank": "0", "follow": "true"}
+    assert requests[0].extensions["timeout"]["read"] is None  # a quiet job sends only keep-alives
+
+
+def test_logs_follow_of_an_unknown_job_a_broken_stream_and_ctrl_c(monkeypatch, capsys):
+    fake_api(
+        monkeypatch, lambda request: httpx.Response(404, json={"error": "not_found", "message": "job 9 not found"})
+    )
+    assert main(["logs", "9", "-f"]) == 1
+    assert capsys.readouterr().err == "zero1: 404 job 9 not found\n"
+
+    fake_api(monkeypatch, lambda request: httpx.Response(200, content=iter([_sse(LOG_ROWS[1]).encode()])))
+    assert main(["logs", "9", "-f"]) == 1
+    assert capsys.readouterr() == (
+        "[rank 0] step 0 [x]\n",
+        "zero1 logs: the stream of job 9 ended before the job did\n",
+    )
+
+    def interrupted():
+        yield _sse(LOG_ROWS[1]).encode()
+        raise KeyboardInterrupt
+
+    fake_api(monkeypatch, lambda request: httpx.Response(200, content=interrupted()))
+    assert main(["logs", "9", "-f"]) == 130
+    assert capsys.readouterr() == ("[rank 0] step 0 [x]\n", "")

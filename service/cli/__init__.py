@@ -1,5 +1,5 @@
 """The `zero1` command: `serve` runs the API; `plan` plans a model offline; `submit`,
-`jobs`, `status`, `watch`, `cancel` and `download` talk to a running API; `db upgrade` migrates."""
+`jobs`, `status`, `watch`, `logs`, `cancel` and `download` talk to a running API; `db upgrade` migrates."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 from decimal import Decimal, InvalidOperation
 
 from service.cli.jobs import cmd_cancel, cmd_download, cmd_jobs, cmd_status, cmd_submit, cmd_watch
+from service.cli.logs import cmd_logs
 from service.cli.plans import cmd_plan
 from service.cli.server import cmd_db, cmd_serve
 from service.fields import MAX_TEXT_DIGITS, too_many_digits
@@ -107,6 +108,19 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("--url", **url)
         if name == "watch":
             command.add_argument("--interval", type=float, default=0.5, help="seconds between refreshes")
+    logs = commands.add_parser(
+        "logs", help="a job's output lines, as [rank R] line", description="A job's output lines, oldest first."
+    )
+    logs.add_argument("job_id", type=int)
+    logs.add_argument(
+        "-f",
+        "--follow",
+        action="store_true",
+        help="then each new line as it comes, until the job ends (exit 1 if it did not succeed)",
+    )
+    logs.add_argument("--rank", type=int, help="only this rank's lines")
+    logs.add_argument("--attempt", type=int, help="only this attempt's lines (a retry is the next attempt)")
+    logs.add_argument("--url", **url)
     download = commands.add_parser("download", help="a succeeded job's final model, each file's sha256 checked")
     download.add_argument("job_id", type=int)
     download.add_argument("dir", help="where the files go (created)")
@@ -125,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         "jobs": cmd_jobs,
         "status": cmd_status,
         "watch": cmd_watch,
+        "logs": cmd_logs,
         "cancel": cmd_cancel,
         "download": cmd_download,
         "db": cmd_db,
@@ -134,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `zero1 jobs | head -3`: the reader left, which is no error
         _silence_stdout()
         return 0
+    except KeyboardInterrupt:  # Ctrl-C out of `zero1 logs -f` or `watch`: the shell's 128 + SIGINT, no traceback
+        return 130
     except Exception as exc:
         import httpx
 

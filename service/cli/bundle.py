@@ -13,6 +13,8 @@ import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from service.cli.output import terminal
+
 SKIPPED_DIRS = frozenset({".git", "__pycache__", ".hg", ".svn", ".mypy_cache", ".pytest_cache", ".ruff_cache"})
 """Directories never bundled: version control and caches. A virtualenv (a directory holding
 pyvenv.cfg) is skipped wherever it is, as is what DIR's top-level .gitignore lists."""
@@ -83,19 +85,24 @@ def zip_directory(root: Path) -> tuple[bytes, int]:
 
 
 def upload_chunks(data: bytes, *, label: str, stream=None) -> Iterator[bytes]:
-    """`data` in chunks for an upload, drawing a progress bar on `stream` (stderr) as they go: in
-    place on a terminal, else one line at the end."""
+    """`data` in chunks for an upload, drawing a progress bar on `stream` (stderr) as they go: a rich
+    bar on a terminal, else one line at the end."""
     stream = stream or sys.stderr
     total = len(data)
-    tty = stream.isatty()
-    for start in range(0, max(total, 1), UPLOAD_CHUNK_BYTES):
-        chunk = data[start : start + UPLOAD_CHUNK_BYTES]
-        yield chunk
-        if tty:
-            stream.write("\r" + progress_line(label, start + len(chunk), total))
-            stream.flush()
-    stream.write(("\r" if tty else "") + progress_line(label, total, total) + "\n")
-    stream.flush()
+    chunks = (data[start : start + UPLOAD_CHUNK_BYTES] for start in range(0, max(total, 1), UPLOAD_CHUNK_BYTES))
+    if (console := terminal(stream)) is None:
+        yield from chunks
+        stream.write(progress_line(label, total, total) + "\n")
+        stream.flush()
+        return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
+
+    columns = (TextColumn("{task.description}", markup=False), BarColumn(), DownloadColumn())
+    with Progress(*columns, console=console) as bar:
+        task = bar.add_task(label, total=total)
+        for chunk in chunks:
+            yield chunk
+            bar.advance(task, len(chunk))
 
 
 def progress_line(label: str, done: int, total: int, *, width: int = 30) -> str:

@@ -1,17 +1,26 @@
 """The commands that talk to a running API: `zero1 submit`, `jobs`, `status`, `watch`, `cancel` and
-`download`, through an HTTP client that sends ZERO1_TOKEN."""
+`download`, through an HTTP client that sends ZERO1_TOKEN. `jobs` and `watch` draw with rich on a
+terminal and print plain text otherwise (service/cli/output.py)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from service.cli.bundle import upload_chunks, zip_directory
+from service.cli.output import STATUS_STYLES, terminal
 from service.cli.plans import format_plan
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
 
 
 def _client(args: argparse.Namespace, *, timeout_s: float = 30):
@@ -32,6 +41,7 @@ def _api_error(response) -> int | None:
     """Print an API error the way a person reads it; its exit code, or None on success."""
     if response.is_success:
         return None
+    response.read()  # a streamed response's body is not read yet
     try:
         body = response.json()
         message = body.get("message") or body
@@ -89,13 +99,25 @@ def _upload_code(client, directory: Path) -> str | None:
     return code
 
 
+def _job_cells(job: dict) -> dict[str, str]:
+    """A job's row of `zero1 jobs`, each column as text: the plain line and the table share them."""
+    loss = (job.get("latest") or {}).get("loss")
+    return {
+        "id": str(job["id"]),
+        "status": job["status"],
+        "step": "-" if job["step"] is None else str(job["step"] + 1),
+        "steps": str(job["steps"]),
+        "gpus": _gpus(job),
+        "loss": "-" if loss is None else f"{loss:.4f}",
+        "name": job["name"],
+    }
+
+
 def _job_line(job: dict) -> str:
-    latest = job.get("latest") or {}
-    loss = latest.get("loss")
-    step = "-" if job["step"] is None else job["step"] + 1
+    cells = _job_cells(job)
     return (
-        f"{job['id']:>6}  {job['status']:<10}  {step:>8}/{job['steps']:<8}  {_gpus(job):>5}  "
-        f"{'-' if loss is None else f'{loss:.4f}':>8}  {job['name']}"
+        f"{cells['id']:>6}  {cells['status']:<10}  {cells['step']:>8}/{cells['steps']:<8}  {cells['gpus']:>5}  "
+        f"{cells['loss']:>8}  {cells['name']}"
     )
 
 
@@ -114,10 +136,37 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         )
     if (code := _api_error(response)) is not None:
         return code
+    jobs = response.json()["data"]
+    if (console := terminal()) is not None:
+        console.print(_jobs_table(jobs))
+        return 0
     print(f"{'id':>6}  {'status':<10}  {'step':>8}/{'steps':<8}  {'gpus':>5}  {'loss':>8}  name")
-    for job in response.json()["data"]:
+    for job in jobs:
         print(_job_line(job))
     return 0
+
+
+def _jobs_table(jobs: list[dict]) -> Table:
+    """The jobs as a rich Table: the plain listing's columns, the status coloured. Cells are Text,
+    never markup: a job's name is its submitter's."""
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    for name in ("id", "status", "step", "gpus", "loss"):
+        table.add_column(name, justify="left" if name == "status" else "right")
+    table.add_column("name", overflow="fold")
+    for job in jobs:
+        cells = _job_cells(job)
+        table.add_row(
+            Text(cells["id"]),
+            Text(cells["status"], style=STATUS_STYLES.get(job["status"], "")),
+            Text(f"{cells['step']}/{cells['steps']}"),
+            Text(cells["gpus"]),
+            Text(cells["loss"]),
+            Text(cells["name"]),
+        )
+    return table
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -135,26 +184,74 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _watch_fields(job: dict, *, eval_loss: float | None) -> dict[str, str]:
+    """The figures of the watch line as text: the plain line and the rich bar share them."""
+    latest = job.get("latest") or {}
+    loss, speed = latest.get("loss"), latest.get("tokens_per_s")
+    return {
+        "loss": "-" if loss is None else f"{loss:.4f}",
+        "eval": "" if eval_loss is None else f"eval {eval_loss:.4f}",
+        "tokens_per_s": "-" if speed is None else f"{speed:,.0f}",
+        "status": job["status"],
+    }
+
+
 def _progress(job: dict, *, eval_loss: float | None = None, width: int = 30) -> str:
     """The watch line; eval_loss: the latest held-out loss seen (rows carry it only on steps that evaluate)."""
     done = 0 if job["step"] is None else job["step"] + 1
     filled = width * done // job["steps"]
-    latest = job.get("latest") or {}
-    loss, speed = latest.get("loss"), latest.get("tokens_per_s")
+    fields = _watch_fields(job, eval_loss=eval_loss)
+    evaluated = f"{fields['eval']}  " if fields["eval"] else ""
     return (
-        f"[{'#' * filled}{'.' * (width - filled)}] {done}/{job['steps']}  "
-        f"loss {'-' if loss is None else f'{loss:.4f}'}  "
-        f"{'' if eval_loss is None else f'eval {eval_loss:.4f}  '}"
-        f"{'-' if speed is None else f'{speed:,.0f}'} tokens/s  {job['status']}"
+        f"[{'#' * filled}{'.' * (width - filled)}] {done}/{job['steps']}  loss {fields['loss']}  "
+        f"{evaluated}{fields['tokens_per_s']} tokens/s  {fields['status']}"
     )
 
 
+@contextlib.contextmanager
+def _watch_display(console: Console | None) -> Iterator[Callable[[dict, float | None], None]]:
+    """draw(job, eval_loss): the watch line redrawn in place (`\\r`), or on a terminal (`console`) a
+    rich bar of steps done with loss, eval loss, tokens/s and the status beside it."""
+    if console is None:
+
+        def draw(job: dict, eval_loss: float | None) -> None:
+            print(f"\r{_progress(job, eval_loss=eval_loss)}", end="", flush=True)
+
+        yield draw
+        print()
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    bar = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[losses]}"),
+        TextColumn("{task.fields[tokens_per_s]} tokens/s"),
+        TextColumn("[{task.fields[style]}]{task.fields[status]}"),
+        console=console,
+    )
+    tasks = []  # the job's bar, added at the first draw: an unknown job draws none
+
+    def draw(job: dict, eval_loss: float | None) -> None:
+        done = 0 if job["step"] is None else job["step"] + 1
+        fields = _watch_fields(job, eval_loss=eval_loss)
+        losses = f"loss {fields['loss']}  {fields['eval']}".rstrip()
+        fields |= {"losses": losses, "style": STATUS_STYLES.get(job["status"], "default")}
+        if not tasks:
+            tasks.append(bar.add_task(f"job {job['id']}", total=job["steps"], **fields))
+        bar.update(tasks[0], completed=done, total=job["steps"], **fields)
+
+    with bar:
+        yield draw
+
+
 def cmd_watch(args: argparse.Namespace) -> int:
-    """A live progress line until the job ends; exit 0 only if it succeeded."""
+    """A live progress bar until the job ends; exit 0 only if it succeeded."""
     import time
 
     seen_step, evaluated = None, {"step": -1, "eval_loss": None}
-    with _client(args) as client:
+    with _client(args) as client, _watch_display(terminal()) as draw:
         while True:
             response = client.get(f"/v1/jobs/{args.job_id}")
             if (code := _api_error(response)) is not None:
@@ -163,13 +260,13 @@ def cmd_watch(args: argparse.Namespace) -> int:
             if job["step"] is not None and job["step"] != seen_step:
                 seen_step = job["step"]
                 evaluated = _latest_eval(client, args.job_id, after=evaluated)
-            print(f"\r{_progress(job, eval_loss=evaluated['eval_loss'])}", end="", flush=True)
+            draw(job, evaluated["eval_loss"])
             if job["status"] in ("succeeded", "failed", "cancelled"):
-                print()
-                if job["error"]:
-                    print(f"error: {job['error']}", file=sys.stderr)
-                return 0 if job["status"] == "succeeded" else 1
+                break
             time.sleep(args.interval)
+    if job["error"]:
+        print(f"error: {job['error']}", file=sys.stderr)
+    return 0 if job["status"] == "succeeded" else 1
 
 
 def _latest_eval(client, job_id: int, *, after: dict) -> dict:
