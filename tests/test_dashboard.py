@@ -18,7 +18,9 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
+from urllib.parse import parse_qs, urlparse
 
 import httpx
 import pytest
@@ -28,10 +30,11 @@ from service.admission import admit
 from service.cluster import ClusterCapacity
 from service.dashboard import charts
 from service.dashboard.format import duration, human_bytes, significant
-from service.dashboard.routes import TABLE_LIMIT, _number, table_order
+from service.dashboard.routes import LOG_KEEP, LOG_LINES, TABLE_LIMIT, _number, table_order
 from service.db import Database, upgrade
 from service.jobs import submit_job, transition
 from service.metric_rows import store_metrics
+from service.models import LogLine
 from service.schemas import JobSpec
 from workers.memory import GB
 from workers.records import MetricRow
@@ -58,6 +61,8 @@ SEEDED_STEPS = 20
 HTML_NAME = "<script>alert('x')</script> & <b>bold</b>"
 FIRST_PAINT_LIMIT_BYTES = 200_000
 TRAINING_TIMEOUT_MS = 180_000
+LOG_STEPS = 40
+"""The steps of the job whose logs a test watches: rank 0's step lines overflow the panel."""
 
 
 # --------------------------------------------------------------------------- the server
@@ -107,6 +112,7 @@ def _metric_row(step: int) -> MetricRow:
 @dataclass
 class Server:
     base: str
+    database_url: str
     process: subprocess.Popen
     log_path: Path
     api: httpx.Client
@@ -174,7 +180,7 @@ def server(browser, tmp_path_factory) -> Iterator[Server]:
                 pass
             assert time.monotonic() < deadline, f"zero1 serve did not start within 120 s:\n{log_path.read_text()}"
             time.sleep(0.2)
-        yield Server(base=base, process=process, log_path=log_path, api=api)
+        yield Server(base=base, database_url=database_url, process=process, log_path=log_path, api=api)
     finally:
         api.close()
         process.send_signal(signal.SIGTERM)
@@ -384,6 +390,164 @@ def _check_job_page(ui: Browsing, server: Server, page: Page, job_id: int) -> No
     expect(events.last).to_contain_text("succeeded")
     expect(page.locator("#spec")).to_contain_text('"name": "tiny-gpt"')
     ui.screenshot(page, "job-succeeded")
+
+
+# --------------------------------------------------------------------------- a job's logs
+
+
+def store_log_line(server: Server, job_id: int, *, rank: int, stream: str, line: str) -> None:
+    """A line of the job's current attempt in the server's database, as service.log_lines stores a rank's."""
+    db = Database(server.database_url)
+    try:
+        with db.session() as session:
+            attempt = server.job(job_id)["attempt"]
+            session.add(
+                LogLine(job_id=job_id, attempt=attempt, rank=rank, time=datetime.now(UTC), stream=stream, line=line)
+            )
+    finally:
+        db.dispose()
+
+
+_IN_PANEL = "li.getBoundingClientRect().top - li.closest('#log-panel').getBoundingClientRect().top"
+"""A log line's offset from the top of the panel's view, in px, as JavaScript."""
+
+
+def _log_panel_at_end(page: Page) -> bool:
+    return page.locator("#log-panel").evaluate("p => p.scrollHeight - p.scrollTop - p.clientHeight < 4")
+
+
+def test_the_job_page_tails_every_ranks_logs_live(ui, server):
+    """The page of a job, opened before its ranks start, draws their lines as they are stored, without a
+    reload: each rank's number in a colour of its own, rank 0's step lines up to the last step, a stderr
+    line marked in words as well as in red, the newest in view. Once the job has ended and a fetch found
+    nothing new it stops asking; the panel then holds every line the API has, in its order."""
+    job = server.submit({**TINY_GPT, "name": "logs", "steps": LOG_STEPS, "checkpoint_every": 0})
+    asked: list[float] = []
+    page = ui.new_page()
+    page.on("request", lambda request: "/logs?" in request.url and asked.append(time.monotonic()))
+    page.goto(f"/jobs/{job['id']}")
+    page.evaluate("window.zero1FirstLoad = true")
+    lines = page.locator("#log-lines li")
+    first_paint = lines.count()
+    warning = "UserWarning: <b>not bold</b> & on rank 1's stderr"
+    store_log_line(server, job["id"], rank=1, stream="stderr", line=warning)
+
+    last = lines.filter(has_text=re.compile(rf"INFO zero1\.train: step {LOG_STEPS - 1}/{LOG_STEPS - 1}\s+loss "))
+    expect(last).to_have_count(1, timeout=TRAINING_TIMEOUT_MS)
+    expect(last).to_have_attribute("data-stream", "log")
+    assert lines.count() > first_paint and page.evaluate("window.zero1FirstLoad") is True, "the page reloaded"
+    colours = []
+    for rank in (0, 1):
+        started = lines.filter(has_text=f"INFO zero1.train: rank {rank} of 2 on ")
+        expect(started).to_have_attribute("data-rank", str(rank))
+        expect(started.locator(".rank")).to_have_text(f"rank {rank}")  # "rank " for a screen reader only
+        colours.append(started.locator(".rank").evaluate("e => getComputedStyle(e).color"))
+    assert colours[0] != colours[1]
+    stderr = lines.filter(has_text=warning)
+    expect(stderr).to_have_attribute("data-stream", "stderr")
+    expect(stderr).to_contain_text(f"stderr: {warning}")  # said, not only drawn
+    expect(stderr).to_have_attribute("title", re.compile(r"^rank 1 · attempt 0 · stderr · "))
+    assert stderr.evaluate("e => getComputedStyle(e).borderLeftColor") == "rgb(185, 28, 28)"
+    expect(page.locator("#log-lines b")).to_have_count(0)  # the line is text, never HTML
+
+    expect(_status(page.locator("#job"))).to_have_text("succeeded", timeout=TRAINING_TIMEOUT_MS)
+    page.wait_for_timeout(2500)  # a fetch after the end, which finds nothing new
+    num_asked = len(asked)
+    page.wait_for_timeout(1500)
+    assert len(asked) == num_asked, "the page still asks for the logs of a job that has ended"
+    stored = server.api.get(f"/v1/jobs/{job['id']}/logs", params={"limit": 10_000}).json()["data"]
+    assert lines.evaluate_all("lines => lines.map(li => Number(li.dataset.seq))") == [row["seq"] for row in stored]
+    assert _log_panel_at_end(page) and page.locator("#log-panel").evaluate("p => p.scrollHeight > p.clientHeight")
+    ui.screenshot(page, "job-logs")
+
+    page.get_by_label("Show").select_option("1")
+    expect(page.locator('#log-lines li[data-rank="0"]:visible')).to_have_count(0)
+    expect(page.locator('#log-lines li[data-rank="1"]:visible')).to_have_count(sum(r["rank"] == 1 for r in stored))
+    page.get_by_label("Show").select_option("")
+    expect(page.locator("#log-lines li:visible")).to_have_count(len(stored))
+    page.evaluate(
+        "document.querySelector('#log-panel').scrollTop = 0; document.querySelector('#logs').scrollIntoView()"
+    )
+    ui.screenshot(page, "job-logs-panel", full_page=False)  # the ranks' first lines and the stderr line
+    ui.assert_no_console_errors()
+
+    page = ui.open(f"/jobs/{job['id']}", javascript=False)  # the newest lines from the first paint
+    expect(page.locator("#log-lines li")).to_have_count(len(stored))
+    expect(page.locator('#log-lines li[data-stream="stderr"]')).to_contain_text(f"stderr: {warning}")
+    expect(page.get_by_label("Show")).to_be_hidden()
+    page = ui.open(f"/jobs/{job['id']}", width=375, height=740)
+    expect(page.locator("#log-lines li")).to_have_count(len(stored))
+    assert _no_horizontal_scroll(page), "the log panel scrolls the page sideways at 375 px"
+    ui.screenshot(page, "phone-job-logs")
+
+
+def _fake_line(seq: int) -> dict:
+    """A line as GET /v1/jobs/{id}/logs answers: the first the marker, then two ranks' of every stream."""
+    if seq == 1:
+        text = "[zero1] 12 earlier lines (1,200 bytes) were dropped"
+        return {
+            "seq": 1,
+            "time": "2025-01-01T12:00:00Z",
+            "rank": None,
+            "attempt": None,
+            "stream": "marker",
+            "line": text,
+        }
+    stream = ("stdout", "log", "stdout", "stderr")[seq % 4]
+    text = f"line {seq} of rank {seq % 2}" + (f": {HTML_NAME}" if seq % 10 == 0 else "")
+    return {"seq": seq, "time": "2025-01-01T12:00:01Z", "rank": seq % 2, "attempt": 0, "stream": stream, "line": text}
+
+
+def test_the_log_panel_follows_the_newest_and_holds_still_when_scrolled_up(ui, server):
+    """A finished job's page, its logs from a stand-in for the endpoint that gives lines when the test says:
+    first a full panel a page at a time, then a few a second. Scrolled to its end the panel follows the
+    newest; scrolled up, the line at its top stays put while new lines come and the oldest beyond
+    LOG_KEEP go; scrolled back down, it follows again. The lines are text, never HTML."""
+    listed = server.api.get("/v1/jobs", params={"status": "succeeded", "limit": 50}).json()["data"]
+    seeded = next(job for job in listed if job["name"].startswith("history-"))  # no logs of its own
+    pages = [LOG_LINES] * (LOG_KEEP // LOG_LINES)
+    trickle = {"lines": 3}
+
+    def logs(route) -> None:
+        query = parse_qs(urlparse(route.request.url).query)
+        after, limit = int(query["after"][0]), int(query["limit"][0])
+        count = min(limit, pages.pop(0) if pages else trickle["lines"])
+        rows = [_fake_line(seq) for seq in range(after + 1, after + 1 + count)]
+        route.fulfill(json={"data": rows, "next": rows[-1]["seq"] if rows else after})
+
+    page = ui.new_page()
+    page.route(re.compile(rf"/v1/jobs/{seeded['id']}/logs\?"), logs)
+    page.goto(f"/jobs/{seeded['id']}")
+    lines = page.locator("#log-lines li")
+    newest = "document.querySelector('#log-lines').lastElementChild?.dataset.seq ?? 0"
+    page.wait_for_function(f"Number({newest}) > {LOG_KEEP}")
+    expect(lines).to_have_count(LOG_KEEP)  # the oldest went
+    assert lines.first.get_attribute("data-seq") != "1" and _log_panel_at_end(page)
+    seq = int(page.evaluate(newest))
+    page.wait_for_function(f"Number({newest}) > {seq}")
+    assert _log_panel_at_end(page), "the panel did not follow the newest line"
+
+    kept = lines.nth(LOG_KEEP // 2).get_attribute("data-seq")
+    line = page.locator(f'#log-lines li[data-seq="{kept}"]')
+    line.evaluate(f"li => {{ const p = li.closest('#log-panel'); p.scrollTop += {_IN_PANEL}; }}")  # to the top
+    offset = line.evaluate(f"li => {_IN_PANEL}")
+    seq = int(page.evaluate(newest))
+    page.wait_for_function(f"Number({newest}) > {seq + 3}")  # two polls' lines came, and as many oldest went
+    expect(lines).to_have_count(LOG_KEEP)
+    still = line.evaluate(f"li => {_IN_PANEL}")
+    assert abs(still - offset) < 1 and not _log_panel_at_end(page), (offset, still)
+    expect(page.locator("#log-lines script, #log-lines b")).to_have_count(0)
+    expect(lines.filter(has_text=HTML_NAME).last.locator(".text")).to_have_text(
+        re.compile(f": {re.escape(HTML_NAME)}$")
+    )
+
+    panel = page.locator("#log-panel")
+    panel.evaluate("p => { p.scrollTop = p.scrollHeight; }")
+    seq = int(page.evaluate(newest))
+    page.wait_for_function(f"Number({newest}) > {seq}")
+    assert _log_panel_at_end(page), "scrolled back to its end, the panel did not follow the newest line"
+    trickle["lines"] = 0
+    ui.assert_no_console_errors()
 
 
 # --------------------------------------------------------------------------- the planner

@@ -80,6 +80,11 @@ def clock(moment: datetime | None) -> str:
     return "—" if moment is None else moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
+def time_of_day(moment: datetime) -> str:
+    """An instant's UTC time of day, to the second: a log line's, whose day the page's events give."""
+    return moment.astimezone(UTC).strftime("%H:%M:%S")
+
+
 FILTERS = {
     "human_bytes": human_bytes,
     "short_bytes": short_bytes,
@@ -88,4 +93,5 @@ FILTERS = {
     "significant": significant,
     "rate": rate,
     "clock": clock,
+    "time_of_day": time_of_day,
 }

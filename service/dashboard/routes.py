@@ -18,6 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse
 from fastapi.templating import Jinja2Templates
 from pydantic import ValidationError
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service import jobs
@@ -27,6 +28,8 @@ from service.dashboard import charts
 from service.dashboard.format import FILTERS, elapsed_s
 from service.errors import ServiceError, describe_validation_errors
 from service.fields import too_many_digits
+from service.log_lines import read_logs
+from service.models import Job, LogLine
 from service.planning import make_plan, plan_public
 from service.recommendations import cost_model_of, recommend_public
 from service.responses import JobPublic
@@ -40,6 +43,12 @@ TABLE_LIMIT = 100
 """Jobs the table shows, newest first, besides every active one (dashboard.js reads it from data-limit)."""
 MAX_POINTS = 200
 """Points a chart asks the metrics endpoint for (dashboard.js reads it from data-max-points)."""
+LOG_LINES = 1000
+"""Log lines the job page draws first (the newest), and asks for at a time after them (data-limit)."""
+LOG_KEEP = 5000
+"""Log lines the job page's panel keeps as more come, the newest (data-keep)."""
+RANK_COLOURS = 8
+"""Colours a log line's rank cycles through: .r-0 to .r-7 in dashboard.css (data-rank-colours)."""
 
 
 def asset_version() -> str:
@@ -110,10 +119,17 @@ def jobs_page(
 # --------------------------------------------------------------------------- one job
 
 
+def log_tail(session: Session, job: Job, *, limit: int) -> tuple[list[dict], int]:
+    """The job's newest `limit` log lines, oldest first, and the cursor after them: the page of
+    GET /v1/jobs/{id}/logs that follows the line just before them."""
+    before = select(LogLine.id).where(LogLine.job_id == job.id).order_by(LogLine.id.desc()).offset(limit).limit(1)
+    return read_logs(session, job, after=session.scalar(before) or 0, limit=limit)
+
+
 @router.get("/jobs/{job_id}", response_class=HTMLResponse)
 def job_page(request: Request, job_id: int, session: SessionDep, principal: ReaderDep):
-    """Progress, loss and step-time curves, the memory panel, the events and the spec of one job: its owner's
-    and admins' only; to others the not-found page, as GET /v1/jobs/{id}/events answers them."""
+    """Progress, loss and step-time curves, the newest log lines, the memory panel, the events and the spec of
+    one job: its owner's and admins' only; to others the not-found page, as GET /v1/jobs/{id}/events answers them."""
     try:
         job = jobs.get_visible_job(session, job_id, principal=principal)
     except ServiceError as error:
@@ -123,6 +139,7 @@ def job_page(request: Request, job_id: int, session: SessionDep, principal: Read
     evaluated, _ = jobs.job_metrics(
         session, job, after_step=None, limit=10 * MAX_POINTS, max_points=None, evaluated=True
     )
+    logs, log_next = log_tail(session, job, limit=LOG_LINES)
     plan = public.plan
     per_gpu, gpu_memory_bytes = plan["per_gpu"], plan["gpu_memory_bytes"]
     context = {
@@ -138,6 +155,11 @@ def job_page(request: Request, job_id: int, session: SessionDep, principal: Read
         "eval_rows": evaluated,
         "step_time": charts.line_chart([(m.step, m.step_time_s) for m in metrics]),
         "world_size": charts.line_chart(charts.steps_of([(m.step, m.world_size) for m in metrics])),
+        "logs": logs,
+        "log_next": log_next,
+        "log_lines": LOG_LINES,
+        "log_keep": LOG_KEEP,
+        "rank_colours": RANK_COLOURS,
         "per_gpu": per_gpu,
         "gpu_memory_bytes": gpu_memory_bytes,
         "against_memory": charts.stacked_shares(per_gpu, scale_bytes=max(gpu_memory_bytes, per_gpu["total_bytes"])),

@@ -76,11 +76,19 @@
     return (end - Date.parse(job.started_at)) / 1000;
   }
 
+  // format.clock and format.time_of_day, of the API's ISO 8601 instants
+  const clock = (iso) => new Date(iso).toISOString().replace("T", " ").replace(/\.\d+Z$/, " UTC");
+  const timeOfDay = (iso) => new Date(iso).toISOString().slice(11, 19);
+
   const doneSteps = (job) => (job.step == null ? 0 : job.step + 1);
   const queueText = (job) => (job.queue_position ? `#${job.queue_position}` : "—");
 
   function setText(el, text) {
     if (el && el.textContent !== String(text)) el.textContent = text;
+  }
+
+  function textSpan(className, text) {  // text set as textContent: never parsed as HTML
+    return Object.assign(document.createElement("span"), { className, textContent: text });
   }
 
   function setBadge(el, status) {
@@ -458,16 +466,15 @@
     }
 
     function renderEvents(events) {
-      const span = (className, text) => Object.assign(document.createElement("span"), { className, textContent: text });
-      const badge = (status) => span(`badge s-${status}`, status);
+      const badge = (status) => textSpan(`badge s-${status}`, status);
       $("#events").replaceChildren(...events.map((event) => {
         const time = Object.assign(document.createElement("time"), { dateTime: event.at });
-        time.textContent = new Date(event.at).toISOString().replace("T", " ").replace(/\.\d+Z$/, " UTC");
-        const transition = span("transition", "");
+        time.textContent = clock(event.at);
+        const transition = textSpan("transition", "");
         if (event.from_status) transition.append(badge(event.from_status), " → ");
         transition.append(badge(event.to_status));
         const li = document.createElement("li");
-        li.append(time, " ", transition, " ", span("reason", event.reason));
+        li.append(time, " ", transition, " ", textSpan("reason", event.reason));
         return li;
       }));
     }
@@ -494,6 +501,72 @@
     }
 
     const refreshNow = poll(refresh);
+    jobLogs(head);
+  }
+
+  // ------------------------------------------------------------------ one job's logs
+
+  function logLine(row, colours) {  // macros.log_line
+    const li = document.createElement("li");
+    Object.assign(li.dataset, { seq: row.seq, rank: row.rank ?? "", stream: row.stream });
+    const who = row.rank == null ? "zero1" : `rank ${row.rank} · attempt ${row.attempt}`;
+    li.title = `${who} · ${row.stream} · ${clock(row.time)}`;
+    const rank = textSpan(row.rank == null ? "rank" : `rank r-${row.rank % colours}`, "");
+    if (row.rank != null) rank.append(textSpan("visually-hidden", "rank "), String(row.rank));
+    li.append(rank, Object.assign(document.createElement("time"), { textContent: timeOfDay(row.time) }));
+    if (row.stream === "stderr") li.append(textSpan("visually-hidden", "stderr: "));
+    li.append(textSpan("text", row.line));  // the job's own output: text, never HTML
+    return li;
+  }
+
+  // The newest lines come with the page (routes.log_tail); then each second the lines stored after
+  // them, a page at a time, until the job has ended and a fetch finds none. The panel keeps the
+  // newest `keep`: it follows the newest while scrolled to its end and holds still while it is not,
+  // even as the oldest go.
+  function jobLogs(head) {
+    const panel = $("#log-panel"), list = $("#log-lines"), select = $("#log-rank"), empty = $("#logs-empty");
+    const limit = Number(panel.dataset.limit) || 1000, keep = Number(panel.dataset.keep) || 5000;
+    const colours = Number(panel.dataset.rankColours) || 8;
+    let after = Number(panel.dataset.next) || 0;
+
+    const atEnd = () => panel.scrollHeight - panel.scrollTop - panel.clientHeight < 4;
+    const shown = (li) => !select.value || li.dataset.rank === select.value || li.dataset.stream === "marker";
+
+    function append(rows) {
+      const follow = atEnd();
+      const lines = rows.map((row) => logLine(row, colours));
+      for (const li of lines) li.hidden = !shown(li);
+      list.append(...lines);
+      const excess = list.childElementCount - keep;
+      if (excess > 0) {
+        const height = panel.scrollHeight;
+        for (let i = 0; i < excess; i += 1) list.firstElementChild.remove();
+        if (!follow) panel.scrollTop -= height - panel.scrollHeight;  // the lines in view stay where they were
+      }
+      if (follow) panel.scrollTop = panel.scrollHeight;
+      empty.hidden = true;
+    }
+
+    async function refresh() {
+      // read first: a job's last lines are stored with its end, so a fetch after it finds them all
+      const ended = TERMINAL.has(head.dataset.status);
+      let page, fresh = 0;
+      do {
+        page = await api(`/v1/jobs/${head.dataset.id}/logs?after=${after}&limit=${limit}`);
+        if (page.data.length) append(page.data);
+        fresh += page.data.length;
+        after = page.next;
+      } while (page.data.length === limit);  // a full page: more are stored
+      return !(ended && fresh === 0);
+    }
+
+    function filter() {
+      for (const li of list.children) li.hidden = !shown(li);
+      panel.scrollTop = panel.scrollHeight;
+    }
+    select.addEventListener("change", filter);
+    filter();  // a browser may have kept the choice across a reload
+    poll(refresh);
   }
 
   // ------------------------------------------------------------------ the planner
