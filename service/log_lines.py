@@ -34,23 +34,27 @@ def log_acks(job: Job) -> dict[int, int]:
 def store_logs(session: Session, job: Job, lines: list[OutputLine], *, dropped: tuple[int, int], max_bytes: int) -> int:
     """Store the lines of the job's current attempt not stored yet, each rank's in its order and
     the ranks' interleaved by time; `dropped` is what its supervisor has dropped since the attempt
-    began (lines, bytes). Then keep the job within max_bytes. The number of lines stored."""
+    began (lines, bytes); a rank's marker line adds the lines it stands for to the job's one marker.
+    Then keep the job within max_bytes. The number of lines stored."""
     state = _state(job)
     acks = state["acks"]
     by_rank: dict[int, list[OutputLine]] = defaultdict(list)
     for line in sorted(lines, key=lambda line: (line.rank, line.n)):
         if line.n > acks.get(str(line.rank), -1):
             by_rank[line.rank].append(line)
-    fresh = list(heapq.merge(*by_rank.values(), key=lambda line: line.time))  # each rank's order kept
+    merged = list(heapq.merge(*by_rank.values(), key=lambda line: line.time))  # each rank's order kept
+    fresh = [line for line in merged if line.stream != "marker"]
     held_lines, held_bytes = state["held_dropped"]
     new_lines, new_bytes = dropped[0] - held_lines, dropped[1] - held_bytes
+    for marker in (line for line in merged if line.stream == "marker"):  # a rank's: counted by the job's marker
+        new_lines, new_bytes = new_lines + marker.dropped[0], new_bytes + marker.dropped[1]
+    state["held_dropped"] = list(dropped)
     if new_lines > 0:  # before this batch: its lines were written after the ones dropped
-        state["held_dropped"] = list(dropped)
         _mark(session, job, state, lines=new_lines, size=new_bytes, max_bytes=max_bytes, at=None)
+    for line in merged:
+        acks[str(line.rank)] = line.n
     if fresh:
         session.execute(insert(LogLine), [_row(job, line) for line in fresh])
-        for line in fresh:
-            acks[str(line.rank)] = line.n
         state["bytes"] += sum(line.size for line in fresh)
     if state["bytes"] > max_bytes:
         _trim(session, job, state, max_bytes=max_bytes)

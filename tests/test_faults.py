@@ -262,6 +262,19 @@ def assert_every_step_once(database_url: str, job_id: int, *, steps: int) -> lis
     return rows
 
 
+def logged_steps(svc: Service, job_id: int) -> list[int]:
+    """The steps of rank 0's step lines in the job's logs, in order, every page."""
+    steps, after = [], 0
+    while page := svc.get(f"/v1/jobs/{job_id}/logs", rank=0, after=after, limit=10_000):
+        if not page["data"]:
+            return steps
+        steps += [
+            int(x["line"].split("step ")[1].split("/")[0]) for x in page["data"] if "zero1.train: step " in x["line"]
+        ]
+        after = page["next"]
+    raise AssertionError("GET /logs answered nothing")
+
+
 def test_a_service_on_an_external_ray_reattaches_after_sigterm_and_sigkill(ray_cluster, tmp_path):
     """Jobs keep training while the control plane is down; on restart it re-attaches to their
     supervisors, the rows made meanwhile arrive, nothing is stored twice, queued jobs survive."""
@@ -295,6 +308,13 @@ def test_a_service_on_an_external_ray_reattaches_after_sigterm_and_sigkill(ray_c
             assert after["status"] == "running" and after["attempt"] == 0 and after["step"] >= stored
         assert "scheduler stopped; drained" in svc.log()
         assert svc.log().count("re-attached to attempt 0") == 2
+        # rank 0 logs a line per step: those written through both restarts all arrive, each once
+        logged = wait_for(
+            lambda: {"steps": logged_steps(svc, running)},
+            lambda got: len(got["steps"]) > after["step"],
+            what="the log lines of the steps made across the restarts",
+        )["steps"]
+        assert logged == list(range(len(logged))), logged  # none lost, none twice, in order
 
         assert httpx.post(f"{svc.base}/v1/jobs/{running}/cancel", timeout=30).status_code == 202
         done = wait_for(

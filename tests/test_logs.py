@@ -1,12 +1,13 @@
 """Job logs, piece by piece: a rank's output captured line by line and shipped in order within its
 bound (workers.capture), the supervisor's side (HeldLines), and the database's (service.log_lines:
-each line stored once, the bound kept with its marker), on SQLite and PostgreSQL. The whole path
-through Ray and the API is in test_python_jobs (lines of every rank, follow, a rank's traceback),
-test_faults (no line lost across service restarts) and test_api_jobs (the bound on a real job)."""
+each line stored once, the bound kept with its marker), on SQLite and PostgreSQL; and the bound on
+a real job. The whole path through Ray and the API is also in test_python_jobs (lines of every
+rank, follow, a rank's traceback) and test_faults (no line lost across service restarts)."""
 
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import threading
 import time
@@ -17,6 +18,9 @@ from service.log_lines import log_acks, read_logs, store_logs
 from service.models import Job, LogLine
 from workers.capture import MAX_LINE_CHARS, HeldLines, OutputCapture
 from workers.records import OutputLine
+
+from conftest import make_settings, serve
+from helpers import TERMINAL, job_body, wait_job
 
 
 class Receiver:
@@ -186,3 +190,24 @@ def test_past_the_bound_the_oldest_lines_go_and_one_marker_stands_in_their_place
     assert [m.line.split(" earlier")[0] for m in markers] == ["[zero1] 38"]  # 30 + 7 + the 1 trimmed for the new line
     assert data[-1]["line"] == "after a drop" and [row["stream"] for row in data[:2]] == ["marker", "stdout"]
     assert data[1]["line"] == "line 00031"
+
+
+def test_a_job_that_logs_more_than_its_bound_keeps_its_newest_lines_and_the_marker(ray_cluster, tmp_path):
+    """Rank 0 of the built-in trainer logs a line per step: 60 of them are about 4 KB, twice the bound."""
+    steps, bound = 60, 2048
+    with serve(make_settings(tmp_path, log_max_bytes=bound)) as client:
+        job = client.post("/v1/jobs", json=job_body(num_gpus=1, steps=steps)).json()
+        done = wait_job(client, job["id"], lambda j: j["status"] in TERMINAL)
+        assert done["status"] == "succeeded", done
+        data = client.get(f"/v1/jobs/{job['id']}/logs", params={"limit": 10_000}).json()["data"]
+    marker, *kept = data
+    counts = re.fullmatch(r"\[zero1\] ([\d,]+) earlier lines \(([\d,]+) bytes\) were dropped: .*", marker["line"])
+    assert marker["stream"] == "marker" and counts and f"the newest {bound:,} bytes" in marker["line"], marker
+    dropped, size = (int(count.replace(",", "")) for count in counts.groups())
+    steps_kept = [int(x["line"].split("step ")[1].split("/")[0]) for x in kept if "zero1.train: step " in x["line"]]
+    assert steps_kept == list(range(steps - len(steps_kept), steps)) and len(steps_kept) < steps  # the newest, in order
+    assert sum(len(x["line"].encode()) for x in kept) <= bound < sum(len(x["line"].encode()) for x in kept) + size
+    # lines dropped before they were stored (more than the bound waited in the rank, or in the supervisor)
+    # are counted by the same one marker
+    assert all(x["stream"] != "marker" for x in kept)
+    assert dropped >= steps - len(steps_kept), data  # the older step lines, and rank 0's first line

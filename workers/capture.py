@@ -152,7 +152,10 @@ class OutputCapture:
                     f"[zero1] {lines:,} lines ({size:,} bytes) of rank {self.rank} were dropped: written faster than "
                     f"they could be shipped (ZERO1_LOG_MAX_BYTES {self.max_bytes:,})"
                 )
-                batch.insert(0, OutputLine(rank=self.rank, n=last_n, time=time.time(), stream="marker", line=text))
+                marker = OutputLine(
+                    rank=self.rank, n=last_n, time=time.time(), stream="marker", line=text, dropped=(lines, size)
+                )
+                batch.insert(0, marker)
             if not batch:
                 return False
             self.guard(True)
@@ -188,7 +191,8 @@ class HeldLines:
         while self._bytes > self.max_bytes and len(self._lines) > 1:
             oldest = self._lines.popleft()
             self._bytes -= oldest.size
-            self.dropped = (self.dropped[0] + 1, self.dropped[1] + oldest.size)
+            lines, size = oldest.dropped if oldest.stream == "marker" else (1, oldest.size)
+            self.dropped = (self.dropped[0] + lines, self.dropped[1] + size)
 
     def after(self, acks: dict[int, int]) -> list[OutputLine]:
         """Forget each rank's lines through its ack (the n stored last; -1 or absent: none), and

@@ -141,6 +141,9 @@ class OutputLine:
     """One of STREAMS."""
     line: str
     """The text, without its newline; at most workers.capture.MAX_LINE_CHARS characters."""
+    dropped: tuple[int, int] = (0, 0)
+    """A marker's: the lines and bytes it stands for, dropped on the way (never stored as a line:
+    the job's one marker counts them)."""
 
     @property
     def size(self) -> int:
