@@ -14,7 +14,7 @@ from sqlalchemy.exc import IntegrityError, StatementError
 from service.db import Database, alembic_config, downgrade, make_engine, upgrade
 from service.models import Base, CodeBundle, Job, JobEvent, Metric
 
-TABLES = {"jobs", "job_events", "metrics", "code_bundles", "alembic_version"}
+TABLES = {"jobs", "job_events", "metrics", "logs", "code_bundles", "alembic_version"}
 GIB = 2**30
 
 
