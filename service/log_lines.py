@@ -58,7 +58,8 @@ def store_logs(session: Session, job: Job, lines: list[OutputLine], *, dropped: 
         state["bytes"] += sum(line.size for line in fresh)
     if state["bytes"] > max_bytes:
         _trim(session, job, state, max_bytes=max_bytes)
-    job.log_state = state  # a new dict: the JSON column is written
+    if state != job.log_state:  # a new dict: the JSON column is written (only when it changed)
+        job.log_state = state
     return len(fresh)
 
 

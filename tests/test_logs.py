@@ -6,6 +6,7 @@ rank, follow, a rank's traceback) and test_faults (no line lost across service r
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import sys
@@ -211,3 +212,43 @@ def test_a_job_that_logs_more_than_its_bound_keeps_its_newest_lines_and_the_mark
     # are counted by the same one marker
     assert all(x["stream"] != "marker" for x in kept)
     assert dropped >= steps - len(steps_kept), data  # the older step lines, and rank 0's first line
+
+
+class Reader:
+    """The request, as the follow stream sees it: connected until `gone` is set."""
+
+    def __init__(self) -> None:
+        self.gone = False
+
+    async def is_disconnected(self) -> bool:
+        return self.gone
+
+
+def test_follow_ends_when_its_client_goes_and_after_the_last_line_of_a_job_that_ended(database):
+    from service.api.routes.jobs import _follow
+
+    with database.session() as session:
+        job = _job(session)  # running
+        store_logs(session, job, [_line(0, 0, "hello"), _line(1, 0, "world")], dropped=(0, 0), max_bytes=1 << 20)
+    selection = {"rank": None, "attempt": None, "limit": 100}
+
+    async def until_the_client_goes() -> tuple[str, list[str]]:
+        reader = Reader()
+        stream = _follow(reader, database, job.id, after=0, **selection)
+        first = await anext(stream)
+        reader.gone = True
+        return first, [message async for message in stream]
+
+    first, rest = asyncio.run(until_the_client_goes())
+    assert first.startswith("id: ") and '"line":"hello"' in first
+    assert [m for m in rest if m.startswith("event: end")] == [] and len(rest) <= 1  # "world" at most, no end
+
+    with database.session() as session:
+        session.get(Job, job.id).status = "succeeded"
+
+    async def all_of_it() -> list[str]:
+        return [message async for message in _follow(Reader(), database, job.id, after=0, **selection)]
+
+    messages = asyncio.run(all_of_it())
+    assert ['"line":"hello"' in messages[0], '"line":"world"' in messages[1]] == [True, True]
+    assert messages[2:] == ['event: end\ndata: {"status": "succeeded"}\n\n']
