@@ -647,12 +647,24 @@ def test_logs_follow_of_an_unknown_job_a_broken_stream_and_ctrl_c(monkeypatch, c
     assert main(["logs", "9", "-f"]) == 1
     assert capsys.readouterr().err == "zero1: 404 job 9 not found\n"
 
-    fake_api(monkeypatch, lambda request: httpx.Response(200, content=iter([_sse(LOG_ROWS[1]).encode()])))
+    monkeypatch.setattr("service.cli.logs.RECONNECT_DELAYS_S", (0, 0))
+    rows = [LOG_ROWS[1], LOG_ROWS[2]]
+
+    def breaks_after_each_line(request: httpx.Request) -> httpx.Response:  # a line, then the stream is gone
+        after = int(request.url.params.get("after", 0))
+        return httpx.Response(200, content=iter([_sse(row).encode() for row in rows if row["seq"] > after][:1]))
+
+    requests = fake_api(monkeypatch, breaks_after_each_line)
     assert main(["logs", "9", "-f"]) == 1
-    assert capsys.readouterr() == (
-        "[rank 0] step 0 [x]\n",
-        "zero1 logs: the stream of job 9 ended before the job did\n",
-    )
+    out, err = capsys.readouterr()
+    assert out == "[rank 0] step 0 [x]\n[rank 1] warning\n"  # each line once: the new stream starts after it
+    assert [request.url.params.get("after") for request in requests] == [None, "2", "3", "3"]
+    assert err.splitlines() == [
+        "zero1 logs: the stream broke off (it ended); again in 0 s, after line 2",
+        "zero1 logs: the stream broke off (it ended); again in 0 s, after line 3",
+        "zero1 logs: the stream broke off (it ended); again in 0 s, after line 3",
+        "zero1 logs: the stream of job 9 broke off before the job ended (it ended)",
+    ]
 
     def interrupted():
         yield _sse(LOG_ROWS[1]).encode()

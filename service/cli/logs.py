@@ -11,6 +11,7 @@ import argparse
 import json
 import re
 import sys
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -103,24 +104,44 @@ def print_pages(client, job_id: int, *, query: dict, show: Callable[[dict], None
         after = page["next"]
 
 
+RECONNECT_DELAYS_S = (1, 2, 4, 8, 15, 30)
+"""The waits before each new try when a stream breaks off before its end (a service restarting)."""
+
+
 def follow(client, job_id: int, *, query: dict, show: Callable[[dict], None]) -> int:
     """Every line, then each new one as the job writes it, until the server's `end` event: 0 if the
-    job succeeded, 1 if it failed or was cancelled (or the stream broke off before its end)."""
+    job succeeded, 1 if it failed or was cancelled. A stream that breaks off before its end (the
+    service restarting) is opened again after the last line shown, RECONNECT_DELAYS_S apart; 1
+    when none of them comes back."""
     import httpx
 
     # read=None: a quiet job sends nothing but keep-alives for as long as it runs
     timeout = httpx.Timeout(10, read=None)
-    params = {**query, "follow": "true"}
-    with client.stream("GET", f"/v1/jobs/{job_id}/logs", params=params, timeout=timeout) as response:
-        if (code := jobs._api_error(response)) is not None:
-            return code
-        for message in sse_messages(response.iter_text()):
-            if message.event == "end":
-                return 0 if json.loads(message.data)["status"] == "succeeded" else 1
-            if message.event == "message":
-                show(json.loads(message.data))
-    print(f"zero1 logs: the stream of job {job_id} ended before the job did", file=sys.stderr)
-    return 1
+    after, delays, why = 0, iter(RECONNECT_DELAYS_S), "it ended"
+    while True:
+        params = {**query, "follow": "true", **({"after": after} if after else {})}
+        try:
+            with client.stream("GET", f"/v1/jobs/{job_id}/logs", params=params, timeout=timeout) as response:
+                if (code := jobs._api_error(response)) is not None:
+                    return code
+                for message in sse_messages(response.iter_text()):
+                    if message.event == "end":
+                        return 0 if json.loads(message.data)["status"] == "succeeded" else 1
+                    if message.event == "message":
+                        row = json.loads(message.data)
+                        show(row)
+                        after, delays = row["seq"], iter(RECONNECT_DELAYS_S)  # it came back: the waits start again
+            why = "it ended"
+        except httpx.TransportError as exc:
+            if after == 0 and why == "it ended":  # never connected: main() says where it looked
+                raise
+            why = f"{type(exc).__name__}: {exc}"
+        delay = next(delays, None)
+        if delay is None:
+            print(f"zero1 logs: the stream of job {job_id} broke off before the job ended ({why})", file=sys.stderr)
+            return 1
+        print(f"zero1 logs: the stream broke off ({why}); again in {delay} s, after line {after}", file=sys.stderr)
+        time.sleep(delay)
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
