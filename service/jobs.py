@@ -65,6 +65,13 @@ def transition(session: Session, job: Job, to_status: str, reason: str) -> bool:
     return True
 
 
+def running_reason(job: Job, *, nodes: int) -> str:
+    """The reason of a start's (or a relaunch's) transition to running."""
+    if job.status == "restarting":
+        return f"attempt {job.attempt}: {job.world_size or job.num_gpus} ranks placed on {nodes} node(s), resumed"
+    return f"{job.world_size or job.num_gpus} ranks placed on {nodes} node(s) and training"
+
+
 def request_hash(spec: JobSpec) -> str:
     canonical = json.dumps(spec.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()

@@ -116,7 +116,7 @@ class RayLauncher:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from workers.actors import probe_writable
+        from workers.probes import probe_writable
 
         if time.monotonic() - self._storage_checked_at < _STORAGE_TTL_S:
             return self._storage_problems

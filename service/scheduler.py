@@ -26,7 +26,7 @@ from sqlalchemy.orm import Session
 
 from service import elastic
 from service.db import Database
-from service.jobs import ACTIVE, gpus_in_use, job_world_sizes, transition
+from service.jobs import ACTIVE, gpus_in_use, job_world_sizes, running_reason, transition
 from service.launcher import RayLauncher
 from service.log_lines import log_acks, store_logs
 from service.metric_rows import store_metrics, supersede_after
@@ -244,7 +244,7 @@ class Scheduler:
             stored_through = job.step  # a checkpoint interval's rows stored: once an interval
         status = state["status"]
         if job.status in ("starting", "restarting") and status in ("running", "succeeded", "stopped"):
-            transition(session, job, "running", _running_reason(job, nodes=len(set(state["nodes"]))))
+            transition(session, job, "running", running_reason(job, nodes=len(set(state["nodes"]))))
         if status == "stopped":  # at a checkpoint, as asked: relaunched at the N free now, no retry spent
             return self._record_relaunch(session, job, cause="GPUs free and no job queued", grown=True)
         if status == "succeeded":
@@ -400,9 +400,3 @@ def _start_timeout(job: Job, timeout_s: float) -> RankError:
         "not all placed and running"
     )
     return RankError(exception="StartTimeout", message=message)
-
-
-def _running_reason(job: Job, *, nodes: int) -> str:
-    if job.status == "restarting":
-        return f"attempt {job.attempt}: {job.world_size or job.num_gpus} ranks placed on {nodes} node(s), resumed"
-    return f"{job.world_size or job.num_gpus} ranks placed on {nodes} node(s) and training"

@@ -383,26 +383,3 @@ def _delivered(ref: Any, timeout_s: float | None) -> bool:
 
 def _resources(resources: dict[str, float]) -> str:
     return ", ".join(f"{k}={resources.get(k, 0):g}" for k in ("GPU", "CPU"))
-
-
-@ray.remote(num_gpus=0.01, num_cpus=0)
-def probe_gpu_memory_bytes() -> int | None:
-    """Total memory of the GPU this task lands on; None where the GPUs are logical (no CUDA)."""
-    import torch
-
-    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
-
-
-@ray.remote(num_cpus=0)
-def probe_writable(path: str) -> str | None:
-    """None when this node can create, write and delete a file under path; else why not."""
-    import os
-    import tempfile
-
-    try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".zero1-probe-"):
-            pass
-    except OSError as exc:
-        return f"{type(exc).__name__}: {exc.strerror or exc}"
-    return None
