@@ -25,10 +25,7 @@ _TRIM_CHUNK = 1000
 
 def log_acks(job: Job) -> dict[int, int]:
     """Rank -> the n of its last line of the job's current attempt that is stored."""
-    state = job.log_state or {}
-    if state.get("attempt") != job.attempt:
-        return {}
-    return {int(rank): n for rank, n in state.get("acks", {}).items()}
+    return {int(rank): n for rank, n in _state(job)["acks"].items()}
 
 
 def store_logs(session: Session, job: Job, lines: list[OutputLine], *, dropped: tuple[int, int], max_bytes: int) -> int:

@@ -384,14 +384,12 @@ def _still_active(session: Session, job: Job) -> Job | None:
 
 
 def _acks(job: Job) -> tuple[int, int, int, dict[int, int]]:
-    """What a poll of the job's supervisor says is stored: (job, attempt, its last stored step, its
-    ranks' last stored log lines)."""
+    """What a poll says is stored: (job, attempt, its last stored step, its ranks' last log lines)."""
     return job.id, job.attempt, _after(job), log_acks(job)
 
 
 def _after(job: Job) -> int:
-    """The step through which the job's rows are stored (-1: none)."""
-    return -1 if job.step is None else job.step
+    return -1 if job.step is None else job.step  # the step through which its rows are stored
 
 
 def _start_timeout(job: Job, timeout_s: float) -> RankError:
