@@ -293,17 +293,23 @@ def test_a_placement_group_no_attempt_owns_is_removed_and_one_an_active_attempt_
     orphan = placement_group([{"GPU": 1, "CPU": 0.5}], name=placement_group_name("sweep-ns", 7, 0))
     active = placement_group([{"GPU": 1, "CPU": 0.5}], name=placement_group_name("sweep-ns", 8, 2))
     other = placement_group([{"GPU": 1, "CPU": 0.5}], name=placement_group_name("other-ns", 7, 0))
-    ray.get([orphan.ready(), active.ready(), other.ready()], timeout=30)
-    assert _gpus_free() == 1
     try:
+        ray.get([orphan.ready(), active.ready(), other.ready()], timeout=30)
+        # Ray's resource view trails a group's ready(): wait for it to show the three GPUs held.
+        wait_until(_gpus_free, lambda free: free == 1, what="the three groups' GPUs held")
         assert remove_placement_groups("sweep-ns", keep=lambda job_id, attempt: (job_id, attempt) == (8, 2)) == 1
         assert _groups_named("sweep-ns/zero1-job-7-a0") == ["REMOVED"]
         assert _groups_named("sweep-ns/zero1-job-8-a2") == ["CREATED"]
         assert _groups_named("other-ns/zero1-job-7-a0") == ["CREATED"]
         wait_until(_gpus_free, lambda free: free == 2, what="the orphan's GPU back")
     finally:
-        remove_placement_group(active)
-        remove_placement_group(other)
+        for group, name in (
+            (orphan, "sweep-ns/zero1-job-7-a0"),
+            (active, "sweep-ns/zero1-job-8-a2"),
+            (other, "other-ns/zero1-job-7-a0"),
+        ):
+            if _groups_named(name) != ["REMOVED"]:
+                remove_placement_group(group)
     wait_until(_gpus_free, lambda free: free == 4, what="all 4 GPUs back")
 
 
