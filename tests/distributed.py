@@ -1,4 +1,9 @@
-"""Run a function on N ranks in N processes (torch.multiprocessing, spawn; gloo by default)."""
+"""Run a function on N ranks in N processes (torch.multiprocessing, forkserver; gloo by default).
+
+forkserver rather than spawn: the server imports torch and the optimizer's modules once, and each
+rank is a fork of it. A spawned rank imported torch again (about 2 s of CPU on these machines, more
+than most of the tests' ranks compute), and the suite starts some 150 of them. Forking pytest
+itself (fork) is not safe: it runs Ray's threads."""
 
 from __future__ import annotations
 
@@ -10,6 +15,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+PRELOAD = ["pytest", "torch", "torch.testing", "torch.distributed", "workers.optim", "workers.optim_state", "workers.models"]
+"""What the fork server imports before it forks a rank (what the ranks' functions import)."""
 
 
 def _entry(rank: int, world_size: int, backend: str, tmp: str, fn: Callable, args: tuple) -> None:
@@ -44,7 +52,10 @@ def run_ranks(world_size: int, fn: Callable, *args, backend: str = "gloo") -> No
     and an abort before every rank's function returned, is re-raised."""
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            mp.spawn(_entry, args=(world_size, backend, tmp, fn, args), nprocs=world_size, join=True)
+            mp.set_forkserver_preload(PRELOAD)
+            mp.start_processes(
+                _entry, args=(world_size, backend, tmp, fn, args), nprocs=world_size, start_method="forkserver"
+            )
         except mp.ProcessExitedException as exited:
             passed = all(Path(tmp, f"passed-{rank}").exists() for rank in range(world_size))
             if not (passed and exited.exit_code == -signal.SIGABRT):
