@@ -16,7 +16,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-PRELOAD = ["pytest", "torch", "torch.testing", "torch.distributed", "workers.optim", "workers.optim_state", "workers.models"]
+PRELOAD = [
+    "pytest",
+    "torch",
+    "torch.testing",
+    "torch.distributed",
+    "workers.optim",
+    "workers.optim_state",
+    "workers.models",
+]
 """What the fork server imports before it forks a rank (what the ranks' functions import)."""
 
 
