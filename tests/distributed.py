@@ -2,7 +2,7 @@
 
 forkserver rather than spawn: the server imports torch and the optimizer's modules once, and each
 rank is a fork of it. A spawned rank imported torch again (about 2 s of CPU on these machines, more
-than most of the tests' ranks compute), and the suite starts some 150 of them. Forking pytest
+than most of the tests' ranks compute), and the suite starts dozens of them. Forking pytest
 itself (fork) is not safe: it runs Ray's threads."""
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ PRELOAD = [
     "workers.models",
 ]
 """What the fork server imports before it forks a rank (what the ranks' functions import)."""
+mp.set_forkserver_preload(PRELOAD)  # read when the server starts: at the first run_ranks
 
 
 def _entry(rank: int, world_size: int, backend: str, tmp: str, fn: Callable, args: tuple) -> None:
@@ -60,7 +61,6 @@ def run_ranks(world_size: int, fn: Callable, *args, backend: str = "gloo") -> No
     and an abort before every rank's function returned, is re-raised."""
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            mp.set_forkserver_preload(PRELOAD)
             mp.start_processes(
                 _entry, args=(world_size, backend, tmp, fn, args), nprocs=world_size, start_method="forkserver"
             )
