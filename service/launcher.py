@@ -63,7 +63,9 @@ def remove_placement_groups(namespace: str, *, keep: Callable[[int, int], bool] 
     service) exits, and meanwhile its GPUs would stay reserved."""
     import ray
     from ray._raylet import PlacementGroupID
-    from ray.util.placement_group import PlacementGroup, remove_placement_group
+    from ray.util.placement_group import PlacementGroup
+
+    from workers.groups import remove_group
 
     removed = 0
     for group_id, entry in ray.util.placement_group_table().items():
@@ -72,7 +74,7 @@ def remove_placement_groups(namespace: str, *, keep: Callable[[int, int], bool] 
             continue
         if keep(int(match[2]), int(match[3])):
             continue
-        remove_placement_group(PlacementGroup(PlacementGroupID.from_hex(group_id)))
+        remove_group(PlacementGroup(PlacementGroupID.from_hex(group_id)), state=entry.get("state"))
         log.warning("removed placement group %s: its attempt is not running", entry["name"])
         removed += 1
     return removed

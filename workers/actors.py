@@ -19,11 +19,12 @@ from datetime import timedelta
 from typing import Any, Literal
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from workers.capture import HeldLines, OutputCapture
 from workers.config import TrainConfig
+from workers.groups import remove_group
 from workers.records import MetricRow, OutputLine, RankError, TrainResult
 
 Strategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
@@ -372,7 +373,7 @@ class JobSupervisor:
         for worker in workers:
             ray.kill(worker, no_restart=True)
         if pg is not None:
-            remove_placement_group(pg)
+            remove_group(pg)
 
 
 def _delivered(ref: Any, timeout_s: float | None) -> bool:
