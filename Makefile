@@ -19,11 +19,13 @@ install: $(VENV)/.installed
 # machines) Python never writes the .pyc it compiles at import, so every process (each Ray rank,
 # each `zero1` command) would compile torch again: 2.1 s of CPU for `import torch` without the
 # .pyc files, 1.0 s with them. A file written for a newer Python (torch ships one for 3.12) does
-# not compile and is skipped: `|| true`.
-$(VENV)/.installed: pyproject.toml Makefile
+# not compile and is skipped: `|| true`. The runtime dependencies install at the versions the
+# image pins (docker/constraints.txt), so the venv the tests run in is the image's, whatever
+# PyPI released since.
+$(VENV)/.installed: pyproject.toml Makefile docker/constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --no-compile $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install --quiet --no-compile -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --no-compile --constraint docker/constraints.txt -e '.[dev]'
 	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
 	touch $@
 
