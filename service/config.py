@@ -85,6 +85,9 @@ class Settings(BaseSettings):
     422 data_timeout; a dataset already in the cache is only hashed."""
     scheduler_interval_s: float = Field(0.2, gt=0, le=60)
     """How often the scheduler admits queued jobs and collects metrics."""
+    placement_sweep_interval_s: float = Field(10.0, gt=0, le=3600)
+    """How often the scheduler looks for placement groups of this deployment that no active
+    attempt owns (a supervisor killed while it placed its ranks leaves one) and frees them."""
     elastic_grow_interval_s: float = Field(300.0, ge=0, le=86_400)
     """How often at most an elastic job grows (from its start or last resize): it grows at its
     next checkpoint when GPUs are free and no job is queued."""

@@ -33,6 +33,7 @@ class Runtime:
             interval_s=settings.scheduler_interval_s,
             start_timeout_s=settings.start_timeout_s,
             grow_interval_s=settings.elastic_grow_interval_s,
+            sweep_interval_s=settings.placement_sweep_interval_s,
             telemetry=telemetry,
         )
 

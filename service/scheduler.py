@@ -37,8 +37,6 @@ from workers.records import RankError
 log = logging.getLogger(__name__)
 
 _ALL_STEPS = 2**62
-_SWEEP_EVERY_S = 10.0
-"""How often a tick looks for placement groups no active attempt owns (launcher.sweep)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,11 +61,13 @@ class Scheduler:
         interval_s: float,
         start_timeout_s: float = 300.0,
         grow_interval_s: float = 300.0,
+        sweep_interval_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
         telemetry: Telemetry | None = None,
     ) -> None:
         self.db, self.launcher, self.total_gpus, self.interval_s = db, launcher, total_gpus, interval_s
         self.start_timeout_s, self.grow_interval_s, self.clock = start_timeout_s, grow_interval_s, clock
+        self.sweep_interval_s = sweep_interval_s  # how often a tick frees groups no active attempt owns
         self.log_max_bytes = launcher.settings.log_max_bytes
         self.telemetry = telemetry or Telemetry()  # a registry of its own where no app's is given (tests)
         self._resized_at: dict[int, float] = {}  # elastic job -> clock() of its last start or resize
@@ -110,7 +110,7 @@ class Scheduler:
         """Settle every active job, each alone, then admit from the queue."""
         started = time.perf_counter()
         jobs = self._active()
-        if self.clock() - self._swept_at >= _SWEEP_EVERY_S:  # before this tick launches anything
+        if self.clock() - self._swept_at >= self.sweep_interval_s:  # before this tick launches anything
             self._sweep({(job.id, job.attempt) for job in jobs})
         states = self.launcher.poll_many([_acks(job) for job in jobs])
         attempts = set(states)

@@ -26,7 +26,7 @@ from service.scheduler import Scheduler
 from service.schemas import JobSpec
 from workers.memory import GB
 
-from conftest import end_supervisors, make_settings
+from conftest import end_supervisors, make_settings, serve
 from figures import record
 from helpers import job_body, wait_for
 
@@ -142,7 +142,7 @@ def test_a_cancel_during_dispatch_ends_cancelled_with_no_supervisor_and_no_gpu_h
     record("cancel during dispatch", faults=1, jobs_accepted=2, jobs_stored=2)
 
 
-def test_the_scheduler_frees_a_placement_group_its_killed_supervisor_left(app):
+def test_the_scheduler_frees_a_placement_group_its_killed_supervisor_left(ray_cluster, tmp_path):
     """A supervisor killed between asking Ray for its group and recording it leaves a group that
     Ray frees only when the service exits. The scheduler's sweep finds it by its name (an attempt
     of this deployment that is not active) and frees its GPUs."""
@@ -150,13 +150,16 @@ def test_the_scheduler_frees_a_placement_group_its_killed_supervisor_left(app):
 
     from service.launcher import placement_group_name
 
-    _, settings = app
-    left = placement_group([{"GPU": 1, "CPU": 0.5}] * 2, name=placement_group_name(settings.ray_namespace, 999, 0))
-    ray.get(left.ready(), timeout=30)  # placed: its 2 GPUs are held (Ray's resource view shows it later)
+    settings = make_settings(tmp_path, placement_sweep_interval_s=0.5)  # the default 10 s, here waited
     name = placement_group_name(settings.ray_namespace, 999, 0)
     states = lambda: [e["state"] for e in ray.util.placement_group_table().values() if e["name"] == name]
-    wait_for(states, lambda found: found == ["REMOVED"], what="the sweep to remove the orphaned group", timeout_s=60)
-    wait_for(_gpus_free, lambda free: free == 4, what="the orphaned group's 2 GPUs back", timeout_s=60)
+    with serve(settings):
+        left = placement_group([{"GPU": 1, "CPU": 0.5}] * 2, name=name)
+        ray.get(left.ready(), timeout=30)  # placed: its 2 GPUs are held (Ray's resource view shows it later)
+        wait_for(
+            states, lambda found: found == ["REMOVED"], what="the sweep to remove the orphaned group", timeout_s=60
+        )
+        wait_for(_gpus_free, lambda free: free == 4, what="the orphaned group's 2 GPUs back", timeout_s=60)
 
 
 def test_one_jobs_error_fails_it_alone_and_the_others_and_the_queue_go_on(app):
