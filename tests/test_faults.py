@@ -19,7 +19,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
-import pytest
 import ray
 import torch
 from fastapi.testclient import TestClient
@@ -344,36 +343,49 @@ def test_a_service_on_an_external_ray_reattaches_after_sigterm_and_sigkill(ray_c
             svc.stop(signal.SIGTERM)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
-def test_an_embedded_ray_job_resumes_from_its_checkpoint_when_the_service_restarts(tmp_path, sig):
-    """The embedded Ray stops with the service; a running job comes back as a new attempt from
-    its last checkpoint (not a retry: max_retries 0), and its curve has every step once."""
+def test_an_embedded_ray_job_resumes_from_its_checkpoint_when_the_service_restarts(tmp_path):
+    """The embedded Ray stops with the service, on SIGTERM (drained) and on SIGKILL alike; each
+    time the running job comes back as a new attempt from its last checkpoint (not a retry:
+    max_retries 0), and its curve has every step once. One service, stopped both ways in turn."""
     svc = Service(tmp_path, ZERO1_SIMULATED_GPUS="4", ZERO1_RAY_NAMESPACE="zero1")
-    steps, every = 200, 20
+    steps, every = 400, 20
     svc.start()
     try:
         job_id = svc.post("/v1/jobs", job_body(steps=steps, checkpoint_every=every))["id"]
         queued = svc.post("/v1/jobs", job_body(name="waits", steps=10, num_gpus=4))["id"]
-        wait_for(lambda: svc.get(f"/v1/jobs/{job_id}"), lambda j: (j["step"] or 0) >= every + 10, what="a checkpoint")
-        svc.stop(sig)
-        stopped_at = newest_checkpoint(svc, job_id)
-        assert stopped_at >= every - 1
-        svc.start()
+        resumed = 0
+        for attempt, sig in enumerate((signal.SIGTERM, signal.SIGKILL), start=1):
+            job = wait_for(
+                lambda: svc.get(f"/v1/jobs/{job_id}"),
+                lambda j: j["attempt"] == attempt - 1 and (j["step"] or 0) >= resumed + every + 10,
+                what=f"a checkpoint of attempt {attempt - 1}",
+            )
+            assert job["status"] == "running", job  # still training when the service stops
+            svc.stop(sig)
+            stopped_at = newest_checkpoint(svc, job_id)
+            assert stopped_at >= resumed + every - 1
+            svc.start()
+            wait_for(
+                lambda: svc.get(f"/v1/jobs/{job_id}"), lambda j: j["attempt"] == attempt, what=f"attempt {attempt}"
+            )
+            events = svc.get(f"/v1/jobs/{job_id}/events")["data"]
+            reason = [e["reason"] for e in events if e["to_status"] == "restarting"][-1]
+            assert "the service restarted" in reason and "embedded Ray" in reason, reason
+            resumed = int(reason.split("resumes from checkpoint step ")[1]) + 1
+            assert resumed >= stopped_at + 1
+        assert "scheduler stopped; drained" in svc.log()  # the SIGTERM's
         done = wait_for(
             lambda: svc.get(f"/v1/jobs/{job_id}"),
             lambda j: j["status"] in ("succeeded", "failed"),
             what="the resumed job to finish",
             timeout_s=300,
         )
-        assert done["status"] == "succeeded" and done["attempt"] == 1 and done["num_retries"] == 0, done
+        assert done["status"] == "succeeded" and done["attempt"] == 2 and done["num_retries"] == 0, done
         events = svc.get(f"/v1/jobs/{job_id}/events")["data"]
-        assert transitions(events) == ["queued", "starting", "running", "restarting", "running", "succeeded"]
-        reason = events[3]["reason"]
-        assert "the service restarted" in reason and "embedded Ray" in reason, reason
-        resumed = int(reason.split("resumes from checkpoint step ")[1]) + 1
-        assert resumed >= stopped_at + 1
+        restarted = ["restarting", "running"]
+        assert transitions(events) == ["queued", "starting", "running", *restarted, *restarted, "succeeded"]
         rows = assert_every_step_once(svc.database_url, job_id, steps=steps)
-        assert {a for a, s, x in rows if not x and s >= resumed} == {1}
+        assert {a for a, s, x in rows if not x and s >= resumed} == {2}
         waited = wait_for(
             lambda: svc.get(f"/v1/jobs/{queued}"), lambda j: j["status"] == "succeeded", what="the queued job"
         )
@@ -381,16 +393,17 @@ def test_an_embedded_ray_job_resumes_from_its_checkpoint_when_the_service_restar
         # finished: the rows of pruned checkpoints went once stored, and of the complete ones
         # only the final one stays (ZERO1_CHECKPOINT_KEEP_FINISHED=1), whole, beside the final model
         directory = job_checkpoint_dir(svc.database_url, svc.checkpoints, job_id)
+        last = f"step-{steps - 1:09d}"
         wait_for(
             lambda: sorted(p.name for p in directory.iterdir()),
-            lambda left: left == ["final", "step-000000199"],
+            lambda left: left == ["final", last],
             what="the finished job's checkpoints retired to the final one",
             timeout_s=30,
         )
-        assert sorted(p.parent.name for p in directory.glob("step-*/rank-*.pt")) == ["step-000000199"] * 2
+        assert sorted(p.parent.name for p in directory.glob("step-*/rank-*.pt")) == [last] * 2
         record(
-            f"service {sig.name}, embedded Ray",
-            faults=1,
+            "service SIGTERM, then SIGKILL, embedded Ray",
+            faults=2,
             jobs_accepted=2,
             jobs_stored=jobs_stored(svc.database_url),
             rows_expected=steps + 10,
