@@ -1,6 +1,7 @@
 """The planner, and what the API shares with the workers (a job's configuration and limits, the rows
 and errors ranks report, the checkpoint layout), load with the standard library alone: no torch,
-no Ray, no pydantic. And the API process itself never loads torch."""
+no Ray, no pydantic. The API process itself never loads torch, and a rank of the built-in models
+never loads torch._dynamo."""
 
 from __future__ import annotations
 
@@ -69,3 +70,30 @@ def test_the_embedded_cluster_counts_gpus_without_torch(tmp_path, monkeypatch):
     for visible, count in (("0,2", 2), ("1,-1,2", 1), ("", 0), ("GPU-8d1f", 1), ("0,1,2,3", 3)):
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
         assert _cuda_device_count(str(driver)) == count, visible
+
+
+_RANK = r"""
+import sys
+import torch.distributed as dist
+sys.path.insert(0, "tests")
+from helpers import job_body
+from service.schemas import JobSpec
+from workers.train import train
+
+dist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}/store", rank=0, world_size=1)
+for model in ({}, {"model": {"kind": "mlp", "sizes": [16, 32, 16]}}):
+    body = job_body(steps=12, checkpoint_every=5, **model)
+    train(JobSpec.model_validate(body).to_config(checkpoint_dir=f"{sys.argv[1]}/{len(model)}"), rank=0, world_size=1)
+print(sorted(m for m in sys.modules if m.startswith("torch._dynamo")))
+"""
+
+
+def test_a_rank_trains_the_built_in_models_without_loading_torch_dynamo(tmp_path):
+    """torch._dynamo costs a rank about 1 s of CPU to import, and nothing a rank of the built-in
+    models runs compiles: the optimizer's param groups and the step's memory count (a dispatch
+    mode, every few steps on CPU) leave out torch's lazy guards that would load it."""
+    out = subprocess.run(
+        [sys.executable, "-c", _RANK, str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"

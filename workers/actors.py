@@ -136,6 +136,10 @@ class TrainWorker:
     """One rank. Holds its rank and nothing else: the loop is workers.train.train."""
 
     def __init__(self, rank: int, world_size: int) -> None:
+        # torch and the training loop load as the rank starts: all ranks at once, rather than rank 0
+        # during the rendezvous (its store) and each other rank only after it, in run()
+        import workers.train  # noqa: F401
+
         self.rank, self.world_size = rank, world_size
         self.raylet_gone = parent_gone()
         self._store = None  # rank 0's rendezvous store, from rendezvous() to the end of run()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any, Literal
@@ -211,6 +212,14 @@ class ZeRO1AdamW(optim_state.CheckpointMethods, torch.optim.Optimizer):
     @property
     def loss_scale(self) -> float:
         return 1.0 if self.loss_scaler is None else self.loss_scaler.scale
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's, without its torch._disable_dynamo wrapper where nothing in this process has
+        loaded torch._dynamo: the wrapper's first call imports it (about 1 s of CPU, every rank's
+        start), and without a torch.compile there is nothing for it to guard against."""
+        if "torch._dynamo" in sys.modules:
+            return super().add_param_group(param_group)
+        return torch.optim.Optimizer.add_param_group.__wrapped__(self, param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._comm.finish_reduces()  # a bucket sent without a step(): let its sends end before zeroing

@@ -22,6 +22,7 @@ unchanged inside a training step, and it is public torch API only.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -35,6 +36,14 @@ from torch.utils._pytree import tree_flatten
 
 class LiveBytes(TorchDispatchMode):
     """Bytes of the storages ops create while the mode is on and that are still alive, and their peak."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """Asked once, as the class is made. True (torch's answer) wraps __torch_dispatch__ in
+        torch._disable_dynamo, whose first call imports torch._dynamo: about 1 s of CPU in every
+        rank that counts a step. Where torch._dynamo is not loaded by then, nothing compiles that
+        the wrapper would keep out of this mode; where it is, torch's wrapper stays."""
+        return "torch._dynamo" in sys.modules
 
     def __init__(self, *, ignore: Iterable[Tensor] = ()) -> None:
         super().__init__()
