@@ -86,6 +86,9 @@ class RayCluster:
                 log_to_driver=False,
             )
             self.owned = True
+            if not gpus:  # no driver: the GPUs are logical, and no worker need start (and load torch) to say so
+                self._use_simulated()
+                return
         self._probe_gpu_memory()
 
     def _probe_gpu_memory(self) -> None:
