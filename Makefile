@@ -34,10 +34,10 @@ $(VENV)/.installed: pyproject.toml Makefile docker/constraints.txt
 run: install
 	ZERO1_DATA_ROOTS="$${ZERO1_DATA_ROOTS:-data,examples/data}" $(BIN)/zero1 serve
 
-# One process by default: on 2 cores the suite is CPU-bound (most of it is Ray workers importing
-# torch and training). Two pytest-xdist workers gained 12% once and took twice as long another
-# time; on 2026-12-01 they took 973 s (one process, before run_ranks forked its ranks: 1,327 s),
-# and a browser test's 1 px tolerance failed under the load. PYTEST_WORKERS=2 runs two workers,
+# One process by default: on 2 cores the suite is mostly CPU-bound (Ray workers importing torch
+# and training; the machine sat idle a quarter of the time). Two pytest-xdist workers gained 12%
+# once and took twice as long another time, and a browser test's 1 px tolerance failed under the
+# load. One process ran the suite in 547-570 s on 2026-12-02. PYTEST_WORKERS=2 runs two workers,
 # each with its own Ray cluster, a test file each at a time.
 PYTEST_WORKERS ?= 0
 
