@@ -21,6 +21,7 @@ PRELOAD = [
     "torch",
     "torch.testing",
     "torch.distributed",
+    "torch._dynamo",  # loaded by torch.optim.AdamW's first add_param_group: the tests' reference optimizer
     "workers.optim",
     "workers.optim_state",
     "workers.models",
