@@ -217,9 +217,10 @@ class ZeRO1AdamW(optim_state.CheckpointMethods, torch.optim.Optimizer):
         """torch's, without its torch._disable_dynamo wrapper where nothing in this process has
         loaded torch._dynamo: the wrapper's first call imports it (about 1 s of CPU, every rank's
         start), and without a torch.compile there is nothing for it to guard against."""
-        if "torch._dynamo" in sys.modules:
+        unguarded = getattr(torch.optim.Optimizer.add_param_group, "__wrapped__", None)
+        if unguarded is None or "torch._dynamo" in sys.modules:
             return super().add_param_group(param_group)
-        return torch.optim.Optimizer.add_param_group.__wrapped__(self, param_group)
+        return unguarded(self, param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._comm.finish_reduces()  # a bucket sent without a step(): let its sends end before zeroing
