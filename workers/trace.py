@@ -17,7 +17,8 @@ Why not torch.distributed._tools.mem_tracker.MemTracker, which tests compare aga
 peak is the largest total with gradients allocated as autograd makes them, while zero1's
 gradients live in one flat buffer allocated before the step; the peak that matters here is
 that of everything but the states, which can fall at another moment. This mode also runs
-unchanged inside a training step, and it is public torch API only.
+unchanged inside a training step, and it is public torch API but for one hook,
+_should_skip_dynamo, which keeps a rank from loading torch._dynamo.
 """
 
 from __future__ import annotations
