@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from workers.actors import JobSupervisor, Placement, PlacementError, join_process_group, open_rendezvous_store
+from workers.actors import JobSupervisor, Placement, PlacementError
+from workers.rendezvous import join_process_group, open_rendezvous_store
 from workers.checkpoints import latest_checkpoint
 from workers.config import OptimizerSpec, TrainConfig
 from workers.data import Batches
@@ -78,7 +79,7 @@ def losses(rows: list[dict]) -> list[float]:
 _ORPHAN = """
 import json, os, sys
 print(os.getpid(), flush=True)
-from workers.actors import parent_gone
+from workers.rendezvous import parent_gone
 from workers.memory import GPTSpec
 from workers.config import TrainConfig
 from workers.train import train

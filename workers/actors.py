@@ -11,25 +11,25 @@ kills every rank and frees the group.
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Literal
 
 import ray
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from workers.capture import HeldLines, OutputCapture
+from workers.capture import HeldLines
 from workers.config import TrainConfig
 from workers.groups import remove_group
+from workers.ranks import MetricsSink, RankProcess
 from workers.records import MetricRow, OutputLine, RankError, TrainResult
+from workers.rendezvous import parent_gone
+from workers.sandbox import ChildSpec, RunAs
 
 Strategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
-_REPORT_EVERY_ROWS = 50
-_REPORT_EVERY_S = 1.0
 
 
 class PlacementError(RuntimeError):
@@ -60,6 +60,11 @@ class Placement:
     log_max_bytes: int = 16 << 20
     """The most bytes of log lines a rank, and the supervisor, hold before they are stored
     (ZERO1_LOG_MAX_BYTES): past it the oldest are dropped, with a count."""
+    home: str | None = None
+    """The job's directory, its ranks' children's HOME: made by the service, owned by run_as
+    (None: each rank makes a scratch one)."""
+    run_as: RunAs | None = None
+    """The uid and gid the job's children run under (ZERO1_RUN_AS); None: the Ray worker's own."""
 
     def __post_init__(self) -> None:
         if self.num_workers < 1 or self.timeout_s <= 0 or self.cpus_per_worker < 0 or self.rendezvous_timeout_s <= 0:
@@ -73,138 +78,74 @@ class Placement:
         return {"GPU": 1.0, "CPU": self.cpus_per_worker}
 
 
-def open_rendezvous_store(host: str, *, world_size: int) -> Any:
-    """Rank 0's torch.distributed store, listening on a port the kernel picks (port 0).
-
-    The port is held from the moment it is chosen until the store is dropped. The old way
-    (bind port 0, close the socket, hand the number to init_process_group) left it free in
-    between, for any process to take: then every rank's init failed with EADDRINUSE. Retrying
-    would need every rank to agree on a new port; holding it needs nothing. wait_for_workers=False:
-    the store is opened before the ranks start, and they connect in init."""
-    import torch.distributed as dist
-
-    return dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False)
-
-
-def join_process_group(*, rank: int, world_size: int, address: str, port: int, store: Any, timeout_s: float) -> None:
-    """init_process_group over rank 0's store: rank 0 passes its own, the others connect to
-    address:port. NCCL when this process sees CUDA, else gloo: never decided from Ray's GPU ids,
-    since a logical GPU has no CUDA behind it."""
-    import torch
-    import torch.distributed as dist
-
-    timeout = timedelta(seconds=timeout_s)
-    if store is None:
-        store = dist.TCPStore(address, port, world_size, is_master=False, timeout=timeout)
-    else:
-        store.set_timeout(timeout)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-
-
-def parent_gone() -> Callable[[], bool]:
-    """A check, cheap enough for every step, that this process's parent has exited since the
-    call (the process was re-parented). A Ray worker's parent is its node's raylet: when a
-    service with an embedded Ray is killed, the raylet dies at once but the core worker only
-    notices seconds later, and meanwhile its loop would go on training and writing
-    checkpoints that the restarted service is reading to relaunch the job."""
-    parent = os.getppid()
-    return lambda: os.getppid() != parent
-
-
-class _MetricsSink:
-    """Batches a rank's metric rows to the supervisor: every 50 rows or second, and at the end."""
-
-    def __init__(self, supervisor: Any, rank: int) -> None:
-        self.supervisor, self.rank = supervisor, rank
-        self.rows: list[MetricRow] = []
-        self.sent_at = time.monotonic()
-
-    def __call__(self, row: MetricRow) -> None:
-        self.rows.append(row)
-        if len(self.rows) >= _REPORT_EVERY_ROWS or time.monotonic() - self.sent_at >= _REPORT_EVERY_S:
-            self.supervisor.report.remote(self.rank, self.rows)
-            self.rows, self.sent_at = [], time.monotonic()
-
-    def flush(self) -> None:
-        ray.get(self.supervisor.report.remote(self.rank, self.rows))  # delivered before run() returns
-        self.rows = []
-
-
 @ray.remote
 class TrainWorker:
-    """One rank. Holds its rank and nothing else: the loop is workers.train.train."""
+    """One rank's parent: it starts the child that trains (workers/ranks.py) as it starts, and
+    relays for it. It holds its rank and its child, nothing else; it never loads torch."""
 
-    def __init__(self, rank: int, world_size: int) -> None:
-        # torch and the training loop load as the rank starts: all ranks at once, rather than rank 0
-        # during the rendezvous (its store) and each other rank only after it, in run()
-        import workers.train  # noqa: F401
-
+    def __init__(
+        self, rank: int, world_size: int, *, home: str | None = None, run_as: RunAs | None = None, bundle: bool = False
+    ) -> None:
+        """`home`: the job's directory (None: a scratch one); `bundle`: this worker's working
+        directory is the job's code bundle, which the child then runs in and imports from."""
         self.rank, self.world_size = rank, world_size
         self.raylet_gone = parent_gone()
-        self._store = None  # rank 0's rendezvous store, from rendezvous() to the end of run()
+        self.address = ray.util.get_node_ip_address()
+        home = home or tempfile.mkdtemp(prefix=f"zero1-rank{rank}-")
+        spec = ChildSpec(home=home, cwd=os.getcwd() if bundle else None, run_as=run_as)
+        # started now: the child imports torch and the loop while the job's other ranks are placed
+        self.process = RankProcess(rank=rank, world_size=world_size, address=self.address, spec=spec)
 
-    def rendezvous(self) -> tuple[str, int, str]:
-        """(address, port, node id) on this worker's node: rank 0's become the group's. Rank 0
-        opens the group's store here and holds its port; the other ranks' port is 0 (unused)."""
-        address = ray.util.get_node_ip_address()
-        if self.rank == 0:
-            self._store = open_rendezvous_store(address, world_size=self.world_size)
-        port = self._store.port if self._store is not None else 0
-        return address, port, ray.get_runtime_context().get_node_id()
+    def rendezvous(self, timeout_s: float = 120.0) -> tuple[str, int, str]:
+        """(address, port, node id) on this worker's node: rank 0's become the group's. Rank 0's
+        child opens the group's store and holds its port; the other ranks' port is 0 (unused)."""
+        port = self.process.store_port(timeout_s) if self.rank == 0 else 0
+        return self.address, port, ray.get_runtime_context().get_node_id()
 
     def run(
         self, config: TrainConfig, address: str, port: int, supervisor: Any, pg_timeout_s: float, log_max_bytes: int
     ) -> TrainResult:
-        """Train as this rank, its stdout, stderr and logging captured for the job's logs; a rank
-        that raises leaves its traceback there."""
-        capture = OutputCapture(
-            rank=self.rank,
-            send=lambda lines: supervisor.report_logs.remote(self.rank, lines),
-            delivered=_delivered,
-            max_bytes=log_max_bytes,
+        """Train as this rank in the child, relaying its rows, lines and questions to the supervisor."""
+        logs = _OrderedSender(lambda lines: supervisor.report_logs.remote(self.rank, lines))
+        sink = MetricsSink(
+            send=lambda rows: supervisor.report.remote(self.rank, rows),
+            flush=lambda rows: ray.get(supervisor.report.remote(self.rank, rows)),
         )
-        with capture:
-            try:
-                return self._run(config, address, port, supervisor, pg_timeout_s)
-            except BaseException as exc:
-                capture.print_exception(exc)
-                raise
-
-    def _run(self, config: TrainConfig, address: str, port: int, supervisor: Any, pg_timeout_s: float) -> TrainResult:
-        import torch
-        import torch.distributed as dist
-
-        from workers.train import train
-
-        if not torch.cuda.is_available():
-            torch.set_num_threads(1)
-        join_process_group(
-            rank=self.rank,
-            world_size=self.world_size,
-            address=address,
-            port=port,
-            store=self._store,
-            timeout_s=pg_timeout_s,
-        )
-        sink = _MetricsSink(supervisor, self.rank)
+        start = {
+            "config": config,
+            "address": address,
+            "port": port,
+            "pg_timeout_s": pg_timeout_s,
+            "log_max_bytes": log_max_bytes,
+        }
         try:
-            result = train(
-                config,
-                rank=self.rank,
-                world_size=self.world_size,
-                on_metrics=sink,
-                should_stop=self.raylet_gone,
-                stop_at_checkpoint=lambda step: ray.get(supervisor.stop_requested.remote(step), timeout=60),
+            return self.process.run(
+                start,
+                sink=sink,
+                send_logs=logs,
+                stop_requested=lambda step: ray.get(supervisor.stop_requested.remote(step), timeout=60),
+                parent_gone=self.raylet_gone,
             )
-            if result.cancelled:  # the node's Ray is gone: no one to report to, no peer to wait for
-                os._exit(1)
-            dist.barrier()  # leave together: gloo aborts a rank whose peer tears its pairs down first
-            return result
         finally:
-            sink.flush()
-            dist.destroy_process_group()
-            self._store = None  # rank 0: its port is free again
+            logs.wait()
+            self.process.close()
+
+
+class _OrderedSender:
+    """Sends a rank's log batches to the supervisor one after another: each once the one before it
+    is delivered (the supervisor takes calls concurrently, so order is kept here)."""
+
+    def __init__(self, send: Callable[[list[OutputLine]], Any]) -> None:
+        self._send, self._in_flight = send, None
+
+    def __call__(self, lines: list[OutputLine]) -> None:
+        self.wait()
+        self._in_flight = self._send(lines)
+
+    def wait(self, timeout_s: float = 30.0) -> None:
+        if self._in_flight is not None:
+            _delivered(self._in_flight, timeout_s)
+            self._in_flight = None
 
 
 @ray.remote(num_cpus=0, max_concurrency=8)
@@ -266,11 +207,13 @@ class JobSupervisor:
                     num_cpus=p.cpus_per_worker,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
                     **({"runtime_env": {"working_dir": p.working_dir}} if p.working_dir else {}),
-                ).remote(rank, p.num_workers)
+                ).remote(rank, p.num_workers, home=p.home, run_as=p.run_as, bundle=p.working_dir is not None)
                 for rank in range(p.num_workers)
             ]
         try:
-            rendezvous = ray.get([w.rendezvous.remote() for w in self._workers], timeout=p.rendezvous_timeout_s)
+            rendezvous = ray.get(
+                [w.rendezvous.remote(p.rendezvous_timeout_s) for w in self._workers], timeout=p.rendezvous_timeout_s
+            )
         except ray.exceptions.GetTimeoutError:
             raise RendezvousError(
                 f"{p.num_workers} ranks were placed but did not all start within {p.rendezvous_timeout_s:g} s "

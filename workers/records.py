@@ -87,6 +87,9 @@ class RankError:
         """The error of `exc`; a Ray task error is its cause's, with the remote traceback's tail."""
         cause = getattr(exc, "cause", None)  # ray.exceptions.RayTaskError wraps the rank's own exception
         error = cause if isinstance(cause, BaseException) else exc
+        reported = getattr(error, "rank_error", None)  # a rank's child's error, as its parent relayed it
+        if isinstance(reported, RankError):
+            return replace(reported, rank=rank, node_id=node_id)
         lines = str(error).strip().splitlines()
         return cls(
             exception=type(error).__name__,
@@ -105,6 +108,15 @@ class RankError:
         where = f"rank {self.rank} on node {self.node_id}: " if self.rank is not None else ""
         return f"{where}{self.exception}: {self.message}"
 
+    @staticmethod
+    def tidy_traceback(lines: list[str]) -> tuple[str, ...]:
+        """The last TRACEBACK_LINES lines of a traceback's text lines, without colours, caret lines
+        or the directory a code bundle was unpacked in."""
+        split = [part for line in lines for part in line.splitlines()]
+        tidy = [_BUNDLE_DIR.sub("", _ANSI.sub("", line)).rstrip() for line in split]
+        kept = [line for line in tidy if line.strip() and set(line.strip()) - set("^~")]
+        return tuple(line[:500] for line in kept[-TRACEBACK_LINES:])
+
     def traceback_text(self) -> str:
         """The traceback's last lines, each on a line of its own after a newline; "" without one."""
         return "".join(f"\n{line}" for line in self.traceback)
@@ -118,9 +130,7 @@ _BUNDLE_DIR = re.compile(r"[^\s\"']*/working_dir_files/[^/]+/")
 
 def _traceback_tail(exc: BaseException) -> tuple[str, ...]:
     """The last lines of a Ray task error's remote traceback, without colours or caret lines."""
-    lines = [_BUNDLE_DIR.sub("", _ANSI.sub("", line)).rstrip() for line in str(exc).splitlines()]
-    kept = [line for line in lines[1:] if line.strip() and set(line.strip()) - set("^~")]
-    return tuple(line[:500] for line in kept[-TRACEBACK_LINES:])
+    return RankError.tidy_traceback(str(exc).splitlines()[1:])
 
 
 STREAMS = ("stdout", "stderr", "log", "marker")

@@ -1,0 +1,96 @@
+"""The child's side of workers/sandbox.py: `python -m workers.child MODE CONN_FD LIFELINE_FD`.
+
+It runs untrusted work and reports in JSON over its socket: `call` applies one function to one
+pickled argument (a plan's trace, a submit's dataset check); `rank` trains as one rank of a job
+(workers/rank_child.py). It holds no secret and never imports Ray. When the lifeline pipe breaks
+(its parent is gone, however it went) it exits at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import pickle
+import sys
+import threading
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+
+class ParentLink:
+    """The child's end of the socket: pickled messages in, JSON out, one writer at a time."""
+
+    def __init__(self, fd: int) -> None:
+        self.conn = Connection(fd)
+        self._lock = threading.Lock()
+
+    def receive(self) -> Any:
+        return pickle.loads(self.conn.recv_bytes())
+
+    def send(self, message: dict[str, Any]) -> None:
+        data = json.dumps(message).encode()
+        with self._lock:
+            self.conn.send_bytes(data)
+
+
+def error_of(exc: BaseException) -> dict[str, Any]:
+    """An exception as the parent receives it: type, first line, the request field it names, and
+    the last lines of its traceback."""
+    lines = str(exc).strip().splitlines()
+    reason = getattr(exc, "reason", None)
+    return {
+        "exception": type(exc).__name__,
+        "message": (reason if isinstance(reason, str) else lines[0] if lines else type(exc).__name__)[:2000],
+        "field": getattr(exc, "field", None) if isinstance(getattr(exc, "field", None), str) else None,
+        "traceback": [line.rstrip()[:500] for line in traceback.format_exception(exc)][-12:],
+    }
+
+
+def _watch_lifeline(fd: int) -> None:
+    """Exit the moment the parent's end of the lifeline closes (the parent ended)."""
+
+    def watch() -> None:
+        while True:
+            try:
+                if not os.read(fd, 1):
+                    break
+            except InterruptedError:
+                continue
+            except OSError:
+                break
+        os._exit(70)
+
+    threading.Thread(target=watch, daemon=True, name="zero1-lifeline").start()
+
+
+def _call(link: ParentLink) -> None:
+    function, argument = link.receive()
+    module_name, _, name = function.partition(":")
+    try:
+        result = getattr(importlib.import_module(module_name), name)(argument)
+        if dataclasses.is_dataclass(result):
+            result = dataclasses.asdict(result)
+        link.send({"result": result})
+    except Exception as exc:  # noqa: BLE001 - every failure of the work is reported to the parent
+        link.send({"error": error_of(exc)})
+
+
+def main(argv: list[str]) -> None:
+    mode, conn_fd, lifeline_fd = argv[0], int(argv[1]), int(argv[2])
+    _watch_lifeline(lifeline_fd)
+    link = ParentLink(conn_fd)
+    if mode == "call":
+        _call(link)
+    elif mode == "rank":
+        from workers.rank_child import run_rank
+
+        run_rank(link)
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,199 @@
+"""A rank's parent: the Ray actor's side of the child that trains (workers/rank_child.py).
+
+The actor is zero1's code, trusted and connected to Ray; the child runs the user's model and holds
+nothing. The parent starts the child as the actor starts, hands it the job, and relays what it
+says: metric rows to the supervisor in batches, log lines in order, "stop at this checkpoint?"
+questions, and the end. Nothing the child sends is trusted: each message is JSON, checked field by
+field, and its rank is the parent's own. A child that dies without a word ends the attempt with how
+it died (`rank 1 exited: killed by signal 9 (out of memory?)`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from workers.capture import MAX_LINE_CHARS
+from workers.records import STREAMS, MetricRow, OutputLine, RankError, TrainResult
+from workers.sandbox import Child, ChildExited, ChildSpec, ProtocolError
+
+_REPORT_EVERY_ROWS = 50
+_REPORT_EVERY_S = 1.0
+
+
+class RankFailed(RuntimeError):
+    """The child's rank failed: the error it reported (or how it died), carried to the supervisor whole."""
+
+    def __init__(self, error: RankError) -> None:
+        super().__init__(f"{error.exception}: {error.message}")
+        self.rank_error = error
+
+    def __reduce__(self):  # crosses Ray as its RankError
+        return (type(self), (self.rank_error,))
+
+
+class MetricsSink:
+    """Batches a rank's metric rows to the supervisor: every 50 rows or second, and at the end."""
+
+    def __init__(self, send: Callable[[list[MetricRow]], Any], flush: Callable[[list[MetricRow]], None]) -> None:
+        self._send, self._flush = send, flush
+        self.rows: list[MetricRow] = []
+        self.sent_at = time.monotonic()
+
+    def __call__(self, row: MetricRow) -> None:
+        self.rows.append(row)
+        if len(self.rows) >= _REPORT_EVERY_ROWS or time.monotonic() - self.sent_at >= _REPORT_EVERY_S:
+            self._send(self.rows)
+            self.rows, self.sent_at = [], time.monotonic()
+
+    def flush(self) -> None:
+        self._flush(self.rows)  # delivered before the run returns
+        self.rows = []
+
+
+class RankProcess:
+    """One rank's child, from the actor's start to the end of its run."""
+
+    def __init__(self, *, rank: int, world_size: int, address: str, spec: ChildSpec) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.child = Child("rank", spec)
+        self.child.send({"rank": rank, "world_size": world_size, "address": address})
+
+    def store_port(self, timeout_s: float) -> int:
+        """Rank 0: the port of the rendezvous store its child opened."""
+        message = self._receive(timeout_s)
+        if message is None:
+            raise TimeoutError(f"rank 0's child did not open the rendezvous store within {timeout_s:g} s")
+        return _int(message, "port") if message.get("t") == "store" else self._unexpected(message)
+
+    def run(
+        self,
+        start: dict[str, Any],
+        *,
+        sink: MetricsSink,
+        send_logs: Callable[[list[OutputLine]], None],
+        stop_requested: Callable[[int], bool],
+        parent_gone: Callable[[], bool],
+    ) -> TrainResult:
+        """Hand the child its job and relay until it ends: its result, or RankFailed."""
+        self.child.send(start)
+        try:
+            while True:
+                if parent_gone():  # this node's Ray is gone: stop the child, and go
+                    self.child.kill()
+                    os._exit(1)
+                message = self._receive(1.0)
+                if message is None:
+                    continue
+                kind = message.get("t")
+                if kind == "row":
+                    sink(self._row(message))
+                elif kind == "logs":
+                    send_logs(self._lines(message))
+                elif kind == "stop?":
+                    self.child.send({"stop": bool(stop_requested(_int(message, "step")))})
+                elif kind == "result":
+                    return self._result(message)
+                elif kind == "error":
+                    raise RankFailed(self._error(message))
+                else:
+                    self._unexpected(message)
+        finally:
+            sink.flush()
+
+    def close(self) -> None:
+        self.child.close()
+
+    # ---------------------------------------------------------------- the child's words, checked
+
+    def _receive(self, timeout_s: float) -> dict[str, Any] | None:
+        try:
+            return self.child.receive(timeout_s)
+        except ChildExited as exc:
+            raise RankFailed(RankError(exception="ChildExited", message=f"rank {self.rank} {exc}")) from None
+        except ProtocolError as exc:
+            self.child.kill()
+            raise RankFailed(RankError(exception="ProtocolError", message=f"rank {self.rank}: {exc}")) from None
+
+    def _unexpected(self, message: dict[str, Any]) -> Any:
+        self.child.kill()
+        kind = str(message.get("t"))[:40]
+        raise RankFailed(RankError(exception="ProtocolError", message=f"rank {self.rank} sent a {kind!r} message"))
+
+    def _row(self, message: dict[str, Any]) -> MetricRow:
+        row = message.get("row")
+        try:
+            parsed = MetricRow.from_json(row)
+            _check_row(parsed)
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+            error = RankError(exception="ProtocolError", message=f"rank {self.rank}: bad row: {exc}")
+            raise RankFailed(error) from None
+        return MetricRow.from_json({**row, "rank": self.rank})
+
+    def _lines(self, message: dict[str, Any]) -> list[OutputLine]:
+        lines = message.get("lines")
+        if not isinstance(lines, list):
+            raise RankFailed(RankError(exception="ProtocolError", message=f"rank {self.rank}: bad log lines"))
+        return [self._line(line) for line in lines if isinstance(line, dict)]
+
+    def _line(self, line: dict[str, Any]) -> OutputLine:
+        stream = line.get("stream") if line.get("stream") in STREAMS else "stdout"
+        dropped = line.get("dropped")
+        counts = tuple(int(v) for v in dropped[:2]) if isinstance(dropped, list) and len(dropped) == 2 else (0, 0)
+        return OutputLine(
+            rank=self.rank,
+            n=_int(line, "n"),
+            time=_float(line, "time"),
+            stream=stream,
+            line=str(line.get("line", ""))[:MAX_LINE_CHARS],
+            dropped=counts,
+        )
+
+    def _result(self, message: dict[str, Any]) -> TrainResult:
+        result = message.get("result")
+        if not isinstance(result, dict):
+            raise RankFailed(RankError(exception="ProtocolError", message=f"rank {self.rank}: bad result"))
+        return TrainResult(
+            rank=self.rank,
+            first_step=_int(result, "first_step"),
+            last_step=_int(result, "last_step"),
+            cancelled=bool(result.get("cancelled")),
+            stopped=bool(result.get("stopped")),
+        )
+
+    def _error(self, message: dict[str, Any]) -> RankError:
+        error = message.get("error") if isinstance(message.get("error"), dict) else {}
+        lines = error.get("traceback") if isinstance(error.get("traceback"), list) else []
+        return RankError(
+            exception=str(error.get("exception", "Exception"))[:200],
+            message=str(error.get("message", ""))[:2000],
+            traceback=tuple(RankError.tidy_traceback([str(line) for line in lines])),
+        )
+
+
+def _int(message: dict[str, Any], key: str) -> int:
+    value = message.get(key)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise RankFailed(RankError(exception="ProtocolError", message=f"{key} is not an integer: {value!r}"[:200]))
+    return value
+
+
+def _float(message: dict[str, Any], key: str) -> float:
+    value = message.get(key)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise RankFailed(RankError(exception="ProtocolError", message=f"{key} is not a number: {value!r}"[:200]))
+    return float(value)
+
+
+def _check_row(row: MetricRow) -> None:
+    """The types a stored row needs (the database and the merge rely on them)."""
+    if not isinstance(row.step, int) or row.step < 0:
+        raise ValueError(f"step {row.step!r}")
+    numbers = (row.loss, row.grad_norm, row.loss_scale, row.step_time_s, row.tokens_per_s, row.eval_loss)
+    if any(v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))) for v in numbers):
+        raise ValueError("a number that is not one")
+    if not all(isinstance(v, int) for v in (*row.mem_peak_bytes, row.mem_planned_bytes)):
+        raise ValueError("bytes that are not integers")

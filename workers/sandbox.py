@@ -1,0 +1,244 @@
+"""Untrusted work in a child process: a built environment, the owner's uid, no secret, no Ray.
+
+Everything a user's job runs is untrusted: its model's code, and the parsers that read its data.
+The trusted side (a rank's Ray actor, a plan's or a submit's Ray task: zero1's code, connected to
+Ray) starts such work as a child process of its own and talks to it over a socket pair:
+
+- parent -> child: pickled messages (the parent is trusted, so the child may unpickle them);
+- child -> parent: JSON only, bounded in size: the parent never unpickles what the child sends.
+
+The child's environment is built from an allowlist (PATH, locale, thread and CUDA/NCCL settings),
+never inherited whole; nothing named like a secret passes. With `run_as` it runs under that uid
+and gid, with no supplementary groups. A lifeline pipe ends it when its parent goes, however the
+parent dies (SIGKILL of a cancelled rank included). This room imports the standard library only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+MAX_MESSAGE_BYTES = 64 << 20
+"""The largest message a child may send; past it the child is treated as broken."""
+PASSED_NAMES = frozenset(
+    {
+        "PATH",
+        "LANG",
+        "LANGUAGE",
+        "TZ",
+        "CUDA_VISIBLE_DEVICES",
+        "CUDA_DEVICE_ORDER",
+        "NVIDIA_VISIBLE_DEVICES",
+        "OMP_NUM_THREADS",
+        "MKL_NUM_THREADS",
+        "OPENBLAS_NUM_THREADS",
+        "OPENBLAS_CORETYPE",
+        "OPENBLAS_L2_SIZE",
+        "PYTHONDONTWRITEBYTECODE",
+        "PYTHONUNBUFFERED",
+        "PYTHONHASHSEED",
+        "HF_HUB_OFFLINE",
+        "HF_DATASETS_OFFLINE",
+        "TRANSFORMERS_OFFLINE",
+        "TOKENIZERS_PARALLELISM",
+        "LD_LIBRARY_PATH",
+    }
+)
+"""Variables a child gets from its parent's environment, as they are."""
+PASSED_PREFIXES = ("LC_", "NCCL_", "GLOO_", "TORCH_")
+"""Families of variables a child gets too (locale, the collectives' tuning, torch's switches)."""
+SECRET_NAME = re.compile(r"(^|_)(TOKEN|SECRET|PASSWORD|PASSWD|PASS|CREDENTIALS?|KEY|AUTH|DSN)(_|$)|DATABASE_URL")
+"""A name that may hold a secret: never passed, whatever the lists above say."""
+NEVER_PREFIXES = ("ZERO1_", "RAY_", "AWS_", "PG", "MLFLOW_")
+"""Families that hold the service's settings and credentials: never passed."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunAs:
+    """The uid and gid a job's children run under (ZERO1_RUN_AS); None where they run as the service."""
+
+    uid: int
+    gid: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChildSpec:
+    """Where and as whom a child runs."""
+
+    home: str
+    """Its HOME and the root of its TMPDIR: the job's own directory (or a scratch one of a task's)."""
+    cwd: str | None = None
+    """Its working directory: a code bundle's, where there is one (the parent's cwd), else home."""
+    run_as: RunAs | None = None
+
+
+class ChildExited(RuntimeError):
+    """The child ended without answering: `rank 1 exited: killed by signal 9 (out of memory?)`."""
+
+
+class ProtocolError(RuntimeError):
+    """The child sent something that is not a message of the protocol."""
+
+
+def is_secret_name(name: str) -> bool:
+    return name.startswith(NEVER_PREFIXES) or SECRET_NAME.search(name.upper()) is not None
+
+
+def child_environment(environ: Mapping[str, str], *, home: str, pythonpath: str | None) -> dict[str, str]:
+    """The child's whole environment: the allowlisted variables of `environ` that are not named like
+    a secret, then HOME, TMPDIR (home/tmp) and PYTHONPATH (the code bundle, where there is one)."""
+    env = {
+        name: value
+        for name, value in environ.items()
+        if (name in PASSED_NAMES or name.startswith(PASSED_PREFIXES)) and not is_secret_name(name)
+    }
+    env.setdefault("PATH", os.defpath)
+    env |= {"HOME": home, "TMPDIR": os.path.join(home, "tmp"), "PYTHONNOUSERSITE": "1"}
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    return env
+
+
+def prepare_home(spec: ChildSpec) -> None:
+    """The child's home and TMPDIR, made (mode 0700) and owned by its uid where it has one."""
+    for path in (spec.home, os.path.join(spec.home, "tmp")):
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        if spec.run_as is not None:
+            os.chown(path, spec.run_as.uid, spec.run_as.gid, follow_symlinks=False)
+        os.chmod(path, 0o700, follow_symlinks=False)
+
+
+def exit_reason(returncode: int | None) -> str:
+    """How a process ended, in words: `exited with code 3`, `killed by signal 9 (out of memory?)`."""
+    if returncode is None:
+        return "is still running"
+    if returncode >= 0:
+        return f"exited with code {returncode}"
+    number = -returncode
+    try:
+        name = signal.Signals(number).name
+    except ValueError:
+        name = "unknown"
+    hint = " (out of memory?)" if number == signal.SIGKILL else ""
+    return f"killed by signal {number} ({name}){hint}"
+
+
+class Child:
+    """A running child: its process, the parent's end of the socket, and the lifeline's write end."""
+
+    def __init__(self, mode: str, spec: ChildSpec, *, environ: Mapping[str, str] | None = None) -> None:
+        prepare_home(spec)
+        parent_end, child_end = socket.socketpair()
+        lifeline_read, self._lifeline = os.pipe()
+        cwd = spec.cwd or spec.home
+        env = child_environment(os.environ if environ is None else environ, home=spec.home, pythonpath=spec.cwd)
+        identity: dict[str, Any] = {}
+        if spec.run_as is not None:
+            identity = {"user": spec.run_as.uid, "group": spec.run_as.gid, "extra_groups": []}
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "workers.child", mode, str(child_end.fileno()), str(lifeline_read)],
+                env=env,
+                cwd=cwd,
+                stdin=subprocess.DEVNULL,
+                pass_fds=(child_end.fileno(), lifeline_read),
+                start_new_session=True,
+                **identity,
+            )
+        finally:
+            child_end.close()
+            os.close(lifeline_read)
+        self.conn = Connection(parent_end.detach())
+
+    def send(self, message: Any) -> None:
+        self.conn.send_bytes(pickle.dumps(message))
+
+    def receive(self, timeout_s: float | None = None) -> dict[str, Any] | None:
+        """The child's next message; None when none came within timeout_s. ChildExited when the
+        child has ended (its socket closed), ProtocolError for what is not a JSON object."""
+        try:
+            if timeout_s is not None and not self.conn.poll(timeout_s):
+                return None
+            data = self.conn.recv_bytes(MAX_MESSAGE_BYTES)
+        except (EOFError, OSError):
+            raise ChildExited(self.ended()) from None
+        try:
+            message = json.loads(data)
+        except ValueError:
+            message = None
+        if not isinstance(message, dict):
+            raise ProtocolError(f"the child sent {len(data)} bytes that are not a JSON object")
+        return message
+
+    def ended(self, timeout_s: float = 10.0) -> str:
+        """How the child ended, waiting up to timeout_s for it to; killed when it does not end."""
+        try:
+            code = self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            code = self.process.wait()
+        return exit_reason(code)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+
+    def close(self) -> None:
+        """Hang up: the child's lifeline breaks and it exits, if it has not."""
+        self.conn.close()
+        if self._lifeline >= 0:
+            os.close(self._lifeline)
+            self._lifeline = -1
+        self.kill()
+        self.process.wait()
+
+
+def call_in_child(function: str, argument: Any, *, spec: ChildSpec, timeout_s: float) -> Any:
+    """`function` ("module:name") applied to `argument` in a child: its JSON result. The child's
+    exception comes back as ChildError (InvalidModelError's field kept); past timeout_s the child
+    is killed and TimeoutError raised; a child that dies raises ChildExited."""
+    import time
+
+    child = Child("call", spec)
+    try:
+        child.send((function, argument))
+        deadline = time.monotonic() + timeout_s
+        while (message := child.receive(max(0.0, deadline - time.monotonic()))) is None:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"the child ran past {timeout_s:g} s and was stopped")
+        if "error" in message:
+            raise ChildError.of(message["error"])
+        return message.get("result")
+    except ChildExited as exc:
+        raise ChildExited(f"the process that ran it {exc}") from None
+    finally:
+        child.close()
+
+
+class ChildError(RuntimeError):
+    """An exception raised in a child, as it reported it: its type's name, message, and the field
+    of the request it names (an InvalidModelError's); the caller turns it into its own error."""
+
+    def __init__(self, exception: str, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.exception, self.message, self.field = exception, message, field
+
+    def __reduce__(self):  # crosses Ray as its three strings
+        return (type(self), (self.exception, self.message, self.field))
+
+    @classmethod
+    def of(cls, error: Any) -> ChildError:
+        if not isinstance(error, dict):
+            raise ProtocolError("the child's error is not an object")
+        field = error.get("field")
+        return cls(str(error.get("exception", "Exception")), str(error.get("message", "")), field and str(field))
