@@ -98,7 +98,7 @@ def test_paths_files_directories_globs_and_the_roots(tmp_path):
     with pytest.raises(ValueError, match=r"data\.path: .* outside"):
         files(root / ".." / "outside" / "*.jsonl")
     (root / "link.jsonl").symlink_to(outside / "secret.jsonl")  # a link in the root to a file outside it
-    with pytest.raises(ValueError, match=r"link\.jsonl, which resolves to .*secret\.jsonl, outside"):
+    with pytest.raises(ValueError, match=r"link\.jsonl, which resolves outside the data roots \[[^]]*\] \("):
         files(root / "*.jsonl")
     with pytest.raises(ValueError, match=r"outside"):
         files(root)
