@@ -6,7 +6,7 @@ The bytes live in service.code's store, once per digest; these rows say who may 
 
 from __future__ import annotations
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -30,6 +30,27 @@ def record_upload(session: Session, *, info: BundleInfo, uploader: str | None) -
     except IntegrityError:  # the same user's concurrent upload of the same bytes won the race
         return _uploaded_by(session, info.digest, uploader=uploader)
     return row
+
+
+def check_quota(session: Session, *, digest: str, num_bytes: int, uploader: str | None, quota_bytes: int) -> None:
+    """A 413 when recording `num_bytes` more for `uploader` would pass ZERO1_CODE_QUOTA_BYTES. The caller
+    skips it for bytes the store holds already: they cost no storage. Checked before the write:
+    concurrent uploads of one user may pass the quota by those in flight."""
+    mine = CodeBundle.uploader.is_(None) if uploader is None else CodeBundle.uploader == uploader
+    query = select(func.coalesce(func.sum(CodeBundle.bytes), 0)).where(mine, CodeBundle.digest != digest)
+    stored = session.scalar(query)
+    if stored + num_bytes <= quota_bytes:
+        return
+    who = "the anonymous user (auth is off)" if uploader is None else f"user {uploader}"
+    raise ServiceError(
+        f"{who} has {stored} bytes of code bundles recorded; this bundle's {num_bytes} bytes would make "
+        f"{stored + num_bytes}, past the quota of {quota_bytes} bytes (ZERO1_CODE_QUOTA_BYTES)",
+        status_code=413,
+        error="code_quota_exceeded",
+        stored_bytes=stored,
+        bundle_bytes=num_bytes,
+        quota_bytes=quota_bytes,
+    )
 
 
 def _uploaded_by(session: Session, digest: str, *, uploader: str | None) -> CodeBundle | None:

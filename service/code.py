@@ -126,7 +126,23 @@ def _check_names(infos: list[zipfile.ZipInfo], *, max_entries: int) -> dict[str,
         entries[name] = info
     if all(info.is_dir() for info in entries.values()):
         raise invalid_code("the zip holds no files")
+    _check_no_file_is_a_directory(entries)
     return entries
+
+
+def _check_no_file_is_a_directory(entries: dict[str, zipfile.ZipInfo]) -> None:
+    """A 422 naming both entries when a file's path is a directory of another entry (`x` and `x/y.py`):
+    unpacked, one of them cannot exist, and Ray's unzip fails only when a job or plan uses the bundle."""
+    for name, info in sorted(entries.items()):
+        parts = name.split("/")
+        for depth in range(1, len(parts)):
+            parent = entries.get("/".join(parts[:depth]))
+            if parent is not None and not parent.is_dir():
+                raise invalid_code(
+                    f"entry {info.filename!r} is inside {parent.filename!r}, which is a file: "
+                    "a path cannot be both a file and a directory",
+                    entry=info.filename,
+                )
 
 
 def _check_entry(info: zipfile.ZipInfo) -> str | None:

@@ -125,6 +125,19 @@ class Settings(BaseSettings):
     max_queued_jobs_per_user: int = Field(1000, ge=1, le=1_000_000)
     """Queued jobs one user (one token's user; everyone when auth is off) may have;
     a submit past it gets 429."""
+    code_quota_bytes: int = Field(1 << 30, ge=0, le=1 << 50)
+    """Bytes of code bundles (zips as uploaded) one user (everyone when auth is off) may have
+    recorded; an upload of a bundle the store does not hold yet that would pass it gets 413."""
+    token_cache_max_bytes: int = Field(100 << 30, ge=0, le=1 << 50)
+    """Bytes the dataset token cache (ZERO1_CHECKPOINT_URI/datasets/tokens) may hold: past it the least
+    recently used token files are deleted (never one a queued or active job may need; a rank that
+    finds its token file gone tokenizes it again)."""
+    log_retention_days: float = Field(30.0, ge=0, le=100_000, allow_inf_nan=False)
+    """Days a finished job's log lines are kept after it ended; then the service deletes them,
+    leaving one marker line. 0 keeps them forever."""
+    housekeeping_interval_s: float = Field(60.0, gt=0, le=86_400)
+    """How often the service deletes expired log lines and trims the token cache to
+    ZERO1_TOKEN_CACHE_MAX_BYTES."""
 
     @model_validator(mode="after")
     def _start_after_placement(self) -> Settings:

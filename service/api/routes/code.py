@@ -9,7 +9,8 @@ from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from service import bundles
-from service.api.deps import PrincipalDep, ReaderDep, RuntimeDep, SessionDep
+from service.api.deps import PrincipalDep, ReaderDep, RuntimeDep, SessionDep, SettingsDep
+from service.code import digest_of
 from service.errors import ServiceError
 from service.responses import CodeBundleDetailPublic, CodeBundlePublic, ErrorPublic
 
@@ -51,11 +52,24 @@ async def _read_body(request: Request) -> bytes:
     },
     openapi_extra={"requestBody": _ZIP_BODY},
 )
-async def upload_code(request: Request, session: SessionDep, principal: PrincipalDep, runtime: RuntimeDep) -> Response:
+async def upload_code(
+    request: Request, session: SessionDep, principal: PrincipalDep, runtime: RuntimeDep, settings: SettingsDep
+) -> Response:
     """Check a zip of Python code and store it; a job names it by the `code` answered. 201 when the bytes
-    are new to the store, 200 when it held them already (this uploader is recorded either way)."""
+    are new to the store, 200 when it held them already (this uploader is recorded either way). 413 when
+    new bytes would pass the uploader's ZERO1_CODE_QUOTA_BYTES."""
     _check_zip_type(request.headers.get("content-type"))
     data = await _read_body(request)
+    digest = digest_of(data)
+    if not runtime.code.exists(digest):  # bytes the store holds already cost nothing
+        await run_in_threadpool(
+            bundles.check_quota,
+            session,
+            digest=digest,
+            num_bytes=len(data),
+            uploader=principal.user,
+            quota_bytes=settings.code_quota_bytes,
+        )
     # decompressing up to 1 GiB and writing the store's zip is work for a thread, not the event loop
     info, created = await run_in_threadpool(runtime.code.put, data)
     await run_in_threadpool(bundles.record_upload, session, info=info, uploader=principal.user)
