@@ -17,10 +17,11 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
+from service.artifacts import FinalFile, check_artifact, recorded_artifacts
 from service.auth import Principal
 from service.errors import ServiceError
 from service.models import Job, JobEvent, Metric, utcnow
-from service.responses import ArtifactPublic, EventPublic, JobPublic, MetricPublic, PlanPublic
+from service.responses import EventPublic, JobPublic, MetricPublic, PlanPublic
 from service.schemas import JobSpec, world_sizes
 from workers.records import finite_or_none
 
@@ -287,27 +288,28 @@ def job_metrics(
     return data, (rows[-1].step if more else None)
 
 
-def job_artifacts(job: Job, *, launcher: RayLauncher) -> tuple[Path, list[ArtifactPublic]]:
-    """The final model's directory and files of a succeeded job (none when it wrote none: it
-    succeeded before artifacts existed, or its storage lost them); 409 for any other status."""
+def job_artifacts(session: Session, job: Job, *, launcher: RayLauncher) -> tuple[Path, list[FinalFile]]:
+    """The job's directory and the artifacts the service recorded of a succeeded job (none when it
+    wrote none, or its storage lost them); 409 for any other status."""
     if job.status != "succeeded":
         raise ServiceError(
             f"job {job.id} is {job.status}: its artifacts are written when it succeeds",
             status_code=409,
             error="conflict",
         )
-    directory, files = launcher.artifacts(job)
-    return directory, [ArtifactPublic.model_validate(entry) for entry in files]
+    job_dir = launcher.checkpoint_dir(job)
+    return job_dir, recorded_artifacts(session, job, job_dir=job_dir)
 
 
-def artifact_file(job: Job, name: str, *, launcher: RayLauncher) -> Path:
-    """The path of one of the job's artifacts: a name its manifest lists (anything else, a path
-    with a separator or .. included, is a 404), a regular file in its final/ directory."""
-    directory, files = job_artifacts(job, launcher=launcher)
-    path = directory / name
-    if name not in {entry.name for entry in files} or Path(name).name != name or not path.is_file():
+def artifact_file(session: Session, job: Job, name: str, *, launcher: RayLauncher) -> tuple[Path, FinalFile]:
+    """The job's directory and one recorded artifact, still a regular file of its recorded size (a
+    409 otherwise); any name not recorded (a path with a separator or .. included) is a 404."""
+    job_dir, files = job_artifacts(session, job, launcher=launcher)
+    found = next((entry for entry in files if entry.name == name), None)
+    if found is None:
         raise ServiceError(f"job {job.id} has no artifact {name!r}", status_code=404, error="not_found")
-    return path
+    check_artifact(job, job_dir, found)
+    return job_dir, found
 
 
 def thinned_steps(first: int, last: int, *, max_points: int) -> list[int]:

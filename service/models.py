@@ -1,4 +1,5 @@
-"""The database: jobs, their state transitions, their per-step metrics and logs, and who uploaded which code.
+"""The database: jobs, their state transitions, their per-step metrics, logs and artifacts, and who uploaded
+which code.
 
 The schema changes only through Alembic migrations (migrations/); a test
 checks that these models and the migrations agree.
@@ -93,6 +94,9 @@ class Job(Base):
     log_state: Mapped[dict[str, Any] | None] = mapped_column(default=None)
     """What its logs hold (service.log_lines): the bytes kept, the lines dropped past
     ZERO1_LOG_MAX_BYTES, and per rank the n of the last line of this attempt stored."""
+    artifacts_recorded_at: Mapped[datetime | None] = mapped_column(default=None)
+    """When the service read its final/ directory and recorded its artifacts (service.artifacts);
+    null before, and for jobs that succeeded before artifacts were recorded (read on first listing)."""
 
 
 class JobEvent(Base):
@@ -178,3 +182,19 @@ class CodeBundle(Base):
     bytes: Mapped[int] = mapped_column(BigInteger)
     files: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Artifact(Base):
+    """One file of a succeeded job's final model, as the service read it when the job succeeded: only
+    these names are served, and only while the file still has these bytes."""
+
+    __tablename__ = "artifacts"
+    __table_args__ = (Index("ix_artifacts_job_name", "job_id", "name", unique=True),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(255))
+    """A plain file name in the job's final/ directory."""
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))
+    """Hex digest the service computed of the file's bytes (and checked against the manifest's)."""

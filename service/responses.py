@@ -169,7 +169,7 @@ class LogsPublic(BaseModel):
 class ArtifactPublic(BaseModel):
     name: str
     bytes: int
-    sha256: str = Field(description="Hex digest of the file's bytes, as its writer computed them.")
+    sha256: str = Field(description="Hex digest of the file's bytes, computed by the service when the job succeeded.")
 
 
 class ArtifactsPublic(BaseModel):

@@ -25,6 +25,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service import elastic
+from service.artifacts import record_final
 from service.db import Database
 from service.jobs import ACTIVE, gpus_in_use, job_world_sizes, running_reason, transition
 from service.launcher import RayLauncher
@@ -227,6 +228,8 @@ class Scheduler:
             return
         if state["status"] == "starting" and self._start_overdue(job):
             state = {**state, "status": "failed", "error": _start_timeout(job, self.start_timeout_s)}
+        if state["status"] == "succeeded":  # final/ read, checked and recorded before the job ends
+            record_final(self.db, job, job_dir=self.launcher.checkpoint_dir(job))
         self._settle(job, lambda session, fresh: self._progress(session, fresh, state))
 
     def _start_overdue(self, job: Job) -> bool:

@@ -14,7 +14,7 @@ from sqlalchemy.exc import IntegrityError, StatementError
 from service.db import Database, alembic_config, downgrade, make_engine, upgrade
 from service.models import Base, CodeBundle, Job, JobEvent, Metric
 
-TABLES = {"jobs", "job_events", "metrics", "logs", "code_bundles", "alembic_version"}
+TABLES = {"jobs", "job_events", "metrics", "logs", "code_bundles", "artifacts", "alembic_version"}
 GIB = 2**30
 
 
@@ -57,7 +57,7 @@ def _schema(url: str) -> tuple[set[str], str | None]:
         engine.dispose()
 
 
-HEAD = "0008"
+HEAD = "0009"
 
 
 def _count(database: Database, model: type[Base], job_id: int) -> int:
@@ -70,7 +70,7 @@ def test_one_linear_history(database_url):
     assert script.get_heads() == [HEAD]
     revisions = [r.revision for r in script.walk_revisions()]  # head first, each down to the one before
     assert (
-        revisions == ["0008", "0007", "0006", "0005", "0004", "0003", "0002", "0001"]
+        revisions == ["0009", "0008", "0007", "0006", "0005", "0004", "0003", "0002", "0001"]
         and script.get_revision("0001").down_revision is None
     )
 

@@ -3,25 +3,30 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
+from urllib.parse import quote
 
 from fastapi import APIRouter, Header, Path, Query, Request, Response
-from fastapi.responses import FileResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from service import admission, jobs
 from service.api.deps import ClusterDep, PrincipalDep, ReaderDep, RuntimeDep, SessionDep, SettingsDep
+from service.artifacts import stream_artifact
 from service.auth import check_can_cancel
 from service.bundles import require_bundle
 from service.db import Database
+from service.errors import ServiceError
 from service.hf import check_model_path
 from service.launcher import dataset_cache_dir
 from service.log_lines import read_logs
 from service.models import Job
 from service.responses import (
+    ArtifactPublic,
     ArtifactsPublic,
     DryRunPublic,
     ErrorPublic,
@@ -235,17 +240,24 @@ def job_events(job_id: JobId, session: SessionDep, principal: ReaderDep) -> Resp
 
 @router.get("/{job_id}/artifacts", response_model=ArtifactsPublic, responses=_ERRORS)
 def job_artifacts(job_id: JobId, session: SessionDep, principal: ReaderDep, runtime: RuntimeDep) -> Response:
-    """The files of a succeeded job's final model, with their bytes and sha256; 409 while it has not
-    succeeded. Its owner's and admins' only (a 404 to others, as for metrics)."""
+    """The files of a succeeded job's final model as the service recorded them when it succeeded (their
+    bytes and the sha256 it computed); 409 while it has not succeeded. Its owner's and admins' only (a
+    404 to others, as for metrics)."""
     job = jobs.get_visible_job(session, job_id, principal=principal)
-    _, files = jobs.job_artifacts(job, launcher=runtime.launcher)
-    return _json(ArtifactsPublic(data=files, count=len(files)))
+    _, files = jobs.job_artifacts(session, job, launcher=runtime.launcher)
+    data = [ArtifactPublic(name=f.name, bytes=f.bytes, sha256=f.sha256) for f in files]
+    return _json(ArtifactsPublic(data=data, count=len(data)))
 
 
 @router.get(
     "/{job_id}/artifacts/{name}",
-    response_class=FileResponse,
-    responses={**_ERRORS, 206: {"description": "The bytes a Range header asked for"}, 416: {}},
+    response_class=StreamingResponse,
+    responses={
+        **_ERRORS,
+        200: {"content": {"application/octet-stream": {}}, "description": "The file's bytes"},
+        206: {"description": "The bytes a Range header asked for"},
+        416: {"model": ErrorPublic},
+    },
 )
 def job_artifact(
     job_id: JobId,
@@ -253,9 +265,64 @@ def job_artifact(
     session: SessionDep,
     principal: ReaderDep,
     runtime: RuntimeDep,
-) -> FileResponse:
-    """One artifact's bytes, streamed; `Range: bytes=a-b` answers 206 with those bytes (416 past the
-    end). Only a name the listing gives; the job's owner's and admins' only."""
+    range_header: Annotated[str | None, Header(alias="range", max_length=200)] = None,
+) -> Response:
+    """One recorded artifact's bytes, streamed and hashed as they go: a file changed since it was recorded
+    is cut off before its end (409 when its size already differs). `Range: bytes=a-b` answers 206 with
+    those bytes (416 past the end). Only a name the listing gives; the job's owner's and admins' only."""
     job = jobs.get_visible_job(session, job_id, principal=principal)
-    path = jobs.artifact_file(job, name, launcher=runtime.launcher)
-    return FileResponse(path, media_type="application/octet-stream", filename=name)
+    job_dir, artifact = jobs.artifact_file(session, job, name, launcher=runtime.launcher)
+    span = _byte_range(range_header, size=artifact.bytes)
+    first, last = span or (0, artifact.bytes - 1)
+    headers = {
+        "Accept-Ranges": "bytes",
+        "Content-Length": str(last + 1 - first),
+        "Content-Disposition": _attachment(name),
+    }
+    if span is not None:
+        headers["Content-Range"] = f"bytes {first}-{last}/{artifact.bytes}"
+    return StreamingResponse(
+        stream_artifact(job.id, job_dir, artifact, first=first, last=last),
+        status_code=206 if span is not None else 200,
+        media_type="application/octet-stream",
+        headers=headers,
+    )
+
+
+_RANGE = re.compile(r"bytes=(\d{0,19})-(\d{0,19})")
+
+
+def _byte_range(header: str | None, *, size: int) -> tuple[int, int] | None:
+    """(first, last) of a single `bytes=a-b`, `bytes=a-` or `bytes=-n` range; None for no header or one
+    this does not serve as a range (several ranges, another unit: the whole file, as RFC 9110 allows);
+    a 416 when it starts past the end."""
+    found = None if header is None else _RANGE.fullmatch(header.strip())
+    if found is None or found[1] == found[2] == "":
+        return None
+    if found[1] == "":  # the last n bytes
+        first, last = max(size - int(found[2]), 0), size - 1
+        if int(found[2]) == 0 or size == 0:
+            raise _unsatisfiable(header, size=size)
+        return first, last
+    first = int(found[1])
+    last = size - 1 if found[2] == "" else min(int(found[2]), size - 1)
+    if found[2] != "" and int(found[2]) < first:
+        return None  # an invalid range is ignored
+    if first >= size:
+        raise _unsatisfiable(header, size=size)
+    return first, last
+
+
+def _unsatisfiable(header: str, *, size: int) -> ServiceError:
+    return ServiceError(
+        f"Range: {header!r} starts past the end of the file ({size} bytes)",
+        status_code=416,
+        error="range_not_satisfiable",
+        headers={"Content-Range": f"bytes */{size}"},
+    )
+
+
+def _attachment(name: str) -> str:
+    """Content-Disposition for `name`, as Starlette's FileResponse writes it."""
+    quoted = quote(name)
+    return f'attachment; filename="{name}"' if quoted == name else f"attachment; filename*=utf-8''{quoted}"
