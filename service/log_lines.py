@@ -1,6 +1,7 @@
 """A job's logs in the database: every rank's lines stored once, in order, within the job's bound
 (ZERO1_LOG_MAX_BYTES: the oldest lines dropped, one marker line in their place), and read back
-in pages after a cursor (a line's seq, its id).
+in pages after a cursor (a line's seq, its id). A finished job's lines are deleted once it ended
+more than ZERO1_LOG_RETENTION_DAYS ago (expire_logs), one marker line left in their place.
 
 What is stored is acknowledged to the supervisor by each rank's last stored n (log_acks), kept
 on the job in the transaction that stores the lines: a line is stored once even when a poll
@@ -14,13 +15,14 @@ from collections import defaultdict
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import delete, insert, or_, select
+from sqlalchemy import delete, exists, insert, or_, select
 from sqlalchemy.orm import Session
 
 from service.models import Job, LogLine
 from workers.records import OutputLine
 
 _TRIM_CHUNK = 1000
+_FINISHED = ("succeeded", "failed", "cancelled")
 
 
 def log_acks(job: Job) -> dict[int, int]:
@@ -151,3 +153,41 @@ def _mark(
     )
     marker = {"job_id": job.id, "attempt": None, "rank": None, "time": datetime.now(UTC), "stream": "marker"}
     session.execute(insert(LogLine), [{**marker, "line": text, **({"id": at} if at is not None else {})}])
+
+
+def expire_logs(session: Session, *, finished_before: datetime, max_jobs: int, max_rows: int) -> tuple[int, int]:
+    """Delete the lines of jobs that finished before `finished_before`, at most `max_rows` rows of at most
+    `max_jobs` jobs, a chunk per statement; a job whose lines are all gone gets one marker line saying
+    why. (jobs emptied, rows deleted): the caller commits, and calls again while there is more."""
+    lines = select(LogLine.id).where(LogLine.job_id == Job.id, LogLine.stream != "marker")
+    candidates = session.scalars(
+        select(Job)
+        .where(Job.status.in_(_FINISHED), Job.finished_at < finished_before, exists(lines))
+        .order_by(Job.id)
+        .limit(max_jobs)
+    )
+    jobs_emptied = rows = 0
+    for job in list(candidates):
+        while rows < max_rows:
+            chunk = select(LogLine.id).where(LogLine.job_id == job.id, LogLine.stream != "marker")
+            chunk = chunk.order_by(LogLine.id).limit(min(_TRIM_CHUNK, max_rows - rows))
+            ids = list(session.scalars(chunk))
+            if not ids:
+                _mark_expired(session, job)
+                jobs_emptied += 1
+                break
+            rows += session.execute(delete(LogLine).where(LogLine.id.in_(ids))).rowcount
+    return jobs_emptied, rows
+
+
+def _mark_expired(session: Session, job: Job) -> None:
+    """The job's one marker line, now saying that its lines were deleted and when it ended."""
+    state = _state(job)
+    session.execute(delete(LogLine).where(LogLine.job_id == job.id, LogLine.stream == "marker", LogLine.rank.is_(None)))
+    text = (
+        f"[zero1] this job's log lines were deleted: it ended at {job.finished_at:%Y-%m-%d %H:%M:%S} UTC, "
+        "longer ago than the service keeps logs (ZERO1_LOG_RETENTION_DAYS)"
+    )
+    marker = {"job_id": job.id, "attempt": None, "rank": None, "time": datetime.now(UTC), "stream": "marker"}
+    session.execute(insert(LogLine), [{**marker, "line": text}])
+    job.log_state = {**state, "bytes": 0, "expired": True}

@@ -9,7 +9,8 @@ from service.code import CodeStore, code_dir
 from service.config import Settings
 from service.dataprep import DatasetChecker
 from service.db import Database, upgrade
-from service.launcher import RayLauncher
+from service.housekeeping import Housekeeper
+from service.launcher import RayLauncher, dataset_cache_dir
 from service.scheduler import Scheduler
 from service.telemetry import Telemetry
 from service.tracing import Tracer
@@ -24,6 +25,9 @@ class Runtime:
         self.cluster = RayCluster(settings)
         self.code = CodeStore(code_dir(settings.checkpoint_uri))
         self.launcher = RayLauncher(settings, code_uri=self.code.uri)
+        self.housekeeper = Housekeeper(
+            db=self.db, settings=settings, cache_dir=dataset_cache_dir(settings.checkpoint_uri)
+        )
         self.tracer = Tracer(timeout_s=settings.plan_timeout_s, code_uri=self.code.uri)
         self.datasets = DatasetChecker(timeout_s=settings.data_timeout_s)
         self.scheduler = Scheduler(
@@ -43,10 +47,12 @@ class Runtime:
         self.cluster.connect()
         self.scheduler.recover()
         self.scheduler.start()
+        self.housekeeper.start()
         log.info("zero1 is up: %s", self.cluster.capacity())
 
     def stop(self) -> None:
         """Stop scheduling and drain the metrics the supervisors hold, then let Ray go."""
+        self.housekeeper.stop()
         self.scheduler.stop()
         self.cluster.disconnect()
         self.db.dispose()

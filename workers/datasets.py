@@ -11,7 +11,9 @@ same for any N, so a resume or resize continues at exactly the next sample.
 The token file is keyed by the files' contents, the tokenizer's and the field read
 (`<cache_dir>/tokens/<sha256>.bin`, flat little-endian uint16, or uint32 above 65,536 tokens, with
 a JSON sidecar); written atomically, so ranks that find it absent may each write it and every rank
-memory-maps the same bytes.
+memory-maps the same bytes. The service trims the cache to ZERO1_TOKEN_CACHE_MAX_BYTES
+(service/token_cache.py), least recently used first, by the sidecars' mtimes, which a hit touches:
+a rank that finds its entry gone tokenizes it again.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import math
 import os
 import tempfile
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -180,16 +182,25 @@ def _public(meta: dict) -> dict:
 
 
 def _cached(path: Path, sidecar: Path, *, meta: dict) -> np.ndarray | None:
-    """The cached token stream, or None when absent or not whole (then it is made again)."""
+    """The cached token stream, or None when absent or not whole (then it is made again); a hit
+    touches the sidecar, whose mtime is the entry's last use for the service's LRU trim."""
     try:
         stored = json.loads(sidecar.read_text())
         num_tokens = int(stored["num_tokens"])
         whole = path.stat().st_size == num_tokens * np.dtype(meta["dtype"]).itemsize
-    except (OSError, ValueError, KeyError, TypeError):
+        if not whole or stored.get("version") != CACHE_VERSION or any(stored.get(k) != v for k, v in meta.items()):
+            return None
+        tokens = _map(path, np.dtype(meta["dtype"]), num_tokens)  # once mapped, an eviction cannot take it away
+    except (OSError, ValueError, KeyError, TypeError):  # evicted under us too: made again
         return None
-    if not whole or stored.get("version") != CACHE_VERSION or any(stored.get(k) != v for k, v in meta.items()):
-        return None
-    return _map(path, np.dtype(meta["dtype"]), num_tokens)
+    _touch(sidecar)
+    return tokens
+
+
+def _touch(sidecar: Path) -> None:
+    """Mark a cache entry used now; best effort (an entry another uid wrote may refuse it)."""
+    with suppress(OSError):
+        os.utime(sidecar)
 
 
 def _map(path: Path, dtype: np.dtype, num_tokens: int) -> np.ndarray:
@@ -333,6 +344,7 @@ class DatasetSource:
             vocab_size=self.token_file.vocab_size,
             eos_id=self.token_file.eos_id,
             tokenized=self.token_file.created,
+            token_file=self.token_file.path,
         )
 
     def block_tokens(self, block_ids: np.ndarray) -> Tensor:
@@ -351,3 +363,5 @@ class DatasetSummary:
     vocab_size: int
     eos_id: int
     tokenized: bool
+    token_file: str | None = None
+    """The cache entry's token file (None without a cache): the service marks it used and trims the cache."""
