@@ -4,7 +4,8 @@ With no tokens configured auth is off: every request is one anonymous user who m
 anything, which is safe only on loopback (`zero1 serve` refuses any other address). With
 tokens, a request names its user by `Authorization: Bearer <token>`, or by the dashboard's
 `zero1_token` cookie; a mutating request authenticated by the cookie must also send
-`X-Zero1-CSRF: 1`, a header no cross-site form can set.
+`X-Zero1-CSRF: 1`, a header no cross-site form can set. Every wrong token counts against its
+client in the app's one lockout (service/lockout.py), as a wrong one at /login does.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +22,7 @@ from fastapi import Request
 
 from service.config import PLACEHOLDER_RULE, Settings, is_placeholder
 from service.errors import ServiceError
+from service.lockout import LoginLockout, client_key
 
 TOKEN_COOKIE = "zero1_token"
 CSRF_HEADER = "X-Zero1-CSRF"
@@ -172,11 +175,32 @@ def credentials(request: Request) -> tuple[str | None, bool]:
     return (cookie, True) if cookie else (None, False)
 
 
-class Authenticator:
-    """Decides, for every request, who calls and whether they may; the routes' dependencies ask it."""
+def lockout_of(settings: Settings) -> LoginLockout:
+    """The app's lockout: ZERO1_AUTH_MAX_FAILURES wrong tokens within ZERO1_AUTH_FAILURE_WINDOW_S."""
+    return LoginLockout(max_failures=settings.auth_max_failures, window_s=settings.auth_failure_window_s)
 
-    def __init__(self, tokens: TokenTable, *, public_read: bool):
+
+def locked_out(lockout: LoginLockout, *, wait_s: float) -> ServiceError:
+    """The 429 of a client that sent too many wrong tokens: when it may try again, in the message and Retry-After."""
+    seconds = math.ceil(wait_s)
+    return ServiceError(
+        f"{lockout.max_failures} wrong tokens within {lockout.window_s:g} s from this address: try again in "
+        f"{seconds} s (until then no token it sends is checked)",
+        status_code=429,
+        error="too_many_failures",
+        headers={"Retry-After": str(seconds)},
+    )
+
+
+class Authenticator:
+    """Decides, for every request, who calls and whether they may; the routes' dependencies ask it.
+
+    `lockout` counts the wrong tokens of each client, by header or cookie; a client past its bound gets a
+    429 before its token is looked up, a valid one included: else a guesser would go on at full speed."""
+
+    def __init__(self, tokens: TokenTable, *, public_read: bool, lockout: LoginLockout | None = None):
         self.tokens, self.public_read = tokens, public_read
+        self.lockout = LoginLockout() if lockout is None else lockout
 
     def _identify(self, request: Request) -> tuple[Principal, bool]:
         token, from_cookie = credentials(request)
@@ -184,8 +208,12 @@ class Authenticator:
             raise _unauthorized(
                 "this endpoint needs an API token: send Authorization: Bearer <token> (or log in at /login)"
             )
+        client = client_key(request.client.host if request.client else None)
+        if (wait_s := self.lockout.retry_after_s(client)) > 0:
+            raise locked_out(self.lockout, wait_s=wait_s)
         principal = self.tokens.lookup(token)
         if principal is None:
+            self.lockout.record_failure(client)
             raise _unauthorized(
                 "the API token is not valid: send Authorization: Bearer <token> with a configured token"
             )

@@ -138,6 +138,12 @@ class Settings(BaseSettings):
     housekeeping_interval_s: float = Field(60.0, gt=0, le=86_400)
     """How often the service deletes expired log lines and trims the token cache to
     ZERO1_TOKEN_CACHE_MAX_BYTES."""
+    auth_max_failures: int = Field(10, ge=1, le=1_000_000)
+    """Wrong tokens one client (an IPv4 address, an IPv6 /64) may send within ZERO1_AUTH_FAILURE_WINDOW_S,
+    by the Authorization header, the dashboard's cookie or its login form together; past it every token
+    it sends, a valid one too, is answered 429 with Retry-After until its oldest failure is that old."""
+    auth_failure_window_s: float = Field(60.0, gt=0, le=86_400)
+    """The window, in seconds, within which ZERO1_AUTH_MAX_FAILURES wrong tokens lock a client out."""
 
     @model_validator(mode="after")
     def _start_after_placement(self) -> Settings:

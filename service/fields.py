@@ -1,5 +1,5 @@
 """The field types every request body shares: numbers that must be JSON numbers, booleans that must be
-JSON booleans, text without NUL, and the bound on a number typed as text."""
+JSON booleans, text without NUL or other control characters, and the bound on a number typed as text."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from decimal import Decimal
 from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, StrictBool
+
+from service.printable import escape, first_control
 
 MAX_TEXT_DIGITS = 30
 """Digits a number typed as text (the planner's form, the CLI) may have: more than any field's bound needs
@@ -36,11 +38,24 @@ def no_nul(text: str) -> str:
     return text
 
 
+def no_control(text: str) -> str:
+    # a name is printed by the CLI and the dashboard to other users: an ESC in it would drive their
+    # terminal (service/printable.py escapes what is stored; this refuses what is new)
+    no_nul(text)
+    if (index := first_control(text)) is not None:
+        raise ValueError(
+            f"must not contain a control character ({escape(text[index])} at {index}): C0, DEL and C1 "
+            "characters (ESC, BEL, CR, newline, ...) are refused"
+        )
+    return text
+
+
 Int = Annotated[int, BeforeValidator(_a_number)]
 Float = Annotated[float, BeforeValidator(_a_number)]
 Bool = StrictBool
 """true or false: pydantic's lax mode would also read 0, 1, "yes" and "off"."""
-Text = Annotated[str, AfterValidator(no_nul)]
+Text = Annotated[str, AfterValidator(no_control)]
+"""Text a request names something by (a job's name, a path, a column, an entrypoint): no control characters."""
 
 
 class Body(BaseModel):

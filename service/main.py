@@ -12,7 +12,7 @@ from fastapi.staticfiles import StaticFiles
 from service import dashboard
 from service.api import root, v1
 from service.api.limits import BodyLimit, BodySizeLimit
-from service.auth import Authenticator, TokenTable, load_tokens
+from service.auth import Authenticator, TokenTable, load_tokens, lockout_of
 from service.config import Settings, get_settings
 from service.dashboard.login import install_login, require_page_reader
 from service.errors import install_error_handlers
@@ -50,7 +50,7 @@ def create_app(settings: Settings | None = None, *, tokens: TokenTable | None = 
         description="Training jobs that fit where plain data parallelism cannot: ZeRO Stage 1 on Ray.",
         lifespan=lifespan,
     )
-    app.state.authenticator = Authenticator(tokens, public_read=settings.public_read)
+    app.state.authenticator = Authenticator(tokens, public_read=settings.public_read, lockout=lockout_of(settings))
     app.state.telemetry = telemetry
     app.add_middleware(
         BodySizeLimit,

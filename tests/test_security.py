@@ -23,10 +23,10 @@ from service.admission import admit
 from service.auth import TOKEN_COOKIE, check_bind, is_loopback, load_tokens
 from service.cli import main
 from service.cluster import ClusterCapacity, RayCluster
-from service.dashboard.lockout import MAX_FAILURES, WINDOW_S, LoginLockout, client_key
 from service.db import Database, upgrade
 from service.errors import ServiceError
 from service.jobs import job_public, submit_job
+from service.lockout import MAX_FAILURES, WINDOW_S, LoginLockout, client_key
 from service.main import create_app
 from service.models import Job, JobEvent
 from service.schemas import JobSpec
@@ -84,6 +84,7 @@ def secured(ray_cluster, tmp_path_factory, data_root):
         api_tokens=TOKENS,
         data_roots=[str(data_root)],
         max_queued_jobs_per_user=MAX_QUEUED,
+        auth_max_failures=1000,  # its tests send a wrong token to every endpoint: the lockout is tested apart
     )
     with TestClient(create_app(settings), raise_server_exceptions=False) as client:
         yield client

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from service.cli.bundle import upload_chunks, zip_directory
 from service.cli.output import STATUS_STYLES, terminal
 from service.cli.plans import format_plan
+from service.printable import MULTILINE, escape
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -47,7 +48,7 @@ def _api_error(response) -> int | None:
         message = body.get("message") or body
     except ValueError:
         message = response.text
-    print(f"zero1: {response.status_code} {message}", file=sys.stderr)
+    print(f"zero1: {response.status_code} {escape(str(message), keep=MULTILINE)}", file=sys.stderr)
     return 1
 
 
@@ -65,7 +66,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
             body["code"] = digest
         response = client.post("/v1/jobs", json=body, params={"dry_run": str(args.dry_run).lower()})
     if response.status_code == 422 and response.json().get("error") == "does_not_fit":
-        print(f"does not fit: {response.json()['message']}", file=sys.stderr)
+        print(f"does not fit: {escape(response.json()['message'], keep=MULTILINE)}", file=sys.stderr)
         print(format_plan(response.json()["plan"]), file=sys.stderr)
         return 1
     if (code := _api_error(response)) is not None:
@@ -100,7 +101,8 @@ def _upload_code(client, directory: Path) -> str | None:
 
 
 def _job_cells(job: dict) -> dict[str, str]:
-    """A job's row of `zero1 jobs`, each column as text: the plain line and the table share them."""
+    """A job's row of `zero1 jobs`, each column as text: the plain line and the table share them. The
+    name is its submitter's: printed with its control characters escaped (service/printable.py)."""
     loss = (job.get("latest") or {}).get("loss")
     return {
         "id": str(job["id"]),
@@ -109,7 +111,7 @@ def _job_cells(job: dict) -> dict[str, str]:
         "steps": str(job["steps"]),
         "gpus": _gpus(job),
         "loss": "-" if loss is None else f"{loss:.4f}",
-        "name": job["name"],
+        "name": escape(job["name"]),
     }
 
 
@@ -180,7 +182,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     if not events.is_success:  # another user's job: its events are its owner's and admins'
         return 0
     for event in events.json()["data"]:
-        print(f"{event['at']}  {event['from_status'] or '-':>10} -> {event['to_status']:<10}  {event['reason']}")
+        reason = escape(event["reason"], keep=MULTILINE)  # a user's code may have written it
+        print(f"{event['at']}  {event['from_status'] or '-':>10} -> {event['to_status']:<10}  {reason}")
     return 0
 
 
@@ -265,7 +268,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
                 break
             time.sleep(args.interval)
     if job["error"]:
-        print(f"error: {job['error']}", file=sys.stderr)
+        print(f"error: {escape(str(job['error']), keep=MULTILINE)}", file=sys.stderr)
     return 0 if job["status"] == "succeeded" else 1
 
 
@@ -303,6 +306,7 @@ def cmd_download(args: argparse.Namespace) -> int:
             return 1
         for entry in files:
             name = Path(entry["name"]).name  # a file name, never a path out of DIR
+            shown = escape(name)
             part = directory / f".{name}.part"
             digest, size = hashlib.sha256(), 0
             with client.stream("GET", f"/v1/jobs/{args.job_id}/artifacts/{name}") as response:
@@ -316,11 +320,11 @@ def cmd_download(args: argparse.Namespace) -> int:
             if digest.hexdigest() != entry["sha256"] or size != entry["bytes"]:
                 part.unlink()
                 print(
-                    f"zero1 download: {name}: sha256 mismatch ({size:,} bytes, sha256 {digest.hexdigest()}; "
+                    f"zero1 download: {shown}: sha256 mismatch ({size:,} bytes, sha256 {digest.hexdigest()}; "
                     f"listed {entry['bytes']:,} bytes, sha256 {entry['sha256']})",
                     file=sys.stderr,
                 )
                 return 1
             part.replace(directory / name)
-            print(f"{name}  {size:,} bytes  sha256 ok {entry['sha256'][:16]}")
+            print(f"{shown}  {size:,} bytes  sha256 ok {entry['sha256'][:16]}")
     return 0

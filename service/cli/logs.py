@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from service.cli import jobs  # jobs._client through the module: a test's stand-in client serves logs too
 from service.cli.output import terminal
+from service.printable import escape
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -69,9 +70,10 @@ def sse_messages(chunks: Iterable[str]) -> Iterator[ServerSentEvent]:
 
 
 def format_line(row: dict) -> str:
-    """A log line as printed: `[rank R] line`, `[zero1] line` for the service's own (rank null)."""
+    """A log line as printed: `[rank R] line`, `[zero1] line` for the service's own (rank null). A rank
+    may print escape sequences (stored as they are): here they are shown escaped, tabs kept."""
     prefix = "[zero1]" if row["rank"] is None else f"[rank {row['rank']}]"
-    return f"{prefix} {row['line']}"
+    return f"{prefix} {escape(row['line'], keep=chr(9))}"
 
 
 def _printer(console: Console | None) -> Callable[[dict], None]:

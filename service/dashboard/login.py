@@ -15,9 +15,9 @@ from fastapi.responses import HTMLResponse, RedirectResponse
 
 from service.api.deps import AuthenticatorDep
 from service.auth import TOKEN_COOKIE, Principal
-from service.dashboard.lockout import LoginLockout, client_key
 from service.dashboard.routes import templates
 from service.errors import ServiceError
+from service.lockout import LoginLockout, client_key
 
 router = APIRouter(include_in_schema=False)
 MAX_FORM_BYTES = 4096
@@ -49,7 +49,8 @@ async def _to_login(_: Request, exc: LoginRequired) -> RedirectResponse:
 
 
 def install_login(app: FastAPI) -> None:
-    app.state.login_lockout = LoginLockout()
+    """The login routes, counting wrong tokens in the authenticator's lockout: the API's and the form's together."""
+    app.state.login_lockout = app.state.authenticator.lockout
     app.add_exception_handler(LoginRequired, _to_login)
     app.include_router(router)
 

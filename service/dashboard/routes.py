@@ -17,6 +17,7 @@ from pathlib import Path
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse
 from fastapi.templating import Jinja2Templates
+from markupsafe import Markup
 from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -31,6 +32,7 @@ from service.fields import too_many_digits
 from service.log_lines import read_logs
 from service.models import Job, LogLine
 from service.planning import make_plan, plan_public
+from service.printable import MULTILINE, escape
 from service.recommendations import cost_model_of, recommend_public
 from service.responses import JobPublic
 from service.schemas import JobStatus, PlanRequest, RecommendRequest
@@ -49,6 +51,8 @@ LOG_KEEP = 5000
 """Log lines the job page's panel keeps as more come, the newest (data-keep)."""
 RANK_COLOURS = 8
 """Colours a log line's rank cycles through: .r-0 to .r-7 in dashboard.css (data-rank-colours)."""
+MAX_JOB_ID = 2**63 - 1
+"""The largest id a job can have (a 64-bit column): a larger one is not found, not a driver's error."""
 
 
 def asset_version() -> str:
@@ -59,7 +63,16 @@ def asset_version() -> str:
     return digest.hexdigest()[:12]
 
 
+def visible(value: object) -> object:
+    """Every text a page writes, with its control characters escaped (service/printable.py): names, log
+    lines, reasons and errors are users'. Markup (a macro's output) was made of such values already."""
+    if isinstance(value, str) and not isinstance(value, Markup):
+        return escape(value, keep=MULTILINE)
+    return value
+
+
 templates = Jinja2Templates(directory=HERE / "templates")
+templates.env.finalize = visible  # read when a template is compiled: set before the first is loaded
 templates.env.filters.update(FILTERS)
 templates.env.globals.update(asset_version=asset_version(), parts=charts.PARTS, geo=charts)
 
@@ -126,12 +139,23 @@ def log_tail(session: Session, job: Job, *, limit: int) -> tuple[list[dict], int
     return read_logs(session, job, after=session.scalar(before) or 0, limit=limit)
 
 
+def page_job_id(text: str) -> int | None:
+    """The id a page's path names, or None where none can exist: not digits, 0, or above MAX_JOB_ID."""
+    if not (text.isascii() and text.isdigit()) or len(text) > len(str(MAX_JOB_ID)):
+        return None
+    job_id = int(text)
+    return job_id if 1 <= job_id <= MAX_JOB_ID else None
+
+
 @router.get("/jobs/{job_id}", response_class=HTMLResponse)
-def job_page(request: Request, job_id: int, session: SessionDep, principal: ReaderDep):
+def job_page(request: Request, job_id: str, session: SessionDep, principal: ReaderDep):
     """Progress, loss and step-time curves, the newest log lines, the memory panel, the events and the spec of
-    one job: its owner's and admins' only; to others the not-found page, as GET /v1/jobs/{id}/events answers them."""
+    one job: its owner's and admins' only; to others the not-found page, as GET /v1/jobs/{id}/events answers them.
+    An id that no job can have (not a number, or beyond the database's integers) is not found either."""
     try:
-        job = jobs.get_visible_job(session, job_id, principal=principal)
+        if (number := page_job_id(job_id)) is None:
+            raise ServiceError(f"no job with id {job_id}", status_code=404, error="not_found")
+        job = jobs.get_visible_job(session, number, principal=principal)
     except ServiceError as error:
         return templates.TemplateResponse(request, "not_found.html", {"message": error.message}, status_code=404)
     public = jobs.job_public(job, position=jobs.queue_position(session, job), principal=principal)

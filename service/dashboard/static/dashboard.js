@@ -83,12 +83,18 @@
   const doneSteps = (job) => (job.step == null ? 0 : job.step + 1);
   const queueText = (job) => (job.queue_position ? `#${job.queue_position}` : "—");
 
+  // printable.escape keeping line breaks and tabs, as the server's pages write user text: a control
+  // character of a name, a log line or a reason (a user's, or their code's) is shown as its escape
+  const visible = (text) => String(text).replace(/[\x00-\x08\x0b-\x1f\x7f-\x9f]/g, (c) =>
+    (c === "\r" ? "\\r" : `\\x${c.charCodeAt(0).toString(16).padStart(2, "0")}`));
+
   function setText(el, text) {
-    if (el && el.textContent !== String(text)) el.textContent = text;
+    const shown = visible(text);
+    if (el && el.textContent !== shown) el.textContent = shown;
   }
 
   function textSpan(className, text) {  // text set as textContent: never parsed as HTML
-    return Object.assign(document.createElement("span"), { className, textContent: text });
+    return Object.assign(document.createElement("span"), { className, textContent: visible(text) });
   }
 
   function setBadge(el, status) {
@@ -120,7 +126,7 @@
     }
     connection(true);
     const body = await response.json().catch(() => null);
-    if (!response.ok) throw new ApiError((body && body.message) || `${response.status} ${response.statusText}`);
+    if (!response.ok) throw new ApiError(visible((body && body.message) || `${response.status} ${response.statusText}`));
     return body;
   }
 
@@ -338,9 +344,9 @@
     function announce(job) {
       const before = seen.get(job.id);
       if (before !== job.status) {
-        announcer.textContent = before === undefined
+        announcer.textContent = visible(before === undefined
           ? `Job ${job.id} ${job.name} is ${job.status}`
-          : `Job ${job.id} ${job.name}: ${before} to ${job.status}`;
+          : `Job ${job.id} ${job.name}: ${before} to ${job.status}`);
         seen.set(job.id, job.status);
       }
     }

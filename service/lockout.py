@@ -1,12 +1,14 @@
-"""How many wrong tokens one client may try at POST /login: a bound on guessing, kept in bounded memory.
+"""How many wrong tokens one client may try: a bound on guessing, kept in bounded memory.
 
-The API's Authorization header answers the same question and is not limited here: what keeps a
-token out of reach there is its length (auth.MIN_TOKEN_CHARS).
+Every token the service checks counts, however it came: POST /login's form, the API's
+Authorization header, the dashboard's cookie. One lockout per app holds them all (the
+Authenticator's), so a guesser cannot spend its failures once per way in.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -31,9 +33,10 @@ def client_key(host: str | None) -> str:
 
 
 class LoginLockout:
-    """Each client's failed logins within the last `window_s`; `max_failures` of them lock it out.
+    """Each client's failed token checks within the last `window_s`; `max_failures` of them lock it out.
 
-    Used from the login route, an `async def`, so every call runs on the event loop's one thread: no lock.
+    Asked from the login route (the event loop's thread) and from the API's dependencies (the threadpool's):
+    a lock keeps each call whole.
     """
 
     def __init__(
@@ -47,24 +50,27 @@ class LoginLockout:
         self.max_failures, self.window_s, self.max_clients, self.clock = max_failures, window_s, max_clients, clock
         # client -> times of its failures within the window, oldest first; clients in order of their last failure
         self._failures: OrderedDict[str, deque[float]] = OrderedDict()
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._failures)
 
     def retry_after_s(self, client: str) -> float:
         """Seconds until `client` may try again: 0 unless it has `max_failures` failures within the window."""
-        times = self._recent(client)
-        if len(times) < self.max_failures:
-            return 0.0
-        return times[0] + self.window_s - self.clock()
+        with self._lock:
+            times = self._recent(client)
+            if len(times) < self.max_failures:
+                return 0.0
+            return times[0] + self.window_s - self.clock()
 
     def record_failure(self, client: str) -> None:
-        times = self._recent(client)
-        times.append(self.clock())
-        self._failures.pop(client, None)
-        self._failures[client] = times  # last: the most recent failure
-        while len(self._failures) > self.max_clients:
-            self._failures.popitem(last=False)
+        with self._lock:
+            times = self._recent(client)
+            times.append(self.clock())
+            self._failures.pop(client, None)
+            self._failures[client] = times  # last: the most recent failure
+            while len(self._failures) > self.max_clients:
+                self._failures.popitem(last=False)
 
     def _recent(self, client: str) -> deque[float]:
         """`client`'s failures within the window; a client with none left is forgotten."""
