@@ -65,6 +65,11 @@ class TokenTable:
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def users(self) -> frozenset[str]:
+        """The users that have a token."""
+        return frozenset(entry.principal.user for entry in self._entries if entry.principal.user)
+
     def __repr__(self) -> str:  # never the tokens, not even their digests
         return f"TokenTable({len(self)} tokens)"
 

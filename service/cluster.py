@@ -7,11 +7,14 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, MutableMapping
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 from service.config import PLACEHOLDER_RULE, Settings, is_placeholder
 from workers.memory import gpu_memory_bytes_from_gb
+from workers.sandbox import is_secret_name
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +66,12 @@ class RayCluster:
 
     def _connect(self) -> None:
         check_ray_auth_token(os.environ)
+        try:
+            self._connect_ray()
+        finally:  # Ray writes a token file of its own when it starts a cluster with none
+            private_ray_token(os.environ)
+
+    def _connect_ray(self) -> None:
         if self.settings.ray_address is None:
             # read by Ray at import: its nodes, GCS and actors then bind 127.0.0.1
             os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -77,19 +86,25 @@ class RayCluster:
             gpus = _cuda_device_count()
             num_gpus = gpus or self.settings.simulated_gpus
             # one logical CPU per rank, plus one: supervisors take none, the probe none
-            ray.init(
-                address="local",  # a new instance of our own, never another Ray running on this machine
-                num_gpus=num_gpus,
-                num_cpus=max(os.cpu_count() or 1, num_gpus + 1),
-                namespace=self.settings.ray_namespace,
-                include_dashboard=False,
-                log_to_driver=False,
-            )
+            with without_service_secrets(os.environ):  # Ray's processes, and every worker, start without them
+                self._init_embedded(num_gpus)
             self.owned = True
             if not gpus:  # no driver: the GPUs are logical, and no worker need start (and load torch) to say so
                 self._use_simulated()
                 return
         self._probe_gpu_memory()
+
+    def _init_embedded(self, num_gpus: int) -> None:
+        import ray
+
+        ray.init(
+            address="local",  # a new instance of our own, never another Ray running on this machine
+            num_gpus=num_gpus,
+            num_cpus=max(os.cpu_count() or 1, num_gpus + 1),
+            namespace=self.settings.ray_namespace,
+            include_dashboard=False,
+            log_to_driver=False,
+        )
 
     def _probe_gpu_memory(self) -> None:
         """Real GPUs: ask one worker for its device's memory, once. Logical GPUs: the setting."""
@@ -140,6 +155,33 @@ class RayCluster:
         if self.owned:
             ray.shutdown()
             self.owned = False
+
+
+@contextmanager
+def without_service_secrets(environ: MutableMapping[str, str]) -> Iterator[None]:
+    """`environ` without the service's settings and secrets (ZERO1_*, anything named like a token,
+    password or key, the database's) while an embedded Ray starts: its GCS, raylet and every worker
+    it forks inherit what is left. Ray's own variables stay (RAY_AUTH_TOKEN among them: Ray needs it)."""
+    removed = {
+        name: environ.pop(name) for name in list(environ) if not name.startswith("RAY_") and is_secret_name(name)
+    }
+    try:
+        yield
+    finally:
+        environ.update(removed)
+
+
+def private_ray_token(environ: Mapping[str, str]) -> None:
+    """Ray's token file (RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token) 0600 and its directory 0700 where
+    this user owns them: Ray writes them world-readable, and anyone holding the token runs code on the
+    cluster, a job's code under another uid (ZERO1_RUN_AS) among them."""
+    path = Path(environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    for target, mode in ((path, 0o600), (path.parent, 0o700)):
+        try:
+            if target.lstat().st_uid == os.geteuid() and not target.is_symlink():
+                os.chmod(target, mode)
+        except OSError:  # no such file: nothing to keep private
+            continue
 
 
 def check_ray_auth_token(environ: Mapping[str, str]) -> None:

@@ -10,6 +10,8 @@ from typing import Annotated
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from workers.sandbox import RunAs
+
 PLACEHOLDER = re.compile(r"change[-_]?me", re.IGNORECASE)
 """The mark of .env.example's values: a secret that has it is known to everyone who read the example."""
 PLACEHOLDER_RULE = (
@@ -138,6 +140,23 @@ class Settings(BaseSettings):
     housekeeping_interval_s: float = Field(60.0, gt=0, le=86_400)
     """How often the service deletes expired log lines and trims the token cache to
     ZERO1_TOKEN_CACHE_MAX_BYTES."""
+    max_tasks: int = Field(8, ge=1, le=100_000)
+    """Traced plans and dataset checks (Ray tasks a plan or submit waits on) running at once, all users
+    together; one more is answered 429 with Retry-After (a cached trace takes no slot)."""
+    max_tasks_per_user: int = Field(2, ge=1, le=100_000)
+    """Traced plans and dataset checks one user (everyone when auth is off) may have running at once;
+    one more is answered 429 with Retry-After."""
+    max_log_followers: int = Field(64, ge=1, le=100_000)
+    """Log streams (GET /v1/jobs/{id}/logs?follow=true) open at once, all users together; one more is
+    answered 429 with Retry-After."""
+    max_log_followers_per_user: int = Field(8, ge=1, le=100_000)
+    """Log streams one user (everyone when auth is off) may have open at once; one more is answered
+    429 with Retry-After."""
+    run_as: Annotated[dict[str, tuple[int, int]], NoDecode] = {}
+    """uid:gid each owner's job children run under (its ranks' training, its plans' traces, its
+    data's tokenizing), comma-separated `owner=uid:gid`, `*` for every other owner (e.g.
+    `team-a=2001:2001,*=65534:65534`); no supplementary groups. Unset: they run as the service's
+    user (one user on a laptop; docs/security.md, Trust model). Needs a service and Ray running as root."""
     auth_max_failures: int = Field(10, ge=1, le=1_000_000)
     """Wrong tokens one client (an IPv4 address, an IPv6 /64) may send within ZERO1_AUTH_FAILURE_WINDOW_S,
     by the Authorization header, the dashboard's cookie or its login form together; past it every token
@@ -154,6 +173,34 @@ class Settings(BaseSettings):
                 f"({self.placement_timeout_s:g}) + rendezvous_timeout_s ({self.rendezvous_timeout_s:g}) = {floor:g}"
             )
         return self
+
+    @field_validator("run_as", mode="before")
+    @classmethod
+    def _parse_run_as(cls, value: object) -> object:
+        """'a=1:2,*=3:4' -> {"a": (1, 2), "*": (3, 4)}, each entry named in its error."""
+        if not isinstance(value, str):
+            return value
+        mapping: dict[str, tuple[int, int]] = {}
+        for entry in (part.strip() for part in value.split(",")):
+            if not entry:
+                continue
+            owner, _, ids = entry.partition("=")
+            uid, _, gid = ids.partition(":")
+            if not owner.strip() or not uid.isdigit() or not gid.isdigit():
+                raise ValueError(f"ZERO1_RUN_AS: entry {entry!r} is not owner=uid:gid (e.g. team-a=2001:2001)")
+            if int(uid) == 0 or int(gid) == 0:
+                raise ValueError(f"ZERO1_RUN_AS: entry {entry!r} maps to root (uid or gid 0): that isolates nothing")
+            mapping[owner.strip()] = (int(uid), int(gid))
+        if mapping and "*" not in mapping:
+            raise ValueError("ZERO1_RUN_AS needs a '*=uid:gid' entry: the uid of every owner it does not name")
+        return mapping
+
+    def run_as_of(self, owner: str | None) -> RunAs | None:
+        """The uid and gid `owner`'s children run under: its entry, else `*`'s; None where
+        ZERO1_RUN_AS is unset (they run as the service's user)."""
+        if not self.run_as:
+            return None
+        return RunAs(*self.run_as.get(owner or "", self.run_as["*"]))
 
     @field_validator("data_roots", "model_roots", mode="before")
     @classmethod

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib import resources
@@ -28,13 +29,25 @@ def check_url(url: str) -> None:
         )
 
 
+def private_database_file(path: Path) -> None:
+    """The SQLite file 0600 and its directory 0700, whatever the umask: SQLite gives its WAL and
+    shared-memory files the database file's mode, so a job's code running under another uid
+    (ZERO1_RUN_AS) opens none of them. A directory that also holds the checkpoint storage (as
+    .zero1/ does by default) is opened to 0711 by the launcher: traversed, never listed."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if path.parent.stat().st_mode & 0o7777 not in (0o700, 0o711):
+        os.chmod(path.parent, 0o700)
+    os.close(os.open(path, os.O_CREAT | os.O_WRONLY | os.O_NOFOLLOW, 0o600))
+    os.chmod(path, 0o600)
+
+
 def make_engine(url: str) -> Engine:
     """An engine for `url`; SQLite gets WAL, foreign keys and a busy timeout for the API's threads."""
     check_url(url)
     if url.startswith("sqlite"):
         database = url.split("///", 1)[-1]
         if database and database != ":memory:":
-            Path(database).parent.mkdir(parents=True, exist_ok=True)
+            private_database_file(Path(database))
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
 
         @event.listens_for(engine, "connect")

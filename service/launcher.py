@@ -5,17 +5,18 @@ from __future__ import annotations
 import logging
 import math
 import re
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from service.config import Settings
+from service.job_dirs import prepare_job_dir, remove_except, remove_scratch
 from service.models import Job
 from service.responses import PlanPublic
 from service.schemas import JobSpec
 from workers.records import MetricRow, RankError
+from workers.sandbox import RunAs
 
 LogAcks = dict[int, int]
 """Rank -> the n of its last log line stored (service.log_lines.log_acks)."""
@@ -96,6 +97,13 @@ class RayLauncher:
         after a database restore; run ids do not)."""
         return Path(self.settings.checkpoint_uri).resolve() / checkpoint_dirname(job.id, job.run_id)
 
+    def prepare_job_dir(self, job: Job) -> tuple[Path, RunAs | None]:
+        """The job's directory, made before its ranks start, and the uid its children run under."""
+        run_as = self.settings.run_as_of(job.owner)
+        directory = self.checkpoint_dir(job)
+        prepare_job_dir(directory, run_as=run_as, database_url=self.settings.database_url)
+        return directory, run_as
+
     def artifacts(self, job: Job) -> tuple[Path, list[dict[str, Any]]]:
         """The job's final/ directory and its files ({"name", "bytes", "sha256"} each, from its
         manifest); no files when it wrote none."""
@@ -163,11 +171,12 @@ class RayLauncher:
         directory, keep = self.checkpoint_dir(job), self.settings.checkpoint_keep_finished
         try:
             if keep == 0:
-                _remove_except(directory, keep_name=FINAL)
+                remove_except(directory, keep_name=FINAL)
                 return
             if directory.exists():
                 prune_checkpoints(directory, keep_last=keep, keep_newest_unfinished=False)
                 discard_stored_metrics(directory, through_step=_ALL_STEPS)
+                remove_scratch(directory)
         except OSError as exc:
             log.warning("job %s: could not prune the finished job's checkpoints: %s", job.id, exc)
 
@@ -176,8 +185,9 @@ class RayLauncher:
         twice. The supervisor places the ranks in the background; poll() reports how it went."""
         from workers.actors import JobSupervisor, Placement
 
+        job_dir, run_as = self.prepare_job_dir(job)
         config = JobSpec.model_validate(job.spec).to_config(
-            checkpoint_dir=str(self.checkpoint_dir(job)),
+            checkpoint_dir=str(job_dir),
             keep_last=self.settings.checkpoint_keep_last,
             resume=job.attempt > 0,
             data_roots=self.settings.data_roots,
@@ -193,6 +203,8 @@ class RayLauncher:
             working_dir=self._working_dir(job.spec.get("code")),
             name=placement_group_name(self.settings.ray_namespace, job.id, job.attempt),
             log_max_bytes=self.settings.log_max_bytes,
+            home=str(job_dir),
+            run_as=run_as,
         )
         supervisor = JobSupervisor.options(
             name=supervisor_name(job.id, job.attempt),
@@ -355,21 +367,6 @@ class RayLauncher:
             if match and entry["namespace"] == self.settings.ray_namespace:
                 found.append((int(match[1]), int(match[2])))
         return found
-
-
-def _remove_except(directory: Path, *, keep_name: str) -> None:
-    """Delete everything in directory but its entry keep_name; the directory too when that is absent."""
-    if not directory.exists():
-        return
-    for child in directory.iterdir():
-        if child.name == keep_name:
-            continue
-        if child.is_dir() and not child.is_symlink():
-            shutil.rmtree(child, ignore_errors=True)
-        else:
-            child.unlink(missing_ok=True)
-    if not any(directory.iterdir()):
-        directory.rmdir()
 
 
 def _on_head_node() -> Any:

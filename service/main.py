@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from importlib.metadata import version
@@ -18,8 +19,10 @@ from service.dashboard.login import install_login, require_page_reader
 from service.errors import install_error_handlers
 from service.runtime import Runtime
 from service.telemetry import RequestTimer, Telemetry
+from workers.sandbox import RunAs, check_runnable
 
 _PUBLIC_PATHS = ("/healthz",)
+log = logging.getLogger(__name__)
 
 
 def create_app(settings: Settings | None = None, *, tokens: TokenTable | None = None) -> FastAPI:
@@ -31,6 +34,14 @@ def create_app(settings: Settings | None = None, *, tokens: TokenTable | None = 
     """
     settings = settings or get_settings()
     tokens = load_tokens(settings) if tokens is None else tokens
+    for uid, gid in sorted(set(settings.run_as.values())):  # each mapped uid can run a child: else say why now
+        check_runnable(RunAs(uid, gid))
+    if len(tokens.users) > 1 and not settings.run_as:
+        log.warning(
+            "%d users have tokens and ZERO1_RUN_AS is unset: every user's python model runs as this service's "
+            "user and can read what it reads (docs/security.md, Trust model)",
+            len(tokens.users),
+        )
     telemetry = Telemetry()
 
     @asynccontextmanager

@@ -19,10 +19,12 @@ import json
 import os
 import pickle
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -78,7 +80,8 @@ class ChildSpec:
     home: str
     """Its HOME and the root of its TMPDIR: the job's own directory (or a scratch one of a task's)."""
     cwd: str | None = None
-    """Its working directory: a code bundle's, where there is one (the parent's cwd), else home."""
+    """A code bundle's directory (the parent's working directory, where Ray unpacked it), copied
+    into home as the child's working directory; None: the child works in home."""
     run_as: RunAs | None = None
 
 
@@ -109,17 +112,35 @@ def child_environment(environ: Mapping[str, str], *, home: str, pythonpath: str 
     return env
 
 
-def prepare_home(spec: ChildSpec) -> None:
-    """The child's home and TMPDIR, made (mode 0700) and owned by its uid where it has one."""
+def prepare_home(spec: ChildSpec) -> str | None:
+    """The child's home and TMPDIR, made (mode 0700) and owned by its uid where it has one; and its
+    own copy of the code bundle there (its working directory, returned), since the bundle Ray
+    unpacked lies in Ray's session directory, which is not the job's to read."""
     for path in (spec.home, os.path.join(spec.home, "tmp")):
         os.makedirs(path, mode=0o700, exist_ok=True)
-        if spec.run_as is not None:
-            os.chown(path, spec.run_as.uid, spec.run_as.gid, follow_symlinks=False)
+        _own(path, spec.run_as)
         os.chmod(path, 0o700, follow_symlinks=False)
+    if spec.cwd is None:
+        return None
+    copies = os.path.join(spec.home, "working_dir_files")
+    os.makedirs(copies, mode=0o700, exist_ok=True)
+    _own(copies, spec.run_as)
+    code = tempfile.mkdtemp(dir=copies, prefix="code-")
+    shutil.copytree(spec.cwd, code, symlinks=True, dirs_exist_ok=True)
+    for directory, dirnames, filenames in os.walk(code):
+        for name in (directory, *(os.path.join(directory, entry) for entry in dirnames + filenames)):
+            _own(name, spec.run_as)
+    return code
+
+
+def _own(path: str, run_as: RunAs | None) -> None:
+    if run_as is not None:
+        os.chown(path, run_as.uid, run_as.gid, follow_symlinks=False)
 
 
 def exit_reason(returncode: int | None) -> str:
-    """How a process ended, in words: `exited with code 3`, `killed by signal 9 (out of memory?)`."""
+    """How a process ended, in words: `exited with code 3`, `was killed by signal 9 (SIGKILL: out
+    of memory?)` (the kernel's OOM killer sends SIGKILL)."""
     if returncode is None:
         return "is still running"
     if returncode >= 0:
@@ -129,19 +150,19 @@ def exit_reason(returncode: int | None) -> str:
         name = signal.Signals(number).name
     except ValueError:
         name = "unknown"
-    hint = " (out of memory?)" if number == signal.SIGKILL else ""
-    return f"killed by signal {number} ({name}){hint}"
+    hint = ": out of memory?" if number == signal.SIGKILL else ""
+    return f"was killed by signal {number} ({name}{hint})"
 
 
 class Child:
     """A running child: its process, the parent's end of the socket, and the lifeline's write end."""
 
     def __init__(self, mode: str, spec: ChildSpec, *, environ: Mapping[str, str] | None = None) -> None:
-        prepare_home(spec)
+        code = prepare_home(spec)
         parent_end, child_end = socket.socketpair()
         lifeline_read, self._lifeline = os.pipe()
-        cwd = spec.cwd or spec.home
-        env = child_environment(os.environ if environ is None else environ, home=spec.home, pythonpath=spec.cwd)
+        cwd = code or spec.home
+        env = child_environment(os.environ if environ is None else environ, home=spec.home, pythonpath=code)
         identity: dict[str, Any] = {}
         if spec.run_as is not None:
             identity = {"user": spec.run_as.uid, "group": spec.run_as.gid, "extra_groups": []}
@@ -203,13 +224,21 @@ class Child:
         self.process.wait()
 
 
-def call_in_child(function: str, argument: Any, *, spec: ChildSpec, timeout_s: float) -> Any:
-    """`function` ("module:name") applied to `argument` in a child: its JSON result. The child's
-    exception comes back as ChildError (InvalidModelError's field kept); past timeout_s the child
-    is killed and TimeoutError raised; a child that dies raises ChildExited."""
+def call_in_child(
+    function: str, argument: Any, *, timeout_s: float, run_as: RunAs | None = None, bundle: str | None = None
+) -> Any:
+    """`function` ("module:name") applied to `argument` in a child with a scratch home (removed
+    after) and `bundle` as its code: its JSON result. The child's exception comes back as
+    ChildError (an InvalidModelError's field kept); past timeout_s the child is killed and
+    TimeoutError raised; a child that dies raises ChildExited."""
     import time
 
-    child = Child("call", spec)
+    home = tempfile.mkdtemp(prefix="zero1-task-")
+    try:
+        child = Child("call", ChildSpec(home=home, cwd=bundle, run_as=run_as))
+    except BaseException:
+        shutil.rmtree(home, ignore_errors=True)
+        raise
     try:
         child.send((function, argument))
         deadline = time.monotonic() + timeout_s
@@ -223,6 +252,34 @@ def call_in_child(function: str, argument: Any, *, spec: ChildSpec, timeout_s: f
         raise ChildExited(f"the process that ran it {exc}") from None
     finally:
         child.close()
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def check_runnable(run_as: RunAs) -> None:
+    """ValueError, saying what to change, unless a child under `run_as` can start this Python and
+    import zero1 (every directory above the interpreter and the installed code must be searchable
+    by that uid, the files readable)."""
+    command = [sys.executable, "-c", "import workers.child"]
+    try:
+        done = subprocess.run(
+            command,
+            user=run_as.uid,
+            group=run_as.gid,
+            extra_groups=[],
+            cwd="/",
+            env=child_environment(os.environ, home="/", pythonpath=None),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except PermissionError:
+        raise ValueError(
+            f"ZERO1_RUN_AS: uid {run_as.uid} cannot run {sys.executable}: every directory above it (and "
+            "above zero1's installation) must be searchable by that uid (chmod o+x)"
+        ) from None
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or [""])[-1]
+        raise ValueError(f"ZERO1_RUN_AS: uid {run_as.uid} runs Python but cannot import zero1: {last}")
 
 
 class ChildError(RuntimeError):

@@ -1,0 +1,66 @@
+"""A job's directory on the checkpoint storage: made by the service for the job's uid, and what a
+finished job keeps of it.
+
+    <checkpoint_uri>/                 0711 where jobs run as other uids: reached, never listed
+        job-<id>-<run_id>/            0700, owned by the job's uid (ZERO1_RUN_AS): its children's HOME
+            step-*/  final/           checkpoints and the final model (workers/checkpoints.py)
+            tmp/  working_dir_files/  the children's TMPDIR and their copy of the code bundle
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from workers.checkpoints import FINAL
+from workers.sandbox import RunAs
+
+
+def prepare_job_dir(directory: Path, *, run_as: RunAs | None, database_url: str) -> None:
+    """Make `directory` (mode 0700, whatever the umask), owned by `run_as` where jobs run as other
+    uids; the private directories above it it must traverse become 0711 then."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(mode=0o700, exist_ok=True)
+    if run_as is not None:
+        for above in _state_dirs_above(directory, database_url):
+            os.chmod(above, 0o711)
+        os.chown(directory, run_as.uid, run_as.gid, follow_symlinks=False)
+    os.chmod(directory, 0o700, follow_symlinks=False)
+
+
+def _state_dirs_above(job_dir: Path, database_url: str) -> list[Path]:
+    """The directories a job's uid must traverse that the service keeps private: the storage root,
+    and the SQLite database's directory when the storage lies inside it (the default .zero1/)."""
+    dirs = [job_dir.parent]
+    if database_url.startswith("sqlite:///"):
+        state = Path(database_url.removeprefix("sqlite:///")).resolve().parent
+        if state in job_dir.parents and state != job_dir.parent:
+            dirs.append(state)
+    return dirs
+
+
+def remove_scratch(directory: Path) -> None:
+    """Delete what a finished job's children left beside its checkpoints and final model (their
+    TMPDIR, their code copy, anything written to HOME); links are removed, never followed."""
+    for child in directory.iterdir():
+        if child.name != FINAL and not child.name.startswith("step-"):
+            _remove(child)
+
+
+def remove_except(directory: Path, *, keep_name: str) -> None:
+    """Delete everything in directory but its entry keep_name; the directory too when that is absent."""
+    if not directory.exists():
+        return
+    for child in directory.iterdir():
+        if child.name != keep_name:
+            _remove(child)
+    if not any(directory.iterdir()):
+        directory.rmdir()
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)

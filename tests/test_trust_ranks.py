@@ -1,0 +1,429 @@
+"""Issue 27's rank side: a user's code runs as its owner in a child with no secret and no Ray.
+
+A real `zero1 serve` with three users' tokens and ZERO1_RUN_AS (the tests run as root, so the uids
+switch for real) runs a probe bundle: its build() at plan time and its forward() on each rank
+write what they can see (uid, environment, /proc/*/environ, the database, Ray's token file,
+another owner's job directory, a connection to Ray). The same job trains to the same losses with
+and without ZERO1_RUN_AS; a rank whose child exits or is killed fails the attempt saying how; a
+supervisor status the scheduler does not expect ends the attempt and frees its GPUs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from service.cli.bundle import zip_directory
+from service.launcher import supervisor_name
+from workers.sandbox import RunAs, check_runnable, child_environment, exit_reason
+
+from helpers import TERMINAL, free_port, job_body, wait_for, wait_healthy, wait_job
+
+ZERO1 = str(Path(sys.executable).with_name("zero1"))
+ALICE, BOB, ROOT = (f"{user}-{secrets.token_urlsafe(24)}" for user in ("alice", "bob", "root"))
+IDS = {"alice": (2001, 2001), "bob": (2002, 2002)}
+NOBODY = (65534, 65534)
+RUN_AS = "alice=2001:2001,bob=2002:2002,*=65534:65534"
+NEEDLES = ["ZERO1_API_TOKENS", "ZERO1_DATABASE_URL", ALICE, BOB, ROOT]
+
+PROBE = """
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+CONNECT = "import ray, sys; ray.init(address=sys.argv[1], log_to_driver=False); print('CONNECTED')"
+
+
+def _opens(path):
+    try:
+        if os.path.isdir(path):
+            os.listdir(path)
+        else:
+            open(path, "rb").close()
+        return "opened"
+    except OSError as exc:
+        return type(exc).__name__
+
+
+def report(args, where):
+    needles = [needle.encode() for needle in args["needles"]]
+    exposing = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            data = Path("/proc", pid, "environ").read_bytes()
+        except OSError:
+            continue
+        if any(needle in data for needle in needles):
+            exposing.append(pid)
+    argv = [sys.executable, "-c", CONNECT, args["ray_address"]]
+    try:
+        connected = "CONNECTED" in subprocess.run(argv, capture_output=True, text=True, timeout=60).stdout
+    except subprocess.TimeoutExpired:
+        connected = False
+    found = {
+        "uid": os.getuid(), "gid": os.getgid(), "euid": os.geteuid(), "groups": os.getgroups(),
+        "env": dict(os.environ), "cwd": os.getcwd(), "environ_exposing": exposing,
+        "opens": {name: _opens(args[name]) for name in ("database", "ray_token", "other_job_dir")},
+        "ray": "connected" if connected else "refused",
+    }
+    Path(args["reports"], f"{where}-{os.getuid()}.json").write_text(json.dumps(found))
+
+
+class Probe(nn.Module):
+    def __init__(self, args):
+        super().__init__()
+        self.args, self.reported = args, False
+        self.embed = nn.Embedding(64, 16)
+        self.head = nn.Linear(16, 64)
+
+    def forward(self, input_ids, labels):
+        if not self.reported and not isinstance(input_ids, torch._subclasses.FakeTensor):
+            report(self.args, f"forward-rank{torch.distributed.get_rank()}")
+            self.reported = True
+        logits = self.head(self.embed(input_ids))
+        return nn.functional.cross_entropy(logits.reshape(-1, 64), labels.reshape(-1))
+
+
+def build(**args):
+    where = f"build-rank{torch.distributed.get_rank()}" if torch.distributed.is_initialized() else "build-plan"
+    report(args, where)
+    return Probe(args)
+
+
+def leaky(**args):
+    marked = ("ZERO1_", "RAY_", "AWS_", "PG")
+    secrets = [f"{k}={v}" for k, v in os.environ.items() if k.startswith(marked) or "TOKEN" in k or "DATABASE" in k]
+    raise RuntimeError(" ".join(secrets) or "nothing secret in an environment of " + " ".join(sorted(os.environ)))
+"""
+
+
+# --------------------------------------------------------------------------- the machine
+
+
+def _unsearchable_dirs(*paths: str) -> list[Path]:
+    """The directories above `paths` that other users cannot search (as /root is here, above the interpreter)."""
+    found: list[Path] = []
+    for path in paths:
+        for directory in Path(path).resolve().parents:
+            if not directory.stat().st_mode & stat.S_IXOTH and directory not in found:
+                found.append(directory)
+    return found
+
+
+@pytest.fixture(scope="module")
+def searchable() -> Iterator[None]:
+    """Every uid can start this Python and import zero1, as ZERO1_RUN_AS needs (docs/security.md):
+    each directory above them that others cannot search gets o+x for the module, and its mode back after."""
+    blocked = _unsearchable_dirs(os.path.realpath(sys.executable), str(Path(__file__).resolve().parents[1]))
+    modes = {directory: directory.stat().st_mode for directory in blocked}
+    for directory, mode in modes.items():
+        os.chmod(directory, mode | stat.S_IXOTH)
+    try:
+        yield
+    finally:
+        for directory, mode in modes.items():
+            os.chmod(directory, stat.S_IMODE(mode))
+
+
+def _gcs_address(server_pid: int) -> str:
+    """The address of the GCS the service's embedded Ray started: its session directory is named
+    after the process that started it, and holds the port."""
+    found = list(Path(os.environ["RAY_TMPDIR"]).glob(f"**/session_*_{server_pid}/gcs_server_port_*"))
+    assert len(found) == 1, found
+    return f"127.0.0.1:{int(found[0].read_text().strip())}"
+
+
+class Served:
+    """`zero1 serve` with three users and ZERO1_RUN_AS, its state in a directory of its own."""
+
+    def __init__(self, state: Path, **env: str) -> None:
+        self.state = state
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.database = state / "zero1.db"
+        self.checkpoints = state / "checkpoints"
+        clean = {key: value for key, value in os.environ.items() if not key.startswith("ZERO1_")}
+        self.env = {
+            **clean,
+            "ZERO1_API_TOKENS": f"alice:{ALICE},bob:{BOB},root:{ROOT}:admin",
+            "ZERO1_DATABASE_URL": f"sqlite:///{self.database}",
+            "ZERO1_CHECKPOINT_URI": str(self.checkpoints),
+            "ZERO1_SIMULATED_GPUS": "2",
+            "ZERO1_CPUS_PER_WORKER": "0.5",
+            "ZERO1_SCHEDULER_INTERVAL_S": "0.05",
+            **env,
+        }
+        self.log = state / "serve.log"
+        with open(self.log, "ab") as log:
+            self.process = subprocess.Popen(
+                [ZERO1, "serve", "--port", str(self.port)], env=self.env, stdout=log, stderr=subprocess.STDOUT
+            )
+        wait_healthy(self.base, server=self.process)
+        self.gcs = _gcs_address(self.process.pid)
+
+    def request(self, method: str, path: str, token: str, **kwargs) -> httpx.Response:
+        return httpx.request(
+            method, self.base + path, headers={"Authorization": f"Bearer {token}"}, timeout=180, **kwargs
+        )
+
+    def upload(self, bundle: Path, token: str) -> str:
+        data, _ = zip_directory(bundle)
+        response = httpx.post(
+            self.base + "/v1/code",
+            content=data,
+            headers={"Authorization": f"Bearer {token}", "Content-Type": "application/zip"},
+            timeout=60,
+        )
+        assert response.status_code in (200, 201), response.text
+        return response.json()["code"]
+
+    def wait(self, job_id: int, token: str) -> dict:
+        return wait_for(
+            lambda: self.request("GET", f"/v1/jobs/{job_id}", token).json(),
+            lambda job: job["status"] in TERMINAL,
+            what=f"job {job_id}",
+            timeout_s=240,
+        )
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        self.process.wait(timeout=120)
+
+
+@pytest.fixture(scope="module")
+def served(searchable) -> Iterator[Served]:
+    state = Path(tempfile.mkdtemp(prefix="zero1-trust-"))
+    service = Served(state, ZERO1_RUN_AS=RUN_AS)
+    try:
+        yield service
+    finally:
+        service.stop()
+        subprocess.run(["rm", "-rf", str(state)], check=False)
+
+
+@pytest.fixture(scope="module")
+def probe(tmp_path_factory) -> Path:
+    bundle = tmp_path_factory.mktemp("probe-bundle")
+    (bundle / "probe.py").write_text(PROBE)
+    return bundle
+
+
+@pytest.fixture
+def reports() -> Iterator[Path]:
+    """A directory every uid may write its report in (sticky: none replaces another's)."""
+    directory = Path(tempfile.mkdtemp(prefix="zero1-reports-"))
+    os.chmod(directory, 0o1777)
+    try:
+        yield directory
+    finally:
+        subprocess.run(["rm", "-rf", str(directory)], check=False)
+
+
+def probe_model(served: Served, reports: Path, *, other_job_dir: Path) -> dict:
+    args = {
+        "reports": str(reports),
+        "database": str(served.database),
+        "ray_token": str(Path.home() / ".ray" / "auth_token"),
+        "other_job_dir": str(other_job_dir),
+        "ray_address": served.gcs,
+        "needles": NEEDLES,
+    }
+    return {"kind": "python", "entrypoint": "probe:build", "args": args}
+
+
+def assert_contained(report: dict, *, uid: int, gid: int, home_under: Path | None = None) -> None:
+    """What a child of `uid` must see: its own ids, no secret, nothing of the service's."""
+    assert (report["uid"], report["euid"], report["gid"]) == (uid, uid, gid), report
+    assert report["groups"] in ([], [gid]), report["groups"]  # no supplementary groups
+    names = set(report["env"])
+    leaked = {n for n in names if n.startswith(("ZERO1_", "RAY_", "AWS_")) or "TOKEN" in n.split("_")}
+    assert not leaked, leaked
+    assert not any(secret in value for value in report["env"].values() for secret in (ALICE, BOB, ROOT))
+    assert report["environ_exposing"] == [], report["environ_exposing"]
+    assert report["opens"] == {
+        "database": "PermissionError",
+        "ray_token": "PermissionError",
+        "other_job_dir": "PermissionError",
+    }, report["opens"]
+    assert report["ray"] == "refused"
+    if home_under is not None:
+        assert Path(report["env"]["HOME"]).parent == home_under, report["env"]["HOME"]
+
+
+# --------------------------------------------------------------------------- the tests
+
+
+def test_user_code_at_plan_time_and_on_every_rank_runs_as_its_owner_and_reaches_nothing_else(served, probe, reports):
+    code_alice = served.upload(probe, ALICE)
+    # alice's job first: its directory is what bob's code then tries to open
+    alice_body = job_body(name="alice", model=probe_model(served, reports, other_job_dir=served.state), seq_len=8)
+    alice_body |= {"data": {"kind": "synthetic"}, "code": code_alice, "steps": 3}
+    r = served.request("POST", "/v1/jobs", ALICE, json=alice_body)
+    assert r.status_code == 201, r.text
+    alice_job = served.wait(r.json()["id"], ALICE)
+    assert alice_job["status"] == "succeeded", alice_job["error"]
+    (alice_dir,) = served.checkpoints.glob(f"job-{alice_job['id']}-*")
+    assert (alice_dir.stat().st_uid, stat.S_IMODE(alice_dir.stat().st_mode)) == (2001, 0o700)
+    assert stat.S_IMODE(served.database.stat().st_mode) == 0o600
+    for name in ("forward-rank0", "forward-rank1", "build-rank0", "build-plan"):
+        assert_contained(json.loads((reports / f"{name}-2001.json").read_text()), uid=2001, gid=2001)
+
+    code_bob = served.upload(probe, BOB)
+    model = probe_model(served, reports, other_job_dir=alice_dir)
+    plan = served.request("POST", "/v1/plan", BOB, json={"model": model, "code": code_bob, "seq_len": 8})
+    assert plan.status_code == 200, plan.text
+    assert_contained(json.loads((reports / "build-plan-2002.json").read_text()), uid=2002, gid=2002)
+
+    bob_body = job_body(name="bob", model=model, seq_len=8) | {"data": {"kind": "synthetic"}, "code": code_bob}
+    r = served.request("POST", "/v1/jobs", BOB, json={**bob_body, "steps": 3})
+    assert r.status_code == 201, r.text
+    assert served.wait(r.json()["id"], BOB)["status"] == "succeeded"
+    for rank in (0, 1):
+        report = json.loads((reports / f"forward-rank{rank}-2002.json").read_text())
+        assert_contained(report, uid=2002, gid=2002, home_under=served.checkpoints)
+        assert report["cwd"].startswith(report["env"]["HOME"])  # its own copy of its bundle
+
+
+def test_an_exception_quoting_the_environment_shows_no_secret(served, probe):
+    code = served.upload(probe, BOB)
+    model = {"kind": "python", "entrypoint": "probe:leaky", "args": {}}
+    r = served.request("POST", "/v1/plan", BOB, json={"model": model, "code": code, "seq_len": 8})
+    assert r.status_code == 422, r.text
+    assert "nothing secret in an environment of" in r.text and "HOME" in r.text, r.text
+    assert not any(secret in r.text for secret in (*NEEDLES, "RAY_", "sqlite")), r.text
+
+
+def test_the_same_job_trains_to_the_same_losses_bit_for_bit_with_and_without_run_as(served, app):
+    client, _ = app
+    body = job_body(steps=12, name="same")
+    r = served.request("POST", "/v1/jobs", ALICE, json=body)
+    assert r.status_code == 201, r.text
+    assert served.wait(r.json()["id"], ALICE)["status"] == "succeeded"
+    isolated = served.request("GET", f"/v1/jobs/{r.json()['id']}/metrics", ALICE).json()["data"]
+    plain_id = client.post("/v1/jobs", json=body).json()["id"]
+    assert wait_job(client, plain_id, lambda j: j["status"] in TERMINAL)["status"] == "succeeded"
+    plain = client.get(f"/v1/jobs/{plain_id}/metrics").json()["data"]
+    assert [row["loss"] for row in isolated] == [row["loss"] for row in plain] and len(plain) == 12
+
+
+def test_each_mapped_uid_is_checked_at_start_and_a_blocked_interpreter_is_named():
+    blocked = _unsearchable_dirs(os.path.realpath(sys.executable))
+    if blocked:  # as here (/root is 0700): the service refuses to start rather than fail every job
+        with pytest.raises(ValueError, match=r"ZERO1_RUN_AS: uid 65534 cannot run .*chmod o\+x"):
+            check_runnable(RunAs(*NOBODY))
+    else:
+        check_runnable(RunAs(*NOBODY))
+
+
+def test_the_childs_environment_is_built_from_an_allowlist():
+    environ = {
+        "PATH": "/usr/bin",
+        "LC_ALL": "C.UTF-8",
+        "NCCL_DEBUG": "INFO",
+        "CUDA_VISIBLE_DEVICES": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "ZERO1_API_TOKENS": "alice:x",
+        "ZERO1_DATABASE_URL": "postgresql://u:p@h/db",
+        "RAY_AUTH_TOKEN": "t",
+        "AWS_SECRET_ACCESS_KEY": "k",
+        "HF_TOKEN": "h",
+        "NCCL_AUTH_TOKEN": "n",
+        "PGPASSWORD": "p",
+        "DATABASE_URL": "d",
+        "SOMETHING_ELSE": "s",
+        "HOME": "/root",
+    }
+    env = child_environment(environ, home="/jobs/job-1", pythonpath="/jobs/job-1/working_dir_files/code-x")
+    assert env == {
+        "PATH": "/usr/bin",
+        "LC_ALL": "C.UTF-8",
+        "NCCL_DEBUG": "INFO",
+        "CUDA_VISIBLE_DEVICES": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HOME": "/jobs/job-1",
+        "TMPDIR": "/jobs/job-1/tmp",
+        "PYTHONNOUSERSITE": "1",
+        "PYTHONPATH": "/jobs/job-1/working_dir_files/code-x",
+    }
+
+
+@pytest.mark.parametrize(
+    ("how", "expected"),
+    [
+        ("os._exit(3)", "rank 1 exited with code 3"),
+        ("os.kill(os.getpid(), signal.SIGKILL)", "rank 1 was killed by signal 9 (SIGKILL: out of memory?)"),
+    ],
+)
+def test_a_child_that_dies_ends_the_attempt_saying_how(app, tmp_path, how, expected):
+    client, _ = app
+    bundle = tmp_path / "dies"
+    bundle.mkdir()
+    (bundle / "dies.py").write_text(
+        PROBE.split("def build(**args):")[0]
+        + f"""
+import signal
+
+
+class Dies(Probe):
+    def forward(self, input_ids, labels):
+        if torch.distributed.is_initialized() and torch.distributed.get_rank() == 1:
+            {how}
+        return super().forward(input_ids, labels)
+
+
+def build(**args):
+    module = Dies(args)
+    module.reported = True  # probes nothing
+    return module
+"""
+    )
+    data, _ = zip_directory(bundle)
+    code = client.post("/v1/code", content=data, headers={"Content-Type": "application/zip"}).json()["code"]
+    model = {"kind": "python", "entrypoint": "dies:build", "args": {}}
+    r = client.post("/v1/jobs", json=job_body(model=model, seq_len=8, code=code, data={"kind": "synthetic"}))
+    assert r.status_code == 201, r.text
+    job = wait_job(client, r.json()["id"], lambda j: j["status"] in TERMINAL)
+    assert job["status"] == "failed", job
+    assert job["error"]["exception"] == "ChildExited" and job["error"]["message"] == expected, job["error"]
+    assert job["error"]["rank"] == 1
+
+
+def test_exit_reasons_name_the_code_or_the_signal():
+    assert exit_reason(0) == "exited with code 0"
+    assert exit_reason(-signal.SIGSEGV) == "was killed by signal 11 (SIGSEGV)"
+    assert exit_reason(-signal.SIGKILL) == "was killed by signal 9 (SIGKILL: out of memory?)"
+
+
+def test_a_supervisor_cancelled_behind_the_schedulers_back_ends_the_attempt_and_frees_its_gpus(app):
+    """Item 2: someone other than the scheduler cancels a running job's supervisor (user code could,
+    before its child lost Ray); the job must not stay running with its GPUs counted as held."""
+    import ray
+
+    client, settings = app
+    r = client.post("/v1/jobs", json=job_body(steps=100_000, name="long"))
+    job = wait_job(client, r.json()["id"], lambda j: j["status"] == "running" and (j["step"] or 0) >= 1)
+    waiting = client.post("/v1/jobs", json=job_body(steps=2, name="all four", num_gpus=4)).json()
+    assert client.get(f"/v1/jobs/{waiting['id']}").json()["status"] == "queued"
+    supervisor = ray.get_actor(supervisor_name(job["id"], job["attempt"]), namespace=settings.ray_namespace)
+    ray.get(supervisor.cancel.remote(), timeout=60)
+    done = wait_job(client, job["id"], lambda j: j["status"] in TERMINAL, timeout_s=60)
+    assert done["status"] == "failed", done
+    assert "does not expect" in done["error"]["message"] and "'cancelled'" in done["error"]["message"], done
+    # its 2 GPUs are free in the scheduler's count: the queued 4-GPU job runs
+    assert wait_job(client, waiting["id"], lambda j: j["status"] in TERMINAL)["status"] == "succeeded"
