@@ -136,9 +136,17 @@ def test_secrets_come_from_the_git_ignored_env_file(compose, env_example):
         for key in secrets:
             # only ever interpolated (${...}) from .env, never a literal
             assert key not in env or env[key].startswith("${"), f"{name}: {key} is inline"
-        assert "ZERO1_API_TOKENS" not in env and "RAY_AUTH_TOKEN" not in env, name
-    for name in ("postgres", "api", *RAY_NODES):
+        assert "ZERO1_API_TOKENS" not in env, name
+        assert "RAY_AUTH_TOKEN" not in env or name in RAY_NODES, name
+    for name in ("postgres", "api"):
         assert compose["services"][name]["env_file"] in (".env", [".env"]), name
+    for name in RAY_NODES:  # the nodes that start every job's ranks get Ray's token and nothing else of .env
+        service = compose["services"][name]
+        assert "env_file" not in service, name
+        assert _environment(service) == {
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN": "${RAY_AUTH_TOKEN:?set RAY_AUTH_TOKEN in .env}",
+        }
     assert "${POSTGRES_PASSWORD" in _environment(compose["services"]["api"])["ZERO1_DATABASE_URL"]
     for name in ("api", *RAY_NODES):
         assert _environment(compose["services"][name])["RAY_AUTH_MODE"] == "token", name
