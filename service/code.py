@@ -265,6 +265,9 @@ class CodeStore:
             return check_bundle(data, **limits), False
         try:
             self.root.mkdir(parents=True, exist_ok=True)
+            # searchable, not listable: Ray's user opens a bundle by its digest, and a job's code
+            # under another uid (ZERO1_RUN_AS) finds no other user's bundle to read
+            os.chmod(self.root, 0o711)
             handle, temp = tempfile.mkstemp(dir=self.root, prefix=".upload-", suffix=".zip")
         except OSError as error:
             raise _unwritable(self.root, error) from None
