@@ -2,6 +2,8 @@
 model), its data is inside the roots and reads, the checkpoint storage is writable.
 
 Each check raises the 422 (503 for the storage) the API answers with; none touches the database.
+Those that wait on a Ray task (a trace, a dataset's tokenizing) are awaited, holding no thread; those
+that read files (a dataset's globs) are for a worker thread.
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ from service.cluster import ClusterCapacity
 from service.data_specs import DatasetDataSpec, TextDataSpec
 from service.dataprep import DatasetChecker, DatasetRequest, invalid_data
 from service.errors import ServiceError
-from service.planning import make_plan, model_shape, plan_public, workload_for
+from service.planning import make_plan, model_shape, plan_public, trace_first, workload_for
 from service.responses import PlanPublic
-from service.schemas import JobSpec
-from service.tracing import Tracer
+from service.schemas import JobSpec, PlanRequest
+from service.tracing import Tracer, Traces
 from workers import datafiles, memory
 from workers.config import ModelKind
 from workers.memory import GB
@@ -26,10 +28,18 @@ if TYPE_CHECKING:
     from workers.datasets import DatasetSummary
 
 
-def admit(spec: JobSpec, *, cluster: ClusterCapacity, overhead_bytes: int, tracer: Tracer | None = None) -> PlanPublic:
+async def admit_async(
+    spec: JobSpec, *, cluster: ClusterCapacity, overhead_bytes: int, tracer: Tracer, user: str | None
+) -> PlanPublic:
+    """admit, with the model's trace (if it is planned by one) awaited first in one of `user`'s slots."""
+    known = await trace_first(_plan_request(spec, cluster=cluster), tracer=tracer, user=user)
+    return admit(spec, cluster=cluster, overhead_bytes=overhead_bytes, tracer=known)
+
+
+def admit(spec: JobSpec, *, cluster: ClusterCapacity, overhead_bytes: int, tracer: Traces | None = None) -> PlanPublic:
     """The plan a job is admitted by (an hf model's traced by `tracer`), or a 422 does_not_fit that
     says what would fit."""
-    request = spec.plan_request().model_copy(update={"gpu_memory_gb": cluster.gpu_memory_bytes / GB})
+    request = _plan_request(spec, cluster=cluster)
     plan = make_plan(request, cluster=cluster, overhead_bytes=overhead_bytes, tracer=tracer)
     public = plan_public(plan, shape=model_shape(request, tracer=tracer))
     fits = {"cluster": cluster, "request": request, "overhead_bytes": overhead_bytes, "tracer": tracer}
@@ -46,6 +56,10 @@ def admit(spec: JobSpec, *, cluster: ClusterCapacity, overhead_bytes: int, trace
             f"the {plan.gpu_memory_bytes / GB:.2f} GB of each GPU" + _what_fits(plan, **fits),
         )
     return public
+
+
+def _plan_request(spec: JobSpec, *, cluster: ClusterCapacity) -> PlanRequest:
+    return spec.plan_request().model_copy(update={"gpu_memory_gb": cluster.gpu_memory_bytes / GB})
 
 
 def _fewest(spec: JobSpec) -> str:
@@ -89,12 +103,19 @@ def _check_dataset_paths(spec: JobSpec, *, data: DatasetDataSpec, data_roots: Se
     return spec.model_copy(update={"data": data.model_copy(update=absolute)})
 
 
-def check_dataset(
-    spec: JobSpec, *, model: ModelKind, checker: DatasetChecker, data_roots: Sequence[str], cache_dir: str
+async def check_dataset(
+    spec: JobSpec,
+    *,
+    model: ModelKind,
+    checker: DatasetChecker,
+    data_roots: Sequence[str],
+    cache_dir: str,
+    user: str | None,
 ) -> DatasetSummary | None:
-    """A dataset job's files read and tokenized into the cache (a Ray task), or a 422 naming the field:
-    text_field absent, tokenizer invalid or above the model's vocab_size, the dataset empty or under one
-    global batch of blocks. `model` is the job's workers' spec (vocab_size, block_size; an hf model's path)."""
+    """A dataset job's files read and tokenized into the cache (a Ray task, awaited in one of `user`'s
+    slots), or a 422 naming the field: text_field absent, tokenizer invalid or above the model's
+    vocab_size, the dataset empty or under one global batch of blocks. `model` is the job's workers'
+    spec (vocab_size, block_size; an hf model's path)."""
     if not isinstance(spec.data, DatasetDataSpec):
         return None
     seq_len = spec.seq_len or model.block_size
@@ -106,7 +127,7 @@ def check_dataset(
         seed=spec.seed,
         tokenizer_dir=getattr(model, "path", None),
     )
-    return checker.check(request)
+    return await checker.check_async(request, user=user)
 
 
 def check_storage(problems: dict[str, str], *, uri: str) -> None:
@@ -122,7 +143,7 @@ def check_storage(problems: dict[str, str], *, uri: str) -> None:
 
 
 def _what_fits(
-    plan: memory.Plan, *, cluster: ClusterCapacity, request, overhead_bytes: int, tracer: Tracer | None
+    plan: memory.Plan, *, cluster: ClusterCapacity, request, overhead_bytes: int, tracer: Traces | None
 ) -> str:
     workload = workload_for(request, overhead_bytes=overhead_bytes, tracer=tracer)
     if plan.min_gpus is None:

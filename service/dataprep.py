@@ -2,18 +2,21 @@
 
 Reading with `datasets` and tokenizing need libraries the API process does not load (torch among
 them), so a Ray task (num_cpus=0, like a trace: the submit must not queue behind training ranks)
-does it within ZERO1_DATA_TIMEOUT_S. It leaves the token file in the cache, so the job's ranks
-only hash the files and map it. Its ValueErrors name the field ("data.text_field: ...") and are
-answered 422 with that field.
+does it within ZERO1_DATA_TIMEOUT_S, awaited by the submit without holding a thread, in a slot of
+those a trace takes too (ZERO1_MAX_TASKS, ZERO1_MAX_TASKS_PER_USER). It leaves the token file in
+the cache, so the job's ranks only hash the files and map it. Its ValueErrors name the field
+("data.text_field: ...") and are answered 422 with that field.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from service.errors import ServiceError
-from service.tasks import run_task
+from service.slots import Slots
+from service.tasks import run_task, run_task_async
 from workers.config import DatasetSpec
 
 if TYPE_CHECKING:
@@ -51,17 +54,31 @@ def run_check(request: DatasetRequest) -> DatasetSummary:
 class DatasetChecker:
     """Runs run_check on the Ray cluster within `timeout_s` (or in this process, for the CLI and tests)."""
 
-    def __init__(self, *, timeout_s: float, in_process: bool = False) -> None:
+    def __init__(self, *, timeout_s: float, in_process: bool = False, slots: Slots | None = None) -> None:
         self.timeout_s = timeout_s
         self.in_process = in_process
+        self.slots = slots
+        """The bound on checks running at once (shared with traces); None: unbounded."""
 
     def check(self, request: DatasetRequest) -> DatasetSummary:
+        """The check, waited for in this thread (a route awaits check_async)."""
         if self.in_process:
             try:
                 return run_check(request)
             except ValueError as exc:
                 raise invalid(exc) from None
-        return run_task(run_check, request, timeout_s=self.timeout_s, timed_out=self._timed_out, failed=invalid)
+        return run_task(run_check, request, **self._task_options())
+
+    async def check_async(self, request: DatasetRequest, *, user: str | None) -> DatasetSummary:
+        """The check awaited without a thread, in one of `user`'s slots (a 429 when none is free)."""
+        if self.in_process:
+            return self.check(request)
+        with self.slots.hold(user) if self.slots is not None else contextlib.nullcontext():
+            return await run_task_async(run_check, request, **self._task_options())
+
+    def _task_options(self) -> dict:
+        # the task reads and tokenizes the user's files: a crash of its process is blamed on them
+        return {"timeout_s": self.timeout_s, "timed_out": self._timed_out, "failed": invalid, "blame": "data"}
 
     def _timed_out(self) -> ServiceError:
         return ServiceError(

@@ -1,4 +1,8 @@
-"""Capacity planning: a PlanRequest against the cluster, through the memory model."""
+"""Capacity planning: a PlanRequest against the cluster, through the memory model.
+
+The planning functions are synchronous and quick; a model planned by its trace is traced first,
+awaited by the route (`trace_first`), and the functions are handed the trace it made.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +13,11 @@ from service.errors import ServiceError
 from service.model_specs import PythonModelSpec, TracedModelSpec
 from service.responses import PlanPublic
 from service.schemas import PlanRequest
-from service.tracing import Tracer, TraceRequest
+from service.tracing import KnownTrace, Tracer, TraceRequest, Traces
 from workers import memory
 
 
-def workload_for(request: PlanRequest, *, overhead_bytes: int, tracer: Tracer | None = None) -> memory.Workload:
+def workload_for(request: PlanRequest, *, overhead_bytes: int, tracer: Traces | None = None) -> memory.Workload:
     """The memory model's view of a request: the formula, a model's closed forms, or its traced step."""
     if request.model is None:
         return memory.Workload.from_num_params(
@@ -47,7 +51,16 @@ def trace_request(request: PlanRequest) -> TraceRequest:
     )
 
 
-def model_shape(request: PlanRequest, *, tracer: Tracer | None) -> tuple[int, int] | None:
+async def trace_first(request: PlanRequest, *, tracer: Tracer, user: str | None) -> Traces:
+    """What the planning functions trace `request` with: the trace awaited now (in one of `user`'s
+    slots, without a thread) when the request is planned by its trace, else `tracer` (never asked)."""
+    if request.model is None or request.method != "traced":
+        return tracer
+    step = await tracer.trace_async(trace_request(request), user=user)
+    return KnownTrace(trace_request(request), step)
+
+
+def model_shape(request: PlanRequest, *, tracer: Traces | None) -> tuple[int, int] | None:
     """(vocab_size, block_size) of an hf or python model as its trace resolved them (from the trace cache);
     None otherwise."""
     if not isinstance(request.model, TracedModelSpec):
@@ -57,7 +70,7 @@ def model_shape(request: PlanRequest, *, tracer: Tracer | None) -> tuple[int, in
     return traced.vocab_size, traced.max_position_embeddings
 
 
-def _traced_workload(request: PlanRequest, *, overhead_bytes: int, tracer: Tracer) -> memory.Workload:
+def _traced_workload(request: PlanRequest, *, overhead_bytes: int, tracer: Traces) -> memory.Workload:
     traced = tracer.trace(trace_request(request))
     num_params = sum(traced.group_numels) + traced.frozen_numel
     if num_params > memory.MAX_NUM_PARAMS:
@@ -78,7 +91,7 @@ def _traced_workload(request: PlanRequest, *, overhead_bytes: int, tracer: Trace
 
 
 def make_plan(
-    request: PlanRequest, *, cluster: ClusterCapacity, overhead_bytes: int, tracer: Tracer | None = None
+    request: PlanRequest, *, cluster: ClusterCapacity, overhead_bytes: int, tracer: Traces | None = None
 ) -> memory.Plan:
     """Plan `request`, filling num_gpus and gpu_memory_gb from the cluster when absent."""
     gpu_memory_bytes = (

@@ -12,6 +12,7 @@ from service.db import Database, upgrade
 from service.housekeeping import Housekeeper
 from service.launcher import RayLauncher, dataset_cache_dir
 from service.scheduler import Scheduler
+from service.slots import Slots, follower_limits, task_limits
 from service.telemetry import Telemetry
 from service.tracing import Tracer
 
@@ -28,8 +29,12 @@ class Runtime:
         self.housekeeper = Housekeeper(
             db=self.db, settings=settings, cache_dir=dataset_cache_dir(settings.checkpoint_uri)
         )
-        self.tracer = Tracer(timeout_s=settings.plan_timeout_s, code_uri=self.code.uri)
-        self.datasets = DatasetChecker(timeout_s=settings.data_timeout_s)
+        self.task_slots = Slots(task_limits(settings))
+        """Traces and dataset checks in flight (ZERO1_MAX_TASKS, ZERO1_MAX_TASKS_PER_USER)."""
+        self.log_followers = Slots(follower_limits(settings))
+        """Open log streams (ZERO1_MAX_LOG_FOLLOWERS, ZERO1_MAX_LOG_FOLLOWERS_PER_USER)."""
+        self.tracer = Tracer(timeout_s=settings.plan_timeout_s, code_uri=self.code.uri, slots=self.task_slots)
+        self.datasets = DatasetChecker(timeout_s=settings.data_timeout_s, slots=self.task_slots)
         self.scheduler = Scheduler(
             db=self.db,
             launcher=self.launcher,

@@ -3,23 +3,30 @@
 The trace needs torch and runs the model's own code, so it never runs in the API process: a
 Ray task (num_cpus=0: a trace takes a second or so and must not queue behind the training
 ranks holding the CPUs) does it within ZERO1_PLAN_TIMEOUT_S. What a trace depends on — the
-model (a python model's code bundle digest with it), precision, micro-batch, sequence length and
-checkpointing — is hashed into a digest; an identical request answers from the cache without
-asking Ray. A python model's trace runs with its bundle as the task's working_dir.
+model (a python model's code bundle digest with it, an hf directory's content digest with its
+path), precision, micro-batch, sequence length and checkpointing — is hashed into a digest; an
+identical request answers from the cache without asking Ray. A python model's trace runs with its
+bundle as the task's working_dir.
+
+A route awaits a trace (`Tracer.trace_async`) without holding a thread, in one of the slots that
+bound the traces running at once (ZERO1_MAX_TASKS, ZERO1_MAX_TASKS_PER_USER), then hands the
+planning code, which is synchronous, a `KnownTrace` that answers without Ray.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from service.errors import ServiceError
-from service.tasks import run_task
+from service.slots import Slots
+from service.tasks import run_task, run_task_async
 from workers.config import InvalidModelError
 
 CACHE_ENTRIES = 1024
@@ -140,29 +147,75 @@ def _run_python_trace(request: TraceRequest) -> TracedStep:
     )
 
 
+class Traces(Protocol):
+    """What the planning code asks of a tracer: one request's traced step."""
+
+    def trace(self, request: TraceRequest) -> TracedStep: ...
+
+
+@dataclass(frozen=True, slots=True)
+class KnownTrace:
+    """A trace made already (awaited by the route), answered to the synchronous planning code without
+    Ray: a plan asks for one request's trace only, so no other can be asked of it."""
+
+    request: TraceRequest
+    step: TracedStep
+
+    def trace(self, request: TraceRequest) -> TracedStep:
+        assert request.digest == self.request.digest, "a plan traces one request"
+        return self.step
+
+
 class Tracer:
     """Traces on the Ray cluster within `timeout_s`, remembering each digest's result."""
 
     def __init__(
-        self, *, timeout_s: float, in_process: bool = False, code_uri: Callable[[str], str] | None = None
+        self,
+        *,
+        timeout_s: float,
+        in_process: bool = False,
+        code_uri: Callable[[str], str] | None = None,
+        slots: Slots | None = None,
     ) -> None:
         self.timeout_s = timeout_s
         self.in_process = in_process
         """Trace in this process (the CLI, which may import torch), not in a Ray task."""
         self.code_uri = code_uri
         """A code bundle's digest -> the URI Ray unpacks as a trace task's working_dir (a python model's)."""
+        self.slots = slots
+        """The bound on traces running at once (shared with dataset checks); None: unbounded (the CLI)."""
         self.traces_run = 0
         """Traces made (not answered from the cache), since this Tracer was made."""
         self._cache: OrderedDict[str, TracedStep] = OrderedDict()
         self._lock = threading.Lock()
 
     def trace(self, request: TraceRequest) -> TracedStep:
-        digest = request.digest
+        """The request's trace, waited for in this thread (the CLI's way; a route awaits trace_async)."""
+        cached = self._cached(request.digest)
+        if cached is not None:
+            return cached
+        return self._remember(request.digest, self._run(request))
+
+    async def trace_async(self, request: TraceRequest, *, user: str | None) -> TracedStep:
+        """The request's trace, awaited without a thread; one not cached takes one of `user`'s slots
+        while it runs (a 429 when none is free)."""
+        cached = self._cached(request.digest)
+        if cached is not None:
+            return cached
+        if self.in_process:
+            return self.trace(request)
+        with self.slots.hold(user) if self.slots is not None else contextlib.nullcontext():
+            traced = await run_task_async(run_trace, request, **self._task_options(request))
+        return self._remember(request.digest, traced)
+
+    def _cached(self, digest: str) -> TracedStep | None:
         with self._lock:
             if digest in self._cache:
                 self._cache.move_to_end(digest)
                 return self._cache[digest]
-        traced = self._run(request)
+        return None
+
+    def _remember(self, digest: str, traced: TracedStep) -> TracedStep:
         with self._lock:
             self.traces_run += 1
             self._cache[digest] = traced
@@ -171,23 +224,28 @@ class Tracer:
         return traced
 
     def _run(self, request: TraceRequest) -> TracedStep:
-        code = request.model.get("code")
         if self.in_process:
-            if code is not None:  # user code never runs in this process
+            if request.model.get("code") is not None:  # user code never runs in this process
                 raise invalid_model("model", "a python model is planned by the service (POST /v1/plan), not here")
             return _with_trace_errors(lambda: run_trace(request))
+        return run_task(run_trace, request, **self._task_options(request))
+
+    def _task_options(self, request: TraceRequest) -> dict[str, Any]:
+        """run_task's options for this request: a python model's bundle as the working_dir; a crash of
+        the task's process blamed on the model's code (entrypoint) or its config or directory."""
+        code = request.model.get("code")
         runtime_env = None
         if code is not None:
             assert self.code_uri is not None, "tracing a python model needs the code store"
             runtime_env = {"working_dir": self.code_uri(code)}
-        return run_task(
-            run_trace,
-            request,
-            timeout_s=self.timeout_s,
-            timed_out=self._timed_out,
-            failed=_trace_failed,
-            runtime_env=runtime_env,
-        )
+        blame = {"python": "model.entrypoint", "hf": "model.path" if request.model.get("path") else "model.config"}
+        return {
+            "timeout_s": self.timeout_s,
+            "timed_out": self._timed_out,
+            "failed": _trace_failed,
+            "runtime_env": runtime_env,
+            "blame": blame.get(request.model["kind"], "model"),
+        }
 
     def _timed_out(self) -> ServiceError:
         return ServiceError(

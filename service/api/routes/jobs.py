@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 import time
 from collections.abc import AsyncIterator
@@ -15,10 +16,10 @@ from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from service import admission, jobs
+from service.api import offload
 from service.api.deps import ClusterDep, PrincipalDep, ReaderDep, RuntimeDep, SessionDep, SettingsDep
 from service.artifacts import stream_artifact
-from service.auth import check_can_cancel
-from service.bundles import require_bundle
+from service.auth import Principal, check_can_cancel
 from service.db import Database
 from service.errors import ServiceError
 from service.hf import check_model_path
@@ -36,6 +37,7 @@ from service.responses import (
     LogLinePublic,
     LogsPublic,
     MetricsPublic,
+    PlanPublic,
 )
 from service.schemas import JobSpec, JobStatus
 from workers.memory import GB
@@ -71,9 +73,8 @@ def _json(body: BaseModel, *, status_code: int = 200) -> Response:
     response_model=JobPublic | DryRunPublic,
     responses={**_SUBMITTED, **_ERRORS, 503: {"model": ErrorPublic}},
 )
-def submit_job(
+async def submit_job(
     spec: JobSpec,
-    session: SessionDep,
     cluster: ClusterDep,
     settings: SettingsDep,
     principal: PrincipalDep,
@@ -81,32 +82,42 @@ def submit_job(
     dry_run: bool = False,
     idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
 ) -> Response:
-    """Plan the job with the ZeRO-1 memory model against the cluster; queue it if it fits."""
-    spec = check_model_path(spec, model_roots=settings.model_roots)
+    """Plan the job with the ZeRO-1 memory model against the cluster; queue it if it fits. Its trace and
+    its dataset's tokenizing are awaited holding no request thread and no database connection, each in
+    one of ZERO1_MAX_TASKS slots (ZERO1_MAX_TASKS_PER_USER per user; a 429 when none is free)."""
+    spec = await offload.in_file_thread(check_model_path, spec, model_roots=settings.model_roots)
     if spec.code is not None:  # before its trace runs the bundle's code
-        require_bundle(session, spec.code, principal=principal, store=runtime.code)
+        await offload.require_code(runtime, spec.code, principal=principal)
     overhead_bytes = round(settings.gpu_overhead_gb * GB)
-    plan = admission.admit(spec, cluster=cluster, overhead_bytes=overhead_bytes, tracer=runtime.tracer)
-    spec = admission.check_data(spec, data_roots=settings.data_roots)
-    admission.check_storage(runtime.launcher.storage_problems(), uri=settings.checkpoint_uri)
-    admission.check_dataset(
+    plan = await admission.admit_async(
+        spec, cluster=cluster, overhead_bytes=overhead_bytes, tracer=runtime.tracer, user=principal.user
+    )
+    spec = await offload.in_file_thread(admission.check_data, spec, data_roots=settings.data_roots)
+    admission.check_storage(await run_in_threadpool(runtime.launcher.storage_problems), uri=settings.checkpoint_uri)
+    await admission.check_dataset(
         spec,
         model=spec.model_spec(plan=plan, model_roots=settings.model_roots),
         checker=runtime.datasets,
         data_roots=settings.data_roots,
         cache_dir=str(dataset_cache_dir(settings.checkpoint_uri)),
+        user=principal.user,
     )
     if dry_run:
         return _json(DryRunPublic(dry_run=True, admitted=True, plan=plan))
-    job, created = jobs.submit_job(
-        session,
-        spec=spec,
-        plan=plan,
-        idempotency_key=idempotency_key,
-        owner=principal.user,
-        max_queued=settings.max_queued_jobs_per_user,
-    )
-    public = jobs.job_public(job, position=jobs.queue_position(session, job), principal=principal)
+    store = functools.partial(_store_job, runtime.db, spec=spec, plan=plan, principal=principal)
+    return await run_in_threadpool(store, key=idempotency_key, max_queued=settings.max_queued_jobs_per_user)
+
+
+def _store_job(
+    db: Database, *, spec: JobSpec, plan: PlanPublic, principal: Principal, key: str | None, max_queued: int
+) -> Response:
+    """The admitted job stored (or the one this Idempotency-Key created before) in one session of its
+    own: the request's one commit point, opened only now that every check is done."""
+    with db.session() as session:
+        job, created = jobs.submit_job(
+            session, spec=spec, plan=plan, idempotency_key=key, owner=principal.user, max_queued=max_queued
+        )
+        public = jobs.job_public(job, position=jobs.queue_position(session, job), principal=principal)
     return _json(public, status_code=201 if created else 200)  # 200: the job this key and body created before
 
 
@@ -189,11 +200,28 @@ def job_logs(
     if not follow:
         data, cursor = read_logs(session, job, after=after, **selection)
         return _json(LogsPublic(data=data, next=cursor))
-    return StreamingResponse(
+    runtime.log_followers.acquire(principal.user)  # a 429 past ZERO1_MAX_LOG_FOLLOWERS(_PER_USER)
+    return _FollowerStream(
         _follow(request, runtime.db, job_id, after=after, **selection),
+        release=functools.partial(runtime.log_followers.release, principal.user),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
+
+
+class _FollowerStream(StreamingResponse):
+    """A log stream that gives its follower slot back when it ends, however it ends (the job ended,
+    the client went, the server stops): in __call__, which runs even when the stream never starts."""
+
+    def __init__(self, content, *, release, **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self._release = release
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
 
 
 _FOLLOW_POLL_S = 0.5

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from service.api.deps import ClusterDep, ReaderDep, RuntimeDep, SessionDep, SettingsDep, TracerDep
-from service.bundles import require_bundle
+from service.api.deps import ClusterDep, ReaderDep, RuntimeDep, SettingsDep, TracerDep
+from service.api.offload import in_file_thread, require_code
 from service.hf import check_model_path
-from service.planning import make_plan, model_shape, plan_public
+from service.planning import make_plan, model_shape, plan_public, trace_first
 from service.recommendations import cost_model_of, recommend_public
 from service.responses import ErrorPublic, PlanPublic, RecommendationsPublic
 from service.schemas import PlanRequest, RecommendRequest
@@ -16,23 +16,29 @@ from workers.memory import GB
 router = APIRouter(tags=["planning"])
 
 
-@router.post("/plan", response_model=PlanPublic, responses={422: {"model": ErrorPublic}})
-def plan(
+@router.post(
+    "/plan",
+    response_model=PlanPublic,
+    responses={status: {"model": ErrorPublic} for status in (403, 422, 429, 503)},
+)
+async def plan(
     request: PlanRequest,
     cluster: ClusterDep,
     settings: SettingsDep,
     tracer: TracerDep,
-    session: SessionDep,
     principal: ReaderDep,
     runtime: RuntimeDep,
 ) -> PlanPublic:
-    """Per-GPU bytes of a model on N GPUs at a ZeRO stage, whether it fits, and the smallest N that does."""
-    request = check_model_path(request, model_roots=settings.model_roots)
+    """Per-GPU bytes of a model on N GPUs at a ZeRO stage, whether it fits, and the smallest N that does.
+    A model planned by its trace waits for it holding no request thread and no database connection; a
+    trace takes one of ZERO1_MAX_TASKS (ZERO1_MAX_TASKS_PER_USER per user) slots, a 429 when none is free."""
+    request = await in_file_thread(check_model_path, request, model_roots=settings.model_roots)
     if request.code is not None:  # a python model's trace runs its bundle's code: the caller's to use
-        require_bundle(session, request.code, principal=principal, store=runtime.code)
+        await require_code(runtime, request.code, principal=principal)
+    known = await trace_first(request, tracer=tracer, user=principal.user)
     overhead_bytes = round(settings.gpu_overhead_gb * GB)
-    plan = make_plan(request, cluster=cluster, overhead_bytes=overhead_bytes, tracer=tracer)
-    return plan_public(plan, shape=model_shape(request, tracer=tracer))
+    plan = make_plan(request, cluster=cluster, overhead_bytes=overhead_bytes, tracer=known)
+    return plan_public(plan, shape=model_shape(request, tracer=known))
 
 
 @router.post("/plan/recommend", response_model=RecommendationsPublic, responses={422: {"model": ErrorPublic}})
