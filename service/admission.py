@@ -3,7 +3,7 @@ model), its data is inside the roots and reads, the checkpoint storage is writab
 
 Each check raises the 422 (503 for the storage) the API answers with; none touches the database.
 Those that wait on a Ray task (a trace, a dataset's tokenizing) are awaited, holding no thread; those
-that read files (a dataset's globs) are for a worker thread.
+that read files (a model directory's digest, a dataset's globs) are for a worker thread.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from service.schemas import JobSpec, PlanRequest
 from service.tracing import Tracer, Traces
 from workers import datafiles, memory
 from workers.config import ModelKind
+from workers.digests import tokenizer_digest
 from workers.memory import GB
 
 if TYPE_CHECKING:
@@ -100,7 +101,23 @@ def _check_dataset_paths(spec: JobSpec, *, data: DatasetDataSpec, data_roots: Se
     absolute = {"path": datafiles.absolute_path(data.path)}
     if data.tokenizer not in (None, datafiles.BYTES):
         absolute["tokenizer"] = os.path.realpath(data.tokenizer)
+        absolute["tokenizer_digest"] = _tokenizer_digest(data, roots=data_roots)
     return spec.model_copy(update={"data": data.model_copy(update=absolute)})
+
+
+def _tokenizer_digest(data: DatasetDataSpec, *, roots: Sequence[str]) -> str:
+    """The digest of the files a rank's tokenizer reads (workers/digests.py), or a 422 naming
+    data.tokenizer (data.tokenizer_digest when one was given and the files differ)."""
+    try:
+        digest = tokenizer_digest(datafiles.resolve_tokenizer(data.tokenizer, roots=roots))
+    except ValueError as exc:
+        raise invalid_data(str(exc)) from None
+    if data.tokenizer_digest is not None and data.tokenizer_digest != digest:
+        raise invalid_data(
+            f"data.tokenizer_digest: the files of {data.tokenizer!r} have digest {digest}, not the "
+            f"{data.tokenizer_digest} given"
+        )
+    return digest
 
 
 async def check_dataset(

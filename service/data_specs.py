@@ -60,6 +60,12 @@ class DatasetDataSpec(Body):
         description="A tokenizer.json or its directory inside ZERO1_DATA_ROOTS, or bytes (UTF-8 bytes, EOS 256); "
         "omitted: an hf model's own (its path's directory).",
     )
+    tokenizer_digest: Text | None = Field(
+        None,
+        pattern=r"^sha256:[0-9a-f]{64}$",
+        description="sha256 of the tokenizer's files, filled in at admission; given, they must still have it. "
+        "A rank checks it again before it loads the tokenizer.",
+    )
     validation_fraction: Float = Field(
         _dataset("validation_fraction"), ge=0, le=0.5, allow_inf_nan=False, description="Blocks held out."
     )
@@ -68,6 +74,8 @@ class DatasetDataSpec(Body):
     def _text_reads_text(self) -> DatasetDataSpec:
         if self.format == "text" and self.text_field != "text":
             raise ValueError(f"text_field ({self.text_field!r}) only applies to jsonl, parquet and csv: text is text")
+        if self.tokenizer_digest is not None and self.tokenizer in (None, "bytes"):
+            raise ValueError(f"tokenizer_digest applies to a tokenizer file or directory, not to {self.tokenizer!r}")
         return self
 
     def to_spec(self, *, data_roots: Sequence[str] = (), cache_dir: str | None = None) -> DatasetSpec:

@@ -2,7 +2,10 @@
 
 Checked here, in the API, without transformers (which loads torch): the path is made real
 (symlinks followed) so that the trace and the ranks read the very directory that was checked,
-and the ranks check it again against the roots (workers/hf.py). A hub id is never downloaded.
+and the ranks check it again against the roots (workers/hf.py). Its files are hashed
+(workers/digests.py: a link inside is refused): the digest goes into the trace's key, so a
+directory whose content changed is traced again, and into the job's spec, so a rank loads only
+the content that was planned. A hub id is never downloaded.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pydantic import BaseModel
 
 from service.model_specs import HFModelSpec
 from service.tracing import invalid_model
+from workers.digests import DigestError, directory_digest
 
 Body = TypeVar("Body", bound=BaseModel)
 
@@ -24,12 +28,22 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 
 
 def check_model_path(body: Body, *, model_roots: Sequence[str]) -> Body:
-    """`body` (a JobSpec or PlanRequest) with an hf model's path made real, or a 422 naming model.path."""
+    """`body` (a JobSpec or PlanRequest) with an hf model's path made real and its files' digest, or a
+    422 naming model.path (model.digest when one was given and the files differ). Reads every file
+    not hashed before in this process: call it in a worker thread."""
     model = getattr(body, "model", None)
     if not isinstance(model, HFModelSpec) or model.path is None:
         return body
     real = resolve_model_dir(model.path, model_roots=model_roots)
-    return body.model_copy(update={"model": model.model_copy(update={"path": real})})
+    try:
+        digest = directory_digest(real, field="model.path")
+    except DigestError as exc:
+        raise invalid_model(exc.field, exc.reason) from None
+    if model.digest is not None and model.digest != digest:
+        raise invalid_model(
+            "model.digest", f"the files of {model.path!r} have digest {digest}, not the {model.digest} given"
+        )
+    return body.model_copy(update={"model": model.model_copy(update={"path": real, "digest": digest})})
 
 
 def resolve_model_dir(path: str, *, model_roots: Sequence[str]) -> str:

@@ -83,6 +83,12 @@ class HFModelSpec(Body):
         max_length=4096,
         description="A save_pretrained directory (config and weights) inside ZERO1_MODEL_ROOTS: fine-tuning.",
     )
+    digest: Text | None = Field(
+        None,
+        pattern=r"^sha256:[0-9a-f]{64}$",
+        description="sha256 of path's files (names and contents), filled in at admission; given, the directory "
+        "must still have it. A rank checks it again before it loads the weights.",
+    )
 
     @field_validator("config")
     @classmethod
@@ -101,6 +107,8 @@ class HFModelSpec(Body):
         if (self.config is None) == (self.path is None):
             given = "both" if self.config is not None else "neither"
             raise ValueError(f"exactly one of model.config or model.path is required, got {given}")
+        if self.digest is not None and self.path is None:
+            raise ValueError("model.digest applies to a model.path only")
         return self
 
     def to_spec(self, *, vocab_size: int, block_size: int, model_roots: Sequence[str] = ()) -> HFSpec:
@@ -109,6 +117,7 @@ class HFModelSpec(Body):
             config=self.config,
             path=self.path,
             roots=tuple(os.path.realpath(root) for root in model_roots),
+            digest=self.digest,
             vocab_size=vocab_size,
             block_size=block_size,
         )

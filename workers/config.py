@@ -71,6 +71,9 @@ class DatasetSpec:
     """Absolute directories path and tokenizer must resolve into; None: anywhere (a caller's own files)."""
     cache_dir: str | None = None
     """Where the token file is cached (the checkpoint storage); None: beside nothing, tokenized per run."""
+    tokenizer_digest: str | None = None
+    """workers/digests.py's digest of `tokenizer` when the job was admitted; where set, the tokenizer is
+    hashed again before it is loaded, and a difference fails the load."""
 
     def __post_init__(self) -> None:
         if self.format not in DATASET_FORMATS:
@@ -92,6 +95,9 @@ class HFSpec:
     path: str | None = None
     roots: tuple[str, ...] | None = None
     """Absolute directories `path` must resolve into (ZERO1_MODEL_ROOTS); None: anywhere."""
+    digest: str | None = None
+    """workers/digests.py's digest of `path`'s files when the job was admitted; where set, a rank hashes
+    the directory again before it loads it, and a difference fails the attempt."""
     vocab_size: int
     """The model's vocabulary, resolved from its config when the job was admitted."""
     block_size: int

@@ -35,6 +35,7 @@ from torch import Tensor
 
 from workers.config import DatasetSpec
 from workers.datafiles import BYTES, resolve_files, resolve_tokenizer
+from workers.digests import check_digest, tokenizer_digest
 
 CACHE_VERSION = 1
 """Bumped when the token stream of the same files and tokenizer would change."""
@@ -107,7 +108,10 @@ def load_tokenizer(spec: DatasetSpec, *, tokenizer_dir: str | None = None) -> To
     if spec.tokenizer == BYTES:
         return ByteTokenizer()
     if spec.tokenizer is not None:
-        return FileTokenizer(resolve_tokenizer(spec.tokenizer, roots=spec.roots))
+        path = resolve_tokenizer(spec.tokenizer, roots=spec.roots)
+        if spec.tokenizer_digest is not None:  # the tokenizer that was admitted (workers/digests.py)
+            check_digest(tokenizer_digest(path), expected=spec.tokenizer_digest, field="data.tokenizer", path=path)
+        return FileTokenizer(path)
     if tokenizer_dir is None:
         raise ValueError(
             "data.tokenizer: required ('bytes', or a tokenizer.json or its directory inside the data roots) "

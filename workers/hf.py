@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from workers.config import HFSpec, InvalidModelError
+from workers.digests import check_digest, directory_digest
 from workers.trace import StepTrace, trace_layers
 
 MAX_LAYERS = 10_000
@@ -129,7 +130,8 @@ def build_hf(
     activation_checkpointing: bool = False,
 ) -> CausalLM:
     """A rank's model: `config` initialised from `seed` (the same on every rank), or `path`'s
-    weights; in `dtype` on `device`."""
+    weights, once its files are checked against the digest they had at admission (DigestError, a
+    ValueError naming model.path, when they differ); in `dtype` on `device`."""
     if spec.config is not None:
         config = resolve_config(config=spec.config)
         with torch.random.fork_rng(devices=[]):
@@ -139,6 +141,8 @@ def build_hf(
     from transformers import AutoModelForCausalLM
 
     real = model_dir(spec.path, roots=spec.roots)
+    if spec.digest is not None:  # the very files that were planned, with no link among them
+        check_digest(directory_digest(real, field="model.path"), expected=spec.digest, field="model.path", path=real)
     try:
         lm = AutoModelForCausalLM.from_pretrained(
             real, dtype=dtype, attn_implementation=ATTENTION, local_files_only=True
