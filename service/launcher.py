@@ -104,14 +104,6 @@ class RayLauncher:
         prepare_job_dir(directory, run_as=run_as, database_url=self.settings.database_url)
         return directory, run_as
 
-    def artifacts(self, job: Job) -> tuple[Path, list[dict[str, Any]]]:
-        """The job's final/ directory and its files ({"name", "bytes", "sha256"} each, from its
-        manifest); no files when it wrote none."""
-        from workers.checkpoints import final_dir, read_manifest
-
-        root = self.checkpoint_dir(job)
-        return final_dir(root), read_manifest(root) or []
-
     def resume_step(self, job: Job) -> int:
         """The step a relaunch starts at: after the latest complete checkpoint, else 0."""
         from workers.checkpoints import latest_checkpoint

@@ -44,16 +44,6 @@ def final_dir(root: Path) -> Path:
     return root / FINAL
 
 
-def read_manifest(root: Path) -> list[dict[str, Any]] | None:
-    """The final model's files ({"name", "bytes", "sha256"} each) of the run under root; None when
-    it wrote none (it has not succeeded, or did before artifacts existed) or the manifest is unreadable."""
-    path = final_dir(root) / MANIFEST
-    if not path.exists():
-        return None
-    manifest = _read_json(path)
-    return manifest["files"] if isinstance(manifest, dict) and isinstance(manifest.get("files"), list) else None
-
-
 def step_of(directory: Path) -> int:
     return int(directory.name.removeprefix("step-"))
 
