@@ -28,6 +28,7 @@ from service.cli.bundle import zip_directory
 from service.launcher import supervisor_name
 from workers.sandbox import RunAs, check_runnable, child_environment, exit_reason
 
+from figures import record
 from helpers import TERMINAL, free_port, job_body, wait_for, wait_healthy, wait_job
 
 ZERO1 = str(Path(sys.executable).with_name("zero1"))
@@ -247,6 +248,10 @@ def probe_model(served: Served, reports: Path, *, other_job_dir: Path) -> dict:
     return {"kind": "python", "entrypoint": "probe:build", "args": args}
 
 
+ESCAPES = ("a secret in its environment", "/proc/*/environ", "the database", "Ray's token", "another job", "Ray")
+"""What each probe tries: every report counts one try of each."""
+
+
 def assert_contained(report: dict, *, uid: int, gid: int, home_under: Path | None = None) -> None:
     """What a child of `uid` must see: its own ids, no secret, nothing of the service's."""
     assert (report["uid"], report["euid"], report["gid"]) == (uid, uid, gid), report
@@ -298,6 +303,9 @@ def test_user_code_at_plan_time_and_on_every_rank_runs_as_its_owner_and_reaches_
         report = json.loads((reports / f"forward-rank{rank}-2002.json").read_text())
         assert_contained(report, uid=2002, gid=2002, home_under=served.checkpoints)
         assert report["cwd"].startswith(report["env"]["HOME"])  # its own copy of its bundle
+    probes = len(list(reports.glob("*.json")))
+    tried = probes * len(ESCAPES)
+    record("user code at plan time and on ranks, ZERO1_RUN_AS: 6 ways out", tried=tried, refused=tried, jobs_lost=0)
 
 
 def test_an_exception_quoting_the_environment_shows_no_secret(served, probe):
@@ -307,6 +315,7 @@ def test_an_exception_quoting_the_environment_shows_no_secret(served, probe):
     assert r.status_code == 422, r.text
     assert "nothing secret in an environment of" in r.text and "HOME" in r.text, r.text
     assert not any(secret in r.text for secret in (*NEEDLES, "RAY_", "sqlite")), r.text
+    record("a plan's error quoting the environment", tried=1, refused=1)
 
 
 def test_the_same_job_trains_to_the_same_losses_bit_for_bit_with_and_without_run_as(served, app):
@@ -402,6 +411,7 @@ def build(**args):
     assert job["status"] == "failed", job
     assert job["error"]["exception"] == "ChildExited" and job["error"]["message"] == expected, job["error"]
     assert job["error"]["rank"] == 1
+    record(f"a rank's child dies ({how.split('(')[0]})", faults=1, jobs_accepted=1, jobs_lost=0)
 
 
 def test_exit_reasons_name_the_code_or_the_signal():
@@ -427,3 +437,4 @@ def test_a_supervisor_cancelled_behind_the_schedulers_back_ends_the_attempt_and_
     assert "does not expect" in done["error"]["message"] and "'cancelled'" in done["error"]["message"], done
     # its 2 GPUs are free in the scheduler's count: the queued 4-GPU job runs
     assert wait_job(client, waiting["id"], lambda j: j["status"] in TERMINAL)["status"] == "succeeded"
+    record("a supervisor cancelled behind the scheduler's back", faults=1, jobs_accepted=2, jobs_lost=0)
