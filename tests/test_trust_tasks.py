@@ -434,3 +434,22 @@ def test_a_files_digest_is_remembered_by_its_stat_so_a_large_file_is_read_once(t
     assert changed != first and digests.FILES.bytes_hashed == read + 3  # only the changed file was read again
     (tmp_path / "shards" / "weights-1.bin").rename(tmp_path / "shards" / "weights-2.bin")
     assert directory_digest(str(tmp_path), field="model.path") != changed  # names count, not only contents
+
+
+def test_a_link_beside_a_tokenizer_where_its_config_is_read_is_a_422(served, roots, tmp_path):
+    _, data = roots
+    (data / "linked").mkdir()
+    shutil.copy(data / "tokenizer.json", data / "linked" / "tokenizer.json")
+    (tmp_path / "outside.json").write_text(json.dumps({"eos_token": "</s>"}))
+    (data / "linked" / "tokenizer_config.json").symlink_to(tmp_path / "outside.json")
+    dataset = {"kind": "dataset", "format": "jsonl", "path": str(data / "corpus.jsonl")}
+    body = {
+        "name": "tok",
+        "model": {**TINY, "vocab_size": 1024},
+        "data": {**dataset, "tokenizer": str(data / "linked")},
+        "num_gpus": 1,
+        "steps": 1,
+    }
+    r = served.post("/v1/jobs", params={"dry_run": "true"}, json=body, headers=bearer(BOB))
+    assert r.status_code == 422 and r.json()["detail"][0]["field"] == "data.tokenizer", r.text
+    assert r.json()["message"] == f"data.tokenizer: {data}/linked/tokenizer_config.json is a symbolic link"

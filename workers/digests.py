@@ -12,6 +12,7 @@ process, not on every plan of it; a file rewritten in place gets a new mtime and
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -55,7 +56,8 @@ class _FileDigests:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
         except OSError as exc:
-            raise DigestError(field, f"{shown} cannot be read: {exc.strerror}") from None
+            why = "is a symbolic link" if exc.errno == errno.ELOOP else f"cannot be read: {exc.strerror}"
+            raise DigestError(field, f"{shown} {why}") from None
         with os.fdopen(fd, "rb") as file:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
