@@ -26,7 +26,7 @@ from workers.digests import tokenizer_digest
 from workers.memory import GB
 
 if TYPE_CHECKING:
-    from workers.datasets import DatasetSummary
+    from workers.records import DatasetSummary
 
 
 async def admit_async(

@@ -11,16 +11,15 @@ the cache, so the job's ranks only hash the files and map it. Its ValueErrors na
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from service.errors import ServiceError
 from service.slots import Slots
-from service.tasks import run_task, run_task_async
+from service.tasks import Isolation, run_task, run_task_async
 from workers.config import DatasetSpec
-
-if TYPE_CHECKING:
-    from workers.datasets import DatasetSummary
+from workers.records import DatasetSummary
+from workers.sandbox import RunAs
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -54,8 +53,20 @@ def run_check(request: DatasetRequest) -> DatasetSummary:
 class DatasetChecker:
     """Runs run_check on the Ray cluster within `timeout_s` (or in this process, for the CLI and tests)."""
 
-    def __init__(self, *, timeout_s: float, in_process: bool = False, slots: Slots | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        timeout_s: float,
+        in_process: bool = False,
+        slots: Slots | None = None,
+        run_as: Callable[[str | None], RunAs | None] = lambda user: None,
+        token_cache: str | None = None,
+    ) -> None:
         self.timeout_s = timeout_s
+        self.run_as = run_as
+        """A user -> the uid and gid its checks' children run under (ZERO1_RUN_AS)."""
+        self.token_cache = token_cache
+        """The cache's tokens/ directory: a token file a check's child made is moved there."""
         self.in_process = in_process
         self.slots = slots
         """The bound on checks running at once (shared with traces); None: unbounded."""
@@ -67,18 +78,25 @@ class DatasetChecker:
                 return run_check(request)
             except ValueError as exc:
                 raise invalid(exc) from None
-        return run_task(run_check, request, **self._task_options())
+        return run_task(run_check, request, **self._task_options(user=None))
 
     async def check_async(self, request: DatasetRequest, *, user: str | None) -> DatasetSummary:
         """The check awaited without a thread, in one of `user`'s slots (a 429 when none is free)."""
         if self.in_process:
             return self.check(request)
         with self.slots.hold(user) if self.slots is not None else contextlib.nullcontext():
-            return await run_task_async(run_check, request, **self._task_options())
+            return await run_task_async(run_check, request, **self._task_options(user=user))
 
-    def _task_options(self) -> dict:
+    def _task_options(self, *, user: str | None) -> dict:
         # the task reads and tokenizes the user's files: a crash of its process is blamed on them
-        return {"timeout_s": self.timeout_s, "timed_out": self._timed_out, "failed": invalid, "blame": "data"}
+        isolation = Isolation(result=DatasetSummary, run_as=self.run_as(user), token_cache=self.token_cache)
+        return {
+            "timeout_s": self.timeout_s,
+            "timed_out": self._timed_out,
+            "failed": invalid,
+            "blame": "data",
+            "isolation": isolation,
+        }
 
     def _timed_out(self) -> ServiceError:
         return ServiceError(

@@ -33,8 +33,15 @@ class Runtime:
         """Traces and dataset checks in flight (ZERO1_MAX_TASKS, ZERO1_MAX_TASKS_PER_USER)."""
         self.log_followers = Slots(follower_limits(settings))
         """Open log streams (ZERO1_MAX_LOG_FOLLOWERS, ZERO1_MAX_LOG_FOLLOWERS_PER_USER)."""
-        self.tracer = Tracer(timeout_s=settings.plan_timeout_s, code_uri=self.code.uri, slots=self.task_slots)
-        self.datasets = DatasetChecker(timeout_s=settings.data_timeout_s, slots=self.task_slots)
+        self.tracer = Tracer(
+            timeout_s=settings.plan_timeout_s, code_uri=self.code.uri, slots=self.task_slots, run_as=settings.run_as_of
+        )
+        self.datasets = DatasetChecker(
+            timeout_s=settings.data_timeout_s,
+            slots=self.task_slots,
+            run_as=settings.run_as_of,
+            token_cache=str(dataset_cache_dir(settings.checkpoint_uri) / "tokens"),
+        )
         self.scheduler = Scheduler(
             db=self.db,
             launcher=self.launcher,

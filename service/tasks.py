@@ -16,14 +16,19 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from service.errors import ServiceError
+from workers.isolated import IsolatedCall, run_isolated
+from workers.sandbox import RunAs
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-_REMOTES: dict[Callable[..., Any], Any] = {}
+_REMOTE: Any = None
+CHILD_GRACE_S = 5.0
+"""How much longer than its caller waits a task's child may run before the task kills it."""
 RETRY_AFTER_S = 10
 """What a 503 for the cluster's fault asks the client to wait before trying again."""
 _MAX_DETAIL_CHARS = 300
@@ -38,6 +43,7 @@ def run_task(
     failed: Callable[[BaseException], ServiceError],
     runtime_env: dict[str, Any] | None = None,
     blame: str = "body",
+    isolation: Isolation | None = None,
 ) -> T:
     """fn(request) as a Ray task within timeout_s, waited for in this thread. Past the limit the task
     is cancelled and timed_out() raised; fn's own exception becomes failed(cause); a crash of its
@@ -46,7 +52,7 @@ def run_task(
     working_dir) runs it in a worker of that environment."""
     import ray
 
-    ref = _submit(fn, request, runtime_env=runtime_env)
+    ref = _submit(_call(fn, request, timeout_s, runtime_env, blame, isolation), runtime_env=runtime_env)
     try:
         return ray.get(ref, timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
@@ -65,12 +71,13 @@ async def run_task_async(
     failed: Callable[[BaseException], ServiceError],
     runtime_env: dict[str, Any] | None = None,
     blame: str = "body",
+    isolation: Isolation | None = None,
 ) -> T:
     """run_task awaited on the event loop: no request thread waits while the task runs. A request
     cancelled meanwhile (its client gone) cancels the task too."""
     import ray
 
-    ref = _submit(fn, request, runtime_env=runtime_env)
+    ref = _submit(_call(fn, request, timeout_s, runtime_env, blame, isolation), runtime_env=runtime_env)
     try:
         return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout_s)
     except TimeoutError:
@@ -83,20 +90,55 @@ async def run_task_async(
         raise task_error(exc, failed=failed, blame=blame, runtime_env=runtime_env) from None
 
 
-def _submit(fn: Callable[[Any], Any], request: Any, *, runtime_env: dict[str, Any] | None):
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Isolation:
+    """How a task's child runs: as whom, what its answer is, where its token files go."""
+
+    result: type | None = None
+    """The dataclass the child's JSON answer is checked against and rebuilt as (None: the JSON as is)."""
+    run_as: RunAs | None = None
+    """The request's owner's uid and gid (ZERO1_RUN_AS)."""
+    token_cache: str | None = None
+    """The dataset cache's tokens/ directory, where the task moves a token file its child made."""
+
+
+def _call(
+    fn: Callable[[Any], Any],
+    request: Any,
+    timeout_s: float,
+    runtime_env: dict[str, Any] | None,
+    blame: str,
+    isolation: Isolation | None,
+) -> IsolatedCall:
+    """fn(request) as the task runs it: in a child of the task's process (workers/isolated.py), killed
+    a little after the caller stops waiting (the caller's timeout answers first)."""
+    isolation = isolation or Isolation()
+    return IsolatedCall(
+        function=f"{fn.__module__}:{fn.__qualname__}",
+        argument=request,
+        result=isolation.result,
+        blame=blame,
+        timeout_s=timeout_s + CHILD_GRACE_S,
+        run_as=isolation.run_as,
+        bundle=runtime_env is not None,
+        token_cache=isolation.token_cache,
+    )
+
+
+def _submit(call: IsolatedCall, *, runtime_env: dict[str, Any] | None):
     """The task's ObjectRef. num_cpus=0: such a task takes seconds and must not queue behind training
     ranks holding the CPUs (the callers bound how many run at once); no retries: a failure is the
     input's, or the cluster's to report. A 503 when this process is not connected to Ray (ray.remote
     would start a Ray of its own here)."""
     import ray
 
+    global _REMOTE
     if not ray.is_initialized():
         raise cluster_unavailable("Ray is not connected")
-    remote = _REMOTES.get(fn)
-    if remote is None:  # made once per function; ray.remote needs Ray imported, which the API does lazily
-        remote = _REMOTES[fn] = ray.remote(num_cpus=0, max_retries=0)(fn)
+    if _REMOTE is None:  # made once; ray.remote needs Ray imported, which the API does lazily
+        _REMOTE = ray.remote(num_cpus=0, max_retries=0)(run_isolated)
     try:
-        return (remote.options(runtime_env=runtime_env) if runtime_env else remote).remote(request)
+        return (_REMOTE.options(runtime_env=runtime_env) if runtime_env else _REMOTE).remote(call)
     except (ray.exceptions.RayError, ConnectionError) as exc:
         raise cluster_unavailable(f"the task could not be submitted: {_first_line(exc)}") from None
 

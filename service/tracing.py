@@ -26,8 +26,9 @@ from typing import Any, Protocol
 
 from service.errors import ServiceError
 from service.slots import Slots
-from service.tasks import run_task, run_task_async
+from service.tasks import Isolation, run_task, run_task_async
 from workers.config import InvalidModelError
+from workers.sandbox import RunAs
 
 CACHE_ENTRIES = 1024
 """Traces the service remembers, least recently used dropped first (each is a few integers)."""
@@ -176,6 +177,7 @@ class Tracer:
         in_process: bool = False,
         code_uri: Callable[[str], str] | None = None,
         slots: Slots | None = None,
+        run_as: Callable[[str | None], RunAs | None] = lambda user: None,
     ) -> None:
         self.timeout_s = timeout_s
         self.in_process = in_process
@@ -184,6 +186,8 @@ class Tracer:
         """A code bundle's digest -> the URI Ray unpacks as a trace task's working_dir (a python model's)."""
         self.slots = slots
         """The bound on traces running at once (shared with dataset checks); None: unbounded (the CLI)."""
+        self.run_as = run_as
+        """A user -> the uid and gid its traces' children run under (ZERO1_RUN_AS)."""
         self.traces_run = 0
         """Traces made (not answered from the cache), since this Tracer was made."""
         self._cache: OrderedDict[str, TracedStep] = OrderedDict()
@@ -205,7 +209,7 @@ class Tracer:
         if self.in_process:
             return self.trace(request)
         with self.slots.hold(user) if self.slots is not None else contextlib.nullcontext():
-            traced = await run_task_async(run_trace, request, **self._task_options(request))
+            traced = await run_task_async(run_trace, request, **self._task_options(request, user=user))
         return self._remember(request.digest, traced)
 
     def _cached(self, digest: str) -> TracedStep | None:
@@ -228,9 +232,9 @@ class Tracer:
             if request.model.get("code") is not None:  # user code never runs in this process
                 raise invalid_model("model", "a python model is planned by the service (POST /v1/plan), not here")
             return _with_trace_errors(lambda: run_trace(request))
-        return run_task(run_trace, request, **self._task_options(request))
+        return run_task(run_trace, request, **self._task_options(request, user=None))
 
-    def _task_options(self, request: TraceRequest) -> dict[str, Any]:
+    def _task_options(self, request: TraceRequest, *, user: str | None) -> dict[str, Any]:
         """run_task's options for this request: a python model's bundle as the working_dir; a crash of
         the task's process blamed on the model's code (entrypoint) or its config or directory."""
         code = request.model.get("code")
@@ -245,6 +249,7 @@ class Tracer:
             "failed": _trace_failed,
             "runtime_env": runtime_env,
             "blame": blame.get(request.model["kind"], "model"),
+            "isolation": Isolation(result=TracedStep, run_as=self.run_as(user)),
         }
 
     def _timed_out(self) -> ServiceError:

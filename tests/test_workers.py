@@ -21,11 +21,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from workers.actors import JobSupervisor, Placement, PlacementError
-from workers.rendezvous import join_process_group, open_rendezvous_store
 from workers.checkpoints import latest_checkpoint
 from workers.config import OptimizerSpec, TrainConfig
 from workers.data import Batches
 from workers.memory import GPTSpec
+from workers.rendezvous import join_process_group, open_rendezvous_store
 from workers.train import train
 
 from figures import record

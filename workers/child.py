@@ -45,6 +45,7 @@ def error_of(exc: BaseException) -> dict[str, Any]:
         "exception": type(exc).__name__,
         "message": (reason if isinstance(reason, str) else lines[0] if lines else type(exc).__name__)[:2000],
         "field": getattr(exc, "field", None) if isinstance(getattr(exc, "field", None), str) else None,
+        "value_error": isinstance(exc, ValueError),
         "traceback": [line.rstrip()[:500] for line in traceback.format_exception(exc)][-12:],
     }
 

@@ -25,7 +25,7 @@ import os
 import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import BinaryIO
 
@@ -36,6 +36,7 @@ from torch import Tensor
 from workers.config import DatasetSpec
 from workers.datafiles import BYTES, resolve_files, resolve_tokenizer
 from workers.digests import check_digest, tokenizer_digest
+from workers.records import DatasetSummary
 
 CACHE_VERSION = 1
 """Bumped when the token stream of the same files and tokenizer would change."""
@@ -173,12 +174,23 @@ def prepare_tokens(spec: DatasetSpec, *, tokenizer: Tokenizer) -> TokenFile:
     found = _cached(path, sidecar, meta=meta)
     if found is not None:
         return TokenFile(tokens=found, path=str(path), created=False, **_public(meta))
+    if not _writable(directory):  # a child under its owner's uid (ZERO1_RUN_AS): the cache is the service's
+        spill = os.path.join(tempfile.gettempdir(), "zero1-cache")  # the child's own (workers/isolated.py)
+        return prepare_tokens(replace(spec, cache_dir=None if spec.cache_dir == spill else spill), tokenizer=tokenizer)
     directory.mkdir(parents=True, exist_ok=True)
     with _atomic(path) as out:
         num_tokens = _tokenize(files, spec=spec, tokenizer=tokenizer, out=out, dtype=dtype)
     with _atomic(sidecar) as out:  # the sidecar last: its presence says the token file is whole
         out.write(json.dumps({**meta, "num_tokens": num_tokens, "version": CACHE_VERSION, "files": files}).encode())
     return TokenFile(tokens=_map(path, dtype, num_tokens), path=str(path), created=True, **_public(meta))
+
+
+def _writable(directory: Path) -> bool:
+    """Whether this process may create files in `directory` (or, while it does not exist, in the
+    nearest directory above it that does)."""
+    while not directory.exists() and directory != directory.parent:
+        directory = directory.parent
+    return os.access(directory, os.W_OK)
 
 
 def _public(meta: dict) -> dict:
@@ -354,18 +366,3 @@ class DatasetSource:
     def block_tokens(self, block_ids: np.ndarray) -> Tensor:
         offsets = np.asarray(block_ids, dtype=np.int64)[:, None] * self.block_len + np.arange(self.block_len)
         return torch.from_numpy(self.token_file.tokens[offsets].astype(np.int64))
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DatasetSummary:
-    """What a submit-time check found (and cached)."""
-
-    num_tokens: int
-    num_blocks: int
-    num_train_blocks: int
-    num_held_out_blocks: int
-    vocab_size: int
-    eos_id: int
-    tokenized: bool
-    token_file: str | None = None
-    """The cache entry's token file (None without a cache): the service marks it used and trims the cache."""

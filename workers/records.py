@@ -173,3 +173,18 @@ class TrainResult:
     cancelled: bool
     stopped: bool = False
     """It stopped after the checkpoint of last_step, asked to (an elastic job's resize)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DatasetSummary:
+    """What a submit-time dataset check found (and cached): read by the service, made in a child."""
+
+    num_tokens: int
+    num_blocks: int
+    num_train_blocks: int
+    num_held_out_blocks: int
+    vocab_size: int
+    eos_id: int
+    tokenized: bool
+    token_file: str | None = None
+    """The cache entry's token file (None without a cache): the service marks it used and trims the cache."""

@@ -25,7 +25,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -225,12 +225,19 @@ class Child:
 
 
 def call_in_child(
-    function: str, argument: Any, *, timeout_s: float, run_as: RunAs | None = None, bundle: str | None = None
+    function: str,
+    argument: Any,
+    *,
+    timeout_s: float,
+    run_as: RunAs | None = None,
+    bundle: str | None = None,
+    keep: Callable[[str], None] | None = None,
 ) -> Any:
-    """`function` ("module:name") applied to `argument` in a child with a scratch home (removed
-    after) and `bundle` as its code: its JSON result. The child's exception comes back as
-    ChildError (an InvalidModelError's field kept); past timeout_s the child is killed and
-    TimeoutError raised; a child that dies raises ChildExited."""
+    """`function` ("module:name") applied to `argument` in a child with a scratch home and `bundle`
+    as its code: its JSON result. keep(home) takes what the parent keeps of the home once the child
+    answered, before the home is removed. The child's exception comes back as ChildError (an
+    InvalidModelError's field kept); past timeout_s the child is killed and TimeoutError raised; a
+    child that dies raises ChildExited."""
     import time
 
     home = tempfile.mkdtemp(prefix="zero1-task-")
@@ -247,6 +254,9 @@ def call_in_child(
                 raise TimeoutError(f"the child ran past {timeout_s:g} s and was stopped")
         if "error" in message:
             raise ChildError.of(message["error"])
+        child.close()  # it answered: nothing of it runs while its files are taken
+        if keep is not None:
+            keep(home)
         return message.get("result")
     except ChildExited as exc:
         raise ChildExited(f"the process that ran it {exc}") from None
@@ -286,16 +296,21 @@ class ChildError(RuntimeError):
     """An exception raised in a child, as it reported it: its type's name, message, and the field
     of the request it names (an InvalidModelError's); the caller turns it into its own error."""
 
-    def __init__(self, exception: str, message: str, field: str | None = None) -> None:
-        super().__init__(message)
-        self.exception, self.message, self.field = exception, message, field
+    def __init__(self, exception: str, message: str, field: str | None = None, value_error: bool = False) -> None:
+        super().__init__(f"{exception}: {message}")
+        self.exception, self.message, self.field, self.value_error = exception, message, field, value_error
 
-    def __reduce__(self):  # crosses Ray as its three strings
-        return (type(self), (self.exception, self.message, self.field))
+    def __reduce__(self):  # crosses Ray as its fields
+        return (type(self), (self.exception, self.message, self.field, self.value_error))
 
     @classmethod
     def of(cls, error: Any) -> ChildError:
         if not isinstance(error, dict):
             raise ProtocolError("the child's error is not an object")
         field = error.get("field")
-        return cls(str(error.get("exception", "Exception")), str(error.get("message", "")), field and str(field))
+        return cls(
+            str(error.get("exception", "Exception"))[:200],
+            str(error.get("message", ""))[:2000],
+            str(field)[:200] if field else None,
+            error.get("value_error") is True,
+        )

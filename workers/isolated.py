@@ -1,0 +1,153 @@
+"""A Ray task whose work runs in a child (workers/sandbox.py): a plan's trace, a submit's dataset check.
+
+The task's process is zero1's and Ray's; the work (a python model's build(), an hf model's files,
+a dataset's parsers) runs in a child with a built environment, the owner's uid (ZERO1_RUN_AS) and
+a scratch home, killed at its time limit. What the child answers is JSON, checked against the
+result's dataclass before it is rebuilt; its failures come back as the exceptions the service
+answers 422 (an InvalidModelError naming the field, a ValueError "data.x: why"). Files the child
+made that the service keeps (a dataset's token file for the cache) are moved by this trusted side
+into place, never written there by the child.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from workers.config import InvalidModelError
+from workers.sandbox import ChildError, ChildExited, RunAs, call_in_child
+
+SPILL_DIR = "tmp/zero1-cache"
+"""Where, under a child's home, it writes the dataset cache entry it cannot write in the shared cache
+(its TMPDIR's zero1-cache: workers.datasets.prepare_tokens)."""
+_CACHE_NAME = re.compile(r"[0-9a-f]{16,128}\.(bin|json)")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IsolatedCall:
+    """One unit of untrusted work: `function` ("module:name") applied to `argument` in a child."""
+
+    function: str
+    argument: Any
+    result: type
+    """The dataclass the child's JSON answer must fit, field by field."""
+    blame: str
+    """The request's field a crash of the child is blamed on (model.entrypoint, data...)."""
+    timeout_s: float
+    run_as: RunAs | None = None
+    bundle: bool = False
+    """The task's working directory is a code bundle: the child works in its own copy."""
+    token_cache: str | None = None
+    """The dataset cache's tokens/ directory: a token file the child made in its spill directory is
+    moved there, and the result's token_file names it there."""
+
+
+def run_isolated(call: IsolatedCall) -> Any:
+    """The Ray task's body: the call's work in a child, its answer checked and rebuilt."""
+    kept: dict[str, str] = {}
+
+    def keep(home: str) -> None:
+        if call.token_cache is not None:
+            kept.update(_adopt(Path(home, SPILL_DIR, "tokens"), Path(call.token_cache)))
+
+    try:
+        answer = call_in_child(
+            call.function,
+            call.argument,
+            timeout_s=call.timeout_s,
+            run_as=call.run_as,
+            bundle=os.getcwd() if call.bundle else None,
+            keep=keep,
+        )
+    except ChildError as exc:
+        raise _local(exc) from None
+    except ChildExited as exc:
+        message = f"{exc} while it ran the request's code (os._exit, a signal, or the out-of-memory killer)"
+        raise _blamed(call.blame, message) from None
+    result = checked(call.result, answer)
+    if call.token_cache is not None and hasattr(result, "token_file"):  # named by this side, never the child
+        token_file = result.token_file
+        name = Path(token_file).name if isinstance(token_file, str) else None
+        token_file = kept.get(name) if name else None
+        if token_file is None and name and (Path(call.token_cache) / name).is_file():
+            token_file = str(Path(call.token_cache) / name)  # the child found it in the cache
+        result = dataclasses.replace(result, token_file=token_file)
+    return result
+
+
+def checked(result_type: type, answer: Any) -> Any:
+    """`answer` (a JSON object) as `result_type`, every field of the declared type; ValueError otherwise."""
+    if not isinstance(answer, dict):
+        raise ValueError(f"the child's answer is not an object but {type(answer).__name__}")
+    hints = typing.get_type_hints(result_type)
+    values = {}
+    for field in dataclasses.fields(result_type):
+        if field.name not in answer:
+            if field.default is dataclasses.MISSING:
+                raise ValueError(f"the child's answer has no {field.name}")
+            continue
+        value = answer[field.name]
+        if not _conforms(value, hints[field.name]):
+            raise ValueError(f"the child's {field.name} is not a {hints[field.name]}: {str(value)[:80]}")
+        values[field.name] = tuple(value) if isinstance(value, list) else value
+    return result_type(**values)
+
+
+def _conforms(value: Any, hint: Any) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is type(None):
+        return value is None
+    if origin in (typing.Union, types.UnionType):
+        return any(_conforms(value, arg) for arg in args)
+    if origin is tuple:
+        return isinstance(value, list) and all(_conforms(item, args[0]) for item in value)
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    return False
+
+
+def _adopt(spill: Path, cache: Path) -> dict[str, str]:
+    """Move the child's cache entries (regular files with a cache entry's name) into the cache,
+    token files before their sidecars (a sidecar says its token file is whole); name -> new path."""
+    if not spill.is_dir():
+        return {}
+    moved = {}
+    cache.mkdir(parents=True, exist_ok=True)
+    entries = sorted((p for p in spill.iterdir() if _CACHE_NAME.fullmatch(p.name)), key=lambda p: p.suffix != ".bin")
+    for entry in entries:
+        if entry.is_symlink() or not entry.is_file():
+            continue
+        target = cache / entry.name
+        temporary = cache / f".{entry.name}.{os.getpid()}.adopt"
+        shutil.copyfile(entry, temporary, follow_symlinks=False)  # owned by this side, its mode
+        os.chmod(temporary, 0o644)
+        os.replace(temporary, target)
+        moved[entry.name] = str(target)
+    return moved
+
+
+def _local(error: ChildError) -> Exception:
+    """The child's exception as the service answers it: the field it names, else a ValueError or
+    the error itself (a RuntimeError saying the child's type)."""
+    if error.field:
+        return InvalidModelError(error.field, error.message)
+    if error.value_error:
+        return ValueError(error.message)
+    return error
+
+
+def _blamed(field: str, message: str) -> Exception:
+    return InvalidModelError(field, message) if field.startswith("model") else ValueError(f"{field}: {message}")
