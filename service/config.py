@@ -223,7 +223,7 @@ def env_table() -> str:
     """The table of environment variables in docs/deployment.md, made from this class so it cannot drift."""
     rows = ["| variable | default | meaning |", "|---|---|---|"]
     for name, field in Settings.model_fields.items():
-        default = "unset" if field.default is None else f"`{field.default}`"
+        default = "unset" if field.default in (None, {}) else f"`{field.default}`"
         meaning = " ".join((field.description or "").split())
         rows.append(f"| `ZERO1_{name.upper()}` | {default} | {meaning} |")
     return "\n".join(rows)
