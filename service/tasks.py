@@ -100,6 +100,9 @@ class Isolation:
     """The request's owner's uid and gid (ZERO1_RUN_AS)."""
     token_cache: str | None = None
     """The dataset cache's tokens/ directory, where the task moves a token file its child made."""
+    child: bool = True
+    """False: the work runs no user code and reads no user file (a built-in model's trace), so it
+    runs in the task's own process."""
 
 
 def _call(
@@ -122,6 +125,7 @@ def _call(
         run_as=isolation.run_as,
         bundle=runtime_env is not None,
         token_cache=isolation.token_cache,
+        child=isolation.child,
     )
 
 

@@ -249,7 +249,9 @@ class Tracer:
             "failed": _trace_failed,
             "runtime_env": runtime_env,
             "blame": blame.get(request.model["kind"], "model"),
-            "isolation": Isolation(result=TracedStep, run_as=self.run_as(user)),
+            "isolation": Isolation(
+                result=TracedStep, run_as=self.run_as(user), child=request.model["kind"] in ("hf", "python")
+            ),
         }
 
     def _timed_out(self) -> ServiceError:

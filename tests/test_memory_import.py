@@ -30,6 +30,7 @@ assert result.per_gpu.total_bytes == 31_406_250_000, result
 import workers.limits  # service/schemas.py takes its defaults and bounds from there
 import workers.config, workers.records, workers.checkpoints, workers.specs  # the control plane builds and reads these
 import workers.datafiles  # the API checks a dataset's paths with it
+import workers.sandbox, workers.child, workers.isolated, workers.rendezvous  # untrusted work, in children
 loaded = sorted(m for m in sys.modules if m.partition(".")[0] in {"torch", "ray", "pydantic", "numpy"})
 assert not loaded, loaded
 print("ok")
@@ -97,3 +98,17 @@ def test_a_rank_trains_the_built_in_models_without_loading_torch_dynamo(tmp_path
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+_PARENT = r"""
+import sys
+import workers.actors, workers.ranks, workers.isolated  # a rank's parent, a task's: Ray, never torch
+print(sorted(m for m in sys.modules if m.partition(".")[0] in ("torch", "transformers")))
+"""
+
+
+def test_a_ranks_parent_and_a_tasks_do_not_import_torch():
+    """The trusted side of a rank and of a trace stays small: torch and the model load in the child."""
+    out = subprocess.run([sys.executable, "-c", _PARENT], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -22,6 +22,7 @@ from service.models import Job, JobEvent, LogLine
 from workers.datafiles import MAX_RESOLVE_S, resolve_files
 
 from conftest import make_settings, serve
+from figures import record
 from helpers import TERMINAL, job_body, wait_job
 
 ALICE, ROOT = (f"{user}-{secrets.token_urlsafe(24)}" for user in ("alice", "root"))
@@ -85,6 +86,7 @@ def test_a_glob_of_dot_dot_components_is_a_422_at_once(trusted, tree, k):
     assert response.status_code == 422, response.text
     assert response.json()["message"].startswith(f"data.path: {path!r}: a glob may not have '.' or '..' components")
     assert elapsed_s < 0.5, f"{elapsed_s:.2f} s"
+    record("a glob of `*/../` components (item 3)", tried=1, refused=1)
 
 
 def outside_paths(tree: dict[str, Path]) -> list[tuple[dict, str]]:
@@ -111,6 +113,7 @@ def test_no_refusal_names_a_path_outside_the_data_roots(trusted, tree):
         text = response.json()["message"]
         assert message in text and text.startswith(("data.path: ", "data.tokenizer: ")), (data, text)
         assert "auth_token" not in text and str(tree["home"]) not in text.replace(data["path"], ""), text
+    record("a glob fishing for paths outside the roots (item 3)", tried=1, refused=1)
 
 
 def test_a_glob_through_links_that_loop_stops_at_the_time_bound(trusted, tree):
@@ -124,6 +127,7 @@ def test_a_glob_through_links_that_loop_stops_at_the_time_bound(trusted, tree):
     message = response.json()["message"]
     assert message.startswith(f"data.path: {path!r} ") and "name fewer directories" in message, message
     assert elapsed_s < MAX_RESOLVE_S + 2, f"{elapsed_s:.2f} s"
+    record("a glob through looping links (item 3)", tried=1, refused=1)
 
 
 def test_every_entry_a_glob_visits_counts_matched_or_not(tmp_path):
@@ -160,6 +164,7 @@ def test_control_characters_in_a_name_or_path_are_a_422_naming_the_field(trusted
     response = dry_run(trusted, **overrides)
     assert response.status_code == 422, response.text
     assert response.json()["message"].startswith(f"{field}: must not contain a control character ("), response.text
+    record("control characters in a name or path (item 8)", tried=1, refused=1)
 
 
 @pytest.fixture(scope="module")
@@ -210,6 +215,7 @@ def test_the_cli_prints_user_text_with_its_control_characters_escaped(owned, cli
     out, err = capsys.readouterr()
     assert "\x1b" not in out + err and "\x9b" not in out + err and "\x07" not in out + err
     assert SHOWN in (out if stream == "out" else err), (out, err)
+    record("terminal escapes printed by the CLI (item 8)", tried=1, refused=1)
 
 
 class Terminal(io.StringIO):
@@ -237,6 +243,7 @@ def test_the_dashboard_writes_user_text_with_its_control_characters_escaped(trus
     assert page.status_code == 200
     assert not any(c in page.text for c in "\x1b\x07\x9b\x7f"), page.text
     assert SHOWN in page.text
+    record("terminal escapes on the dashboard (item 8)", tried=1, refused=1)
 
 
 # --------------------------------------------------------------------------- item 9: bearer tokens
@@ -270,6 +277,7 @@ def test_wrong_bearer_tokens_lock_their_client_out_until_the_window_passes(trust
         assert guesser.get("/v1/jobs", headers=bearer(ROOT)).status_code == 200
     finally:
         authenticator.lockout = saved
+    record("bearer tokens guessed at full speed (item 9)", tried=1, refused=1)
 
 
 def test_the_api_and_the_login_form_count_failures_together(trusted):
@@ -313,3 +321,4 @@ def test_ids_no_job_can_have_are_not_found_on_the_dashboard_and_4xx_on_the_api(r
         for path in ("/v1/jobs/99999999999999999999", "/v1/jobs/99999999999999999999/logs"):
             response = client.get(path, headers=bearer(ROOT))
             assert response.status_code == 422 and response.json()["message"].startswith("job_id: "), response.text
+    record("ids beyond the database's integers (item 10)", tried=1, refused=1)

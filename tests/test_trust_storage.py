@@ -23,6 +23,7 @@ from workers.config import DatasetSpec
 from workers.datasets import ByteTokenizer, prepare_tokens
 
 from conftest import end_supervisors, make_settings
+from figures import record
 from helpers import TERMINAL, job_body, wait_for, wait_job, zip_of
 
 ALICE, BOB, ROOT = (f"{user}-{secrets.token_urlsafe(24)}" for user in ("alice", "bob", "root"))
@@ -64,6 +65,7 @@ def test_a_zip_whose_file_is_also_a_directory_is_a_422_naming_both(secured, orde
     file, inner = sorted(order, key=len)
     assert body["error"] == "invalid_code" and f"{inner!r}" in body["message"] and f"{file!r}" in body["message"]
     assert body["detail"][0]["entry"] == inner
+    record("a zip whose file is also a directory (item 5)", tried=1, refused=1)
 
 
 def test_a_directory_entry_beside_its_files_is_still_fine(secured):
@@ -102,6 +104,7 @@ def test_a_users_code_quota_counts_their_bundles_and_spares_bytes_already_stored
     again = secured.post("/v1/code", content=second, headers={**ZIP, **bearer(ALICE)})
     assert again.status_code == 200, again.text
     assert secured.post("/v1/code", content=first, headers={**ZIP, **bearer(ALICE)}).status_code == 200
+    record("code bundles past a user's quota (item 7)", tried=1, refused=1)
 
 
 # --------------------------------------------------------------------------- item 4: artifacts
@@ -172,6 +175,7 @@ def test_a_link_planted_in_final_is_never_listed_nor_served(secured, succeeded):
         assert secured.get(f"/v1/jobs/{job['id']}/artifacts/secret", headers=bearer(ALICE)).status_code == 404
     finally:
         (root / "final" / "secret").unlink()
+    record("a link planted in final/ (item 4)", tried=1, refused=1)
 
 
 def test_a_file_swapped_after_success_is_cut_off_or_refused(secured, succeeded, caplog):
@@ -199,6 +203,7 @@ def test_a_file_swapped_after_success_is_cut_off_or_refused(secured, succeeded, 
         spec.write_bytes(original)
     ranged = secured.get(url, headers={**bearer(ALICE), "Range": "bytes=2-5"})
     assert ranged.status_code == 206 and ranged.content == original[2:6]
+    record("an artifact swapped after success (item 4)", tried=1, refused=1)
 
 
 def _get_all(client: TestClient, url: str) -> bytes | None:

@@ -28,6 +28,7 @@ from workers.config import DatasetSpec, HFSpec
 from workers.digests import DigestError, directory_digest, tokenizer_digest
 
 from conftest import make_settings, serve
+from figures import record
 from helpers import TINY, wait_for, zip_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,6 +134,7 @@ def test_user_code_that_exits_its_process_is_a_422_naming_the_entrypoint(served)
     assert r.json()["detail"][0]["field"] == "model.entrypoint"
     assert r.json()["message"].startswith("model.entrypoint: the task's process exited"), r.json()
     assert served.app.state.runtime.task_slots.in_flight == 0  # its slot was given back
+    record("a plan whose code calls os._exit (item 5)", tried=1, refused=1)
 
 
 def echo(request):
@@ -157,6 +159,7 @@ def test_a_working_dir_ray_cannot_set_up_is_a_422_naming_code(ray_cluster, tmp_p
         assert raised.status_code == 422 and raised.extra["detail"][0]["field"] == "code", raised.message
         assert raised.message.startswith("code: the code bundle could not be set up as the task's working directory")
         assert "File exists" in raised.message
+    record("a bundle Ray cannot unpack (item 5)", tried=1, refused=1)
 
 
 def test_a_task_asked_of_a_ray_that_is_not_connected_is_a_503_with_retry_after(ray_cluster):
@@ -275,6 +278,7 @@ def test_slow_traces_hold_no_thread_nor_connection_and_past_the_limits_are_429(s
     for thread in waiting:
         thread.join(timeout=120)
     assert answers == {16: 200, 17: 200, 19: 200} and runtime.task_slots.in_flight == 0
+    record("slow traces filling the request threads (item 6)", tried=1, refused=1)
 
 
 def test_log_streams_are_bounded_per_user_and_in_total(served):
@@ -305,6 +309,7 @@ def test_log_streams_are_bounded_per_user_and_in_total(served):
         assert again.status_code == 200
     for token, job_id in ids.items():
         served.post(f"/v1/jobs/{job_id}/cancel", headers=bearer(token))
+    record("log followers past their caps (item 6)", tried=1, refused=1)
 
 
 # --------------------------------------------------------------------------- item 11: digests
@@ -329,6 +334,7 @@ def test_the_same_model_path_with_new_content_is_traced_again(served, roots):
     deeper = served.post("/v1/plan", json=hf_plan(directory), headers=bearer(ALICE))
     assert deeper.status_code == 200 and tracer.traces_run == traced + 1, deeper.text
     assert deeper.json()["num_params"] > first.json()["num_params"]
+    record("a model directory changed under its path (item 11)", tried=1, refused=1)
 
 
 def test_a_link_inside_a_model_directory_is_a_422(served, roots, tmp_path):
@@ -340,6 +346,7 @@ def test_a_link_inside_a_model_directory_is_a_422(served, roots, tmp_path):
     r = served.post("/v1/plan", json=hf_plan(directory), headers=bearer(ALICE))
     assert r.status_code == 422 and r.json()["detail"][0]["field"] == "model.path", r.text
     assert f"{directory}/tokenizer.json is a symbolic link" in r.json()["message"]
+    record("a link inside a model directory (item 11)", tried=1, refused=1)
 
 
 def test_a_given_model_digest_must_be_the_directorys(served, roots):
@@ -379,6 +386,7 @@ def test_a_jobs_model_digest_reaches_its_ranks_which_refuse_a_changed_directory(
         build_hf(config.model, dtype=torch.float32)
     assert changed.value.field == "model.path"
     assert f"{directory} has changed since the job was admitted: its files' digest is sha256:" in str(changed.value)
+    record("a model directory changed after admission (item 11)", tried=1, refused=1)
 
 
 def test_a_tokenizers_digest_is_recorded_at_submit_and_checked_where_it_is_loaded(served, roots):

@@ -258,8 +258,6 @@ def call_in_child(
         if keep is not None:
             keep(home)
         return message.get("result")
-    except ChildExited as exc:
-        raise ChildExited(f"the process that ran it {exc}") from None
     finally:
         child.close()
         shutil.rmtree(home, ignore_errors=True)
