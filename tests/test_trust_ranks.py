@@ -450,3 +450,28 @@ def test_a_supervisor_cancelled_behind_the_schedulers_back_ends_the_attempt_and_
     # its 2 GPUs are free in the scheduler's count: the queued 4-GPU job runs
     assert wait_job(client, waiting["id"], lambda j: j["status"] in TERMINAL)["status"] == "succeeded"
     record("a supervisor cancelled behind the scheduler's back", faults=1, jobs_accepted=2, jobs_lost=0)
+
+
+def test_what_a_jobs_code_plants_in_its_directory_is_not_followed_by_the_service(tmp_path):
+    """The service reads and prunes a job's checkpoints as root: a linked step directory or marker
+    (pointing it at files of the service's) and names that are no step are passed over, never followed."""
+    from workers.checkpoints import COMPLETE, latest_checkpoint, prune_checkpoints, step_dir, write_json
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    write_json(outside / COMPLETE, {"step": 999, "world_size": 2})
+    secret = tmp_path / "secret.json"
+    write_json(secret, {"step": 998, "world_size": 2})
+    job = tmp_path / "job"
+    real = step_dir(job, 9)
+    real.mkdir(parents=True)
+    write_json(real / COMPLETE, {"step": 9, "world_size": 2})
+    (job / "step-000000999").symlink_to(outside, target_is_directory=True)  # a linked step directory
+    linked = step_dir(job, 998)
+    linked.mkdir()
+    (linked / COMPLETE).symlink_to(secret)  # a linked marker
+    (job / "step-evil").mkdir()  # a name that is no step
+    assert latest_checkpoint(job) == (9, 2)
+    assert prune_checkpoints(job, keep_last=1, keep_newest_unfinished=False) == [998]  # the real unfinished one
+    assert sorted(p.name for p in outside.iterdir()) == [COMPLETE] and secret.exists()  # nothing followed
+    record("links and odd names planted in a job's checkpoint directory", tried=3, refused=3)

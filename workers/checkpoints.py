@@ -20,7 +20,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
@@ -33,6 +35,8 @@ COMPLETE = "complete.json"
 PRUNED = "pruned.json"
 FINAL = "final"
 MANIFEST = "manifest.json"
+MAX_JSON_BYTES = 64 << 20
+"""The most of a marker or rows file read (a rows file holds a few hundred bytes a step)."""
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -73,20 +77,50 @@ def write_json(path: Path, value: Any) -> None:
 
 
 def _read_json(path: Path) -> Any | None:
-    """The file's JSON, or None (logged) when it is missing, torn or unreadable."""
+    """The file's JSON, or None (logged) when it is missing, torn or unreadable. The service reads
+    what a job's code could have written: the file and its step directory must not be links (they
+    would point it at a file of the service's), and it must be a regular file."""
     try:
-        return json.loads(path.read_text())
+        if path.parent.is_symlink():
+            raise OSError(f"{path.parent.name} is a symbolic link")
+        descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with os.fdopen(descriptor, "rb") as file:
+            if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+                raise OSError("not a regular file")
+            return json.loads(file.read(MAX_JSON_BYTES + 1)[:MAX_JSON_BYTES])
     except (OSError, ValueError) as exc:
         log.warning("ignoring unreadable checkpoint file %s: %s: %s", path, type(exc).__name__, exc)
         return None
 
 
+_STEP_DIR = re.compile(r"step-\d{9}")
+
+
+def _step_dirs(root: Path) -> list[Path]:
+    """The checkpoint directories under root: named step-<9 digits>, real directories (a job's code
+    could plant a link, or a name that is no step, where the service reads and deletes)."""
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return []
+    return [entry for entry in entries if _STEP_DIR.fullmatch(entry.name) and entry.is_dir() and not entry.is_symlink()]
+
+
+def _markers(root: Path, name: str) -> list[Path]:
+    """The `name` files (complete.json, pruned.json) of root's checkpoint directories."""
+    return [directory / name for directory in _step_dirs(root) if _is_plain_file(directory / name)]
+
+
+def _is_plain_file(path: Path) -> bool:
+    return path.is_file() and not path.is_symlink()
+
+
 def latest_checkpoint(root: Path) -> tuple[int, int] | None:
     """(step, world_size) of the newest complete checkpoint under root, or None."""
     best = None
-    for marker in root.glob(f"step-*/{COMPLETE}"):
+    for marker in _markers(root, COMPLETE):
         meta = _read_json(marker)
-        if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
+        if not isinstance(meta, dict) or not all(isinstance(meta.get(key), int) for key in ("step", "world_size")):
             continue
         if best is None or meta["step"] > best[0]:
             best = (meta["step"], meta["world_size"])
@@ -103,16 +137,16 @@ def prune_checkpoints(root: Path, *, keep_last: int, keep_newest_unfinished: boo
     pruned.json marker: the control plane may not have stored them yet (it polls behind the
     ranks, and it can stop while they run on), and reads them back before a relaunch. It
     discards them once stored (discard_stored_metrics)."""
-    complete = sorted(step_of(m.parent) for m in root.glob(f"step-*/{COMPLETE}"))
+    complete = sorted(step_of(m.parent) for m in _markers(root, COMPLETE))
     kept = set(complete[-keep_last:])
     newest = complete[-1] if complete else -1
     pruned = []
-    for directory in root.glob("step-*"):
+    for directory in _step_dirs(root):
         step = step_of(directory)
         if step in kept or (keep_newest_unfinished and step >= newest) or (directory / PRUNED).exists():
             continue
         marker = directory / COMPLETE
-        if marker.exists():
+        if _is_plain_file(marker):
             os.replace(marker, directory / PRUNED)  # no longer a checkpoint to resume from
             for shard in directory.glob("rank-*.pt"):
                 shard.unlink(missing_ok=True)
@@ -125,7 +159,7 @@ def prune_checkpoints(root: Path, *, keep_last: int, keep_newest_unfinished: boo
 def discard_stored_metrics(root: Path, *, through_step: int) -> list[int]:
     """Delete the pruned checkpoints whose rows are all stored (step <= through_step); the steps."""
     discarded = []
-    for marker in root.glob(f"step-*/{PRUNED}"):
+    for marker in _markers(root, PRUNED):
         step = step_of(marker.parent)
         if step <= through_step:
             shutil.rmtree(marker.parent, ignore_errors=True)
@@ -137,7 +171,7 @@ def checkpointed_metrics(root: Path, *, after_step: int) -> list[MetricRow]:
     """The rows (one per step, ranks merged) saved with the complete and pruned checkpoints of
     root for the steps after `after_step`, in step order."""
     by_step: dict[int, dict[int, MetricRow]] = {}
-    saved = {marker.parent for name in (COMPLETE, PRUNED) for marker in root.glob(f"step-*/{name}")}
+    saved = {marker.parent for name in (COMPLETE, PRUNED) for marker in _markers(root, name)}
     for directory in saved:
         if step_of(directory) <= after_step:
             continue

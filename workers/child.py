@@ -1,4 +1,4 @@
-"""The child's side of workers/sandbox.py: `python -m workers.child MODE CONN_FD LIFELINE_FD`.
+"""The child's side of workers/sandbox.py: `python -m workers.child MODE CONN_FD LIFELINE_FD STAGING`.
 
 It runs untrusted work and reports in JSON over its socket: `call` applies one function to one
 pickled argument (a plan's trace, a submit's dataset check); `rank` trains as one rank of a job
@@ -13,6 +13,7 @@ import importlib
 import json
 import os
 import pickle
+import shutil
 import sys
 import threading
 import traceback
@@ -50,8 +51,9 @@ def error_of(exc: BaseException) -> dict[str, Any]:
     }
 
 
-def _watch_lifeline(fd: int) -> None:
-    """Exit the moment the parent's end of the lifeline closes (the parent ended)."""
+def _watch_lifeline(fd: int, staging: str | None) -> None:
+    """Exit the moment the parent's end of the lifeline closes (the parent ended), removing the copy
+    of the code bundle the parent made for this child (a parent killed cannot)."""
 
     def watch() -> None:
         while True:
@@ -62,6 +64,8 @@ def _watch_lifeline(fd: int) -> None:
                 continue
             except OSError:
                 break
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
         os._exit(70)
 
     threading.Thread(target=watch, daemon=True, name="zero1-lifeline").start()
@@ -80,8 +84,8 @@ def _call(link: ParentLink) -> None:
 
 
 def main(argv: list[str]) -> None:
-    mode, conn_fd, lifeline_fd = argv[0], int(argv[1]), int(argv[2])
-    _watch_lifeline(lifeline_fd)
+    mode, conn_fd, lifeline_fd, staging = argv[0], int(argv[1]), int(argv[2]), argv[3]
+    _watch_lifeline(lifeline_fd, None if staging == "-" else staging)
     link = ParentLink(conn_fd)
     if mode == "call":
         _call(link)

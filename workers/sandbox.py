@@ -81,7 +81,7 @@ class ChildSpec:
     """Its HOME and the root of its TMPDIR: the job's own directory (or a scratch one of a task's)."""
     cwd: str | None = None
     """A code bundle's directory (the parent's working directory, where Ray unpacked it), copied
-    into home as the child's working directory; None: the child works in home."""
+    for the child as its working directory (copy_bundle); None: the child works in home."""
     run_as: RunAs | None = None
 
 
@@ -112,24 +112,30 @@ def child_environment(environ: Mapping[str, str], *, home: str, pythonpath: str 
     return env
 
 
-def prepare_home(spec: ChildSpec) -> str | None:
-    """The child's home and TMPDIR, made (mode 0700) and owned by its uid where it has one; and its
-    own copy of the code bundle there (its working directory, returned), since the bundle Ray
-    unpacked lies in Ray's session directory, which is not the job's to read."""
+def prepare_home(spec: ChildSpec) -> None:
+    """The child's home and TMPDIR, made (mode 0700) and owned by its uid where it has one. Neither
+    follows a link: a job's earlier children own the home and may have planted one."""
     for path in (spec.home, os.path.join(spec.home, "tmp")):
         os.makedirs(path, mode=0o700, exist_ok=True)
         _own(path, spec.run_as)
-        os.chmod(path, 0o700, follow_symlinks=False)
-    if spec.cwd is None:
-        return None
-    copies = os.path.join(spec.home, "working_dir_files")
-    os.makedirs(copies, mode=0o700, exist_ok=True)
-    _own(copies, spec.run_as)
-    code = tempfile.mkdtemp(dir=copies, prefix="code-")
-    shutil.copytree(spec.cwd, code, symlinks=True, dirs_exist_ok=True)
-    for directory, dirnames, filenames in os.walk(code):
-        for name in (directory, *(os.path.join(directory, entry) for entry in dirnames + filenames)):
-            _own(name, spec.run_as)
+        os.chmod(path, 0o700, follow_symlinks=False)  # a link here is an error (Linux has no lchmod)
+
+
+def copy_bundle(source: str, run_as: RunAs | None) -> str:
+    """The child's own copy of its code bundle (its working directory): made in a fresh directory
+    of this process's (mkdtemp, 0700) that no child could have planted anything in, then given to
+    the child's uid, the top last. The bundle Ray unpacked lies in Ray's session directory, which is
+    not the job's to read. Named .../working_dir_files/code/ as Ray's are, so that tracebacks name
+    a bundle's files relative to it (workers.records)."""
+    staging = tempfile.mkdtemp(prefix="zero1-code-")
+    code = os.path.join(staging, "working_dir_files", "code")
+    shutil.copytree(source, code, symlinks=True)
+    for directory, dirnames, filenames in os.walk(code, topdown=False):
+        for name in dirnames + filenames:
+            _own(os.path.join(directory, name), run_as)
+        _own(directory, run_as)
+    _own(os.path.dirname(code), run_as)
+    _own(staging, run_as)
     return code
 
 
@@ -158,7 +164,9 @@ class Child:
     """A running child: its process, the parent's end of the socket, and the lifeline's write end."""
 
     def __init__(self, mode: str, spec: ChildSpec, *, environ: Mapping[str, str] | None = None) -> None:
-        code = prepare_home(spec)
+        prepare_home(spec)
+        code = self._staged = copy_bundle(spec.cwd, spec.run_as) if spec.cwd else None
+        staging = os.path.dirname(os.path.dirname(code)) if code else "-"  # the child removes it if orphaned
         parent_end, child_end = socket.socketpair()
         lifeline_read, self._lifeline = os.pipe()
         cwd = code or spec.home
@@ -168,7 +176,7 @@ class Child:
             identity = {"user": spec.run_as.uid, "group": spec.run_as.gid, "extra_groups": []}
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "workers.child", mode, str(child_end.fileno()), str(lifeline_read)],
+                [sys.executable, "-m", "workers.child", mode, str(child_end.fileno()), str(lifeline_read), staging],
                 env=env,
                 cwd=cwd,
                 stdin=subprocess.DEVNULL,
@@ -222,6 +230,9 @@ class Child:
             self._lifeline = -1
         self.kill()
         self.process.wait()
+        if self._staged is not None:  # the bundle's copy: made by this process, removed without following links
+            shutil.rmtree(os.path.dirname(os.path.dirname(self._staged)), ignore_errors=True)
+            self._staged = None
 
 
 def call_in_child(
