@@ -20,13 +20,14 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from service.errors import ServiceError
-from workers.isolated import IsolatedCall, run_isolated
+from workers.isolated import IsolatedCall, run_isolated, run_isolated_in_bundle
 from workers.sandbox import RunAs
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _REMOTE: Any = None
+_REMOTE_IN_BUNDLE: Any = None
 CHILD_GRACE_S = 5.0
 """How much longer than its caller waits a task's child may run before the task kills it."""
 RETRY_AFTER_S = 10
@@ -136,13 +137,18 @@ def _submit(call: IsolatedCall, *, runtime_env: dict[str, Any] | None):
     would start a Ray of its own here)."""
     import ray
 
-    global _REMOTE
+    global _REMOTE, _REMOTE_IN_BUNDLE
     if not ray.is_initialized():
         raise cluster_unavailable("Ray is not connected")
     if _REMOTE is None:  # made once; ray.remote needs Ray imported, which the API does lazily
         _REMOTE = ray.remote(num_cpus=0, max_retries=0)(run_isolated)
+        # a bundle's worker is not reused: Ray may reclaim the unpacked bundle, its working directory,
+        # once no job holds it, and a reused worker's next task would find it gone
+        _REMOTE_IN_BUNDLE = ray.remote(num_cpus=0, max_retries=0, max_calls=1)(run_isolated_in_bundle)
     try:
-        return (_REMOTE.options(runtime_env=runtime_env) if runtime_env else _REMOTE).remote(call)
+        if runtime_env:
+            return _REMOTE_IN_BUNDLE.options(runtime_env=runtime_env).remote(call)
+        return _REMOTE.remote(call)
     except (ray.exceptions.RayError, ConnectionError) as exc:
         raise cluster_unavailable(f"the task could not be submitted: {_first_line(exc)}") from None
 

@@ -314,7 +314,8 @@ def test_user_code_at_plan_time_and_on_every_rank_runs_as_its_owner_and_reaches_
         report = json.loads((reports / f"forward-rank{rank}-2002.json").read_text())
         assert ("ray" in report) == (rank == 0)  # tried, and refused, at plan time and on rank 0
         assert_contained(report, uid=2002, gid=2002, home_under=served.checkpoints)
-        assert report["cwd"].startswith(report["env"]["HOME"])  # its own copy of its bundle
+        assert report["cwd"].endswith("/working_dir_files/code")  # its own copy of its bundle
+        assert report["env"]["PYTHONPATH"] == report["cwd"]
     found = [json.loads(path.read_text()) for path in reports.glob("*.json")]
     tried = sum(len(ESCAPES) - ("ray" not in report) for report in found)  # Ray tried by bob's plan and rank 0
     record("user code at plan time and on ranks, ZERO1_RUN_AS: 6 ways out", tried=tried, refused=tried, jobs_lost=0)

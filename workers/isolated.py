@@ -89,6 +89,12 @@ def run_isolated(call: IsolatedCall) -> Any:
     return result
 
 
+def run_isolated_in_bundle(call: IsolatedCall) -> Any:
+    """run_isolated as the task of a worker whose working directory is a code bundle (a function of
+    its own: Ray runs it in a worker used for one call only, service/tasks.py)."""
+    return run_isolated(call)
+
+
 def checked(result_type: type, answer: Any) -> Any:
     """`answer` (a JSON object) as `result_type`, every field of the declared type; ValueError otherwise."""
     if not isinstance(answer, dict):
