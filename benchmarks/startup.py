@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/startup.py --before REF [--jobs N]
 
-The README's tiny-gpt (examples/tiny-gpt.json: 2 ranks, synthetic data, fp32), 20 steps, submitted
+The README's tiny-gpt (examples/tiny-gpt.json: 2 ranks, synthetic data, fp32, 300 steps), submitted
 over HTTP to `zero1 serve` (embedded Ray, ZERO1_SCHEDULER_INTERVAL_S=0.05), one job after another;
 the first metric row is the first GET /v1/jobs/{id}/metrics (polled every 20 ms) that has one.
 Side by side, from one run, on this machine:
@@ -38,7 +38,7 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-JOB = {**json.loads((ROOT / "examples" / "tiny-gpt.json").read_text()), "steps": 20, "checkpoint_every": 0}
+JOB = json.loads((ROOT / "examples" / "tiny-gpt.json").read_text())
 ZERO1 = str(Path(sys.executable).with_name("zero1"))
 
 
@@ -160,7 +160,9 @@ def main() -> None:
             print(f"(o+x granted on {', '.join(map(str, granted))} for the ZERO1_RUN_AS column)", file=sys.stderr)
         columns["this tree, ZERO1_RUN_AS"] = measure(ROOT, jobs=args.jobs, ZERO1_RUN_AS="*=65534:65534")
     names = list(columns)
-    print(f"tiny-gpt, 2 ranks, 20 steps; median (min-max) of {args.jobs} jobs each, after one warm-up\n")
+    print(
+        f"examples/tiny-gpt.json (2 ranks, 300 steps); median (min-max) of {args.jobs} jobs each, after one warm-up\n"
+    )
     print("| from submit to | " + " | ".join(names) + " |")
     print("|---|" + "---|" * len(names))
     print("| first metric row | " + " | ".join(_cell([r[0] for r in columns[n]]) for n in names) + " |")
