@@ -129,11 +129,9 @@ class PythonSpec:
             raise ValueError(f"entrypoint must be 'package.module:function', got {self.entrypoint!r}")
 
 
-class InvalidModelError(ValueError):
-    """An hf model's config or directory that transformers cannot use, or a python model's code
-    that fails; `field` names it in the job's body (model.config, model.path, model.entrypoint).
-    Raised where the model is built (a trace's Ray task, a rank) and turned into a 422 by the
-    service, so it lives here, away from torch."""
+class FieldError(ValueError):
+    """A request's field that a worker found unusable: `field` names it in the job's body, `reason`
+    says why. Raised on a worker and turned into a 422 naming the field by the service."""
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
@@ -142,6 +140,12 @@ class InvalidModelError(ValueError):
 
     def __reduce__(self):  # crosses Ray as (field, message), not as the formatted text
         return type(self), (self.field, self.reason)
+
+
+class InvalidModelError(FieldError):
+    """An hf model's config or directory that transformers cannot use, or a python model's code
+    that fails (model.config, model.path, model.entrypoint). Raised where the model is built (a
+    trace's Ray task, a rank), so it lives here, away from torch."""
 
 
 ModelKind = GPTSpec | MLPSpec | HFSpec | PythonSpec

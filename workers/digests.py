@@ -20,6 +20,8 @@ import stat
 import threading
 from collections import OrderedDict
 
+from workers.config import FieldError
+
 MAX_FILES = 10_000
 """Most files a hashed directory may hold (a save_pretrained directory holds a dozen or a few hundred
 shards); more is refused before any is read."""
@@ -29,17 +31,9 @@ _CHUNK_BYTES = 1 << 20
 _CACHE_ENTRIES = 100_000
 
 
-class DigestError(ValueError):
+class DigestError(FieldError):
     """A directory or file that cannot be hashed as it must be, or whose digest is not the expected one;
     `field` names the request field (model.path, data.tokenizer)."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.reason = message
-
-    def __reduce__(self):  # crosses Ray as (field, message), not as the formatted text
-        return type(self), (self.field, self.reason)
 
 
 class _FileDigests:
