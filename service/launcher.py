@@ -279,7 +279,7 @@ class RayLauncher:
         import ray
 
         try:
-            return ray.get(ref, timeout=0)
+            return _in_protocol(ray.get(ref, timeout=0))
         except ray.exceptions.ActorUnavailableError:  # unreachable for now (restarting, a network blip)
             return _unknown()
         except ray.exceptions.RayActorError as exc:  # the actor died: a death
@@ -371,6 +371,16 @@ def _on_head_node() -> Any:
         if node["Alive"] and "node:__internal_head__" in node["Resources"]:
             return NodeAffinitySchedulingStrategy(node_id=node["NodeID"], soft=True)
     return "DEFAULT"
+
+
+def _in_protocol(state: dict[str, Any]) -> dict[str, Any]:
+    """A poll's state; a failure when its status is outside the supervisor's protocol (one cancelled
+    behind this service's back): the attempt ends, never left running with its GPUs counted as held."""
+    if state.get("status") in ("starting", "running", "succeeded", "stopped", "failed"):
+        return state
+    why = f"the supervisor reported status {str(state.get('status'))[:40]!r}, which the scheduler does not expect"
+    error = RankError(exception="SupervisorError", message=f"{why}: the attempt was ended and its GPUs freed")
+    return {**state, "status": "failed", "error": error}
 
 
 def _unknown() -> dict[str, Any]:

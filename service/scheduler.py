@@ -256,8 +256,6 @@ class Scheduler:
             )
         if status in ("failed", "lost"):
             return self._on_failure(session, job, state["error"])
-        if status not in ("starting", "running"):  # e.g. "cancelled" by someone other than this scheduler
-            return self._on_failure(session, job, _unexpected(status))
         return _Settled(stored_through=stored_through)
 
     def _end(
@@ -378,16 +376,6 @@ class Scheduler:
             if self.launcher.request_stop(job.id, job.attempt):
                 log.info("job %s: growing %s -> %s at its next checkpoint", job.id, job.world_size, target)
                 self._growing.add((job.id, job.attempt))
-
-
-def _unexpected(status: Any) -> RankError:
-    """The end of an attempt whose supervisor reports a status outside the protocol: never left
-    running with its GPUs counted as held."""
-    return RankError(
-        exception="SupervisorError",
-        message=f"the supervisor reported status {str(status)[:40]!r}, which the scheduler does not expect: "
-        "the attempt was ended and its GPUs freed",
-    )
 
 
 def _still_active(session: Session, job: Job) -> Job | None:
