@@ -39,7 +39,7 @@ COPY --chown=zero1:zero1 workers ./workers
 COPY --chown=zero1:zero1 migrations ./migrations
 COPY --chown=zero1:zero1 examples ./examples
 RUN pip install --constraint /tmp/constraints.txt . "ray[default]" \
-    && python -c "import service.main, workers.actors, torch, ray; print('torch', torch.__version__, 'ray', ray.__version__)"
+    && python -c "import service.main, workers.runtime.actors, torch, ray; print('torch', torch.__version__, 'ray', ray.__version__)"
 
 USER zero1
 # the API's port; Ray's ports are its own (6379 for the GCS, 8265 for its dashboard)

@@ -10,7 +10,7 @@ keep-alive client and sequential requests:
 
 - POST /v1/jobs: --jobs submissions of 4-GPU jobs, which stay queued behind the blocker;
 - GET /v1/jobs?limit=50 and ?status=queued&limit=50 with those jobs stored;
-- service.metric_rows.store_metrics inserting --metric-rows rows for one queued job,
+- service.store.metric_rows.store_metrics inserting --metric-rows rows for one queued job,
   --batch-rows a transaction as the scheduler does (written by this process,
   straight into the service's database, while the service runs);
 - GET /v1/jobs/{id}/metrics?max_points=500 on that job;
@@ -47,9 +47,9 @@ import httpx
 import psycopg
 from psycopg import sql
 
-from service.db import Database
-from service.metric_rows import store_metrics
-from service.models import Job
+from service.store.db import Database
+from service.store.metric_rows import store_metrics
+from service.store.tables import Job
 
 POSTGRES_SERVER = "host=127.0.0.1 port=5432 user=postgres dbname=postgres connect_timeout=5"
 TINY = {"kind": "gpt", "vocab_size": 64, "n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32}

@@ -48,9 +48,9 @@ def run(steps: int, every: int, root: Path) -> dict[str, Any]:
     import ray
     from fastapi.testclient import TestClient
 
-    from service.config import Settings
-    from service.launcher import supervisor_name
     from service.main import create_app
+    from service.scheduling.launcher import supervisor_name
+    from service.settings import Settings
 
     settings = Settings(
         database_url=f"sqlite:///{root / 'zero1.db'}",

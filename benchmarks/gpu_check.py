@@ -7,7 +7,7 @@
    CUDA machine this includes the NCCL test, skipped elsewhere. Prints its
    pass/fail counts (--tests-timeout-s stops it).
 2. Builds a 1.16e9-parameter GPT-2-style decoder in bf16 with
-   workers.models.build_model, wraps it in ZeRO1AdamW (reduce_scatter /
+   workers.models.builtin.build_model, wraps it in ZeRO1AdamW (reduce_scatter /
    all_gather, the NCCL collectives) and trains a few steps on random tokens,
    resetting torch.cuda's peak at the start of each step. First at world size 1
    (no process group), then, in this same process, as rank 0 of N = 2, 4, 8 on
@@ -46,10 +46,10 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: `workers` is importable
 
-from workers import memory  # noqa: E402
-from workers.memory import GB, GPTSpec  # noqa: E402
-from workers.models import build_model  # noqa: E402
-from workers.optim import (  # noqa: E402
+from workers.memory import model as memory  # noqa: E402
+from workers.memory.model import GB, GPTSpec  # noqa: E402
+from workers.models.builtin import build_model  # noqa: E402
+from workers.zero.optimizer import (  # noqa: E402
     UPCAST_CHUNK_NUMEL,
     ZeRO1AdamW,
     decay_param_groups,

@@ -45,9 +45,9 @@ from torch import Tensor, nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from workers import memory
-from workers.models import build_model as build_gpt
-from workers.optim import ZeRO1AdamW, decay_param_groups, default_collectives
+from workers.memory import model as memory
+from workers.models.builtin import build_model as build_gpt
+from workers.zero.optimizer import ZeRO1AdamW, decay_param_groups, default_collectives
 
 MODELS = {  # ~10M, ~50M, ~120M (GPT-2 small's shape and vocabulary)
     "10M": memory.GPTSpec(vocab_size=8192, n_layer=4, n_head=6, n_embd=384, block_size=128),
@@ -68,7 +68,7 @@ MB = 1e6
 
 
 def build_model(spec: memory.GPTSpec, *, precision: str, args: argparse.Namespace) -> nn.Module:
-    """workers.models' GPT, the same initial weights on every rank and for every config."""
+    """the built-in GPT (workers.models.builtin), the same initial weights on every rank and for every config."""
     compute = torch.float32 if precision == "bf16" and args.bf16_compute == "fp32" else None
     return build_gpt(spec, dtype=DTYPES[precision], seed=args.seed, compute_dtype=compute)
 

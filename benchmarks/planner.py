@@ -31,11 +31,11 @@ from pathlib import Path
 
 import httpx
 
-from service.cluster import simulated_capacity
-from service.config import Settings
-from service.planning import make_plan, plan_public
-from service.schemas import PlanRequest
-from workers.memory import GB, GPTSpec, Workload, plan
+from service.planning.cluster import simulated_capacity
+from service.planning.plans import make_plan, plan_public
+from service.schemas.requests import PlanRequest
+from service.settings import Settings
+from workers.memory.model import GB, GPTSpec, Workload, plan
 
 GPT2_SMALL = {"kind": "gpt", "vocab_size": 50304, "n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024}
 DEEP = {"kind": "gpt", "vocab_size": 32000, "n_layer": 32, "n_head": 32, "n_embd": 4096, "block_size": 2048}
@@ -99,7 +99,7 @@ def _traced_http_rows(client: httpx.Client, *, repeat: int) -> list[tuple[str, s
 
 
 def _traced_in_process_rows() -> list[tuple[str, str, list[float]]]:
-    from workers.models import trace_builtin
+    from workers.models.builtin import trace_builtin
 
     rows = []
     for label, model in (("GPT-2 small, b 4", GPT2_SMALL), ("32 layers 6.6e9, b 1", DEEP)):
@@ -212,8 +212,8 @@ def _memtracker_peak(spec: GPTSpec, *, micro_batch_size: int, checkpointing: boo
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from workers.models import GPT
-    from workers.trace import materialize
+    from workers.models.builtin import GPT
+    from workers.models.trace import materialize
 
     with torch.device("meta"):
         model = GPT(spec, activation_checkpointing=checkpointing).to(torch.bfloat16)
@@ -229,7 +229,7 @@ def _memtracker_peak(spec: GPTSpec, *, micro_batch_size: int, checkpointing: boo
 
 
 def _print_trace_vs_plan() -> None:
-    from workers.models import trace_builtin
+    from workers.models.builtin import trace_builtin
 
     spec = GPTSpec(**{k: v for k, v in GPT2_SMALL.items() if k != "kind"})
     header = (

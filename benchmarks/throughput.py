@@ -10,7 +10,7 @@ evaluation off and one checkpoint at the end.
   Ray actors training with ZeRO1AdamW; tokens/s is each step's row (global batch tokens over the
   step's wall time, as the ranks report it).
 - DDP: two processes (torch.multiprocessing), the same model from the same seed, the same
-  batches (workers.data.Batches over the same token file), DistributedDataParallel and
+  batches (workers.data.sources.Batches over the same token file), DistributedDataParallel and
   torch.optim.AdamW (foreach), timed per step the same way.
 
 Prints one table, medians over the steps after the first 10 (warm-up), and the ratio.
@@ -110,8 +110,8 @@ def _ddp_rank(rank: int, world_size: int, port: int, steps: int, cache_dir: str,
     from torch.nn.parallel import DistributedDataParallel
 
     from workers.config import DatasetSpec, HFSpec
-    from workers.data import Batches
-    from workers.hf import build_hf
+    from workers.data.sources import Batches
+    from workers.models.hf import build_hf
 
     torch.set_num_threads(1)  # as a Ray actor of 1 CPU runs
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)

@@ -1,11 +1,11 @@
-"""Alembic environment, driven from code: service.db.alembic_config() sets the URL and location."""
+"""Alembic environment, driven from code: service.store.db.alembic_config() sets the URL and location."""
 
 from __future__ import annotations
 
 from alembic import context
 from sqlalchemy import Connection, create_engine, make_url, pool
 
-from service.models import Base, UTCDateTime
+from service.store.tables import Base, UTCDateTime
 
 config = context.config
 target_metadata = Base.metadata
@@ -49,7 +49,7 @@ def run_migrations_online() -> None:
     if connection is not None:
         _run_on(connection)
         return
-    # A plain engine, not service.db.make_engine: SQLite's batch mode drops and
+    # A plain engine, not service.store.db.make_engine: SQLite's batch mode drops and
     # recreates tables, which with foreign_keys=ON would cascade-delete child rows.
     engine = create_engine(config.get_main_option("sqlalchemy.url"), poolclass=pool.NullPool)
     try:

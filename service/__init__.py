@@ -1,0 +1,17 @@
+"""zero1's control plane: the API process. It plans, admits, queues and watches jobs; it never loads
+torch (the workers do). Its packages, each opened by what it holds and what it may import:
+
+    main, runtime        the FastAPI app, and what it runs while it is up
+    settings, auth,      every ZERO1_* setting; who is calling; the bound on guessing tokens;
+    lockout, errors,     the errors every layer raises, rendered as JSON; the Prometheus metrics
+    telemetry
+    api/                 the REST routes, their dependencies and limits
+    dashboard/           the live pages, rendered on the server
+    cli/                 the `zero1` command
+    schemas/             the REST contract: request and response bodies, field types
+    planning/            plans, traces, recommendations, the cluster's capacity, submit-time checks
+    scheduling/          admission, the job state machine, the scheduler, elastic sizes, the launcher
+    store/               the database's tables and rows, and the files on the checkpoint storage
+
+Imports run from the app down to schemas and store, and from here into workers, never back.
+"""

@@ -6,6 +6,8 @@ tokens, a request names its user by `Authorization: Bearer <token>`, or by the d
 `zero1_token` cookie; a mutating request authenticated by the cookie must also send
 `X-Zero1-CSRF: 1`, a header no cross-site form can set. Every wrong token counts against its
 client in the app's one lockout (service/lockout.py), as a wrong one at /login does.
+
+May import: service.settings, service.errors, service.lockout.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ from pathlib import Path
 
 from fastapi import Request
 
-from service.config import PLACEHOLDER_RULE, Settings, is_placeholder
 from service.errors import ServiceError
 from service.lockout import LoginLockout, client_key
+from service.settings import PLACEHOLDER_RULE, Settings, is_placeholder
 
 TOKEN_COOKIE = "zero1_token"
 CSRF_HEADER = "X-Zero1-CSRF"

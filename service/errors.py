@@ -2,6 +2,8 @@
 
 Each error body is {"error": code, "message": text naming the field and the
 numbers, "detail": [...]?}; an expected failure is a 4xx, never a 500.
+
+May import: service.schemas.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service.data_specs import DATA_KINDS
-from service.model_specs import MODEL_KINDS
+from service.schemas.data_specs import DATA_KINDS
+from service.schemas.model_specs import MODEL_KINDS
 
 log = logging.getLogger(__name__)
 

@@ -3,6 +3,8 @@
 Every token the service checks counts, however it came: POST /login's form, the API's
 Authorization header, the dashboard's cookie. One lockout per app holds them all (the
 Authenticator's), so a guesser cannot spend its failures once per way in.
+
+May import: the standard library only.
 """
 
 from __future__ import annotations

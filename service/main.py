@@ -1,4 +1,8 @@
-"""The FastAPI application."""
+"""The FastAPI application.
+
+May import: service.settings, service.errors, service.auth, service.telemetry, service.runtime,
+service.scheduling, service.api, service.dashboard, workers.runtime.sandbox.
+"""
 
 from __future__ import annotations
 
@@ -14,12 +18,13 @@ from service import dashboard
 from service.api import root, v1
 from service.api.limits import BodyLimit, BodySizeLimit
 from service.auth import Authenticator, TokenTable, load_tokens, lockout_of
-from service.config import Settings, get_settings
 from service.dashboard.login import install_login, require_page_reader
 from service.errors import install_error_handlers
 from service.runtime import Runtime
+from service.scheduling.gauges import JobGauges
+from service.settings import Settings, get_settings
 from service.telemetry import RequestTimer, Telemetry
-from workers.sandbox import RunAs, check_runnable
+from workers.runtime.sandbox import RunAs, check_runnable
 
 _PUBLIC_PATHS = ("/healthz",)
 log = logging.getLogger(__name__)
@@ -49,7 +54,7 @@ def create_app(settings: Settings | None = None, *, tokens: TokenTable | None = 
         runtime = Runtime(settings, telemetry=telemetry)
         runtime.start()
         app.state.runtime = runtime
-        telemetry.bind(runtime.db, total_gpus=lambda: runtime.cluster.capacity().num_gpus)
+        telemetry.register(JobGauges(runtime.db, total_gpus=lambda: runtime.cluster.capacity().num_gpus))
         try:
             yield
         finally:

@@ -1,20 +1,23 @@
-"""What the service runs while it is up: database, Ray cluster, launcher, scheduler and code store."""
+"""What the service runs while it is up: database, Ray cluster, launcher, scheduler and code store.
+
+May import: service.settings, service.telemetry, service.store, service.planning, service.scheduling.
+"""
 
 from __future__ import annotations
 
 import logging
 
-from service.cluster import RayCluster
-from service.code import CodeStore, code_dir
-from service.config import Settings
-from service.dataprep import DatasetChecker
-from service.db import Database, upgrade
-from service.housekeeping import Housekeeper
-from service.launcher import RayLauncher, dataset_cache_dir
-from service.scheduler import Scheduler
-from service.slots import Slots, follower_limits, task_limits
+from service.planning.cluster import RayCluster
+from service.planning.dataset_checks import DatasetChecker
+from service.planning.slots import Slots, follower_limits, task_limits
+from service.planning.traces import Tracer
+from service.scheduling.launcher import RayLauncher, dataset_cache_dir
+from service.scheduling.scheduler import Scheduler
+from service.settings import Settings
+from service.store.code_bundles import CodeStore, code_dir
+from service.store.db import Database, upgrade
+from service.store.housekeeping import Housekeeper
 from service.telemetry import Telemetry
-from service.tracing import Tracer
 
 log = logging.getLogger(__name__)
 

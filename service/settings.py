@@ -1,4 +1,7 @@
-"""Settings: every ZERO1_* environment variable, read in one place."""
+"""Settings: every ZERO1_* environment variable, read in one place.
+
+May import: workers.runtime.sandbox.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ from typing import Annotated
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from workers.sandbox import RunAs
+from workers.runtime.sandbox import RunAs
 
 PLACEHOLDER = re.compile(r"change[-_]?me", re.IGNORECASE)
 """The mark of .env.example's values: a secret that has it is known to everyone who read the example."""

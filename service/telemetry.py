@@ -3,7 +3,8 @@
 `Telemetry` holds them in a registry of its own, one per app (never prometheus_client's process-wide
 default: a test process builds many apps). HTTP latency is observed by `RequestTimer`, the scheduler's
 work by the scheduler through Telemetry's methods, and the jobs and GPUs gauges are read from the
-database at each scrape (`JobGauges`), so a scrape shows the database as it is.
+database at each scrape by the collector the app registers (service/scheduling/gauges.py's
+JobGauges), so a scrape shows the database as it is.
 
 The histograms' buckets, in seconds:
 
@@ -13,25 +14,23 @@ The histograms' buckets, in seconds:
 - `zero1_scheduler_tick_duration_seconds`: 1 ms to 30 s. A tick is milliseconds; seconds mean Ray
   or the database is slow to answer, and the scheduler falls behind ZERO1_SCHEDULER_INTERVAL_S.
 - `zero1_queue_wait_seconds`: 1 s to 2 days, from an idle cluster to a long queue.
+
+May import: service.schemas.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.metrics_core import Metric
-from sqlalchemy import event, func, select
+from prometheus_client.registry import Collector
+from sqlalchemy import event
 from sqlalchemy.orm import Session
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.db import Database
-from service.jobs import TERMINAL, gpus_in_use
-from service.models import Job
-from service.schemas import JobStatus
+from service.schemas.fields import TERMINAL
 
 try:  # newer FastAPI keeps an included router whole in app.routes; this lists its routes, prefixed
     from fastapi.routing import iter_route_contexts
@@ -49,21 +48,13 @@ whose values are unbounded."""
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 """Methods labelled as sent; any other is "other" (a client may send any token)."""
 
-_GAUGES = {
-    "zero1_jobs": "Jobs by status.",
-    "zero1_gpus_in_use": "GPUs held by starting, running and restarting jobs.",
-    "zero1_gpus_total": "GPUs in the cluster.",
-    "zero1_steps_per_second": "Training steps per second, summed over running jobs.",
-}
-
 
 class Telemetry:
     """The metrics, their registry, and a method for each thing the service observes."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.gauges = JobGauges()
-        self.registry.register(self.gauges)
+        self._collectors: dict[type, Collector] = {}
         self._request_s = Histogram(
             "zero1_http_request_duration_seconds",
             "HTTP requests, from the request in to the response's last byte, by method, route template and status.",
@@ -99,9 +90,14 @@ class Telemetry:
             registry=self.registry,
         )
 
-    def bind(self, db: Database, *, total_gpus: Callable[[], int]) -> None:
-        """Read the jobs and GPUs gauges from `db` from now on (the runtime's, once the app started)."""
-        self.gauges.bind(db, total_gpus=total_gpus)
+    def register(self, collector: Collector) -> None:
+        """Scrape `collector` from now on, in place of one of its type registered before: the jobs and
+        GPUs gauges, read from the runtime's database once the app started (service/scheduling/gauges.py)."""
+        previous = self._collectors.pop(type(collector), None)
+        if previous is not None:
+            self.registry.unregister(previous)
+        self.registry.register(collector)
+        self._collectors[type(collector)] = collector
 
     def render(self) -> bytes:
         """Every metric in Prometheus' text format (this reads the database)."""
@@ -137,38 +133,6 @@ class Telemetry:
 
     def queue_waited(self, duration_s: float) -> None:
         self._queue_s.observe(duration_s)
-
-
-class JobGauges:
-    """A collector of zero1_jobs{status}, zero1_gpus_in_use, zero1_gpus_total and zero1_steps_per_second,
-    read from the database at each scrape; it yields nothing until bound."""
-
-    def __init__(self) -> None:
-        self._db: Database | None = None
-        self._total_gpus: Callable[[], int] | None = None
-
-    def bind(self, db: Database, *, total_gpus: Callable[[], int]) -> None:
-        self._db, self._total_gpus = db, total_gpus
-
-    def describe(self) -> list[Metric]:
-        """The names, without reading the database: the registry refuses another collector of the same names."""
-        return [GaugeMetricFamily(name, text) for name, text in _GAUGES.items()]
-
-    def collect(self) -> Iterator[Metric]:
-        if self._db is None or self._total_gpus is None:
-            return
-        with self._db.session() as session:
-            counts = dict(session.execute(select(Job.status, func.count()).group_by(Job.status)).all())
-            running = session.scalars(select(Job.latest).where(Job.status == "running")).all()
-            num_in_use = gpus_in_use(session)
-        jobs = GaugeMetricFamily("zero1_jobs", _GAUGES["zero1_jobs"], labels=["status"])
-        for status in JobStatus.__args__:
-            jobs.add_metric([status], counts.get(status, 0))
-        yield jobs
-        yield GaugeMetricFamily("zero1_gpus_in_use", _GAUGES["zero1_gpus_in_use"], value=num_in_use)
-        yield GaugeMetricFamily("zero1_gpus_total", _GAUGES["zero1_gpus_total"], value=self._total_gpus())
-        steps_per_s = sum(1 / row["step_time_s"] for row in running if row and row.get("step_time_s"))
-        yield GaugeMetricFamily("zero1_steps_per_second", _GAUGES["zero1_steps_per_second"], value=steps_per_s)
 
 
 class RequestTimer:

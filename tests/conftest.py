@@ -29,8 +29,8 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
-from service.config import Settings  # noqa: E402
 from service.main import create_app  # noqa: E402
+from service.settings import Settings  # noqa: E402
 
 
 def make_settings(tmp_path: Path, **overrides) -> Settings:
@@ -91,7 +91,7 @@ def end_supervisors(namespace: str) -> None:
     placement groups: a job a test leaves running never holds the session cluster's GPUs."""
     import ray
 
-    from service.launcher import remove_placement_groups
+    from service.scheduling.launcher import remove_placement_groups
 
     for entry in ray.util.list_named_actors(all_namespaces=True):
         if entry["namespace"] == namespace:
@@ -147,7 +147,7 @@ def ray_cluster():
 import psycopg  # noqa: E402
 from psycopg import sql  # noqa: E402
 
-from service.db import Database, upgrade  # noqa: E402
+from service.store.db import Database, upgrade  # noqa: E402
 
 POSTGRES_SERVER = "host=127.0.0.1 port=5432 user=postgres dbname=postgres connect_timeout=5"
 

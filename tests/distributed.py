@@ -22,9 +22,9 @@ PRELOAD = [
     "torch.testing",
     "torch.distributed",
     "torch._dynamo",  # loaded by torch.optim.AdamW's first add_param_group: the tests' reference optimizer
-    "workers.optim",
-    "workers.optim_state",
-    "workers.models",
+    "workers.zero.optimizer",
+    "workers.zero.sharded_state",
+    "workers.models.builtin",
 ]
 """What the fork server imports before it forks a rank (what the ranks' functions import)."""
 mp.set_forkserver_preload(PRELOAD)  # read when the server starts: at the first run_ranks

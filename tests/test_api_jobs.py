@@ -1,4 +1,7 @@
-"""The jobs API end to end: admission, the scheduler, Ray dispatch and metrics in the database."""
+"""The jobs API end to end: admission, the scheduler, Ray dispatch and metrics in the database.
+
+Packages: service.api, service.scheduling, service.store.
+"""
 
 from __future__ import annotations
 
@@ -13,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.jobs import thinned_steps
 from service.main import create_app
+from service.scheduling.jobs import thinned_steps
 
 import helpers
 from conftest import make_settings, serve

@@ -1,4 +1,7 @@
-"""POST /v1/plan and GET /healthz through the ASGI app."""
+"""POST /v1/plan and GET /healthz through the ASGI app.
+
+Packages: service.api, service.planning.
+"""
 
 from __future__ import annotations
 

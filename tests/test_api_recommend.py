@@ -1,4 +1,7 @@
-"""POST /v1/plan/recommend through the ASGI app, each configuration checked by POST /v1/plan."""
+"""POST /v1/plan/recommend through the ASGI app, each configuration checked by POST /v1/plan.
+
+Packages: service.api, service.planning.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from service.recommend import divisors
+from service.planning.configurations import divisors
 
 ROOT = Path(__file__).resolve().parents[1]
 # examples/gpt-7.5b.json's model: 7,500,029,952 parameters, 36 layers of width 4096 with 32 heads, block 2048

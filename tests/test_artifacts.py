@@ -1,5 +1,8 @@
 """Evaluation on held-out data and a succeeded run's final model: in one process, on 2 gloo ranks,
-and through the API and the CLI (2 ranks under Ray)."""
+and through the API and the CLI (2 ranks under Ray).
+
+Packages: workers.training, service.store, service.cli.
+"""
 
 from __future__ import annotations
 
@@ -17,15 +20,15 @@ from torch import nn
 
 from service import cli
 from service.cli import jobs as cli_jobs
-from service.model_specs import GPTModelSpec
-from workers.artifacts import write_final
-from workers.checkpoints import final_dir, shard_file
+from service.schemas.model_specs import GPTModelSpec
 from workers.config import DatasetSpec, HFSpec, SyntheticSpec, TrainConfig
-from workers.data import Batches
-from workers.memory import GPTSpec, MLPSpec
-from workers.models import build_model
-from workers.optim import ZeRO1AdamW, decay_param_groups
-from workers.train import train
+from workers.data.sources import Batches
+from workers.memory.model import GPTSpec, MLPSpec
+from workers.models.builtin import build_model
+from workers.training.artifacts import write_final
+from workers.training.checkpoints import final_dir, shard_file
+from workers.training.loop import train
+from workers.zero.optimizer import ZeRO1AdamW, decay_param_groups
 
 from distributed import run_ranks
 from helpers import TERMINAL, TINY, job_body, wait_job
@@ -253,7 +256,7 @@ def test_eval_loss_is_in_the_metrics_and_the_latest_row(client, succeeded):
 
 
 def _checkpoint_root(client, job_id: int) -> Path:
-    from service.models import Job
+    from service.store.tables import Job
 
     runtime = client.app.state.runtime
     with runtime.db.session() as session:

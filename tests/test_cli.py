@@ -1,5 +1,8 @@
 """The `zero1` command as a user runs it: `zero1 plan`, `zero1 serve`, and the client commands
-against a served API or a stand-in one, in a pipe and on a terminal."""
+against a served API or a stand-in one, in a pipe and on a terminal.
+
+Packages: service.cli.
+"""
 
 from __future__ import annotations
 
@@ -178,15 +181,16 @@ def test_a_parameter_count_of_more_than_30_digits_is_refused_at_once(params, cap
 
 
 def test_db_upgrade_names_the_database_but_not_its_password(monkeypatch, capsys):
-    from service import config, db
+    from service import settings
+    from service.store import db
 
     monkeypatch.setenv("ZERO1_DATABASE_URL", "postgresql+psycopg://zero1:Not-A-Real-Secret-42@db.example:5432/zero1")
     monkeypatch.setattr(db, "upgrade", lambda url: None)  # the output is the point here, not the migration
-    config.get_settings.cache_clear()
+    settings.get_settings.cache_clear()
     try:
         assert main(["db", "upgrade"]) == 0
     finally:
-        config.get_settings.cache_clear()
+        settings.get_settings.cache_clear()
     out = capsys.readouterr().out
     assert out == "database at revision head: postgresql+psycopg://zero1:***@db.example:5432/zero1\n"
 
@@ -292,7 +296,7 @@ def run_on_a_terminal(*args: str, env: dict[str, str]) -> tuple[int, str]:
 
 
 def test_the_deployment_docs_list_every_setting():
-    from service.config import env_table
+    from service.settings import env_table
 
     docs = (ROOT / "docs" / "deployment.md").read_text()
     table = docs.split("<!-- env-table -->\n", 1)[1].split("\n<!-- /env-table -->", 1)[0]

@@ -4,6 +4,8 @@ temporary directory of the test's own.
 
 Each `ray start --block` runs in a session of its own, so stopping the cluster stops exactly
 its processes: `ray stop` would stop every Ray on the machine, the test session's own too.
+
+Packages: service.cli, service.planning, workers.runtime.
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """Code bundles through the API: POST /v1/code and GET /v1/code/{digest}, with auth off and on, and the
-check a job's admission makes (bundles.require_bundle) against the stored uploads."""
+check a job's admission makes (bundles.require_bundle) against the stored uploads.
+
+Packages: service.api, service.store.
+"""
 
 from __future__ import annotations
 
@@ -14,11 +17,11 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
 from service.auth import ANONYMOUS, PUBLIC, Principal
-from service.bundles import get_bundle, require_bundle
-from service.code import code_dir
 from service.errors import ServiceError
 from service.main import create_app
-from service.models import CodeBundle
+from service.store.code_bundles import code_dir
+from service.store.code_uploads import get_bundle, require_bundle
+from service.store.tables import CodeBundle
 
 from conftest import make_settings
 from helpers import EIGHT_MIB, deflated_zeros, one_entry_zip, symlink_zip, zip_of
@@ -91,7 +94,10 @@ REFUSED = {
     "absolute": (zip_of({"/etc/passwd": b""}), "entry '/etc/passwd' is an absolute path"),
     "symlink": (symlink_zip("data", "/etc"), "entry 'data' is a symlink"),
     "not a zip": (b"#!/bin/sh\nrm -rf /\n", "not a zip file zero1 can read (File is not a zip file)"),
-    "shadow": (zip_of({"workers/optim.py": b""}), "entry 'workers/optim.py' would shadow zero1's own package"),
+    "shadow": (
+        zip_of({"workers/zero/optimizer.py": b""}),
+        "entry 'workers/zero/optimizer.py' would shadow zero1's own package",
+    ),
     "header lies": (
         one_entry_zip("x.bin", deflated_zeros(num_blocks=1), claimed_bytes=100, crc=zlib.crc32(bytes(EIGHT_MIB))),
         "entry 'x.bin' unpacks to 8388608 bytes, but its header says 100",

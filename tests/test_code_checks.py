@@ -1,5 +1,8 @@
 """Code bundles without the API: what check_bundle refuses (and how fast), and the store's zips as Ray
-unpacks them."""
+unpacks them.
+
+Packages: service.store.
+"""
 
 from __future__ import annotations
 
@@ -13,8 +16,8 @@ from pathlib import Path
 import pytest
 from ray._private.runtime_env.packaging import unzip_package
 
-from service.code import CodeStore, check_bundle, check_digest
 from service.errors import ServiceError
+from service.store.code_bundles import CodeStore, check_bundle, check_digest
 
 from helpers import EIGHT_MIB, deflated_zeros, one_entry_zip, symlink_zip, zip_of
 

@@ -3,6 +3,8 @@
 One server per module (an embedded Ray of 4 logical GPUs, a SQLite database seeded with 100 finished
 jobs) and one browser per module. Every test fails on a console error or an uncaught page error.
 Screenshots go to $ZERO1_ARTIFACTS/dashboard (or pytest's tmp dir); the module prints where.
+
+Packages: service.dashboard.
 """
 
 from __future__ import annotations
@@ -26,17 +28,17 @@ import httpx
 import pytest
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
-from service.admission import admit
-from service.cluster import ClusterCapacity
 from service.dashboard import charts
 from service.dashboard.format import duration, human_bytes, significant
 from service.dashboard.routes import LOG_KEEP, LOG_LINES, TABLE_LIMIT, _number, table_order
-from service.db import Database, upgrade
-from service.jobs import submit_job, transition
-from service.metric_rows import store_metrics
-from service.models import LogLine
-from service.schemas import JobSpec
-from workers.memory import GB
+from service.planning.cluster import ClusterCapacity
+from service.scheduling.admission import admit
+from service.scheduling.jobs import submit_job, transition
+from service.schemas.requests import JobSpec
+from service.store.db import Database, upgrade
+from service.store.metric_rows import store_metrics
+from service.store.tables import LogLine
+from workers.memory.model import GB
 from workers.records import MetricRow
 
 from helpers import free_port
@@ -396,7 +398,7 @@ def _check_job_page(ui: Browsing, server: Server, page: Page, job_id: int) -> No
 
 
 def store_log_line(server: Server, job_id: int, *, rank: int, stream: str, line: str) -> None:
-    """A line of the job's current attempt in the server's database, as service.log_lines stores a rank's."""
+    """A line of the job's current attempt in the server's database, as service.store.log_lines stores a rank's."""
     db = Database(server.database_url)
     try:
         with db.session() as session:
@@ -847,8 +849,8 @@ def test_durations_and_significant_digits():
 
 
 def test_the_sweep_melts_toward_the_4_psi_floor_at_stage_1():
-    from service.planning import make_plan, plan_public
-    from service.schemas import PlanRequest
+    from service.planning.plans import make_plan, plan_public
+    from service.schemas.requests import PlanRequest
 
     cluster = ClusterCapacity(num_gpus=64, num_gpus_free=64, gpu_memory_bytes=80 * GB, simulated=True)
 
@@ -867,8 +869,8 @@ def test_the_sweep_melts_toward_the_4_psi_floor_at_stage_1():
 
 
 def test_no_bar_label_sits_on_the_memory_line_and_a_small_models_bars_read_in_its_unit():
-    from service.planning import make_plan, plan_public
-    from service.schemas import PlanRequest
+    from service.planning.plans import make_plan, plan_public
+    from service.schemas.requests import PlanRequest
 
     cluster = ClusterCapacity(num_gpus=64, num_gpus_free=64, gpu_memory_bytes=80 * GB, simulated=True)
 

@@ -1,6 +1,9 @@
 """The dataset data kind: formats, paths inside the roots, tokenizing once into the cache, packing,
 the world-size-independent order, the held-out split, the 422s at submit, and a job on the shipped
-example corpus."""
+example corpus.
+
+Packages: workers.data, service.planning.
+"""
 
 from __future__ import annotations
 
@@ -15,13 +18,13 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-import workers.datasets as datasets_module
+import workers.data.datasets as datasets_module
 from service.main import create_app
 from workers.config import DatasetSpec
-from workers.data import Batches
-from workers.datafiles import resolve_files
-from workers.datasets import DatasetSource, prepare_tokens
-from workers.memory import GPTSpec
+from workers.data.datafiles import resolve_files
+from workers.data.datasets import DatasetSource, prepare_tokens
+from workers.data.sources import Batches
+from workers.memory.model import GPTSpec
 
 import helpers
 from conftest import end_supervisors, make_settings

@@ -1,4 +1,7 @@
-"""The migrations against the models, and the schema's constraints, on SQLite and PostgreSQL."""
+"""The migrations against the models, and the schema's constraints, on SQLite and PostgreSQL.
+
+Packages: service.store.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +14,8 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import delete, func, inspect, select
 from sqlalchemy.exc import IntegrityError, StatementError
 
-from service.db import Database, alembic_config, downgrade, make_engine, upgrade
-from service.models import Base, CodeBundle, Job, JobEvent, Metric
+from service.store.db import Database, alembic_config, downgrade, make_engine, upgrade
+from service.store.tables import Base, CodeBundle, Job, JobEvent, Metric
 
 TABLES = {"jobs", "job_events", "metrics", "logs", "code_bundles", "artifacts", "alembic_version"}
 GIB = 2**30

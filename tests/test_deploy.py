@@ -1,6 +1,9 @@
 """docker-compose.yml, the Dockerfile and their secrets, checked without a Docker engine:
 `docker-compose config` parses the file with an .env made from .env.example, and the wiring
-is read from the YAML itself (docs/deployment.md, "Deploying with Docker Compose")."""
+is read from the YAML itself (docs/deployment.md, "Deploying with Docker Compose").
+
+Packages: service.settings.
+"""
 
 from __future__ import annotations
 

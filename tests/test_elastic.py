@@ -1,5 +1,8 @@
 """Elastic jobs end to end: min_gpus, admission, starting small, growing at a checkpoint, shrinking
-after a rank dies, each attempt resharding the optimizer state it resumes from."""
+after a rank dies, each attempt resharding the optimizer state it resumes from.
+
+Packages: service.scheduling, workers.zero.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import pytest
 import ray
 import torch
 
-from service.launcher import supervisor_name
+from service.scheduling.launcher import supervisor_name
 
 from conftest import make_settings, serve
 from helpers import FAST, TERMINAL, job_body, job_checkpoint_dir, wait_for

@@ -1,6 +1,9 @@
 """The v2 example as a user runs it (examples/tiny-llama.json: a tiny Llama on the shipped corpus
 and tokenizer, on 2 ranks through the API): it trains, evaluates, hands back a model that
-from_pretrained loads, and a rank killed mid-run is retried to the same final state, bit for bit."""
+from_pretrained loads, and a rank killed mid-run is retried to the same final state, bit for bit.
+
+Packages: workers.models, workers.training, service.api.
+"""
 
 from __future__ import annotations
 
@@ -12,9 +15,9 @@ import torch
 from fastapi.testclient import TestClient
 from transformers import AutoModelForCausalLM
 
-from workers.checkpoints import shard_file
 from workers.config import HFSpec
-from workers.hf import build_hf
+from workers.models.hf import build_hf
+from workers.training.checkpoints import shard_file
 
 from figures import record
 from helpers import TERMINAL, wait_for, wait_job
@@ -36,7 +39,7 @@ def example(**overrides) -> dict:
 
 
 def checkpoint_root(client: TestClient, job_id: int) -> Path:
-    from service.models import Job
+    from service.store.tables import Job
 
     runtime = client.app.state.runtime
     with runtime.db.session() as session:

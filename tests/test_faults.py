@@ -4,6 +4,8 @@ Each test injects the fault for real (ray.kill of a rank's actor, a signal to a
 `zero1 serve` process) and then checks the promises of docs/guarantees.md:
 the job ends where an uninterrupted run ends, no accepted job is lost, and every
 metric row is stored exactly once on the surviving curve.
+
+Packages: service.scheduling, workers.runtime.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ import torch
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, text
 
-from service.launcher import supervisor_name
 from service.main import create_app
+from service.scheduling.launcher import supervisor_name
 
 from conftest import make_settings
 from figures import record

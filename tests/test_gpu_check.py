@@ -1,4 +1,7 @@
-"""benchmarks/gpu_check.py's smoke run: on CPU, a tiny GPT, rank 0 of 1, 2 and 4 on the fake backend."""
+"""benchmarks/gpu_check.py's smoke run: on CPU, a tiny GPT, rank 0 of 1, 2 and 4 on the fake backend.
+
+Packages: workers.zero.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
 """The hf model kind: Hugging Face causal LMs planned by their trace, trained on 2 ranks, fine-tuned
-from a save_pretrained directory inside ZERO1_MODEL_ROOTS, and the 422s that name the field."""
+from a save_pretrained directory inside ZERO1_MODEL_ROOTS, and the 422s that name the field.
+
+Packages: workers.models, service.planning.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +12,12 @@ from fastapi.testclient import TestClient
 from torch.nn import functional as F
 
 from service.main import create_app
-from service.tracing import TraceRequest, run_trace
+from service.planning.traces import TraceRequest, run_trace
 from workers.config import HFSpec, InvalidModelError, OptimizerSpec, SyntheticSpec, TrainConfig
-from workers.data import Batches
-from workers.hf import build_hf
-from workers.memory import Workload, breakdown
-from workers.train import train
+from workers.data.sources import Batches
+from workers.memory.model import Workload, breakdown
+from workers.models.hf import build_hf
+from workers.training.loop import train
 
 import helpers
 from conftest import end_supervisors, make_settings

@@ -5,6 +5,8 @@ exactly once and each Idempotency-Key names one job; none is lost; the jobs that
 never hold more than the cluster's 4, neither in any sample taken during the run nor at any
 point of the events table replayed in time order. Afterwards every job still active is
 cancelled, and the server stops on SIGTERM.
+
+Packages: service.api, service.scheduling.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import httpx
 from sqlalchemy import create_engine, select
 from sqlalchemy.orm import Session
 
-from service.models import Job, JobEvent
+from service.store.tables import Job, JobEvent
 
 from figures import record as record_figures
 from helpers import TERMINAL, free_port, wait_healthy

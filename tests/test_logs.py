@@ -1,8 +1,11 @@
 """Job logs, piece by piece: a rank's output captured line by line and shipped in order within its
-bound (workers.capture), the supervisor's side (HeldLines), and the database's (service.log_lines:
+bound (workers.runtime.capture), the supervisor's side (HeldLines), and the database's (service.store.log_lines:
 each line stored once, the bound kept with its marker), on SQLite and PostgreSQL; and the bound on
 a real job. The whole path through Ray and the API is also in test_python_jobs (lines of every
-rank, follow, a rank's traceback) and test_faults (no line lost across service restarts)."""
+rank, follow, a rank's traceback) and test_faults (no line lost across service restarts).
+
+Packages: workers.runtime, service.store, service.api.
+"""
 
 from __future__ import annotations
 
@@ -15,10 +18,10 @@ import time
 
 from sqlalchemy import select
 
-from service.log_lines import log_acks, read_logs, store_logs
-from service.models import Job, LogLine
-from workers.capture import MAX_LINE_CHARS, HeldLines, OutputCapture
+from service.store.log_lines import log_acks, read_logs, store_logs
+from service.store.tables import Job, LogLine
 from workers.records import OutputLine
+from workers.runtime.capture import MAX_LINE_CHARS, HeldLines, OutputCapture
 
 from conftest import make_settings, serve
 from helpers import TERMINAL, job_body, wait_job

@@ -1,4 +1,7 @@
-"""The ZeRO memory model against the seed's math and DESIGN.md's tables."""
+"""The ZeRO memory model against the seed's math and DESIGN.md's tables.
+
+Packages: workers.memory.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workers import memory
-from workers.memory import GB, GPTSpec, MLPSpec, Workload, breakdown, min_gpus, plan, total_bytes
+from workers.memory import model as memory
+from workers.memory.model import GB, GPTSpec, MLPSpec, Workload, breakdown, min_gpus, plan, total_bytes
 
 PSI_7B5 = 7_500_000_000
 

@@ -1,7 +1,10 @@
 """The planner, and what the API shares with the workers (a job's configuration and limits, the rows
 and errors ranks report, the checkpoint layout), load with the standard library alone: no torch,
 no Ray, no pydantic. The API process itself never loads torch, and a rank of the built-in models
-never loads torch._dynamo."""
+never loads torch._dynamo.
+
+Packages: workers.memory, workers.config, workers.runtime, service.main.
+"""
 
 from __future__ import annotations
 
@@ -20,17 +23,19 @@ class RefuseThirdParty:
     def find_spec(self, name, path=None, target=None):
         top = name.partition(".")[0]
         if top not in sys.stdlib_module_names and top != "workers":
-            raise ImportError(f"workers.memory imported third-party module {name!r}")
+            raise ImportError(f"workers.memory.model imported third-party module {name!r}")
         return None
 
 sys.meta_path.insert(0, RefuseThirdParty())
-from workers.memory import GB, Workload, plan
+from workers.memory.model import GB, Workload, plan
 result = plan(Workload.from_num_params(7_500_000_000), num_gpus=64, gpu_memory_bytes=80 * GB)
 assert result.per_gpu.total_bytes == 31_406_250_000, result
-import workers.limits  # service/schemas.py takes its defaults and bounds from there
-import workers.config, workers.records, workers.checkpoints, workers.specs  # the control plane builds and reads these
-import workers.datafiles  # the API checks a dataset's paths with it
-import workers.sandbox, workers.child, workers.isolated, workers.rendezvous  # untrusted work, in children
+import workers.limits  # service/schemas/requests.py takes its defaults and bounds from there
+# the control plane builds and reads these
+import workers.config, workers.records, workers.training.checkpoints, workers.memory.specs
+import workers.data.datafiles  # the API checks a dataset's paths with it
+# untrusted work, in children
+import workers.runtime.sandbox, workers.runtime.child, workers.runtime.isolated, workers.runtime.rendezvous
 loaded = sorted(m for m in sys.modules if m.partition(".")[0] in {"torch", "ray", "pydantic", "numpy"})
 assert not loaded, loaded
 print("ok")
@@ -60,7 +65,7 @@ def test_the_api_process_does_not_import_torch():
 
 
 def test_the_embedded_cluster_counts_gpus_without_torch(tmp_path, monkeypatch):
-    from service.cluster import _cuda_device_count
+    from service.planning.cluster import _cuda_device_count
 
     driver = tmp_path / "gpus"
     assert _cuda_device_count(str(driver)) == 0  # no driver: logical GPUs instead
@@ -78,8 +83,8 @@ import sys
 import torch.distributed as dist
 sys.path.insert(0, "tests")
 from helpers import job_body
-from service.schemas import JobSpec
-from workers.train import train
+from service.schemas.requests import JobSpec
+from workers.training.loop import train
 
 dist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}/store", rank=0, world_size=1)
 for model in ({}, {"model": {"kind": "mlp", "sizes": [16, 32, 16]}}):
@@ -102,7 +107,8 @@ def test_a_rank_trains_the_built_in_models_without_loading_torch_dynamo(tmp_path
 
 _PARENT = r"""
 import sys
-import workers.actors, workers.ranks, workers.isolated  # a rank's parent, a task's: Ray, never torch
+# a rank's parent, a task's: Ray, never torch
+import workers.runtime.actors, workers.runtime.ranks, workers.runtime.isolated
 print(sorted(m for m in sys.modules if m.partition(".")[0] in ("torch", "transformers")))
 """
 

@@ -1,4 +1,7 @@
-"""ZeRO1AdamW on 1-4 gloo ranks against torch.optim.AdamW on the full model."""
+"""ZeRO1AdamW on 1-4 gloo ranks against torch.optim.AdamW on the full model.
+
+Packages: workers.zero.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +14,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.testing import assert_close
 
-from workers import memory
-from workers.optim import DynamicLossScaler, ZeRO1AdamW, decay_param_groups
+from workers.memory import model as memory
+from workers.zero.optimizer import DynamicLossScaler, ZeRO1AdamW, decay_param_groups
 
 from distributed import run_ranks
 from figures import record
@@ -542,7 +545,7 @@ def test_bucket_cap_has_one_lower_bound_in_the_optimizer_and_the_api():
     """A cap of 1e-9 MB was accepted: one bucket, and one fused update launch, per element and step."""
     from pydantic import ValidationError
 
-    from service.schemas import JobSpec, OptimizerConfig
+    from service.schemas.requests import JobSpec, OptimizerConfig
     from workers.config import OptimizerSpec
 
     for tiny in (1e-9, 0.0):

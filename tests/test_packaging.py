@@ -3,6 +3,8 @@
 The development install is editable with the dev extras, which hides a module left out of the
 wheel or a dependency only the extras bring. This test builds the wheel, installs it alone (and
 torch, as the Makefile does) in a new venv, and runs the commands a deployer runs.
+
+Packages: service.cli, service.store.
 """
 
 from __future__ import annotations

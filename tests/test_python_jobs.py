@@ -1,7 +1,10 @@
 """The python model kind through the API: the example bundle (examples/byo-model) uploaded with the
 CLI's zip, planned by its trace, trained on 2 ranks; user code refused at submit with its file:line,
 failing at run time with its traceback, never imported by the API process; bundles used only by
-the users who uploaded them."""
+the users who uploaded them.
+
+Packages: workers.models, service.planning, service.store.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from sqlalchemy import func, select
 
 from service.cli.bundle import zip_directory
 from service.main import create_app
-from service.models import Job
+from service.store.tables import Job
 
 from conftest import end_supervisors, make_settings
 from helpers import TERMINAL, wait_job

@@ -1,5 +1,8 @@
-"""service/recommend.py on its own: the cost model against hand arithmetic, and the search against a brute
-force over every (N, micro-batch, checkpointing) through the memory model."""
+"""service/planning/configurations.py on its own: the cost model against hand arithmetic, and the search against a brute
+force over every (N, micro-batch, checkpointing) through the memory model.
+
+Packages: service.planning.
+"""
 
 from __future__ import annotations
 
@@ -11,12 +14,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from service import recommend
-from workers import memory
-from workers.memory import GB
+from service.planning import configurations
+from workers.memory import model as memory
+from workers.memory.model import GB
 
 ROOT = Path(__file__).resolve().parents[1]
-COST = recommend.CostModel(gpu_tflops=400, network_gb_per_s=100)
+COST = configurations.CostModel(gpu_tflops=400, network_gb_per_s=100)
 SMALL_GPT = memory.GPTSpec(vocab_size=512, n_layer=4, n_head=4, n_embd=128, block_size=256)
 
 
@@ -37,20 +40,22 @@ def workloads(spec, *, precision="bf16", seq_len=None, overhead_bytes=0):
 def test_the_cost_of_a_step_is_the_hand_arithmetic():
     # Ψ = 7.5e9, G = 64 x 2048 tokens, N = 8, bf16: 6·Ψ·tokens = 5.89824e15 FLOPs, 1/8 each at 400 TFLOP/s
     common = {"num_params": 7_500_000_000, "num_tokens": 64 * 2048, "bytes_per_param": 2, "cost_model": COST}
-    plain = recommend.step_cost(num_gpus=8, activation_checkpointing=False, **common)
+    plain = configurations.step_cost(num_gpus=8, activation_checkpointing=False, **common)
     assert plain.compute_s == pytest.approx(1.8432)  # 5.89824e15 / 8 / 4e14
     assert plain.comm_s == pytest.approx(0.2625)  # 2 x 7/8 x 7.5e9 x 2 bytes = 26.25e9 bytes at 1e11 B/s
     assert plain.cost_gpu_s == pytest.approx(8 * (1.8432 + 0.2625))  # 16.8456 GPU-s
-    checkpointed = recommend.step_cost(num_gpus=8, activation_checkpointing=True, **common)
+    checkpointed = configurations.step_cost(num_gpus=8, activation_checkpointing=True, **common)
     assert checkpointed.compute_s == pytest.approx(2.4576)  # the forward again: 8Ψ per token instead of 6Ψ
     assert checkpointed.comm_s == plain.comm_s
     assert checkpointed.cost_gpu_s == pytest.approx(21.7608)
 
 
 def test_one_gpu_communicates_nothing_and_fp32_sends_twice_the_bytes():
-    assert recommend.comm_bytes_per_gpu(num_params=1000, num_gpus=1, bytes_per_param=2) == 0
-    assert recommend.comm_bytes_per_gpu(num_params=1000, num_gpus=4, bytes_per_param=4) == 6000  # 2 x 3/4 x 1000 x 4
-    alone = recommend.step_cost(
+    assert configurations.comm_bytes_per_gpu(num_params=1000, num_gpus=1, bytes_per_param=2) == 0
+    assert (
+        configurations.comm_bytes_per_gpu(num_params=1000, num_gpus=4, bytes_per_param=4) == 6000
+    )  # 2 x 3/4 x 1000 x 4
+    alone = configurations.step_cost(
         num_params=10**9,
         num_tokens=10**6,
         num_gpus=1,
@@ -63,7 +68,7 @@ def test_one_gpu_communicates_nothing_and_fp32_sends_twice_the_bytes():
 
 def test_a_cost_model_needs_positive_throughput_and_bandwidth():
     with pytest.raises(ValueError, match=r"gpu_tflops \(0\) and network_gb_per_s \(100\) must be > 0"):
-        recommend.CostModel(gpu_tflops=0, network_gb_per_s=100)
+        configurations.CostModel(gpu_tflops=0, network_gb_per_s=100)
 
 
 # --------------------------------------------------------------------------- candidates
@@ -71,11 +76,11 @@ def test_a_cost_model_needs_positive_throughput_and_bandwidth():
 
 def test_divisors_against_brute_force():
     for n in range(1, 400):
-        assert recommend.divisors(n) == [d for d in range(1, n + 1) if n % d == 0]
-    assert len(recommend.divisors(100_000_000)) == 81  # 2^8 x 5^8: 9 x 9
+        assert configurations.divisors(n) == [d for d in range(1, n + 1) if n % d == 0]
+    assert len(configurations.divisors(100_000_000)) == 81  # 2^8 x 5^8: 9 x 9
 
 
-def brute_force(workload_of, *, search: recommend.Search) -> dict[tuple[int, bool], int]:
+def brute_force(workload_of, *, search: configurations.Search) -> dict[tuple[int, bool], int]:
     """(N, checkpointing) -> the largest micro-batch that fits, over every allowed candidate."""
     largest = {}
     for n in search.num_gpus_allowed():
@@ -103,7 +108,7 @@ def test_the_list_is_every_undominated_largest_micro_batch_sorted_by_cost(
     global_batch_size, max_gpus, gpu_memory_mb, seq_len, max_micro_batch_size
 ):
     workload_of = workloads(SMALL_GPT, seq_len=seq_len)
-    search = recommend.Search(
+    search = configurations.Search(
         global_batch_size=global_batch_size,
         num_tokens=global_batch_size * seq_len,
         max_gpus=max_gpus,
@@ -111,7 +116,7 @@ def test_the_list_is_every_undominated_largest_micro_batch_sorted_by_cost(
         checkpointing_applies=True,
         max_micro_batch_size=max_micro_batch_size,
     )
-    result = recommend.recommend(workload_of, search=search, cost_model=COST)
+    result = configurations.recommend(workload_of, search=search, cost_model=COST)
     largest = brute_force(workload_of, search=search)
     expected = {
         (n, ckpt): m
@@ -137,7 +142,7 @@ def test_why_names_the_limit_with_numbers():
     # Ψ = 891,648: 16Ψ = 14.27 MB does not fit 12 MB on one GPU; on two, 4Ψ + 12Ψ/2 = 8.92 MB leaves room for
     # micro-batch 1 only with checkpointing (1.98 MB of activations; 4.91 MB without)
     workload_of = workloads(SMALL_GPT, seq_len=256)
-    search = recommend.Search(
+    search = configurations.Search(
         global_batch_size=64,
         num_tokens=64 * 256,
         max_gpus=64,
@@ -145,7 +150,7 @@ def test_why_names_the_limit_with_numbers():
         checkpointing_applies=True,
         max_micro_batch_size=10**6,
     )
-    result = recommend.recommend(workload_of, search=search, cost_model=COST)
+    result = configurations.recommend(workload_of, search=search, cost_model=COST)
     by_key = {(r.num_gpus, r.activation_checkpointing): r for r in result.items}
     assert min(n for n, _ in by_key) == 2 and (2, False) not in by_key
     on_one = memory.total_bytes(workload_of(1, True), num_gpus=1, stage=1)
@@ -165,7 +170,7 @@ def test_why_names_the_limit_with_numbers():
 
 
 def test_a_micro_batch_above_the_jobs_bound_is_never_proposed():
-    search = recommend.Search(
+    search = configurations.Search(
         global_batch_size=8,
         num_tokens=8 * 16,
         max_gpus=2,
@@ -173,14 +178,14 @@ def test_a_micro_batch_above_the_jobs_bound_is_never_proposed():
         checkpointing_applies=True,
         max_micro_batch_size=2,
     )
-    result = recommend.recommend(workloads(SMALL_GPT, seq_len=16), search=search, cost_model=COST)
+    result = configurations.recommend(workloads(SMALL_GPT, seq_len=16), search=search, cost_model=COST)
     assert [(r.num_gpus, r.micro_batch_size, r.accumulation_steps) for r in result.items] == [(1, 2, 4), (2, 2, 2)]
     assert result.items[0].why == "the fewest GPUs it fits on; micro-batch is capped at 2, the largest a job takes"
 
 
 def test_an_mlp_is_never_checkpointed_and_its_tokens_are_samples():
     mlp = memory.MLPSpec(sizes=(784, 1024, 10))
-    search = recommend.Search(
+    search = configurations.Search(
         global_batch_size=8,
         num_tokens=8,
         max_gpus=4,
@@ -188,7 +193,7 @@ def test_an_mlp_is_never_checkpointed_and_its_tokens_are_samples():
         checkpointing_applies=False,
         max_micro_batch_size=10**6,
     )
-    result = recommend.recommend(workloads(mlp), search=search, cost_model=COST)
+    result = configurations.recommend(workloads(mlp), search=search, cost_model=COST)
     assert [(r.num_gpus, r.micro_batch_size, r.activation_checkpointing) for r in result.items] == [
         (1, 8, False),
         (2, 4, False),
@@ -203,7 +208,7 @@ def test_a_huge_batch_on_a_million_gpus_builds_each_workload_once():
     built = []
     workload_of = workloads(memory.GPTSpec(vocab_size=59072, n_layer=36, n_head=32, n_embd=4096, block_size=2048))
     counting = lambda m, ckpt: built.append((m, ckpt)) or workload_of(m, ckpt)
-    search = recommend.Search(
+    search = configurations.Search(
         global_batch_size=73_513_440,
         num_tokens=73_513_440 * 2048,
         max_gpus=1 << 20,
@@ -211,7 +216,7 @@ def test_a_huge_batch_on_a_million_gpus_builds_each_workload_once():
         checkpointing_applies=True,
         max_micro_batch_size=10**6,
     )
-    result = recommend.recommend(counting, search=search, cost_model=COST)
+    result = configurations.recommend(counting, search=search, cost_model=COST)
     assert len(built) == len(set(built)) <= 2 * 768
     assert result.items and min(r.num_gpus for r in result.items) == 2
 
@@ -222,9 +227,9 @@ import sys
 class RefuseThirdParty:
     def find_spec(self, name, path=None, target=None):
         if name.partition(".")[0] not in (*sys.stdlib_module_names, "workers", "service"):
-            raise ImportError(f"service.recommend imported third-party module {name!r}")
+            raise ImportError(f"service.planning.configurations imported third-party module {name!r}")
 sys.meta_path.insert(0, RefuseThirdParty())
-import service.recommend
+import service.planning.configurations
 print("ok")
 """
     out = subprocess.run([sys.executable, "-S", "-c", child], cwd=ROOT, capture_output=True, text=True, timeout=60)

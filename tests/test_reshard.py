@@ -1,5 +1,8 @@
 """Elastic resizing at the optimizer: a sharded checkpoint saved by N ranks loads on M ranks, each
-rank reading only the byte ranges it now owns (workers/optim_state.py, load_resharded_state)."""
+rank reading only the byte ranges it now owns (workers/zero/sharded_state.py, load_resharded_state).
+
+Packages: workers.zero.
+"""
 
 from __future__ import annotations
 
@@ -14,8 +17,8 @@ import torch
 from test_optim import HYPER, MAX_NORM, make_model, train_zero1
 from torch.testing import assert_close
 
-from workers.optim import ZeRO1AdamW, decay_param_groups
-from workers.optim_state import load_resharded_state
+from workers.zero.optimizer import ZeRO1AdamW, decay_param_groups
+from workers.zero.sharded_state import load_resharded_state
 
 from distributed import run_ranks
 
@@ -98,7 +101,7 @@ _MEMORY_PROBE = textwrap.dedent(
     from pathlib import Path
     from torch import nn
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    from workers.optim import ZeRO1AdamW
+    from workers.zero.optimizer import ZeRO1AdamW
 
     root, saved_world, world, rank = Path(sys.argv[1]), 4, 3, 1
 

@@ -3,6 +3,8 @@ dead supervisor, a start that never finishes, a reused job id, a scheduler that 
 
 Each test injects its fault for real (two sessions on one row, an I/O error raised where the
 checkpoint is read, a supervisor that does not answer) and checks one consistent outcome.
+
+Packages: service.scheduling.
 """
 
 from __future__ import annotations
@@ -16,15 +18,15 @@ import ray
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from service import admission, jobs
-from service.cluster import ClusterCapacity
-from service.db import Database, upgrade
-from service.launcher import RayLauncher, checkpoint_dirname, supervisor_name
 from service.main import create_app
-from service.models import Job, JobEvent
-from service.scheduler import Scheduler
-from service.schemas import JobSpec
-from workers.memory import GB
+from service.planning.cluster import ClusterCapacity
+from service.scheduling import admission, jobs
+from service.scheduling.launcher import RayLauncher, checkpoint_dirname, supervisor_name
+from service.scheduling.scheduler import Scheduler
+from service.schemas.requests import JobSpec
+from service.store.db import Database, upgrade
+from service.store.tables import Job, JobEvent
+from workers.memory.model import GB
 
 from conftest import end_supervisors, make_settings, serve
 from figures import record
@@ -148,7 +150,7 @@ def test_the_scheduler_frees_a_placement_group_its_killed_supervisor_left(ray_cl
     of this deployment that is not active) and frees its GPUs."""
     from ray.util.placement_group import placement_group
 
-    from service.launcher import placement_group_name
+    from service.scheduling.launcher import placement_group_name
 
     settings = make_settings(tmp_path, placement_sweep_interval_s=0.5)  # the default 10 s, here waited
     name = placement_group_name(settings.ray_namespace, 999, 0)

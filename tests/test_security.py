@@ -1,5 +1,8 @@
 """Security: API tokens and owners, the dashboard's cookie and CSRF header, data roots, request limits,
-and `zero1 serve` refusing to listen beyond loopback without tokens."""
+and `zero1 serve` refusing to listen beyond loopback without tokens.
+
+Packages: service.auth, service.api, service.dashboard.
+"""
 
 from __future__ import annotations
 
@@ -19,18 +22,18 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service import auth
-from service.admission import admit
 from service.auth import TOKEN_COOKIE, check_bind, is_loopback, load_tokens
 from service.cli import main
-from service.cluster import ClusterCapacity, RayCluster
-from service.db import Database, upgrade
 from service.errors import ServiceError
-from service.jobs import job_public, submit_job
 from service.lockout import MAX_FAILURES, WINDOW_S, LoginLockout, client_key
 from service.main import create_app
-from service.models import Job, JobEvent
-from service.schemas import JobSpec
-from workers.memory import GB
+from service.planning.cluster import ClusterCapacity, RayCluster
+from service.scheduling.admission import admit
+from service.scheduling.jobs import job_public, submit_job
+from service.schemas.requests import JobSpec
+from service.store.db import Database, upgrade
+from service.store.tables import Job, JobEvent
+from workers.memory.model import GB
 
 from conftest import make_settings
 from helpers import TERMINAL, TINY, wait_job

@@ -1,5 +1,8 @@
 """GET /metrics on prometheus_client: the histograms and counters, the gauges read from the database at
-each scrape, the request timer's route templates, and the app's exposition end to end."""
+each scrape, the request timer's route templates, and the app's exposition end to end.
+
+Packages: service.telemetry, service.scheduling.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import update
 
 from service.main import create_app
-from service.models import Job
+from service.scheduling.gauges import JobGauges
+from service.store.tables import Job
 from service.telemetry import UNMATCHED, RequestTimer, Telemetry, iter_route_contexts, route_template
 
 from conftest import make_settings
@@ -108,7 +112,7 @@ def test_the_job_gauges_read_the_database_at_each_scrape(database):
                 _job("succeeded", num_gpus=4, latest={"step": 99, "step_time_s": 0.1}),
             ]
         )
-    telemetry.bind(database, total_gpus=lambda: 8)
+    telemetry.register(JobGauges(database, total_gpus=lambda: 8))
 
     samples = scrape(telemetry.render().decode())
     jobs = {status: value(samples, "zero1_jobs", status=status) for status in ("queued", "running", "failed")}

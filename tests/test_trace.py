@@ -1,5 +1,8 @@
 """The step's memory beyond the model states: the closed forms, the trace on fake tensors, and the
-count on real tensors agree, and an independent tracer (torch's MemTracker) agrees with them."""
+count on real tensors agree, and an independent tracer (torch's MemTracker) agrees with them.
+
+Packages: workers.models, workers.memory, service.planning.
+"""
 
 from __future__ import annotations
 
@@ -13,10 +16,10 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.nn import functional as F
 
 from service.errors import ServiceError
-from service.tracing import Tracer, TraceRequest
-from workers.memory import GPTSpec, MLPSpec, Workload, breakdown
-from workers.models import DTYPES, GPT, build_model, trace_builtin
-from workers.trace import (
+from service.planning.traces import Tracer, TraceRequest
+from workers.memory.model import GPTSpec, MLPSpec, Workload, breakdown
+from workers.models.builtin import DTYPES, GPT, build_model, trace_builtin
+from workers.models.trace import (
     LiveBytes,
     ParamCounts,
     TraceError,

@@ -1,4 +1,7 @@
-"""Models, data and the training loop of one process, without Ray."""
+"""Models, data and the training loop of one process, without Ray.
+
+Packages: workers.training, workers.models, workers.data.
+"""
 
 from __future__ import annotations
 
@@ -15,15 +18,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import workers.train
+import workers.training.loop
 from workers import limits
-from workers.checkpoints import checkpointed_metrics, discard_stored_metrics, latest_checkpoint
 from workers.config import MAX_TEXT_BYTES, OptimizerSpec, SyntheticSpec, TextSpec, TrainConfig
-from workers.data import Batches, MarkovSource, _open_nofollow, read_text
-from workers.memory import GPTSpec, MLPSpec, Workload, breakdown
-from workers.models import build_model
+from workers.data.sources import Batches, MarkovSource, _open_nofollow, read_text
+from workers.memory.model import GPTSpec, MLPSpec, Workload, breakdown
+from workers.models.builtin import build_model
 from workers.records import MetricRow
-from workers.train import NonFiniteError, save_checkpoint, train
+from workers.training.checkpoints import checkpointed_metrics, discard_stored_metrics, latest_checkpoint
+from workers.training.loop import NonFiniteError, save_checkpoint, train
 
 from distributed import run_ranks
 from figures import record
@@ -216,7 +219,7 @@ def test_a_component_swapped_for_a_symlink_after_the_check_is_not_followed(data_
 
 
 def test_the_launcher_passes_the_data_roots_resolved(tmp_path, monkeypatch, data_root):
-    from service.schemas import JobSpec
+    from service.schemas.requests import JobSpec
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "elsewhere").mkdir()
@@ -415,7 +418,7 @@ def nan_loss_at(bad_steps: range):
 
 
 def _nonfinite_training_fails(rank: int, world_size: int, root: str, precision: str) -> None:
-    workers.train.build_model = nan_loss_at(range(5, 10**6) if rank == 1 else range(0))  # a process of its own
+    workers.training.loop.build_model = nan_loss_at(range(5, 10**6) if rank == 1 else range(0))  # a process of its own
     cfg = TrainConfig(
         model=TINY,
         steps=20,
@@ -455,7 +458,7 @@ def test_a_run_whose_gradients_stay_nan_fails_and_keeps_its_good_checkpoints(tmp
 
 
 def test_a_checkpoint_due_at_a_skipped_step_is_written_at_the_next_clean_one(tmp_path, monkeypatch):
-    monkeypatch.setattr(workers.train, "build_model", nan_loss_at(range(5, 6)))
+    monkeypatch.setattr(workers.training.loop, "build_model", nan_loss_at(range(5, 6)))
     cfg = TrainConfig(
         model=TINY,
         steps=8,
@@ -479,7 +482,7 @@ def test_a_checkpoint_due_at_a_skipped_step_is_written_at_the_next_clean_one(tmp
 
 def _nonfinite_state_is_not_saved(rank: int, world_size: int, root: str) -> None:
     model = build_model(TINY, dtype=torch.bfloat16)
-    from workers.optim import ZeRO1AdamW
+    from workers.zero.optimizer import ZeRO1AdamW
 
     opt = ZeRO1AdamW(model.parameters())
     save_checkpoint(opt, Path(root), step=0, process_group=None)  # finite: written
@@ -506,8 +509,8 @@ def job_body(**overrides) -> dict:
 
 
 def test_max_nonfinite_steps_has_one_default_above_the_fp16_scalers_back_off():
-    from service.schemas import JobSpec
-    from workers.optim import DynamicLossScaler
+    from service.schemas.requests import JobSpec
+    from workers.zero.optimizer import DynamicLossScaler
 
     scaler = DynamicLossScaler()
     halvings = math.log(scaler.min_scale / scaler.scale, scaler.backoff_factor)  # 2**16 -> 1: 16 skips in a row

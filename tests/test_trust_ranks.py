@@ -6,6 +6,8 @@ write what they can see (uid, environment, /proc/*/environ, the database, Ray's 
 another owner's job directory, a connection to Ray). The same job trains to the same losses with
 and without ZERO1_RUN_AS; a rank whose child exits or is killed fails the attempt saying how; a
 supervisor status the scheduler does not expect ends the attempt and frees its GPUs.
+
+Packages: workers.runtime, service.scheduling.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ import httpx
 import pytest
 
 from service.cli.bundle import zip_directory
-from service.launcher import supervisor_name
-from workers.sandbox import RunAs, check_runnable, child_environment, exit_reason
+from service.scheduling.launcher import supervisor_name
+from workers.runtime.sandbox import RunAs, check_runnable, child_environment, exit_reason
 
 from figures import record
 from helpers import TERMINAL, free_port, job_body, wait_for, wait_healthy, wait_job
@@ -456,7 +458,7 @@ def test_a_supervisor_cancelled_behind_the_schedulers_back_ends_the_attempt_and_
 def test_what_a_jobs_code_plants_in_its_directory_is_not_followed_by_the_service(tmp_path):
     """The service reads and prunes a job's checkpoints as root: a linked step directory or marker
     (pointing it at files of the service's) and names that are no step are passed over, never followed."""
-    from workers.checkpoints import COMPLETE, latest_checkpoint, prune_checkpoints, step_dir, write_json
+    from workers.training.checkpoints import COMPLETE, latest_checkpoint, prune_checkpoints, step_dir, write_json
 
     outside = tmp_path / "outside"
     outside.mkdir()

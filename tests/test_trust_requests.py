@@ -1,7 +1,10 @@
 """Issue 27, what a request may ask of the service: data globs bounded and silent about what lies outside
 the data roots (item 3), control characters refused in names and shown escaped wherever the CLI or
 the dashboard prints user text (item 8), wrong bearer tokens locking their client out as /login's do
-(item 9), and dashboard ids beyond the database's integers not found (item 10)."""
+(item 9), and dashboard ids beyond the database's integers not found (item 10).
+
+Packages: service.api, service.schemas, service.lockout.
+"""
 
 from __future__ import annotations
 
@@ -18,8 +21,8 @@ from fastapi.testclient import TestClient
 from service.cli import jobs as cli_jobs
 from service.cli import main
 from service.lockout import LoginLockout
-from service.models import Job, JobEvent, LogLine
-from workers.datafiles import MAX_RESOLVE_S, resolve_files
+from service.store.tables import Job, JobEvent, LogLine
+from workers.data.datafiles import MAX_RESOLVE_S, resolve_files
 
 from conftest import make_settings, serve
 from figures import record

@@ -1,5 +1,8 @@
 """Issue 27, items 4, 5 (zips) and 7: artifacts recorded by the service and served only as recorded, a
-bundle whose file and directory share a path, and storage bounds (code quota, token cache, log retention)."""
+bundle whose file and directory share a path, and storage bounds (code quota, token cache, log retention).
+
+Packages: service.store.
+"""
 
 from __future__ import annotations
 
@@ -15,12 +18,12 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import delete, func, select, update
 
-from service.artifacts import FinalFile, read_final
 from service.main import create_app
-from service.models import Artifact, CodeBundle, Job, LogLine
-from service.token_cache import trim
+from service.store.artifacts import FinalFile, read_final
+from service.store.tables import Artifact, CodeBundle, Job, LogLine
+from service.store.token_cache import trim
 from workers.config import DatasetSpec
-from workers.datasets import ByteTokenizer, prepare_tokens
+from workers.data.datasets import ByteTokenizer, prepare_tokens
 
 from conftest import end_supervisors, make_settings
 from figures import record
@@ -381,7 +384,7 @@ def test_log_lines_of_jobs_that_ended_long_ago_are_deleted_in_batches(secured, s
     _add_lines(secured, job["id"], num_lines=120, finished_days_ago=31)
     _add_lines(secured, recent["id"], num_lines=5, finished_days_ago=29)
     kept = len(_lines(secured, recent["id"]))
-    monkeypatch.setattr("service.housekeeping.ROWS_PER_BATCH", 50)  # three transactions
+    monkeypatch.setattr("service.store.housekeeping.ROWS_PER_BATCH", 50)  # three transactions
     housekeeper = _runtime(secured).housekeeper
 
     assert housekeeper.expire_logs() >= 120

@@ -1,7 +1,10 @@
 """Issue 27, items 5, 6 and 11: every Ray error of a plan or submit is a 4xx or a 503, never a 500;
 traces and dataset checks wait holding no request thread and no database connection, bounded in
 total and per user (429), and so are log streams; an hf model's directory and a tokenizer are
-hashed at admission, the digest keys the trace and goes to the ranks, which check it again."""
+hashed at admission, the digest keys the trace and goes to the ranks, which check it again.
+
+Packages: service.planning, workers.runtime.
+"""
 
 from __future__ import annotations
 
@@ -21,11 +24,11 @@ import ray
 from fastapi.testclient import TestClient
 
 from service.errors import ServiceError
-from service.schemas import JobSpec
-from service.tasks import run_task, run_task_async, task_error
-from workers import digests
+from service.planning.tasks import run_task, run_task_async, task_error
+from service.schemas.requests import JobSpec
 from workers.config import DatasetSpec, HFSpec
-from workers.digests import DigestError, directory_digest, tokenizer_digest
+from workers.data import digests
+from workers.data.digests import DigestError, directory_digest, tokenizer_digest
 
 from conftest import make_settings, serve
 from figures import record
@@ -168,7 +171,7 @@ def test_a_task_asked_of_a_ray_that_is_not_connected_is_a_503_with_retry_after(r
     script = (
         "import json\n"
         "from service.errors import ServiceError\n"
-        "from service.tasks import run_task\n"
+        "from service.planning.tasks import run_task\n"
         "try:\n"
         "    run_task(json.dumps, 1, timeout_s=20, timed_out=lambda: ServiceError('t'), failed=ServiceError)\n"
         "except ServiceError as e:\n"
@@ -368,7 +371,7 @@ def test_a_jobs_model_digest_reaches_its_ranks_which_refuse_a_changed_directory(
     spec = served.get(f"/v1/jobs/{r.json()['id']}", headers=bearer(ALICE)).json()["spec"]
     assert spec["model"]["digest"] == admitted
     plan = served.get(f"/v1/jobs/{r.json()['id']}", headers=bearer(ALICE)).json()["plan"]
-    from service.responses import PlanPublic
+    from service.schemas.responses import PlanPublic
 
     config = JobSpec.model_validate(spec).to_config(
         checkpoint_dir="unused", model_roots=[str(models)], plan=PlanPublic.model_validate(plan)
@@ -380,7 +383,7 @@ def test_a_jobs_model_digest_reaches_its_ranks_which_refuse_a_changed_directory(
         weights.write(b"\0" * 16)
     import torch
 
-    from workers.hf import build_hf
+    from workers.models.hf import build_hf
 
     with pytest.raises(DigestError) as changed:
         build_hf(config.model, dtype=torch.float32)
@@ -390,7 +393,7 @@ def test_a_jobs_model_digest_reaches_its_ranks_which_refuse_a_changed_directory(
 
 
 def test_a_tokenizers_digest_is_recorded_at_submit_and_checked_where_it_is_loaded(served, roots):
-    from workers.datasets import load_tokenizer
+    from workers.data.datasets import load_tokenizer
 
     _, data = roots
     tokenizer = data / "tokenizer.json"

@@ -1,5 +1,8 @@
-"""The python model kind's worker side (workers/usercode.py): the example bundle traced and built,
-and every way user code can fail named with the user's file:line."""
+"""The python model kind's worker side (workers/models/usercode.py): the example bundle traced and built,
+and every way user code can fail named with the user's file:line.
+
+Packages: workers.models.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import pytest
 import torch
 
 from workers.config import InvalidModelError, PythonSpec
-from workers.usercode import build_python, trace_python
+from workers.models.usercode import build_python, trace_python
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "byo-model"
 TINYLM_ARGS = {"vocab_size": 512, "n_layer": 2, "n_embd": 64, "n_head": 4, "block_size": 64}

@@ -1,4 +1,7 @@
-"""Training jobs on a two-node Ray cluster with logical GPUs (gloo on CPU)."""
+"""Training jobs on a two-node Ray cluster with logical GPUs (gloo on CPU).
+
+Packages: workers.runtime, workers.training.
+"""
 
 from __future__ import annotations
 
@@ -20,13 +23,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from workers.actors import JobSupervisor, Placement, PlacementError
-from workers.checkpoints import latest_checkpoint
 from workers.config import OptimizerSpec, TrainConfig
-from workers.data import Batches
-from workers.memory import GPTSpec
-from workers.rendezvous import join_process_group, open_rendezvous_store
-from workers.train import train
+from workers.data.sources import Batches
+from workers.memory.model import GPTSpec
+from workers.runtime.actors import JobSupervisor, Placement, PlacementError
+from workers.runtime.rendezvous import join_process_group, open_rendezvous_store
+from workers.training.checkpoints import latest_checkpoint
+from workers.training.loop import train
 
 from figures import record
 from helpers import TERMINAL
@@ -79,10 +82,10 @@ def losses(rows: list[dict]) -> list[float]:
 _ORPHAN = """
 import json, os, sys
 print(os.getpid(), flush=True)
-from workers.rendezvous import parent_gone
-from workers.memory import GPTSpec
+from workers.runtime.rendezvous import parent_gone
+from workers.memory.model import GPTSpec
 from workers.config import TrainConfig
-from workers.train import train
+from workers.training.loop import train
 
 spec = GPTSpec(vocab_size=64, n_layer=2, n_head=2, n_embd=32, block_size=32)
 config = TrainConfig(model=spec, steps=10**7, precision="fp32", checkpoint_every=5, checkpoint_dir=sys.argv[1])
@@ -289,7 +292,7 @@ def test_a_placement_group_no_attempt_owns_is_removed_and_one_an_active_attempt_
     active attempts and of other namespaces."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from service.launcher import placement_group_name, remove_placement_groups
+    from service.scheduling.launcher import placement_group_name, remove_placement_groups
 
     orphan = placement_group([{"GPU": 1, "CPU": 0.5}], name=placement_group_name("sweep-ns", 7, 0))
     active = placement_group([{"GPU": 1, "CPU": 0.5}], name=placement_group_name("sweep-ns", 8, 2))
@@ -357,7 +360,7 @@ def test_a_group_removed_while_it_is_placed_gives_every_gpu_back(ray_cluster):
     groups over both nodes give all 4 back; one that cannot be placed (5 GPUs) waits SETTLE_S."""
     from ray.util.placement_group import placement_group
 
-    from workers.groups import SETTLE_S, remove_group
+    from workers.runtime.groups import SETTLE_S, remove_group
 
     for delay_s in (0.0, 0.001, 0.003, 0.01, 0.0, 0.002):
         group = placement_group([{"GPU": 1, "CPU": 0.5}] * 4, strategy="SPREAD")

@@ -1,14 +1,24 @@
-"""Training workers: the memory model, the ZeRO-1 optimizer, models, data and Ray actors.
+"""The workers: what a rank runs, and the memory model the control plane plans with. Its packages,
+each opened by what it holds and what it may import, from the bottom up:
 
-`workers.memory` loads with the standard library alone, so this package
-imports nothing eagerly; `from workers import ZeRO1AdamW` loads torch then.
+    memory/              the ZeRO memory model and the built-in models' closed forms (standard library only)
+    config, limits,      what a job asks of the workers and what its ranks report: the contract with
+    records              the control plane (standard library only)
+    zero/                ZeRO1AdamW: flat layout, sharded AdamW, collectives, loss scale, checkpoint formats
+    data/                seeded sources, tokenized datasets, their files and digests
+    models/              the built-in GPT and MLP, Hugging Face models, a user's code, the tracer
+    training/            one rank's loop, its checkpoints' layout, the final model
+    runtime/             the processes on top: Ray actors, the untrusted child a rank trains in, tasks
+
+This package imports nothing eagerly (`workers.memory` loads without torch); `from workers import
+ZeRO1AdamW` loads torch then.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-_LAZY = {"ZeRO1AdamW": "workers.optim", "DynamicLossScaler": "workers.loss_scale"}
+_LAZY = {"ZeRO1AdamW": "workers.zero.optimizer", "DynamicLossScaler": "workers.zero.loss_scale"}
 
 
 def __getattr__(name: str) -> Any:

@@ -2,7 +2,9 @@
 defaults and the checks that show the arithmetic.
 
 Standard library only: the control plane builds these from a job's API schema
-(service.schemas, JobSpec.to_config) without loading torch, and hands them to Ray.
+(service.schemas.requests, JobSpec.to_config) without loading torch, and hands them to Ray.
+
+May import: workers.limits, workers.memory.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ import os
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-from workers import limits, memory
-from workers.memory import GPTSpec, MLPSpec
+from workers import limits
+from workers.memory import model as memory
+from workers.memory.model import GPTSpec, MLPSpec
 
 MAX_TEXT_BYTES = 1 << 30
 """Largest text file a rank reads by default (1 GiB: enwik9 fits)."""
@@ -72,7 +75,7 @@ class DatasetSpec:
     cache_dir: str | None = None
     """Where the token file is cached (the checkpoint storage); None: beside nothing, tokenized per run."""
     tokenizer_digest: str | None = None
-    """workers/digests.py's digest of `tokenizer` when the job was admitted; where set, the tokenizer is
+    """workers/data/digests.py's digest of `tokenizer` when the job was admitted; where set, the tokenizer is
     hashed again before it is loaded, and a difference fails the load."""
 
     def __post_init__(self) -> None:
@@ -83,7 +86,7 @@ class DatasetSpec:
 
 
 DataSource = SyntheticSpec | TextSpec | DatasetSpec
-"""What a job trains on (DataSpec in the API's schemas, service/data_specs.py, converted once)."""
+"""What a job trains on (DataSpec in the API's schemas, service/schemas/data_specs.py, converted once)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -96,7 +99,7 @@ class HFSpec:
     roots: tuple[str, ...] | None = None
     """Absolute directories `path` must resolve into (ZERO1_MODEL_ROOTS); None: anywhere."""
     digest: str | None = None
-    """workers/digests.py's digest of `path`'s files when the job was admitted; where set, a rank hashes
+    """workers/data/digests.py's digest of `path`'s files when the job was admitted; where set, a rank hashes
     the directory again before it loads it, and a difference fails the attempt."""
     vocab_size: int
     """The model's vocabulary, resolved from its config when the job was admitted."""
@@ -149,7 +152,7 @@ class InvalidModelError(FieldError):
 
 
 ModelKind = GPTSpec | MLPSpec | HFSpec | PythonSpec
-"""What a job trains (ModelSpec in the API's schemas, service/model_specs.py)."""
+"""What a job trains (ModelSpec in the API's schemas, service/schemas/model_specs.py)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

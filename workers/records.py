@@ -2,6 +2,8 @@
 
 One shape each, from the training loop through the supervisor (Ray pickles them), the
 checkpoint files (JSON) and the scheduler into the database and the API. Standard library only.
+
+May import: the standard library only.
 """
 
 from __future__ import annotations
@@ -140,7 +142,7 @@ saying lines were dropped)."""
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OutputLine:
-    """One line a rank wrote: its stdout, stderr or a logging record (workers.capture)."""
+    """One line a rank wrote: its stdout, stderr or a logging record (workers.runtime.capture)."""
 
     rank: int
     n: int
@@ -150,7 +152,7 @@ class OutputLine:
     stream: str
     """One of STREAMS."""
     line: str
-    """The text, without its newline; at most workers.capture.MAX_LINE_CHARS characters."""
+    """The text, without its newline; at most workers.runtime.capture.MAX_LINE_CHARS characters."""
     dropped: tuple[int, int] = (0, 0)
     """A marker's: the lines and bytes it stands for, dropped on the way (never stored as a line:
     the job's one marker counts them)."""

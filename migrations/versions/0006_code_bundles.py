@@ -16,7 +16,7 @@ down_revision: str | Sequence[str] | None = "0005"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-# As service.models.BigId: SQLite wants INTEGER for its auto-incrementing rowid keys; elsewhere 64 bits.
+# As service.store.tables.BigId: SQLite wants INTEGER for its auto-incrementing rowid keys; elsewhere 64 bits.
 BIG_ID = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 
 

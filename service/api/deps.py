@@ -9,10 +9,10 @@ from fastapi import Depends, Request
 from sqlalchemy.orm import Session
 
 from service.auth import Authenticator, Principal
-from service.cluster import ClusterCapacity
-from service.config import Settings
+from service.planning.cluster import ClusterCapacity
+from service.planning.traces import Tracer
 from service.runtime import Runtime
-from service.tracing import Tracer
+from service.settings import Settings
 
 
 def get_runtime(request: Request) -> Runtime:

@@ -2,7 +2,7 @@
 
 FastAPI runs sync routes and dependencies in anyio's pool of 40 threads, which every request
 shares, /healthz included. A route that waits for minutes (a trace, a dataset's tokenizing) is
-async and awaits its Ray task (service/tasks.py); what it must still do in a thread is done here:
+async and awaits its Ray task (service/planning/tasks.py); what it must still do in a thread is done here:
 reading users' files (a model directory hashed, a dataset's globs) in a small pool of its own,
 however many requests do it, and the short database reads in a session of their own, closed
 before any task starts, so that no connection is held while a task runs.
@@ -19,8 +19,8 @@ from typing import TypeVar
 from starlette.concurrency import run_in_threadpool
 
 from service.auth import Principal
-from service.bundles import require_bundle
 from service.runtime import Runtime
+from service.store.code_uploads import require_bundle
 
 T = TypeVar("T")
 FILE_THREADS = 4
@@ -35,7 +35,7 @@ async def in_file_thread(fn: Callable[..., T], /, *args, **kwargs) -> T:
 
 
 async def require_code(runtime: Runtime, digest: str, *, principal: Principal) -> None:
-    """service.bundles.require_bundle (422 unknown, 403 someone else's) in a session of its own."""
+    """service.store.code_uploads.require_bundle (422 unknown, 403 someone else's) in a session of its own."""
 
     def check() -> None:
         with runtime.db.session() as session:

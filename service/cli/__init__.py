@@ -1,5 +1,9 @@
 """The `zero1` command: `serve` runs the API; `plan` plans a model offline; `submit`,
-`jobs`, `status`, `watch`, `logs`, `cancel` and `download` talk to a running API; `db upgrade` migrates."""
+`jobs`, `status`, `watch`, `logs`, `cancel` and `download` talk to a running API; `db upgrade` migrates.
+
+May import: service.settings, service.errors, service.auth, service.main, service.schemas,
+service.store, service.planning, workers.memory.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +16,8 @@ from service.cli.jobs import cmd_cancel, cmd_download, cmd_jobs, cmd_status, cmd
 from service.cli.logs import cmd_logs
 from service.cli.plans import cmd_plan
 from service.cli.server import cmd_db, cmd_serve
-from service.fields import MAX_TEXT_DIGITS, too_many_digits
-from workers.memory import OPTIMIZERS, PRECISIONS, STAGES
+from service.schemas.fields import MAX_TEXT_DIGITS, too_many_digits
+from workers.memory.model import OPTIMIZERS, PRECISIONS, STAGES
 
 
 def _count(text: str) -> int:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from service.cli.bundle import upload_chunks, zip_directory
 from service.cli.output import STATUS_STYLES, terminal
 from service.cli.plans import format_plan
-from service.printable import MULTILINE, escape
+from service.schemas.printable import MULTILINE, escape
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -102,7 +102,7 @@ def _upload_code(client, directory: Path) -> str | None:
 
 def _job_cells(job: dict) -> dict[str, str]:
     """A job's row of `zero1 jobs`, each column as text: the plain line and the table share them. The
-    name is its submitter's: printed with its control characters escaped (service/printable.py)."""
+    name is its submitter's: printed with its control characters escaped (service/schemas/printable.py)."""
     loss = (job.get("latest") or {}).get("loss")
     return {
         "id": str(job["id"]),

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from service.cli import jobs  # jobs._client through the module: a test's stand-in client serves logs too
 from service.cli.output import terminal
-from service.printable import escape
+from service.schemas.printable import escape
 
 if TYPE_CHECKING:
     from rich.console import Console

@@ -9,8 +9,8 @@ import sys
 
 from pydantic import ValidationError
 
-from service.config import get_settings
-from workers.memory import GB
+from service.settings import get_settings
+from workers.memory.model import GB
 
 
 def _plan_body(args: argparse.Namespace) -> dict:
@@ -112,10 +112,10 @@ def format_recommendations(body: dict) -> str:
 
 
 def _recommend(args: argparse.Namespace) -> int:
-    from service.cluster import simulated_capacity
     from service.errors import ServiceError, describe_validation_errors
-    from service.recommendations import cost_model_of, recommend_public
-    from service.schemas import RecommendRequest
+    from service.planning.cluster import simulated_capacity
+    from service.planning.recommendations import cost_model_of, recommend_public
+    from service.schemas.requests import RecommendRequest
 
     settings = get_settings()
     try:
@@ -142,11 +142,11 @@ def _recommend(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from service.cluster import simulated_capacity
     from service.errors import ServiceError, describe_validation_errors
-    from service.planning import make_plan, plan_public
-    from service.schemas import PlanRequest
-    from service.tracing import Tracer
+    from service.planning.cluster import simulated_capacity
+    from service.planning.plans import make_plan, plan_public
+    from service.planning.traces import Tracer
+    from service.schemas.requests import PlanRequest
 
     if args.recommend:
         return _recommend(args)

@@ -7,13 +7,13 @@ import logging
 import os
 import sys
 
-from service.config import get_settings
+from service.settings import get_settings
 
 
 def cmd_db(args: argparse.Namespace) -> int:
     from sqlalchemy import make_url
 
-    from service.db import upgrade
+    from service.store.db import upgrade
 
     url = get_settings().database_url
     try:
@@ -28,8 +28,8 @@ def cmd_db(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from service.auth import check_bind, load_tokens
-    from service.cluster import check_ray_auth_token
-    from service.db import check_url
+    from service.planning.cluster import check_ray_auth_token
+    from service.store.db import check_url
 
     settings = get_settings()
     host = args.host or settings.host

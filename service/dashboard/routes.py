@@ -1,6 +1,6 @@
 """The dashboard's pages: jobs (/), one job (/jobs/{id}) and the planner (/plan).
 
-Each page is rendered whole on the server from the same service.jobs and service.planning
+Each page is rendered whole on the server from the same service.scheduling.jobs and service.planning.plans
 functions the /v1 API uses, so it reads without JavaScript; dashboard.js then keeps it live
 by polling the /v1 endpoints. A page that depends on who reads takes ReaderDep, as the API does:
 by then the router's require_page_reader has sent a browser without a token to /login.
@@ -22,21 +22,21 @@ from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service import jobs
 from service.api.deps import ClusterDep, ReaderDep, SessionDep, SettingsDep
 from service.auth import Principal
 from service.dashboard import charts
 from service.dashboard.format import FILTERS, elapsed_s
 from service.errors import ServiceError, describe_validation_errors
-from service.fields import too_many_digits
-from service.log_lines import read_logs
-from service.models import Job, LogLine
-from service.planning import make_plan, plan_public
-from service.printable import MULTILINE, escape
-from service.recommendations import cost_model_of, recommend_public
-from service.responses import JobPublic
-from service.schemas import JobStatus, PlanRequest, RecommendRequest
-from workers.memory import GB
+from service.planning.plans import make_plan, plan_public
+from service.planning.recommendations import cost_model_of, recommend_public
+from service.scheduling import jobs
+from service.schemas.fields import JobStatus, too_many_digits
+from service.schemas.printable import MULTILINE, escape
+from service.schemas.requests import PlanRequest, RecommendRequest
+from service.schemas.responses import JobPublic
+from service.store.log_lines import read_logs
+from service.store.tables import Job, LogLine
+from workers.memory.model import GB
 
 HERE = Path(__file__).resolve().parent
 STATIC_DIR = HERE / "static"
@@ -64,7 +64,7 @@ def asset_version() -> str:
 
 
 def visible(value: object) -> object:
-    """Every text a page writes, with its control characters escaped (service/printable.py): names, log
+    """Every text a page writes, with its control characters escaped (service/schemas/printable.py): names, log
     lines, reasons and errors are users'. Markup (a macro's output) was made of such values already."""
     if isinstance(value, str) and not isinstance(value, Markup):
         return escape(value, keep=MULTILINE)

@@ -12,9 +12,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from service.config import PLACEHOLDER_RULE, Settings, is_placeholder
-from workers.memory import gpu_memory_bytes_from_gb
-from workers.sandbox import is_secret_name
+from service.settings import PLACEHOLDER_RULE, Settings, is_placeholder
+from workers.memory.model import gpu_memory_bytes_from_gb
+from workers.runtime.sandbox import is_secret_name
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class RayCluster:
         """Real GPUs: ask one worker for its device's memory, once. Logical GPUs: the setting."""
         import ray
 
-        from workers.probes import probe_gpu_memory_bytes
+        from workers.runtime.probes import probe_gpu_memory_bytes
 
         cluster_id = ray.get_runtime_context().gcs_address
         if cluster_id not in _PROBED:  # once per cluster and process

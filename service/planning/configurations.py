@@ -2,7 +2,7 @@
 
 A configuration is a world size N, a micro-batch m and activation checkpointing on or off, for a
 fixed global batch G = N·m·accumulation_steps. Whether it fits is the memory model's answer
-(workers/memory.py: total_bytes of the workload /v1/plan builds); what it costs is the model below.
+(workers/memory/model.py: total_bytes of the workload /v1/plan builds); what it costs is the model below.
 
 Cost, in GPU-seconds per optimizer step (what a step costs on a bill), from Ψ parameters, the
 step's tokens, a stated per-GPU throughput and a stated per-GPU bandwidth:
@@ -25,8 +25,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from workers import memory
-from workers.memory import GB
+from workers.memory import model as memory
+from workers.memory.model import GB
 
 COST_UNIT = "GPU-seconds per optimizer step"
 COST_FORMULA = (

@@ -15,11 +15,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from service.errors import ServiceError
-from service.slots import Slots
-from service.tasks import Isolation, run_task, run_task_async
+from service.planning.slots import Slots
+from service.planning.tasks import Isolation, run_task, run_task_async
 from workers.config import DatasetSpec
 from workers.records import DatasetSummary
-from workers.sandbox import RunAs
+from workers.runtime.sandbox import RunAs
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -37,7 +37,7 @@ class DatasetRequest:
 
 def run_check(request: DatasetRequest) -> DatasetSummary:
     """The check itself, in the process that calls it (a Ray task's): a DatasetSummary."""
-    from workers.datasets import DatasetSource
+    from workers.data.datasets import DatasetSource
 
     source = DatasetSource(
         spec=request.data,

@@ -2,8 +2,8 @@
 
 Checked here, in the API, without transformers (which loads torch): the path is made real
 (symlinks followed) so that the trace and the ranks read the very directory that was checked,
-and the ranks check it again against the roots (workers/hf.py). Its files are hashed
-(workers/digests.py: a link inside is refused): the digest goes into the trace's key, so a
+and the ranks check it again against the roots (workers/models/hf.py). Its files are hashed
+(workers/data/digests.py: a link inside is refused): the digest goes into the trace's key, so a
 directory whose content changed is traced again, and into the job's spec, so a rank loads only
 the content that was planned. A hub id is never downloaded.
 """
@@ -17,9 +17,9 @@ from typing import TypeVar
 
 from pydantic import BaseModel
 
-from service.model_specs import HFModelSpec
-from service.tracing import invalid_model
-from workers.digests import DigestError, directory_digest
+from service.planning.traces import invalid_model
+from service.schemas.model_specs import HFModelSpec
+from workers.data.digests import DigestError, directory_digest
 
 Body = TypeVar("Body", bound=BaseModel)
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from service.cluster import ClusterCapacity
 from service.errors import ServiceError
-from service.model_specs import PythonModelSpec, TracedModelSpec
-from service.responses import PlanPublic
-from service.schemas import PlanRequest
-from service.tracing import KnownTrace, Tracer, TraceRequest, Traces
-from workers import memory
+from service.planning.cluster import ClusterCapacity
+from service.planning.traces import KnownTrace, Tracer, TraceRequest, Traces
+from service.schemas.model_specs import PythonModelSpec, TracedModelSpec
+from service.schemas.requests import PlanRequest
+from service.schemas.responses import PlanPublic
+from workers.memory import model as memory
 
 
 def workload_for(request: PlanRequest, *, overhead_bytes: int, tracer: Traces | None = None) -> memory.Workload:

@@ -1,23 +1,25 @@
-"""POST /v1/plan/recommend's request against the cluster: service/recommend.py's search over the
+"""POST /v1/plan/recommend's request against the cluster: service/planning/configurations.py's search over the
 workloads POST /v1/plan builds, or a 422 does_not_fit (the shape admission uses) when none fits."""
 
 from __future__ import annotations
 
-from service import recommend
-from service.cluster import ClusterCapacity
-from service.config import Settings
 from service.errors import ServiceError
-from service.model_specs import GPTModelSpec
-from service.planning import make_plan, plan_public, workload_for
-from service.responses import CostModelPublic, RecommendationPublic, RecommendationsPublic
-from service.schemas import MAX_MICRO_BATCH_SIZE, PlanRequest, RecommendRequest
-from workers import memory
-from workers.memory import GB
+from service.planning import configurations
+from service.planning.cluster import ClusterCapacity
+from service.planning.plans import make_plan, plan_public, workload_for
+from service.schemas.model_specs import GPTModelSpec
+from service.schemas.requests import MAX_MICRO_BATCH_SIZE, PlanRequest, RecommendRequest
+from service.schemas.responses import CostModelPublic, RecommendationPublic, RecommendationsPublic
+from service.settings import Settings
+from workers.memory import model as memory
+from workers.memory.model import GB
 
 
-def cost_model_of(settings: Settings) -> recommend.CostModel:
+def cost_model_of(settings: Settings) -> configurations.CostModel:
     """The stated hardware of ZERO1_PLAN_GPU_TFLOPS and ZERO1_PLAN_NETWORK_GB_PER_S."""
-    return recommend.CostModel(gpu_tflops=settings.plan_gpu_tflops, network_gb_per_s=settings.plan_network_gb_per_s)
+    return configurations.CostModel(
+        gpu_tflops=settings.plan_gpu_tflops, network_gb_per_s=settings.plan_network_gb_per_s
+    )
 
 
 def plan_request(
@@ -37,7 +39,7 @@ def plan_request(
     )
 
 
-def search_of(request: RecommendRequest, *, cluster: ClusterCapacity) -> recommend.Search:
+def search_of(request: RecommendRequest, *, cluster: ClusterCapacity) -> configurations.Search:
     """The fixed part: tokens per step, and max_gpus and gpu_memory_gb from the cluster when absent."""
     model = request.model
     seq_len = (request.seq_len or model.block_size) if isinstance(model, GPTModelSpec) else 1
@@ -46,7 +48,7 @@ def search_of(request: RecommendRequest, *, cluster: ClusterCapacity) -> recomme
         if request.gpu_memory_gb is None
         else memory.gpu_memory_bytes_from_gb(request.gpu_memory_gb)
     )
-    return recommend.Search(
+    return configurations.Search(
         global_batch_size=request.global_batch_size,
         num_tokens=request.global_batch_size * seq_len,
         max_gpus=request.max_gpus or cluster.num_gpus,
@@ -57,7 +59,7 @@ def search_of(request: RecommendRequest, *, cluster: ClusterCapacity) -> recomme
 
 
 def recommend_public(
-    request: RecommendRequest, *, cluster: ClusterCapacity, overhead_bytes: int, cost_model: recommend.CostModel
+    request: RecommendRequest, *, cluster: ClusterCapacity, overhead_bytes: int, cost_model: configurations.CostModel
 ) -> RecommendationsPublic:
     """The configurations that fit, cheapest first; a 422 does_not_fit when none does within max_gpus."""
     search = search_of(request, cluster=cluster)
@@ -69,7 +71,7 @@ def recommend_public(
         )
         return workload_for(body, overhead_bytes=overhead_bytes)
 
-    result = recommend.recommend(workload_of, search=search, cost_model=cost_model)
+    result = configurations.recommend(workload_of, search=search, cost_model=cost_model)
     if not result.items:
         raise _does_not_fit(request, result, search=search, cluster=cluster, overhead_bytes=overhead_bytes)
     workload = workload_of(1, False)
@@ -80,8 +82,8 @@ def recommend_public(
         max_gpus=search.max_gpus,
         gpu_memory_bytes=search.gpu_memory_bytes,
         cost_model=CostModelPublic(
-            formula=recommend.COST_FORMULA,
-            unit=recommend.COST_UNIT,
+            formula=configurations.COST_FORMULA,
+            unit=configurations.COST_UNIT,
             gpu_tflops=cost_model.gpu_tflops,
             network_gb_per_s=cost_model.network_gb_per_s,
             num_params=workload.num_params,
@@ -91,7 +93,7 @@ def recommend_public(
     )
 
 
-def _item_public(item: recommend.Recommendation) -> RecommendationPublic:
+def _item_public(item: configurations.Recommendation) -> RecommendationPublic:
     return RecommendationPublic(
         num_gpus=item.num_gpus,
         micro_batch_size=item.micro_batch_size,
@@ -112,9 +114,9 @@ def _has_checkpointing(request: RecommendRequest) -> bool:
 
 def _does_not_fit(
     request: RecommendRequest,
-    result: recommend.Recommendations,
+    result: configurations.Recommendations,
     *,
-    search: recommend.Search,
+    search: configurations.Search,
     cluster: ClusterCapacity,
     overhead_bytes: int,
 ) -> ServiceError:
@@ -132,7 +134,7 @@ def _does_not_fit(
     return ServiceError(message, status_code=422, error="does_not_fit", plan=plan_public(plan).model_dump(mode="json"))
 
 
-def _what_would(plan: memory.Plan, *, search: recommend.Search) -> str:
+def _what_would(plan: memory.Plan, *, search: configurations.Search) -> str:
     if plan.min_gpus is None:
         p, g = memory.bytes_per_param(plan.precision)
         return (

@@ -16,8 +16,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from service.config import Settings
 from service.errors import ServiceError
+from service.settings import Settings
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

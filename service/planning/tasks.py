@@ -1,5 +1,5 @@
 """Work the API process hands to a Ray task because it needs torch or runs a model's code: a traced
-plan (service/tracing.py), a dataset read and tokenized at submit (service/dataprep.py). One way
+plan (service/planning/traces.py), a dataset read and tokenized at submit (service/planning/dataset_checks.py). One way
 to run it: within a time limit, stopped past it, and every way it can fail answered as a 4xx or a
 503, never a 500.
 
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from service.errors import ServiceError
-from workers.isolated import IsolatedCall, run_isolated, run_isolated_in_bundle
-from workers.sandbox import RunAs
+from workers.runtime.isolated import IsolatedCall, run_isolated, run_isolated_in_bundle
+from workers.runtime.sandbox import RunAs
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ def _call(
     blame: str,
     isolation: Isolation | None,
 ) -> IsolatedCall:
-    """fn(request) as the task runs it: in a child of the task's process (workers/isolated.py), killed
+    """fn(request) as the task runs it: in a child of the task's process (workers/runtime/isolated.py), killed
     a little after the caller stops waiting (the caller's timeout answers first)."""
     isolation = isolation or Isolation()
     return IsolatedCall(

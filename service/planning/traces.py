@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from service.errors import ServiceError
-from service.slots import Slots
-from service.tasks import Isolation, run_task, run_task_async
+from service.planning.slots import Slots
+from service.planning.tasks import Isolation, run_task, run_task_async
 from workers.config import InvalidModelError
-from workers.sandbox import RunAs
+from workers.runtime.sandbox import RunAs
 
 CACHE_ENTRIES = 1024
 """Traces the service remembers, least recently used dropped first (each is a few integers)."""
@@ -74,8 +74,8 @@ def run_trace(request: TraceRequest) -> TracedStep:
         return _run_hf_trace(request)
     if request.model["kind"] == "python":
         return _run_python_trace(request)
-    from workers.models import trace_builtin
-    from workers.specs import GPTSpec, MLPSpec
+    from workers.memory.specs import GPTSpec, MLPSpec
+    from workers.models.builtin import trace_builtin
 
     fields = {k: v for k, v in request.model.items() if k != "kind"}
     spec = GPTSpec(**fields) if request.model["kind"] == "gpt" else MLPSpec(sizes=tuple(fields["sizes"]))
@@ -96,8 +96,8 @@ def run_trace(request: TraceRequest) -> TracedStep:
 
 def _run_hf_trace(request: TraceRequest) -> TracedStep:
     """An hf model's trace: its config resolved by transformers (offline), its seq_len checked against it."""
-    from workers.hf import model_shape, resolve_config, trace_hf
-    from workers.models import DTYPES
+    from workers.models.builtin import DTYPES
+    from workers.models.hf import model_shape, resolve_config, trace_hf
 
     config = resolve_config(config=request.model.get("config"), path=request.model.get("path"))
     vocab_size, max_positions = model_shape(config)
@@ -125,8 +125,8 @@ def _run_hf_trace(request: TraceRequest) -> TracedStep:
 
 def _run_python_trace(request: TraceRequest) -> TracedStep:
     """A python model's trace, in a worker whose working directory is the job's code bundle."""
-    from workers.models import DTYPES
-    from workers.usercode import trace_python
+    from workers.models.builtin import DTYPES
+    from workers.models.usercode import trace_python
 
     assert request.seq_len is not None, "a python model's plan states seq_len"
     traced = trace_python(
@@ -264,7 +264,7 @@ class Tracer:
 
 
 def _with_trace_errors(trace):
-    from workers.trace import TraceError
+    from workers.models.trace import TraceError
 
     try:
         return trace()

@@ -12,18 +12,19 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from service.cluster import ClusterCapacity
-from service.data_specs import DatasetDataSpec, TextDataSpec
-from service.dataprep import DatasetChecker, DatasetRequest, invalid_data
 from service.errors import ServiceError
-from service.planning import make_plan, model_shape, plan_public, trace_first, workload_for
-from service.responses import PlanPublic
-from service.schemas import JobSpec, PlanRequest
-from service.tracing import Tracer, Traces
-from workers import datafiles, memory
+from service.planning.cluster import ClusterCapacity
+from service.planning.dataset_checks import DatasetChecker, DatasetRequest, invalid_data
+from service.planning.plans import make_plan, model_shape, plan_public, trace_first, workload_for
+from service.planning.traces import Tracer, Traces
+from service.schemas.data_specs import DatasetDataSpec, TextDataSpec
+from service.schemas.requests import JobSpec, PlanRequest
+from service.schemas.responses import PlanPublic
 from workers.config import ModelKind
-from workers.digests import tokenizer_digest
-from workers.memory import GB
+from workers.data import datafiles
+from workers.data.digests import tokenizer_digest
+from workers.memory import model as memory
+from workers.memory.model import GB
 
 if TYPE_CHECKING:
     from workers.records import DatasetSummary
@@ -106,7 +107,7 @@ def _check_dataset_paths(spec: JobSpec, *, data: DatasetDataSpec, data_roots: Se
 
 
 def _tokenizer_digest(data: DatasetDataSpec, *, roots: Sequence[str]) -> str:
-    """The digest of the files a rank's tokenizer reads (workers/digests.py), or a 422 naming
+    """The digest of the files a rank's tokenizer reads (workers/data/digests.py), or a 422 naming
     data.tokenizer (data.tokenizer_digest when one was given and the files differ)."""
     try:
         digest = tokenizer_digest(datafiles.resolve_tokenizer(data.tokenizer, roots=roots))

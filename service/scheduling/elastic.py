@@ -4,7 +4,7 @@ A job with min_gpus < num_gpus runs at any allowed N (schemas.world_sizes): the 
 it at the largest that is free once its fewest are; a retry after a failure resumes at the largest
 free, leaving the head of the queue what it needs; and while GPUs sit free with no job queued it
 grows at its next checkpoint. Each attempt reshards the optimizer state it resumes from
-(workers/optim_state.py, load_resharded_state); the global batch and the sample order do not
+(workers/zero/sharded_state.py, load_resharded_state); the global batch and the sample order do not
 depend on N, so the loss curve does not either, up to the order of floating-point sums.
 """
 
@@ -15,8 +15,8 @@ from collections.abc import Callable
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service.jobs import gpus_in_use, job_world_sizes
-from service.models import Job
+from service.scheduling.jobs import gpus_in_use, job_world_sizes
+from service.store.tables import Job
 
 
 def relaunch_size(session: Session, job: Job, *, total: int, ray_free: Callable[[], int | None]) -> int:

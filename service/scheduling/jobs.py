@@ -1,5 +1,5 @@
 """Jobs: the state machine, storing a submitted job, and the queries the API makes (admission is
-service/admission.py's).
+service/scheduling/admission.py's).
 
 Functions take the request's session and only flush; the caller commits.
 """
@@ -17,19 +17,18 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
-from service.artifacts import FinalFile, check_artifact, recorded_artifacts
 from service.auth import Principal
 from service.errors import ServiceError
-from service.models import Job, JobEvent, Metric, utcnow
-from service.responses import EventPublic, JobPublic, MetricPublic, PlanPublic
-from service.schemas import JobSpec, world_sizes
+from service.schemas.fields import ACTIVE, TERMINAL
+from service.schemas.requests import JobSpec, world_sizes
+from service.schemas.responses import EventPublic, JobPublic, MetricPublic, PlanPublic
+from service.store.artifacts import FinalFile, check_artifact, recorded_artifacts
+from service.store.tables import Job, JobEvent, Metric, utcnow
 from workers.records import finite_or_none
 
 if TYPE_CHECKING:
-    from service.launcher import RayLauncher
+    from service.scheduling.launcher import RayLauncher
 
-ACTIVE = ("starting", "running", "restarting")
-TERMINAL = ("succeeded", "failed", "cancelled")
 _TRANSITIONS = {
     "queued": {"starting", "cancelled"},
     "starting": {"running", "failed", "cancelled", "restarting"},
@@ -64,6 +63,14 @@ def transition(session: Session, job: Job, to_status: str, reason: str) -> bool:
         set_committed_value(job, key, value)
     session.add(JobEvent(job_id=job.id, from_status=from_status, to_status=to_status, reason=reason))
     return True
+
+
+def still_active(session: Session, job: Job) -> Job | None:
+    """The job as stored now, if it is still in the attempt and an active status it was read in."""
+    fresh = session.get(Job, job.id, populate_existing=True)
+    if fresh is None or fresh.attempt != job.attempt or fresh.status not in ACTIVE:
+        return None
+    return fresh
 
 
 def running_reason(job: Job, *, nodes: int) -> str:

@@ -10,16 +10,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from service.config import Settings
-from service.job_dirs import prepare_job_dir, remove_except, remove_scratch
-from service.models import Job
-from service.responses import PlanPublic
-from service.schemas import JobSpec
+from service.schemas.requests import JobSpec
+from service.schemas.responses import PlanPublic
+from service.settings import Settings
+from service.store.job_dirs import prepare_job_dir, remove_except, remove_scratch
+from service.store.tables import Job
 from workers.records import MetricRow, RankError
-from workers.sandbox import RunAs
+from workers.runtime.sandbox import RunAs
 
 LogAcks = dict[int, int]
-"""Rank -> the n of its last log line stored (service.log_lines.log_acks)."""
+"""Rank -> the n of its last log line stored (service.store.log_lines.log_acks)."""
 
 log = logging.getLogger(__name__)
 _ALL_STEPS = 2**62
@@ -66,7 +66,7 @@ def remove_placement_groups(namespace: str, *, keep: Callable[[int, int], bool] 
     from ray._raylet import PlacementGroupID
     from ray.util.placement_group import PlacementGroup
 
-    from workers.groups import remove_group
+    from workers.runtime.groups import remove_group
 
     removed = 0
     for group_id, entry in ray.util.placement_group_table().items():
@@ -106,7 +106,7 @@ class RayLauncher:
 
     def resume_step(self, job: Job) -> int:
         """The step a relaunch starts at: after the latest complete checkpoint, else 0."""
-        from workers.checkpoints import latest_checkpoint
+        from workers.training.checkpoints import latest_checkpoint
 
         found = latest_checkpoint(self.checkpoint_dir(job))
         return 0 if found is None else found[0] + 1
@@ -118,7 +118,7 @@ class RayLauncher:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from workers.probes import probe_writable
+        from workers.runtime.probes import probe_writable
 
         if time.monotonic() - self._storage_checked_at < _STORAGE_TTL_S:
             return self._storage_problems
@@ -139,15 +139,15 @@ class RayLauncher:
         return self._storage_problems
 
     def checkpointed_metrics(self, job: Job, *, after_step: int) -> list[MetricRow]:
-        """Rows saved with the job's checkpoints after `after_step` (see workers.checkpoints)."""
-        from workers.checkpoints import checkpointed_metrics
+        """Rows saved with the job's checkpoints after `after_step` (see workers.training.checkpoints)."""
+        from workers.training.checkpoints import checkpointed_metrics
 
         return checkpointed_metrics(self.checkpoint_dir(job), after_step=after_step)
 
     def discard_stored_metrics(self, job: Job, *, through_step: int) -> None:
-        """Delete the job's pruned checkpoints whose rows are stored (see workers.checkpoints); a
+        """Delete the job's pruned checkpoints whose rows are stored (see workers.training.checkpoints); a
         failure to delete is logged, not raised: it costs disk, not data."""
-        from workers.checkpoints import discard_stored_metrics
+        from workers.training.checkpoints import discard_stored_metrics
 
         try:
             discard_stored_metrics(self.checkpoint_dir(job), through_step=through_step)
@@ -158,7 +158,7 @@ class RayLauncher:
         """A finished job (its rows stored) keeps its newest ZERO1_CHECKPOINT_KEEP_FINISHED complete
         checkpoints, its final model (final/) and nothing else; with 0 every checkpoint goes. Logged,
         not raised, on failure."""
-        from workers.checkpoints import FINAL, discard_stored_metrics, prune_checkpoints
+        from workers.training.checkpoints import FINAL, discard_stored_metrics, prune_checkpoints
 
         directory, keep = self.checkpoint_dir(job), self.settings.checkpoint_keep_finished
         try:
@@ -175,7 +175,7 @@ class RayLauncher:
     def launch(self, job: Job) -> None:
         """Start the job's current attempt; an attempt already started is adopted, not started
         twice. The supervisor places the ranks in the background; poll() reports how it went."""
-        from workers.actors import JobSupervisor, Placement
+        from workers.runtime.actors import JobSupervisor, Placement
 
         job_dir, run_as = self.prepare_job_dir(job)
         config = JobSpec.model_validate(job.spec).to_config(

@@ -8,7 +8,7 @@ their N GPUs are free (the head of the queue waits for its GPUs: no job overtake
 starves). Running jobs never hold more GPUs than exist.
 
 Ray is called only between transactions, never inside one: a slow Ray holds no database lock.
-Every status change is a compare-and-set (service.jobs.transition), so a cancel that races a
+Every status change is a compare-and-set (service.scheduling.jobs.transition), so a cancel that races a
 start ends in one state: cancelled before the start commits, or flagged and stopped after.
 """
 
@@ -24,14 +24,15 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service import elastic
-from service.artifacts import record_final
-from service.db import Database
-from service.jobs import ACTIVE, gpus_in_use, job_world_sizes, running_reason, transition
-from service.launcher import RayLauncher
-from service.log_lines import log_acks, store_logs
-from service.metric_rows import store_metrics, supersede_after
-from service.models import Job
+from service.scheduling import elastic
+from service.scheduling.jobs import gpus_in_use, job_world_sizes, running_reason, still_active, transition
+from service.scheduling.launcher import RayLauncher
+from service.schemas.fields import ACTIVE
+from service.store.artifacts import record_final
+from service.store.db import Database
+from service.store.log_lines import log_acks, store_logs
+from service.store.metric_rows import store_metrics, supersede_after
+from service.store.tables import Job
 from service.telemetry import Telemetry
 from workers.records import RankError
 
@@ -131,7 +132,7 @@ class Scheduler:
         stored = 0
         for job in jobs:
             with self.db.session() as session:
-                if (fresh := _still_active(session, job)) is not None:
+                if (fresh := still_active(session, job)) is not None:
                     stored += self._ingest(session, fresh, states[(job.id, job.attempt)])
         return stored
 
@@ -197,7 +198,7 @@ class Scheduler:
         has ended or moved to another attempt since it was read); then the Ray and file work it
         decided, after the commit."""
         with self.db.session() as session:
-            fresh = _still_active(session, job)
+            fresh = still_active(session, job)
             if fresh is None:
                 return
             settled = write(session, fresh)
@@ -376,14 +377,6 @@ class Scheduler:
             if self.launcher.request_stop(job.id, job.attempt):
                 log.info("job %s: growing %s -> %s at its next checkpoint", job.id, job.world_size, target)
                 self._growing.add((job.id, job.attempt))
-
-
-def _still_active(session: Session, job: Job) -> Job | None:
-    """The job as stored now, if it is still in the attempt and an active status it was read in."""
-    fresh = session.get(Job, job.id, populate_existing=True)
-    if fresh is None or fresh.attempt != job.attempt or fresh.status not in ACTIVE:
-        return None
-    return fresh
 
 
 def _acks(job: Job) -> tuple[int, int, int, dict[int, int]]:

@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from service.fields import Body, Float, Int, Text
+from service.schemas.fields import Body, Float, Int, Text
 from workers.config import DATASET_FORMATS, DatasetSpec, SyntheticSpec, TextSpec, default_of
 
 

@@ -1,14 +1,23 @@
-"""The field types every request body shares: numbers that must be JSON numbers, booleans that must be
-JSON booleans, text without NUL or other control characters, and the bound on a number typed as text."""
+"""The field types every body shares: numbers that must be JSON numbers, booleans that must be JSON
+booleans, text without NUL or other control characters, the bound on a number typed as text, and
+the names of precisions, optimizers and job statuses."""
 
 from __future__ import annotations
 
 from decimal import Decimal
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, StrictBool
 
-from service.printable import escape, first_control
+from service.schemas.printable import escape, first_control
+
+Precision = Literal["fp16", "bf16", "fp32"]
+OptimizerName = Literal["adamw", "adam", "sgd_momentum", "sgd"]
+JobStatus = Literal["queued", "starting", "running", "restarting", "succeeded", "failed", "cancelled"]
+ACTIVE = ("starting", "running", "restarting")
+"""The statuses of a job that holds its GPUs."""
+TERMINAL = ("succeeded", "failed", "cancelled")
+"""The statuses a job ends in."""
 
 MAX_TEXT_DIGITS = 30
 """Digits a number typed as text (the planner's form, the CLI) may have: more than any field's bound needs
@@ -40,7 +49,7 @@ def no_nul(text: str) -> str:
 
 def no_control(text: str) -> str:
     # a name is printed by the CLI and the dashboard to other users: an ESC in it would drive their
-    # terminal (service/printable.py escapes what is stored; this refuses what is new)
+    # terminal (service/schemas/printable.py escapes what is stored; this refuses what is new)
     no_nul(text)
     if (index := first_control(text)) is not None:
         raise ValueError(

@@ -10,9 +10,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from service.fields import Body, Int, Text, no_nul
-from workers import memory
+from service.schemas.fields import Body, Int, Text, no_nul
 from workers.config import HFSpec, PythonSpec
+from workers.memory import model as memory
 
 
 class GPTModelSpec(Body):

@@ -3,7 +3,7 @@
 A job's name, its log lines, an error's or an event's reason are written by users (another
 user's, for an admin reading them) and by their code. Sent as they are, `ESC ] 0 ; ... BEL`
 retitles the reader's terminal and `ESC [ 2 J` clears it. The API refuses control characters in
-the names it stores (service/fields.py), but log lines and reasons may hold them, and rows stored
+the names it stores (service/schemas/fields.py), but log lines and reasons may hold them, and rows stored
 before the rule may too: so the CLI and the dashboard print every user text through escape().
 Standard library only: `zero1 plan` and the dashboard import it.
 """

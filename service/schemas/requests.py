@@ -1,6 +1,6 @@
 """Request and response bodies of the REST API (and the CLI, which shares them): plans,
-recommendations and jobs. The model and data specs they hold are service/model_specs.py's and
-service/data_specs.py's; the field types all share, service/fields.py's."""
+recommendations and jobs. The model and data specs they hold are service/schemas/model_specs.py's and
+service/schemas/data_specs.py's; the field types all share, service/schemas/fields.py's."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from service.data_specs import DataSpec, SyntheticDataSpec
-from service.fields import Body, Bool, Float, Int, Text
-from service.model_specs import (
+from service.schemas.data_specs import DataSpec, SyntheticDataSpec
+from service.schemas.fields import Body, Bool, Float, Int, OptimizerName, Precision, Text
+from service.schemas.model_specs import (
     CODE_PATTERN,
     GPTModelSpec,
     MLPModelSpec,
@@ -19,14 +19,13 @@ from service.model_specs import (
     PythonModelSpec,
     TracedModelSpec,
 )
-from workers import limits, memory
+from workers import limits
 from workers.config import ModelKind, OptimizerSpec, TrainConfig, default_of
+from workers.memory import model as memory
 
 if TYPE_CHECKING:
-    from service.responses import PlanPublic
+    from service.schemas.responses import PlanPublic
 
-Precision = Literal["fp16", "bf16", "fp32"]
-OptimizerName = Literal["adamw", "adam", "sgd_momentum", "sgd"]
 Stage = Literal[0, 1, 2, 3]
 
 MAX_NUM_GPUS = 1 << 20
@@ -362,6 +361,3 @@ class JobSpec(Body):
             activation_checkpointing=None if isinstance(self.model, MLPModelSpec) else self.activation_checkpointing,
             code=self.code,
         )
-
-
-JobStatus = Literal["queued", "starting", "running", "restarting", "succeeded", "failed", "cancelled"]

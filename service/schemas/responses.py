@@ -1,5 +1,5 @@
 """What the REST API returns: one model per response body, built from the stored rows and the
-planner's results (the request bodies, which validate input, are service/schemas.py)."""
+planner's results (the request bodies, which validate input, are service/schemas/requests.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-from service.schemas import JobStatus, OptimizerName, Precision
+from service.schemas.fields import JobStatus, OptimizerName, Precision
 
 
 class BreakdownPublic(BaseModel):

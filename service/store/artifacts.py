@@ -28,9 +28,9 @@ from pathlib import Path
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service.db import Database
 from service.errors import ServiceError
-from service.models import Artifact, Job, utcnow
+from service.store.db import Database
+from service.store.tables import Artifact, Job, utcnow
 
 log = logging.getLogger(__name__)
 

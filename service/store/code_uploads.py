@@ -1,7 +1,7 @@
 """Who uploaded which code bundle: an upload's record, a bundle's metadata, and the check that admits a
 job's `code` only for its uploaders (and admins).
 
-The bytes live in service.code's store, once per digest; these rows say who may use them.
+The bytes live in service.store.code_bundles's store, once per digest; these rows say who may use them.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from service.auth import Principal
-from service.code import BundleInfo, CodeStore, check_digest
 from service.errors import ServiceError
-from service.models import CodeBundle
-from service.responses import CodeBundleDetailPublic
+from service.schemas.responses import CodeBundleDetailPublic
+from service.store.code_bundles import BundleInfo, CodeStore, check_digest
+from service.store.tables import CodeBundle
 
 
 def record_upload(session: Session, *, info: BundleInfo, uploader: str | None) -> CodeBundle:

@@ -1,6 +1,6 @@
 """The service's periodic storage work, on a thread of its own: finished jobs' log lines deleted past
 ZERO1_LOG_RETENTION_DAYS (in batches, a commit each), and the dataset token cache trimmed to
-ZERO1_TOKEN_CACHE_MAX_BYTES (service.token_cache), also right after a submit's check used an entry.
+ZERO1_TOKEN_CACHE_MAX_BYTES (service.store.token_cache), also right after a submit's check used an entry.
 
 Separate from the scheduler: a slow delete never delays a job's start or its metrics.
 """
@@ -14,11 +14,11 @@ from pathlib import Path
 
 from sqlalchemy import func, select
 
-from service import token_cache
-from service.config import Settings
-from service.db import Database
-from service.log_lines import expire_logs
-from service.models import Job
+from service.settings import Settings
+from service.store import token_cache
+from service.store.db import Database
+from service.store.log_lines import expire_logs
+from service.store.tables import Job
 
 log = logging.getLogger(__name__)
 

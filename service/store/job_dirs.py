@@ -3,7 +3,7 @@ finished job keeps of it.
 
     <checkpoint_uri>/                 0711 where jobs run as other uids: reached, never listed
         job-<id>-<run_id>/            0700, owned by the job's uid (ZERO1_RUN_AS): its children's HOME
-            step-*/  final/           checkpoints and the final model (workers/checkpoints.py)
+            step-*/  final/           checkpoints and the final model (workers/training/checkpoints.py)
             tmp/  working_dir_files/  the children's TMPDIR and their copy of the code bundle
 """
 
@@ -13,8 +13,8 @@ import os
 import shutil
 from pathlib import Path
 
-from workers.checkpoints import FINAL
-from workers.sandbox import RunAs
+from workers.runtime.sandbox import RunAs
+from workers.training.checkpoints import FINAL
 
 
 def prepare_job_dir(directory: Path, *, run_as: RunAs | None, database_url: str) -> None:

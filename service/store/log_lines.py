@@ -18,7 +18,7 @@ from typing import Any
 from sqlalchemy import delete, exists, insert, or_, select
 from sqlalchemy.orm import Session
 
-from service.models import Job, LogLine
+from service.store.tables import Job, LogLine
 from workers.records import OutputLine
 
 _TRIM_CHUNK = 1000

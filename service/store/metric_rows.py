@@ -7,7 +7,7 @@ from sqlalchemy import select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from service.models import Job, Metric
+from service.store.tables import Job, Metric
 from workers.records import STORED_FIELDS, MetricRow
 
 

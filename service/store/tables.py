@@ -92,10 +92,10 @@ class Job(Base):
     started_at: Mapped[datetime | None] = mapped_column(default=None)
     finished_at: Mapped[datetime | None] = mapped_column(default=None)
     log_state: Mapped[dict[str, Any] | None] = mapped_column(default=None)
-    """What its logs hold (service.log_lines): the bytes kept, the lines dropped past
+    """What its logs hold (service.store.log_lines): the bytes kept, the lines dropped past
     ZERO1_LOG_MAX_BYTES, and per rank the n of the last line of this attempt stored."""
     artifacts_recorded_at: Mapped[datetime | None] = mapped_column(default=None)
-    """When the service read its final/ directory and recorded its artifacts (service.artifacts);
+    """When the service read its final/ directory and recorded its artifacts (service.store.artifacts);
     null before, and for jobs that succeeded before artifacts were recorded (read on first listing)."""
 
 

@@ -1,7 +1,7 @@
 """The dataset token cache's byte bound: least recently used entries deleted past
 ZERO1_TOKEN_CACHE_MAX_BYTES.
 
-An entry is `<cache>/tokens/<key>.bin` and its sidecar `<key>.json` (workers/datasets.py writes
+An entry is `<cache>/tokens/<key>.bin` and its sidecar `<key>.json` (workers/data/datasets.py writes
 both, the sidecar last, and touches the sidecar on every hit); its last use is the newer mtime of
 the two. The standard library only: the API process never imports torch to trim it.
 

@@ -12,7 +12,7 @@ The token file is keyed by the files' contents, the tokenizer's and the field re
 (`<cache_dir>/tokens/<sha256>.bin`, flat little-endian uint16, or uint32 above 65,536 tokens, with
 a JSON sidecar); written atomically, so ranks that find it absent may each write it and every rank
 memory-maps the same bytes. The service trims the cache to ZERO1_TOKEN_CACHE_MAX_BYTES
-(service/token_cache.py), least recently used first, by the sidecars' mtimes, which a hit touches:
+(service/store/token_cache.py), least recently used first, by the sidecars' mtimes, which a hit touches:
 a rank that finds its entry gone tokenizes it again.
 """
 
@@ -34,8 +34,8 @@ import torch
 from torch import Tensor
 
 from workers.config import DatasetSpec
-from workers.datafiles import BYTES, resolve_files, resolve_tokenizer
-from workers.digests import check_digest, tokenizer_digest
+from workers.data.datafiles import BYTES, resolve_files, resolve_tokenizer
+from workers.data.digests import check_digest, tokenizer_digest
 from workers.records import DatasetSummary
 
 CACHE_VERSION = 1
@@ -110,7 +110,7 @@ def load_tokenizer(spec: DatasetSpec, *, tokenizer_dir: str | None = None) -> To
         return ByteTokenizer()
     if spec.tokenizer is not None:
         path = resolve_tokenizer(spec.tokenizer, roots=spec.roots)
-        if spec.tokenizer_digest is not None:  # the tokenizer that was admitted (workers/digests.py)
+        if spec.tokenizer_digest is not None:  # the tokenizer that was admitted (workers/data/digests.py)
             check_digest(tokenizer_digest(path), expected=spec.tokenizer_digest, field="data.tokenizer", path=path)
         return FileTokenizer(path)
     if tokenizer_dir is None:
@@ -175,7 +175,7 @@ def prepare_tokens(spec: DatasetSpec, *, tokenizer: Tokenizer) -> TokenFile:
     if found is not None:
         return TokenFile(tokens=found, path=str(path), created=False, **_public(meta))
     if not _writable(directory):  # a child under its owner's uid (ZERO1_RUN_AS): the cache is the service's
-        spill = os.path.join(tempfile.gettempdir(), "zero1-cache")  # the child's own (workers/isolated.py)
+        spill = os.path.join(tempfile.gettempdir(), "zero1-cache")  # the child's own (workers/runtime/isolated.py)
         return prepare_tokens(replace(spec, cache_dir=None if spec.cache_dir == spill else spill), tokenizer=tokenizer)
     directory.mkdir(parents=True, exist_ok=True)
     with _atomic(path) as out:

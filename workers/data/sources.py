@@ -18,8 +18,8 @@ import torch
 from torch import Tensor
 
 from workers.config import DatasetSpec, DataSource, HFSpec, SyntheticSpec, TextSpec
-from workers.datasets import DatasetSource
-from workers.memory import GPTSpec, MLPSpec
+from workers.data.datasets import DatasetSource
+from workers.memory.model import GPTSpec, MLPSpec
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, step, index) over 63 bits
 _READ_CHUNK_BYTES = 1 << 20

@@ -18,8 +18,8 @@ slice), so its padding line is what the workers allocate beyond the formula,
 byte for byte; and it adds what one micro-batch's step holds beyond the model
 states: its activations (alive when forward returns) and temporaries (the rest
 of the step's peak), plus a fixed per-GPU overhead. The built-in models have
-closed forms for both (method "model", workers/specs.py); any other model is
-traced on fake tensors (method "traced", workers/trace.py). Frozen parameters
+closed forms for both (method "model", workers/memory/specs.py); any other model is
+traced on fake tensors (method "traced", workers/models/trace.py). Frozen parameters
 hold weights only: no gradient, no optimizer state.
 
 Standard library only: the planner, the API and the CLI load this module
@@ -31,9 +31,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from workers.specs import GPTSpec, MLPSpec, ModelSpec
+from workers.memory.specs import GPTSpec, MLPSpec, ModelSpec
 
-__all__ = ["GPTSpec", "MLPSpec", "ModelSpec"]  # the built-in models' shapes, planned here (workers/specs.py)
+__all__ = ["GPTSpec", "MLPSpec", "ModelSpec"]  # the built-in models' shapes, planned here (workers/memory/specs.py)
 
 GB = 10**9
 """The seed's gigabyte: 1e9 bytes."""
@@ -63,7 +63,7 @@ SHARD_ALIGNMENT_NUMEL = 128
 
 Each slice then starts on a 256-byte boundary in 16-bit dtypes (512 in fp32),
 which keeps vectorised kernels and NCCL's chunking on aligned addresses; the
-optimizer (workers/optim.py) imports this constant, so plan and allocation agree.
+optimizer (workers/zero/optimizer.py) imports this constant, so plan and allocation agree.
 """
 
 

@@ -2,7 +2,7 @@
 counts (as the optimizer lays them out: decayed matrices, then the rest) and the closed form of
 the activations one micro-batch keeps for the backward.
 
-Standard library only, as workers/memory.py, which plans with them.
+Standard library only, as workers/memory/model.py, which plans with them.
 """
 
 from __future__ import annotations

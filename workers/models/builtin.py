@@ -15,8 +15,8 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-from workers.memory import GPTSpec, MLPSpec
-from workers.trace import StepTrace, trace_layers, trace_step
+from workers.memory.model import GPTSpec, MLPSpec
+from workers.models.trace import StepTrace, trace_layers, trace_step
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -174,7 +174,7 @@ def trace_builtin(
     seq_len: int | None = None,
     activation_checkpointing: bool = False,
 ) -> StepTrace:
-    """One micro-batch of a built-in model's training step, traced on fake tensors (workers/trace.py);
+    """One micro-batch of a built-in model's training step, traced on fake tensors (workers/models/trace.py);
     a GPT's depth is extrapolated from two shallow traces."""
     dtype = DTYPES[precision]
     if isinstance(spec, MLPSpec):

@@ -17,8 +17,8 @@ import torch
 from torch import Tensor, nn
 
 from workers.config import HFSpec, InvalidModelError
-from workers.digests import check_digest, directory_digest
-from workers.trace import StepTrace, trace_layers
+from workers.data.digests import check_digest, directory_digest
+from workers.models.trace import StepTrace, trace_layers
 
 MAX_LAYERS = 10_000
 """Deepest model traced: its modules are built on the meta device (Python objects, not tensors)."""
@@ -161,7 +161,7 @@ def trace_hf(
     activation_checkpointing: bool = False,
 ) -> StepTrace:
     """One micro-batch of `config`'s training step on fake tensors, its depth extrapolated from
-    two shallow traces (workers/trace.py); the parameters counted on the whole model."""
+    two shallow traces (workers/models/trace.py); the parameters counted on the whole model."""
     num_layers = getattr(config, "num_hidden_layers", None)
     if not isinstance(num_layers, int) or not 1 <= num_layers <= MAX_LAYERS:
         raise InvalidModelError("model.config", f"needs num_hidden_layers in [1, {MAX_LAYERS}], got {num_layers!r}")

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from workers.config import InvalidModelError, PythonSpec
-from workers.trace import StepTrace, TraceError, trace_step
+from workers.models.trace import StepTrace, TraceError, trace_step
 
 ENTRYPOINT = "model.entrypoint"
 
@@ -90,7 +90,7 @@ def trace_python(
     seq_len: int,
     vocab_size: int | None = None,
 ) -> PythonTrace:
-    """One micro-batch of the model's step on fake tensors (workers/trace.py), the whole model
+    """One micro-batch of the model's step on fake tensors (workers/models/trace.py), the whole model
     traced (user code has no depth to extrapolate by).
 
     The model's vocabulary is read off the embedding that looks up input_ids: every nn.Embedding

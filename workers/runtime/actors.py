@@ -21,13 +21,13 @@ import ray
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from workers.capture import HeldLines
 from workers.config import TrainConfig
-from workers.groups import remove_group
-from workers.ranks import MetricsSink, RankProcess
 from workers.records import MetricRow, OutputLine, RankError, TrainResult
-from workers.rendezvous import parent_gone
-from workers.sandbox import ChildSpec, RunAs
+from workers.runtime.capture import HeldLines
+from workers.runtime.groups import remove_group
+from workers.runtime.ranks import MetricsSink, RankProcess
+from workers.runtime.rendezvous import parent_gone
+from workers.runtime.sandbox import ChildSpec, RunAs
 
 Strategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 
@@ -56,7 +56,7 @@ class Placement:
     (a python model's); None: the ranks run zero1's code only."""
     name: str = ""
     """The placement group's name: the control plane finds a group by it and removes one its
-    attempt no longer owns (service.launcher.placement_group_name)."""
+    attempt no longer owns (service.scheduling.launcher.placement_group_name)."""
     log_max_bytes: int = 16 << 20
     """The most bytes of log lines a rank, and the supervisor, hold before they are stored
     (ZERO1_LOG_MAX_BYTES): past it the oldest are dropped, with a count."""
@@ -80,7 +80,7 @@ class Placement:
 
 @ray.remote
 class TrainWorker:
-    """One rank's parent: it starts the child that trains (workers/ranks.py) as it starts, and
+    """One rank's parent: it starts the child that trains (workers/runtime/ranks.py) as it starts, and
     relays for it. It holds its rank and its child, nothing else; it never loads torch."""
 
     def __init__(

@@ -1,8 +1,8 @@
-"""The child's side of workers/sandbox.py: `python -m workers.child MODE CONN_FD LIFELINE_FD STAGING`.
+"""The child's side of workers/runtime/sandbox.py: `python -m workers.runtime.child MODE CONN_FD LIFELINE_FD STAGING`.
 
 It runs untrusted work and reports in JSON over its socket: `call` applies one function to one
 pickled argument (a plan's trace, a submit's dataset check); `rank` trains as one rank of a job
-(workers/rank_child.py). It holds no secret and never imports Ray. When the lifeline pipe breaks
+(workers/runtime/rank_child.py). It holds no secret and never imports Ray. When the lifeline pipe breaks
 (its parent is gone, however it went) it exits at once.
 """
 
@@ -10,45 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import json
 import os
-import pickle
 import shutil
 import sys
 import threading
-import traceback
-from multiprocessing.connection import Connection
-from typing import Any
 
-
-class ParentLink:
-    """The child's end of the socket: pickled messages in, JSON out, one writer at a time."""
-
-    def __init__(self, fd: int) -> None:
-        self.conn = Connection(fd)
-        self._lock = threading.Lock()
-
-    def receive(self) -> Any:
-        return pickle.loads(self.conn.recv_bytes())
-
-    def send(self, message: dict[str, Any]) -> None:
-        data = json.dumps(message).encode()
-        with self._lock:
-            self.conn.send_bytes(data)
-
-
-def error_of(exc: BaseException) -> dict[str, Any]:
-    """An exception as the parent receives it: type, first line, the request field it names, and
-    the last lines of its traceback."""
-    lines = str(exc).strip().splitlines()
-    reason = getattr(exc, "reason", None)
-    return {
-        "exception": type(exc).__name__,
-        "message": (reason if isinstance(reason, str) else lines[0] if lines else type(exc).__name__)[:2000],
-        "field": getattr(exc, "field", None) if isinstance(getattr(exc, "field", None), str) else None,
-        "value_error": isinstance(exc, ValueError),
-        "traceback": [line.rstrip()[:500] for line in traceback.format_exception(exc)][-12:],
-    }
+from workers.runtime.link import ParentLink, error_of
 
 
 def _watch_lifeline(fd: int, staging: str | None) -> None:
@@ -90,7 +57,7 @@ def main(argv: list[str]) -> None:
     if mode == "call":
         _call(link)
     elif mode == "rank":
-        from workers.rank_child import run_rank
+        from workers.runtime.rank_child import run_rank
 
         run_rank(link)
     else:

@@ -1,4 +1,4 @@
-"""A Ray task whose work runs in a child (workers/sandbox.py): a plan's trace, a submit's dataset check.
+"""A Ray task whose work runs in a child (workers/runtime/sandbox.py): a plan's trace, a submit's dataset check.
 
 The task's process is zero1's and Ray's; the work (a python model's build(), an hf model's files,
 a dataset's parsers) runs in a child with a built environment, the owner's uid (ZERO1_RUN_AS) and
@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from workers.config import InvalidModelError
-from workers.sandbox import ChildError, ChildExited, RunAs, call_in_child
+from workers.runtime.sandbox import ChildError, ChildExited, RunAs, call_in_child
 
 SPILL_DIR = "tmp/zero1-cache"
 """Where, under a child's home, it writes the dataset cache entry it cannot write in the shared cache
-(its TMPDIR's zero1-cache: workers.datasets.prepare_tokens)."""
+(its TMPDIR's zero1-cache: workers.data.datasets.prepare_tokens)."""
 _CACHE_NAME = re.compile(r"[0-9a-f]{16,128}\.(bin|json)")
 
 
@@ -91,7 +91,7 @@ def run_isolated(call: IsolatedCall) -> Any:
 
 def run_isolated_in_bundle(call: IsolatedCall) -> Any:
     """run_isolated as the task of a worker whose working directory is a code bundle (a function of
-    its own: Ray runs it in a worker used for one call only, service/tasks.py)."""
+    its own: Ray runs it in a worker used for one call only, service/planning/tasks.py)."""
     return run_isolated(call)
 
 

@@ -1,4 +1,4 @@
-"""One rank's training, in the child a rank's actor starts (workers/ranks.py is the parent's side).
+"""One rank's training, in the child a rank's actor starts (workers/runtime/ranks.py is the parent's side).
 
 The conversation, parent -> child pickled, child -> parent JSON:
 
@@ -20,9 +20,9 @@ import dataclasses
 import os
 from typing import Any
 
-from workers.capture import OutputCapture
-from workers.child import ParentLink, error_of
-from workers.rendezvous import join_process_group, open_rendezvous_store, parent_gone
+from workers.runtime.capture import OutputCapture
+from workers.runtime.link import ParentLink, error_of
+from workers.runtime.rendezvous import join_process_group, open_rendezvous_store, parent_gone
 
 
 def run_rank(link: ParentLink) -> None:
@@ -30,7 +30,7 @@ def run_rank(link: ParentLink) -> None:
     rank, world_size = hello["rank"], hello["world_size"]
     import torch
 
-    import workers.train  # noqa: F401 - loaded while the other ranks start, not after the rendezvous
+    import workers.training.loop  # noqa: F401 - loaded while the other ranks start, not after the rendezvous
 
     if not torch.cuda.is_available():
         torch.set_num_threads(1)
@@ -57,7 +57,7 @@ def run_rank(link: ParentLink) -> None:
 def _train(link: ParentLink, start: dict[str, Any], rank: int, world_size: int, store: Any) -> Any:
     import torch.distributed as dist
 
-    from workers.train import train
+    from workers.training.loop import train
 
     join_process_group(
         rank=rank,

@@ -1,4 +1,4 @@
-"""A rank's parent: the Ray actor's side of the child that trains (workers/rank_child.py).
+"""A rank's parent: the Ray actor's side of the child that trains (workers/runtime/rank_child.py).
 
 The actor is zero1's code, trusted and connected to Ray; the child runs the user's model and holds
 nothing. The parent starts the child as the actor starts, hands it the job, and relays what it
@@ -16,9 +16,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from workers.capture import MAX_LINE_CHARS
 from workers.records import STREAMS, MetricRow, OutputLine, RankError, TrainResult
-from workers.sandbox import Child, ChildExited, ChildSpec, ProtocolError
+from workers.runtime.capture import MAX_LINE_CHARS
+from workers.runtime.sandbox import Child, ChildExited, ChildSpec, ProtocolError
 
 _REPORT_EVERY_ROWS = 50
 _REPORT_EVERY_S = 1.0

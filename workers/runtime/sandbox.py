@@ -176,7 +176,15 @@ class Child:
             identity = {"user": spec.run_as.uid, "group": spec.run_as.gid, "extra_groups": []}
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "workers.child", mode, str(child_end.fileno()), str(lifeline_read), staging],
+                [
+                    sys.executable,
+                    "-m",
+                    "workers.runtime.child",
+                    mode,
+                    str(child_end.fileno()),
+                    str(lifeline_read),
+                    staging,
+                ],
                 env=env,
                 cwd=cwd,
                 stdin=subprocess.DEVNULL,
@@ -278,7 +286,7 @@ def check_runnable(run_as: RunAs) -> None:
     """ValueError, saying what to change, unless a child under `run_as` can start this Python and
     import zero1 (every directory above the interpreter and the installed code must be searchable
     by that uid, the files readable)."""
-    command = [sys.executable, "-c", "import workers.child"]
+    command = [sys.executable, "-c", "import workers.runtime.child"]
     try:
         done = subprocess.run(
             command,

@@ -33,10 +33,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from workers.checkpoints import MANIFEST, write_json
 from workers.config import DatasetSpec, HFSpec, ModelKind, PythonSpec, TrainConfig
-from workers.memory import GPTSpec, MLPSpec
-from workers.optim import ZeRO1AdamW
+from workers.memory.model import GPTSpec, MLPSpec
+from workers.training.checkpoints import MANIFEST, write_json
+from workers.zero.optimizer import ZeRO1AdamW
 
 CHUNK_NUMEL = 1 << 22
 """Elements per point-to-point message of the gather (16 MiB of fp32)."""

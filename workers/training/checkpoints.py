@@ -3,11 +3,11 @@ reads checkpoints without loading torch.
 
     <checkpoint_uri>/job-<id>-<run_id>/
         step-000000099/
-            rank-00000-of-00002.pt            a rank's optimizer shard (workers.train writes it)
+            rank-00000-of-00002.pt            a rank's optimizer shard (workers.training.loop writes it)
             rank-00000-of-00002.metrics.json  that rank's metric rows since the previous checkpoint
             complete.json                     rank 0's marker once every shard is in place
             pruned.json                       instead of complete.json: shards deleted, rows kept
-        final/                                a succeeded run's model (workers/artifacts.py writes it)
+        final/                                a succeeded run's model (workers/training/artifacts.py writes it)
             manifest.json                     every other file's name, bytes and sha256
 
 A marker or rows file that cannot be read (a torn write on a filesystem that lost it) makes

@@ -6,7 +6,7 @@ then ZeRO1AdamW reduces, updates its shard and gathers. Each step yields one
 metrics row per rank; every `checkpoint_every` steps each rank writes its
 shard, and rank 0 marks the checkpoint complete once all shards are in place.
 Every `eval_every` steps (and at the last) the row carries the held-out loss;
-a run that completes its steps writes the final model (workers/artifacts.py).
+a run that completes its steps writes the final model (workers/training/artifacts.py).
 """
 
 from __future__ import annotations
@@ -21,9 +21,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from workers import memory
-from workers.artifacts import write_final
-from workers.checkpoints import (
+from workers.config import HFSpec, PythonSpec, TrainConfig
+from workers.data.sources import Batches
+from workers.memory import model as memory
+from workers.models.builtin import DTYPES, build_model
+from workers.models.trace import loss_of, measure_step
+from workers.records import MetricRow, TrainResult
+from workers.training.artifacts import write_final
+from workers.training.checkpoints import (
     COMPLETE,
     atomic_write,
     final_dir,
@@ -33,12 +38,7 @@ from workers.checkpoints import (
     step_dir,
     write_json,
 )
-from workers.config import HFSpec, PythonSpec, TrainConfig
-from workers.data import Batches
-from workers.models import DTYPES, build_model
-from workers.optim import ZeRO1AdamW, decay_param_groups
-from workers.records import MetricRow, TrainResult
-from workers.trace import loss_of, measure_step
+from workers.zero.optimizer import ZeRO1AdamW, decay_param_groups
 
 log = logging.getLogger("zero1.train")
 
@@ -210,9 +210,9 @@ def _build(config: TrainConfig, *, device: torch.device) -> torch.nn.Module:
     """The job's model, initialised from its seed (the same on every rank) or loaded (an hf path)."""
     build = build_model
     if isinstance(config.model, HFSpec):
-        from workers.hf import build_hf as build  # transformers loads in a second or two: only when needed
+        from workers.models.hf import build_hf as build  # transformers loads in a second or two: only when needed
     elif isinstance(config.model, PythonSpec):
-        from workers.usercode import build_python as build
+        from workers.models.usercode import build_python as build
     return build(
         config.model,
         dtype=DTYPES[config.precision],
@@ -262,7 +262,7 @@ class _StepContext:
         self, inputs: torch.Tensor, targets: torch.Tensor, *, accumulation: int, count: bool
     ) -> tuple[torch.Tensor, int]:
         """Forward and backward of one micro-batch: its loss, and when `count`, the bytes it held beyond
-        the model states at its peak, counted as the plan counts them (workers/trace.py)."""
+        the model states at its peak, counted as the plan counts them (workers/models/trace.py)."""
 
         def forward() -> torch.Tensor:
             return loss_of(self.model(inputs, targets)) / accumulation

@@ -1,4 +1,4 @@
-"""AdamW on one rank's shard of a flat buffer (workers/flat.py): beats 2 and 3 of ZeRO1AdamW's step.
+"""AdamW on one rank's shard of a flat buffer (workers/zero/flat.py): beats 2 and 3 of ZeRO1AdamW's step.
 
 torch's fused AdamW kernel runs over ranges of the fp32 shard, then the shard is
 cast to the model dtype. A 16-bit gradient is upcast a chunk at a time into one
@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from workers.flat import FlatBuffer
+from workers.zero.flat import FlatBuffer
 
 # 16-bit gradients are upcast to fp32 this many elements at a time into one reused scratch: on a CPU
 # 64 Ki (256 KiB, it stays in cache; a full-size upcast costs ~5x the time, mostly in page faults);

@@ -1,11 +1,11 @@
 """The point-to-point reduce of ZeRO1AdamW's gradients, bucket by bucket.
 
-A bucket is a run of whole parameters of one flat buffer (workers/flat.py).
+A bucket is a run of whole parameters of one flat buffer (workers/zero/flat.py).
 Each rank sends every peer the part of a bucket the peer owns and receives the
 peers' gradients of its own part into a pooled receive buffer, then sums them
 in rank order. The buckets go in one order on every rank: with overlap_comm a
 bucket goes the moment backward has produced its last gradient (the gradient
-hooks of workers/comm.py count the arrivals), the rest in step().
+hooks of workers/zero/comm.py count the arrivals), the rest in step().
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from workers.flat import FlatBuffer
+from workers.zero.flat import FlatBuffer
 
 RECV_BUFFERS = 2  # receive buffers per dtype for p2p reduces in flight; a third bucket waits for one
 

@@ -1,9 +1,9 @@
 """ZeRO1AdamW's communication: the reduce and gather beats over the data-parallel ranks.
 
 connect() decides the one-rank case once: a LocalComm moves nothing, a GroupComm
-moves the flat buffers (workers/flat.py) between the ranks of a process group,
+moves the flat buffers (workers/zero/flat.py) between the ranks of a process group,
 with collectives or with point-to-point sends. The p2p reduce goes bucket by
-bucket (workers/buckets.py); with overlap_comm the gradient hooks send each
+bucket (workers/zero/buckets.py); with overlap_comm the gradient hooks send each
 bucket the moment its last gradient arrives, while backward goes on.
 """
 
@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from workers.buckets import Bucket, BucketReducer, p2p_op
-from workers.flat import FlatBuffer, Slot
+from workers.zero.buckets import Bucket, BucketReducer, p2p_op
+from workers.zero.flat import FlatBuffer, Slot
 
 ReduceOp = Literal["auto", "p2p", "reduce_scatter", "all_reduce"]
 GatherOp = Literal["auto", "p2p", "all_gather", "all_reduce"]

@@ -7,7 +7,7 @@ a view into it, so the collectives move whole buffers and no per-parameter
 copies happen. Rank r allocates fp32 state for its slice only: 12 bytes per
 owned element in mixed precision (the master copy plus Adam's two moments), 8
 in fp32, where the parameter's slice is its own master copy. That is the memory
-model's K·Ψ/N, byte for byte (workers/memory.py).
+model's K·Ψ/N, byte for byte (workers/memory/model.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from workers.memory import padded_numel
+from workers.memory.model import padded_numel
 
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 

@@ -1,5 +1,5 @@
 """fp16 dynamic loss scaling: the loss is multiplied before backward so that small gradients stay
-representable in fp16, and the step divides it out again (workers/optim.py)."""
+representable in fp16, and the step divides it out again (workers/zero/optimizer.py)."""
 
 from __future__ import annotations
 

@@ -10,12 +10,12 @@ every rank's backward has produced FULL gradients of its micro-batch:
 
 ZeRO1AdamW's step() calls the beats in order and decides, between reduce and
 update, the global norm, the clip and whether to skip. The rooms it calls into:
-workers/flat.py lays parameters, gradients and state out in flat buffers cut
-into equal shards (K·Ψ/N bytes of state per rank); workers/comm.py moves them
-between the ranks (beats 1 and 4; workers/buckets.py for the p2p reduce; one
-rank moves nothing); workers/adamw.py updates and casts the shard (beats 2 and
-3); workers/optim_state.py writes and reads the checkpoint formats (ZeRO1AdamW's
-state_dict() and the rest come from there); workers/loss_scale.py scales fp16
+workers/zero/flat.py lays parameters, gradients and state out in flat buffers cut
+into equal shards (K·Ψ/N bytes of state per rank); workers/zero/comm.py moves them
+between the ranks (beats 1 and 4; workers/zero/buckets.py for the p2p reduce; one
+rank moves nothing); workers/zero/adamw.py updates and casts the shard (beats 2 and
+3); workers/zero/sharded_state.py writes and reads the checkpoint formats (ZeRO1AdamW's
+state_dict() and the rest come from there); workers/zero/loss_scale.py scales fp16
 losses.
 """
 
@@ -32,10 +32,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from workers import optim_state
-from workers.adamw import UPCAST_CHUNK_NUMEL, ShardAdamW, step_runs
-from workers.buckets import Bucket
-from workers.comm import (
+from workers.limits import DEFAULT_BUCKET_CAP_MB, MIN_BUCKET_CAP_MB
+from workers.memory.model import SHARD_ALIGNMENT_NUMEL
+from workers.zero import sharded_state
+from workers.zero.adamw import UPCAST_CHUNK_NUMEL, ShardAdamW, step_runs
+from workers.zero.buckets import Bucket
+from workers.zero.comm import (
     GatherOp,
     Ranks,
     ReduceOp,
@@ -44,10 +46,8 @@ from workers.comm import (
     register_grad_hooks,
     resolve_collectives,
 )
-from workers.flat import FlatBuffer, allocated_bytes, build_buffers, shard_slices, state_bytes
-from workers.limits import DEFAULT_BUCKET_CAP_MB, MIN_BUCKET_CAP_MB
-from workers.loss_scale import DynamicLossScaler
-from workers.memory import SHARD_ALIGNMENT_NUMEL
+from workers.zero.flat import FlatBuffer, allocated_bytes, build_buffers, shard_slices, state_bytes
+from workers.zero.loss_scale import DynamicLossScaler
 
 # the names other modules import from here, wherever they live now
 __all__ = ["UPCAST_CHUNK_NUMEL", "DynamicLossScaler", "ZeRO1AdamW", "decay_param_groups", "default_collectives"]
@@ -68,7 +68,7 @@ def decay_param_groups(model: torch.nn.Module, *, weight_decay: float) -> list[d
     return [g for g in groups if g["params"]]
 
 
-class ZeRO1AdamW(optim_state.CheckpointMethods, torch.optim.Optimizer):
+class ZeRO1AdamW(sharded_state.CheckpointMethods, torch.optim.Optimizer):
     """AdamW with its fp32 state sharded over the ranks of `process_group` (ZeRO Stage 1).
 
     Use it on an unwrapped model (no DDP: the optimizer reduces the gradients

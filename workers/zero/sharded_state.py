@@ -5,8 +5,8 @@ elements only, with the layout it was cut from: one shard loads at the same
 world size, rank and alignment; all of a checkpoint's shards load at any world
 size (load_resharded_state, elastic jobs). The consolidated one (CONSOLIDATED_FORMAT) is the
 whole state per parameter name, gathered to one rank: it loads at any world
-size. Each rank's state lives in the flat buffers of workers/flat.py; the
-gathers go through workers/comm.py, so one rank needs no process group.
+size. Each rank's state lives in the flat buffers of workers/zero/flat.py; the
+gathers go through workers/zero/comm.py, so one rank needs no process group.
 ZeRO1AdamW takes its checkpoint methods (state_dict() and the rest) from
 CheckpointMethods, at the end.
 """
@@ -20,11 +20,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from workers.comm import GroupComm, LocalComm
-from workers.flat import STATE_KINDS, FlatBuffer, Slot
+from workers.zero.comm import GroupComm, LocalComm
+from workers.zero.flat import STATE_KINDS, FlatBuffer, Slot
 
 if TYPE_CHECKING:
-    from workers.loss_scale import DynamicLossScaler
+    from workers.zero.loss_scale import DynamicLossScaler
 
 SHARDED_FORMAT = "zero1.sharded.v1"
 CONSOLIDATED_FORMAT = "zero1.consolidated.v1"

@@ -1,0 +1,2 @@
+"""The REST routes, one module per resource: plan (plans and recommendations), jobs (submit, list, read,
+cancel, metrics, events, logs, artifacts), code (bundles), cluster, health and prometheus (/metrics)."""

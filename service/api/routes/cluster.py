@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from service.api.deps import ClusterDep
-from service.responses import ClusterPublic
+from service.schemas.responses import ClusterPublic
 
 router = APIRouter(tags=["cluster"])
 

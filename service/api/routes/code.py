@@ -8,11 +8,11 @@ from fastapi import APIRouter, Path, Request, Response
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
-from service import bundles
 from service.api.deps import PrincipalDep, ReaderDep, RuntimeDep, SessionDep, SettingsDep
-from service.code import digest_of
 from service.errors import ServiceError
-from service.responses import CodeBundleDetailPublic, CodeBundlePublic, ErrorPublic
+from service.schemas.responses import CodeBundleDetailPublic, CodeBundlePublic, ErrorPublic
+from service.store import code_uploads
+from service.store.code_bundles import digest_of
 
 router = APIRouter(prefix="/code", tags=["code"])
 _ERRORS = {status: {"model": ErrorPublic} for status in (401, 403, 404, 413, 415, 422)}
@@ -63,7 +63,7 @@ async def upload_code(
     digest = digest_of(data)
     if not runtime.code.exists(digest):  # bytes the store holds already cost nothing
         await run_in_threadpool(
-            bundles.check_quota,
+            code_uploads.check_quota,
             session,
             digest=digest,
             num_bytes=len(data),
@@ -72,7 +72,7 @@ async def upload_code(
         )
     # decompressing up to 1 GiB and writing the store's zip is work for a thread, not the event loop
     info, created = await run_in_threadpool(runtime.code.put, data)
-    await run_in_threadpool(bundles.record_upload, session, info=info, uploader=principal.user)
+    await run_in_threadpool(code_uploads.record_upload, session, info=info, uploader=principal.user)
     return _json(
         CodeBundlePublic(code=info.digest, bytes=info.bytes, files=info.files), status_code=201 if created else 200
     )
@@ -85,4 +85,4 @@ def get_code(
     principal: ReaderDep,
 ) -> Response:
     """A bundle's size and uploaders; its uploaders' and admins' only (a 404 to others, as for a job's metrics)."""
-    return _json(bundles.get_bundle(session, digest, principal=principal))
+    return _json(code_uploads.get_bundle(session, digest, principal=principal))

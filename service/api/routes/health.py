@@ -7,7 +7,7 @@ from importlib.metadata import version
 from fastapi import APIRouter, Response
 
 from service.api.deps import RuntimeDep
-from service.responses import HealthPublic
+from service.schemas.responses import HealthPublic
 
 router = APIRouter(tags=["health"])
 

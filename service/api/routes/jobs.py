@@ -15,18 +15,16 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
-from service import admission, jobs
 from service.api import offload
 from service.api.deps import ClusterDep, PrincipalDep, ReaderDep, RuntimeDep, SessionDep, SettingsDep
-from service.artifacts import stream_artifact
 from service.auth import Principal, check_can_cancel
-from service.db import Database
 from service.errors import ServiceError
-from service.hf import check_model_path
-from service.launcher import dataset_cache_dir
-from service.log_lines import read_logs
-from service.models import Job
-from service.responses import (
+from service.planning.hf_paths import check_model_path
+from service.scheduling import admission, jobs
+from service.scheduling.launcher import dataset_cache_dir
+from service.schemas.fields import JobStatus
+from service.schemas.requests import JobSpec
+from service.schemas.responses import (
     ArtifactPublic,
     ArtifactsPublic,
     DryRunPublic,
@@ -39,8 +37,11 @@ from service.responses import (
     MetricsPublic,
     PlanPublic,
 )
-from service.schemas import JobSpec, JobStatus
-from workers.memory import GB
+from service.store.artifacts import stream_artifact
+from service.store.db import Database
+from service.store.log_lines import read_logs
+from service.store.tables import Job
+from workers.memory.model import GB
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 _ERRORS = {status: {"model": ErrorPublic} for status in (401, 403, 404, 409, 413, 422, 429)}

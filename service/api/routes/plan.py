@@ -6,12 +6,12 @@ from fastapi import APIRouter
 
 from service.api.deps import ClusterDep, ReaderDep, RuntimeDep, SettingsDep, TracerDep
 from service.api.offload import in_file_thread, require_code
-from service.hf import check_model_path
-from service.planning import make_plan, model_shape, plan_public, trace_first
-from service.recommendations import cost_model_of, recommend_public
-from service.responses import ErrorPublic, PlanPublic, RecommendationsPublic
-from service.schemas import PlanRequest, RecommendRequest
-from workers.memory import GB
+from service.planning.hf_paths import check_model_path
+from service.planning.plans import make_plan, model_shape, plan_public, trace_first
+from service.planning.recommendations import cost_model_of, recommend_public
+from service.schemas.requests import PlanRequest, RecommendRequest
+from service.schemas.responses import ErrorPublic, PlanPublic, RecommendationsPublic
+from workers.memory.model import GB
 
 router = APIRouter(tags=["planning"])
 

@@ -1,0 +1,7 @@
+"""Jobs from submit to end: admission (a job's checks before it is stored), the job state machine
+and its queries (jobs: where the GPUs a job holds are counted), the scheduler's tick, elastic world
+sizes, the jobs and GPUs gauges, and the launcher that dispatches a job to Ray.
+
+May import: service.settings, service.errors, service.auth, service.telemetry, service.schemas,
+service.store, service.planning, workers.
+"""
