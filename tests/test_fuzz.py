@@ -12,17 +12,21 @@ loader, which could build the schema from a started app, reads pytest's `Item._n
 gone in pytest 9; so the cases are sent with the fixture's TestClient and checked with
 `case.validate_response`, the path the schemathesis docs give for a client of one's own.
 The inputs the fuzzing found to fail are kept below as plain tests.
+
+Packages: service.api, service.schemas.
 """
 
 from __future__ import annotations
 
 import collections
+import re
 import secrets
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import pytest
 import schemathesis
 from fastapi.testclient import TestClient
@@ -40,9 +44,9 @@ from schemathesis.checks import (
 )
 from sqlalchemy import select
 
-from service.config import Settings
 from service.main import create_app
-from service.models import Job
+from service.settings import Settings
+from service.store.tables import Job
 
 from conftest import _postgres_admin, make_settings
 from figures import record
@@ -166,7 +170,18 @@ def send(client: TestClient, case: schemathesis.Case):
     if isinstance(kwargs.get("data"), bytes | str):  # httpx takes a raw body as `content`
         kwargs["content"] = kwargs.pop("data")
     kwargs.pop("timeout", None)
+    _end_a_followed_job(client, kwargs)
     return client.request(**kwargs)
+
+
+def _end_a_followed_job(client: TestClient, kwargs: dict) -> None:
+    """A log stream (follow=true) ends when its job ends, and the jobs here never start (the
+    scheduler is stopped): cancel the job first, so the stream sends its lines and `end`."""
+    url = httpx.URL(kwargs["url"], params=kwargs.get("params"))
+    match = re.fullmatch(r"/v1/jobs/(\d{1,18})/logs", url.path)
+    follow = (url.params.get("follow") or "").lower()
+    if match and follow in ("true", "1", "on", "yes", "t", "y"):
+        client.post(f"/v1/jobs/{match.group(1)}/cancel")  # a 404 or 409 where there is nothing to end
 
 
 @schema.parametrize()
