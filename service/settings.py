@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 import re
 from functools import lru_cache
-from typing import Annotated
+from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from workers.runtime.sandbox import RunAs
@@ -96,6 +96,25 @@ class Settings(BaseSettings):
     elastic_grow_interval_s: float = Field(300.0, ge=0, le=86_400)
     """How often at most an elastic job grows (from its start or last resize): it grows at its
     next checkpoint when GPUs are free and no job is queued."""
+    default_priority: int = Field(50, ge=0, le=100)
+    """A job's priority when its spec names none (0-100; the queue runs the highest first)."""
+    priority_limits: Annotated[dict[str, int], NoDecode] = {}
+    """The highest priority each owner may ask, comma-separated `owner=n`, `*` for every other owner
+    (e.g. `research=80,*=50`); admins may ask 100. Unset: anyone may ask up to 100."""
+    gpu_quotas: Annotated[dict[str, int], NoDecode] = {}
+    """GPUs each owner's running jobs may hold together, comma-separated `owner=n`, `*` for every
+    other owner (e.g. `research=4,intern=2,*=8`). Unset: no quotas."""
+    quota_borrowing: bool = True
+    """A job past its owner's quota runs anyway on GPUs nothing within its quota waits for,
+    as borrowed: the first to be preempted when anyone within quota needs them."""
+    preempt_min_runtime_s: float = Field(120.0, ge=0, le=86_400 * 365)
+    """Seconds a job runs (from its start or resume) before the scheduler may preempt it."""
+    preempt_grace_s: float = Field(60.0, gt=0, le=86_400)
+    """Seconds a preempted or suspended job's ranks have to stop at a step with a checkpoint;
+    past it they are killed and the job resumes from its last checkpoint."""
+    queue_policy: Literal["priority", "fifo"] = "priority"
+    """`priority`: by priority then submission, with backfill, quotas and preemption; `fifo`: one
+    line by submission, the head waits for its GPUs (zero1 before priorities; no preemption)."""
     scheduler_stale_s: float = Field(120.0, gt=0, le=86_400)
     """/healthz answers 503 when the scheduler has not completed a tick for this long."""
     api_tokens: SecretStr | None = None
@@ -204,6 +223,37 @@ class Settings(BaseSettings):
         if not self.run_as:
             return None
         return RunAs(*self.run_as.get(owner or "", self.run_as["*"]))
+
+    @field_validator("priority_limits", "gpu_quotas", mode="before")
+    @classmethod
+    def _parse_limits(cls, value: object, info: ValidationInfo) -> object:
+        """'a=80,*=50' -> {"a": 80, "*": 50}, each entry named in its error."""
+        if not isinstance(value, str):
+            return value
+        name, top = (
+            ("ZERO1_PRIORITY_LIMITS", 100) if info.field_name == "priority_limits" else ("ZERO1_GPU_QUOTAS", None)
+        )
+        mapping: dict[str, int] = {}
+        for entry in (part.strip() for part in value.split(",")):
+            if not entry:
+                continue
+            owner, _, number = entry.partition("=")
+            if not owner.strip() or not number.strip().isdigit() or (top is not None and int(number) > top):
+                bound = f"0-{top}" if top is not None else "a count of GPUs"
+                raise ValueError(f"{name}: entry {entry!r} is not owner=n with n {bound} (e.g. research=4)")
+            mapping[owner.strip()] = int(number)
+        return mapping
+
+    def priority_limit(self, owner: str | None, *, admin: bool = False) -> int:
+        """The highest priority `owner` may ask: 100 for admins and where ZERO1_PRIORITY_LIMITS is
+        unset; else its entry, else `*`'s, else the default priority."""
+        if admin or not self.priority_limits:
+            return 100
+        return self.priority_limits.get(owner or "", self.priority_limits.get("*", self.default_priority))
+
+    def gpu_quota(self, owner: str | None) -> int | None:
+        """The GPUs `owner`'s running jobs may hold together: its entry, else `*`'s; None: no quota."""
+        return self.gpu_quotas.get(owner or "", self.gpu_quotas.get("*"))
 
     @field_validator("data_roots", "model_roots", mode="before")
     @classmethod

@@ -13,11 +13,11 @@ from service.schemas.printable import escape, first_control
 
 Precision = Literal["fp16", "bf16", "fp32"]
 OptimizerName = Literal["adamw", "adam", "sgd_momentum", "sgd"]
-JobStatus = Literal["queued", "starting", "running", "restarting", "succeeded", "failed", "cancelled"]
+JobStatus = Literal["queued", "starting", "running", "restarting", "suspended", "succeeded", "failed", "cancelled"]
 ACTIVE = ("starting", "running", "restarting")
 """The statuses of a job that holds its GPUs."""
 TERMINAL = ("succeeded", "failed", "cancelled")
-"""The statuses a job ends in."""
+"""The statuses a job ends in (a suspended job is neither: it holds no GPU and waits for a resume)."""
 
 MAX_TEXT_DIGITS = 30
 """Digits a number typed as text (the planner's form, the CLI) may have: more than any field's bound needs

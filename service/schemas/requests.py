@@ -242,6 +242,13 @@ class JobSpec(Body):
         _train("eval_batches"), ge=1, le=10_000, description="Held-out micro-batches each rank evaluates."
     )
     max_retries: Int = Field(0, ge=0, le=100)
+    priority: Int | None = Field(
+        None,
+        ge=0,
+        le=100,
+        description="0-100, highest first (default ZERO1_DEFAULT_PRIORITY); up to the owner's ceiling "
+        "(ZERO1_PRIORITY_LIMITS). A job may preempt jobs of lower priority.",
+    )
     max_nonfinite_steps: Int = Field(
         _train("max_nonfinite_steps"),
         ge=1,
@@ -361,3 +368,9 @@ class JobSpec(Body):
             activation_checkpointing=None if isinstance(self.model, MLPModelSpec) else self.activation_checkpointing,
             code=self.code,
         )
+
+
+class PriorityPatch(Body):
+    """PATCH /v1/jobs/{id}: a new priority for a queued, running or suspended job."""
+
+    priority: Int = Field(ge=0, le=100, description="0-100, within the owner's ceiling (ZERO1_PRIORITY_LIMITS).")

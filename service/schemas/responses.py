@@ -109,6 +109,10 @@ class JobPublic(BaseModel):
     num_retries: int = Field(0, description="Relaunches after a worker failure; at most spec.max_retries.")
     queue_position: int | None = Field(description="1 for the next job to start; null unless queued.")
     owner: str | None = Field(None, description="The user whose token submitted it; null while auth is off.")
+    priority: int = Field(50, description="0-100: the queue runs the highest first; a job may preempt lower ones.")
+    borrowed: bool = Field(
+        False, description="It runs past its owner's GPU quota on idle GPUs: the first to be preempted."
+    )
 
 
 class JobsPublic(BaseModel):
@@ -252,3 +256,39 @@ class CodeBundleDetailPublic(CodeBundlePublic):
         "null for an upload while auth was off."
     )
     created_at: datetime = Field(description="The first of those uploads.")
+
+
+class QueueEntryPublic(BaseModel):
+    """A queued job in the queue's order: what anyone may see of it, and why it waits."""
+
+    position: int = Field(description="1 for the next job to start.")
+    id: int
+    name: str
+    owner: str | None = Field(description="The user whose token submitted it; null while auth is off.")
+    priority: int
+    num_gpus: int = Field(description="The most GPUs it runs on.")
+    min_gpus: int = Field(description="The fewest it runs on: num_gpus unless elastic.")
+    created_at: datetime
+    reason: str = Field(
+        description="Why it waits, as of the scheduler's last tick: e.g. `waiting for 4 GPUs, 2 free`, "
+        "`quota: intern holds 2 of 2 GPUs`, `behind job 7 (priority 90)`."
+    )
+
+
+class OwnerUsagePublic(BaseModel):
+    """An owner's GPUs against their quota."""
+
+    owner: str | None = Field(description="Null: jobs submitted while auth was off.")
+    gpus_in_use: int = Field(description="GPUs their starting, running and restarting jobs hold (each its N).")
+    borrowed_gpus: int = Field(description="Of those, the GPUs of jobs running past the quota (preempted first).")
+    quota: int | None = Field(description="ZERO1_GPU_QUOTAS' entry for them (or `*`'s); null: no quota.")
+
+
+class QueuePublic(BaseModel):
+    """GET /v1/queue: the queued jobs in the order they start, and who holds the GPUs."""
+
+    data: list[QueueEntryPublic]
+    count: int = Field(description="Queued jobs in all (data holds the first `limit`).")
+    owners: list[OwnerUsagePublic] = Field(
+        description="Each owner with a job that holds GPUs or waits (queued or suspended), most GPUs first."
+    )

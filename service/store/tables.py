@@ -11,7 +11,20 @@ import uuid
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Dialect, Float, ForeignKey, Index, Integer, String, Text
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Dialect,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    false,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
@@ -59,6 +72,7 @@ class Base(DeclarativeBase):
 
 class Job(Base):
     __tablename__ = "jobs"
+    __table_args__ = (Index("ix_jobs_queue", "status", "priority", "id"),)  # the queue, in its order
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     name: Mapped[str] = mapped_column(String(200))
@@ -82,6 +96,14 @@ class Job(Base):
     """Relaunches after a worker failure; bounded by the spec's max_retries."""
     error: Mapped[dict[str, Any] | None] = mapped_column(default=None)
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    suspend_requested: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    """Suspend asked while it ran: the scheduler stops it at a step boundary, with a checkpoint."""
+    priority: Mapped[int] = mapped_column(Integer, default=50, server_default="50")
+    """0-100: the queue is ordered by it (highest first), then by id; a job may preempt lower ones."""
+    borrowed: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    """Its attempt runs past its owner's GPU quota on idle GPUs: the first to be preempted."""
+    backfilled: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    """Its attempt started ahead of a waiting job of its priority or higher (backfill): that job may preempt it."""
     owner: Mapped[str | None] = mapped_column(String(200), default=None)
     run_id: Mapped[str | None] = mapped_column(String(32), default=new_run_id)
     """Random, never repeated: names the job's checkpoint directory (job ids repeat after a
