@@ -99,7 +99,7 @@ def test_an_elastic_job_starts_small_grows_shrinks_and_ends_where_an_unresized_r
 
     client.post(f"/v1/jobs/{blocker}/cancel")  # 2 GPUs free, no job queued: it grows at its next checkpoint
     supervisor = ray.get_actor(supervisor_name(elastic, 0), namespace=settings.ray_namespace)
-    wait_for(lambda: ray.get(supervisor.stop_requested.remote(0)), lambda asked: asked, what="the growth asked")
+    wait_for(lambda: ray.get(supervisor.stop_mode.remote()), lambda mode: mode == "checkpoint", what="the growth asked")
     # 16 calls: attempt 0 (2 a step) trains steps 0-7 and stops at the checkpoint at 7; attempt 1
     # (1 a step) trains 8-23, past the checkpoints at 15 and 23, and waits at step 24
     _set_gate(gate, GATED)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -30,6 +31,9 @@ from workers.runtime.rendezvous import parent_gone
 from workers.runtime.sandbox import ChildSpec, RunAs
 
 Strategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+StopMode = Literal["checkpoint", "step"]
+"""When a job asked to stop does: after its next checkpoint (an elastic job's resize), or after its
+next step with a checkpoint of it (a preemption)."""
 
 
 class PlacementError(RuntimeError):
@@ -123,12 +127,44 @@ class TrainWorker:
                 start,
                 sink=sink,
                 send_logs=logs,
-                stop_requested=lambda step: ray.get(supervisor.stop_requested.remote(step), timeout=60),
+                stop_requested=_StopAsker(supervisor),
                 parent_gone=self.raylet_gone,
             )
         finally:
             logs.wait()
             self.process.close()
+
+
+class _StopAsker:
+    """Rank 0's answers to "stop after this step?", asked at every step: exact after a checkpoint (it
+    asks the supervisor and waits, as a resize needs), and never waiting after any other step: it
+    answers from the supervisor's last reply, and keeps one call to it in flight at a time, made at
+    most every `every_s`. A preemption then lands within about `every_s` and a step of being asked."""
+
+    _ORDER = (None, "checkpoint", "step")  # the supervisor's mode only moves right
+
+    def __init__(self, supervisor: Any, *, every_s: float = 0.25, timeout_s: float = 60.0) -> None:
+        self._supervisor, self._every_s, self._timeout_s = supervisor, every_s, timeout_s
+        self.mode: StopMode | None = None
+        self._in_flight: Any = None
+        self._asked_at = -float("inf")
+
+    def __call__(self, step: int, checkpointed: bool) -> bool:
+        if self.mode == "step":  # it stays: nothing more to ask
+            return True
+        if checkpointed:
+            self._learn(ray.get(self._supervisor.stop_mode.remote(), timeout=self._timeout_s))
+        else:
+            if self._in_flight is not None and _delivered(self._in_flight, 0):
+                reply, self._in_flight = self._in_flight, None
+                self._learn(ray.get(reply))
+            if self._in_flight is None and time.monotonic() - self._asked_at >= self._every_s:
+                self._in_flight, self._asked_at = self._supervisor.stop_mode.remote(), time.monotonic()
+        return self.mode == "step" or (self.mode == "checkpoint" and checkpointed)
+
+    def _learn(self, mode: StopMode | None) -> None:
+        """A reply made before a newer one that came first (the one in flight) takes nothing back."""
+        self.mode = max(self.mode, mode, key=self._ORDER.index)
 
 
 class _OrderedSender:
@@ -165,7 +201,7 @@ class JobSupervisor:
         self._nodes: list[str] = []
         self._pg = None
         self._started = False
-        self._stop_requested = False
+        self._stop_mode: StopMode | None = None
 
     def ping(self) -> str:
         """The status, without touching the metrics: is this supervisor alive?"""
@@ -270,13 +306,15 @@ class JobSupervisor:
                 "log_dropped": self._logs.dropped,
             }
 
-    def request_stop(self) -> None:
-        """Stop the ranks after their next checkpoint (status "stopped"): an elastic job's resize."""
-        self._stop_requested = True
+    def request_stop(self, now: bool = False) -> None:
+        """Stop the ranks (status "stopped") after their next checkpoint: an elastic job's resize; `now`:
+        after their next step, with a checkpoint of it: a preemption. Once asked for, "now" stays."""
+        with self._lock:
+            self._stop_mode = "step" if now or self._stop_mode == "step" else "checkpoint"
 
-    def stop_requested(self, step: int) -> bool:
-        """Rank 0 asks after each checkpoint (at `step`) whether to stop there."""
-        return self._stop_requested
+    def stop_mode(self) -> StopMode | None:
+        """None, or when the ranks are to stop (request_stop); rank 0 asks (_StopAsker)."""
+        return self._stop_mode
 
     def worker(self, rank: int) -> Any:
         return self._workers[rank]

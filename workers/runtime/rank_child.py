@@ -5,8 +5,9 @@ The conversation, parent -> child pickled, child -> parent JSON:
     parent: {"rank", "world_size", "address"}        as the actor starts
     child:  {"t": "store", "port"}                   rank 0: the rendezvous store it opened
     parent: {"config", "address", "port", "pg_timeout_s", "log_max_bytes"}   run()
-    child:  {"t": "logs", "lines"} | {"t": "row", "row"} | {"t": "stop?", "step"}  while training
-    parent: {"stop": bool}                           the answer to "stop?"
+    child:  {"t": "logs", "lines"} | {"t": "row", "row"}                           while training
+    child:  {"t": "stop?", "step", "checkpointed"}   rank 0, after each step but the last (loop.train's stop_at)
+    parent: {"stop": bool}                           the answer; rank 0 broadcasts it to the others
     child:  {"t": "result", "result"} | {"t": "error", "error"}                    the end
 
 The child imports torch and the training loop as soon as it starts, while the job's other ranks
@@ -68,8 +69,8 @@ def _train(link: ParentLink, start: dict[str, Any], rank: int, world_size: int, 
         timeout_s=start["pg_timeout_s"],
     )
 
-    def stop_at_checkpoint(step: int) -> bool:
-        link.send({"t": "stop?", "step": step})
+    def stop_at(step: int, checkpointed: bool) -> bool:
+        link.send({"t": "stop?", "step": step, "checkpointed": checkpointed})
         return bool(link.receive()["stop"])
 
     try:
@@ -79,7 +80,7 @@ def _train(link: ParentLink, start: dict[str, Any], rank: int, world_size: int, 
             world_size=world_size,
             on_metrics=lambda row: link.send({"t": "row", "row": row.to_json()}),
             should_stop=parent_gone(),
-            stop_at_checkpoint=stop_at_checkpoint,
+            stop_at=stop_at,
         )
         if result.cancelled:  # the actor is gone: no one to report to, no peer to wait for
             os._exit(1)

@@ -2,7 +2,7 @@
 
 The actor is zero1's code, trusted and connected to Ray; the child runs the user's model and holds
 nothing. The parent starts the child as the actor starts, hands it the job, and relays what it
-says: metric rows to the supervisor in batches, log lines in order, "stop at this checkpoint?"
+says: metric rows to the supervisor in batches, log lines in order, rank 0's "stop after this step?"
 questions, and the end. Nothing the child sends is trusted: each message is JSON, checked field by
 field, and its rank is the parent's own. A child that dies without a word ends the attempt with how
 it died (`rank 1 exited: killed by signal 9 (out of memory?)`).
@@ -75,10 +75,11 @@ class RankProcess:
         *,
         sink: MetricsSink,
         send_logs: Callable[[list[OutputLine]], None],
-        stop_requested: Callable[[int], bool],
+        stop_requested: Callable[[int, bool], bool],
         parent_gone: Callable[[], bool],
     ) -> TrainResult:
-        """Hand the child its job and relay until it ends: its result, or RankFailed."""
+        """Hand the child its job and relay until it ends: its result, or RankFailed. Rank 0's child
+        asks after each step (stop_requested(step, checkpointed)); the answer must come fast."""
         self.child.send(start)
         try:
             while True:
@@ -93,8 +94,9 @@ class RankProcess:
                     sink(self._row(message))
                 elif kind == "logs":
                     send_logs(self._lines(message))
-                elif kind == "stop?":
-                    self.child.send({"stop": bool(stop_requested(_int(message, "step")))})
+                elif kind == "stop?" and self.rank == 0:  # the others learn rank 0's answer from it
+                    step, checkpointed = _int(message, "step"), _bool(message, "checkpointed")
+                    self.child.send({"stop": bool(stop_requested(step, checkpointed))})
                 elif kind == "result":
                     return self._result(message)
                 elif kind == "error":
@@ -178,6 +180,13 @@ def _int(message: dict[str, Any], key: str) -> int:
     value = message.get(key)
     if not isinstance(value, int) or isinstance(value, bool):
         raise RankFailed(RankError(exception="ProtocolError", message=f"{key} is not an integer: {value!r}"[:200]))
+    return value
+
+
+def _bool(message: dict[str, Any], key: str) -> bool:
+    value = message.get(key)
+    if not isinstance(value, bool):
+        raise RankFailed(RankError(exception="ProtocolError", message=f"{key} is not a boolean: {value!r}"[:200]))
     return value
 
 

@@ -77,12 +77,13 @@ def train(
     device: torch.device | None = None,
     on_metrics: Callable[[MetricRow], None] = lambda row: None,
     should_stop: Callable[[], bool] = lambda: False,
-    stop_at_checkpoint: Callable[[int], bool] = lambda step: False,
+    stop_at: Callable[[int, bool], bool] = lambda step, checkpointed: False,
 ) -> TrainResult:
     """Train `config` as `rank` of `world_size`, resuming from the latest complete checkpoint.
 
-    After each checkpoint but the last, rank 0's stop_at_checkpoint(step) decides for every rank
-    whether to stop there (TrainResult.stopped): an elastic job resized at a checkpoint boundary."""
+    After each step but the last and a skipped one, rank 0's stop_at(step, checkpointed) decides for every
+    rank whether to stop there (TrainResult.stopped) with a checkpoint of that step: just written at it
+    (checkpointed), or written now. An elastic job's resize, a preempted job's stop."""
     device = device or default_device()
     batches = Batches(
         model=config.model,
@@ -126,15 +127,8 @@ def train(
         tokens_per_step=config.global_batch(world_size) * batches.seq_len,
     )
     num_params = sum(p.numel() for p in model.parameters())
-    log.info(
-        "rank %d of %d on %s: %s parameters, steps %d to %d",
-        rank,
-        world_size,
-        device,
-        f"{num_params:,}",
-        first,
-        config.steps - 1,
-    )
+    steps = f"steps {first} to {config.steps - 1}"
+    log.info("rank %d of %d on %s: %s parameters, %s", rank, world_size, device, f"{num_params:,}", steps)
     last = first - 1
     since_checkpoint: list[MetricRow] = []
     skipped = 0  # steps skipped in a row (nan/inf norm); a resumed run counts from 0 again
@@ -156,18 +150,18 @@ def train(
         # a checkpoint falling on a skipped step waits for the next clean one: written now, it would
         # hold the same weights under a later step and, with keep_last, prune the ones from before
         # the trouble began. The last step's is written anyway: the skips changed nothing
-        if config.checkpoint_dir and (done or (due and not skipped)):
-            save_checkpoint(
-                opt,
-                Path(config.checkpoint_dir),
-                step=step,
-                process_group=process_group,
-                metrics=since_checkpoint,
-                keep_last=config.keep_last,
-            )
+        checkpointed = bool(config.checkpoint_dir) and (done or (due and not skipped))
+        if checkpointed:
+            _save(config, context, step=step, metrics=since_checkpoint)
             since_checkpoint, due = [], False
-            if not done and _agree(stop_at_checkpoint(step) if rank == 0 else False, context):
-                return TrainResult(rank=rank, first_step=first, last_step=last, cancelled=False, stopped=True)
+        # a stop waits for a clean step too (at most max_nonfinite_steps - 1 of them, or the run
+        # fails): its checkpoint is then one a periodic one could be, and the resumed run's count
+        # of skips in a row (from 0) is the one the unstopped run would have
+        if done or skipped or not _agree(stop_at(step, checkpointed) if rank == 0 else False, context):
+            continue
+        if config.checkpoint_dir and not checkpointed:
+            _save(config, context, step=step, metrics=since_checkpoint)
+        return TrainResult(rank=rank, first_step=first, last_step=last, cancelled=False, stopped=True)
     if config.checkpoint_dir:  # every step is done (a resume past the last one too): the model goes out
         write_final(
             model,
@@ -179,6 +173,12 @@ def train(
             process_group=process_group,
         )
     return TrainResult(rank=rank, first_step=first, last_step=last, cancelled=False)
+
+
+def _save(config: TrainConfig, context: _StepContext, *, step: int, metrics: list[MetricRow]) -> None:
+    """The checkpoint of `step` (periodic, the last, or a stop's) with the rows since the one before."""
+    directory, group = Path(config.checkpoint_dir), context.process_group
+    save_checkpoint(context.opt, directory, step=step, process_group=group, metrics=metrics, keep_last=config.keep_last)
 
 
 def _step_line(row: MetricRow, *, steps: int) -> str:
