@@ -204,16 +204,16 @@ def test_healthz_says_degraded_while_the_scheduler_completes_no_tick(ray_cluster
     with TestClient(create_app(settings), raise_server_exceptions=False) as client:
         scheduler = client.app.state.runtime.scheduler
         assert client.get("/healthz").status_code == 200
-        admit = scheduler._admit
+        admit = scheduler.dispatcher.admit
 
-        def database_unreachable() -> None:
+        def database_unreachable(**_) -> None:
             raise OSError("could not connect to the database")
 
-        scheduler._admit = database_unreachable
+        scheduler.dispatcher.admit = database_unreachable
         try:
             r = wait_for(lambda: client.get("/healthz"), lambda r: r.status_code == 503, what="healthz 503")
         finally:
-            scheduler._admit = admit
+            scheduler.dispatcher.admit = admit
         assert r.json()["status"] == "degraded" and r.json()["scheduler_tick_age_s"] > 0.5
         wait_for(lambda: client.get("/healthz"), lambda r: r.status_code == 200, what="healthz ok again")
 

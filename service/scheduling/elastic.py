@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from service.scheduling.jobs import gpus_in_use, job_world_sizes
+from service.scheduling.jobs import QUEUE_ORDER, gpus_in_use, job_world_sizes
+from service.schemas.fields import ACTIVE
 from service.store.tables import Job
 
 
@@ -31,26 +32,38 @@ def relaunch_size(session: Session, job: Job, *, total: int, ray_free: Callable[
     free = total - gpus_in_use(session, besides=job.id)
     if (in_ray := ray_free()) is not None:
         free = min(free, in_ray)
-    head = session.scalar(select(Job).where(Job.status == "queued").order_by(Job.id).limit(1))
+    head = session.scalar(select(Job).where(Job.status == "queued").order_by(*QUEUE_ORDER).limit(1))
     if head is not None and (fits := [n for n in sizes if n <= free - job_world_sizes(head)[0]]):
         return fits[-1]
     fits = [n for n in sizes if n <= free]
     return fits[-1] if fits else sizes[0]
 
 
-def growable(session: Session, *, total: int) -> list[tuple[Job, int]]:
+def growable(
+    session: Session, *, total: int, quota: Callable[[str | None], int | None] = lambda owner: None
+) -> list[tuple[Job, int]]:
     """(job, the N it would grow to) for each running elastic job below its most GPUs that saves
     checkpoints, while GPUs are free and no job is queued (the queue comes first: free GPUs are the
-    head's to wait for), oldest first, each taking what the ones before it leave."""
+    head's to wait for), oldest first, each taking what the ones before it leave and its owner's
+    quota allows (a borrowed job does not grow)."""
     if session.scalar(select(Job.id).where(Job.status == "queued").limit(1)) is not None:
         return []
     free = total - gpus_in_use(session)
     running = session.scalars(select(Job).where(Job.status == "running", Job.min_gpus < Job.num_gpus).order_by(Job.id))
     out = []
+    held = dict(
+        session.execute(
+            select(Job.owner, func.sum(func.coalesce(Job.world_size, Job.num_gpus)))
+            .where(Job.status.in_(ACTIVE))
+            .group_by(Job.owner)
+        ).all()
+    )
     for job in running:
         current = job.world_size or job.num_gpus
-        larger = [n for n in job_world_sizes(job) if current < n <= current + free]
+        room = free if (limit := quota(job.owner)) is None else min(free, limit - held.get(job.owner, 0))
+        larger = [n for n in job_world_sizes(job) if current < n <= current + room and not job.borrowed]
         if larger and job.spec.get("checkpoint_every"):
             out.append((job, larger[-1]))
             free -= larger[-1] - current
+            held[job.owner] = held.get(job.owner, 0) + larger[-1] - current
     return out

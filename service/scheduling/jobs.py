@@ -23,17 +23,19 @@ from service.schemas.fields import ACTIVE, TERMINAL
 from service.schemas.requests import JobSpec, world_sizes
 from service.schemas.responses import EventPublic, JobPublic, MetricPublic, PlanPublic
 from service.store.artifacts import FinalFile, check_artifact, recorded_artifacts
+from service.store.log_lines import log_acks
 from service.store.tables import Job, JobEvent, Metric, utcnow
-from workers.records import finite_or_none
+from workers.records import RankError, finite_or_none
 
 if TYPE_CHECKING:
     from service.scheduling.launcher import RayLauncher
 
 _TRANSITIONS = {
-    "queued": {"starting", "cancelled"},
+    "queued": {"starting", "cancelled", "suspended"},
     "starting": {"running", "failed", "cancelled", "restarting"},
-    "running": {"succeeded", "failed", "cancelled", "restarting"},
+    "running": {"succeeded", "failed", "cancelled", "restarting", "queued", "suspended"},  # queued: preempted
     "restarting": {"running", "failed", "cancelled"},
+    "suspended": {"queued", "cancelled"},
 }
 
 
@@ -93,6 +95,7 @@ def submit_job(
     idempotency_key: str | None,
     owner: str | None = None,
     max_queued: int | None = None,
+    priority: int = 50,
 ) -> tuple[Job, bool]:
     """Store a queued job of `owner`; (job, created). A reused Idempotency-Key returns its job or a 409;
     a 429 if `owner` already has `max_queued` jobs queued."""
@@ -114,6 +117,7 @@ def submit_job(
         idempotency_key=idempotency_key,
         request_hash=digest,
         owner=owner,
+        priority=priority,
     )
     try:
         # the job and its first event in one savepoint: on SQLite, whose driver opens no
@@ -188,11 +192,16 @@ def get_visible_job(session: Session, job_id: int, *, principal: Principal) -> J
     return job
 
 
+QUEUE_ORDER = (Job.priority.desc(), Job.id)
+"""The queue's order: the highest priority first, then the earliest submitted."""
+
+
 def queue_position(session: Session, job: Job) -> int | None:
+    """1 for the first job in the queue's order (QUEUE_ORDER); None unless queued."""
     if job.status != "queued":
         return None
-    ahead = session.scalar(select(func.count()).where(Job.status == "queued", Job.id < job.id))
-    return ahead + 1
+    ahead = (Job.priority > job.priority) | ((Job.priority == job.priority) & (Job.id < job.id))
+    return session.scalar(select(func.count()).where(Job.status == "queued", ahead)) + 1
 
 
 def job_public(job: Job, *, position: int | None, principal: Principal) -> JobPublic:
@@ -218,6 +227,8 @@ def job_public(job: Job, *, position: int | None, principal: Principal) -> JobPu
         num_retries=job.num_retries,
         queue_position=position,
         owner=job.owner,
+        priority=job.priority,
+        borrowed=job.borrowed,
     )
 
 
@@ -240,7 +251,7 @@ def list_jobs(
     jobs = jobs[:limit]
     positions: dict[int, int] = {}
     if any(j.status == "queued" for j in jobs):  # one query for the whole queue, not one per job
-        queue = session.scalars(select(Job.id).where(Job.status == "queued").order_by(Job.id))
+        queue = session.scalars(select(Job.id).where(Job.status == "queued").order_by(*QUEUE_ORDER))
         positions = {job_id: i + 1 for i, job_id in enumerate(queue)}
     data = [job_public(j, position=positions.get(j.id), principal=principal) for j in jobs]
     return data, (str(jobs[-1].id) if more else None)
@@ -252,7 +263,9 @@ def cancel_job(session: Session, job_id: int) -> Job:
     The scheduler may start the job between this read and the write: the compare-and-set
     then fails, and the job, now active, is flagged for the scheduler to stop instead."""
     job = get_job(session, job_id)
-    if job.status == "queued" and transition(session, job, "cancelled", "cancelled by request while queued"):
+    if job.status in ("queued", "suspended") and transition(
+        session, job, "cancelled", f"cancelled by request while {job.status}"
+    ):
         return job
     if job.status in ACTIVE:  # a compare-and-set too: the job may have ended since it was read
         flagged = session.execute(
@@ -354,3 +367,21 @@ def gpus_in_use(session: Session, *, besides: int | None = None) -> int:
     if besides is not None:
         query = query.where(Job.id != besides)
     return session.scalar(query)
+
+
+def poll_acks(job: Job) -> tuple[int, int, int, dict[int, int]]:
+    """What a poll says is stored: (job, attempt, its last stored step, its ranks' last log lines)."""
+    return job.id, job.attempt, stored_step(job), log_acks(job)
+
+
+def stored_step(job: Job) -> int:
+    """The step through which its rows are stored (-1: none)."""
+    return -1 if job.step is None else job.step
+
+
+def start_timeout(job: Job, timeout_s: float) -> RankError:
+    message = (
+        f"attempt {job.attempt} did not start within {timeout_s:g} s (ZERO1_START_TIMEOUT_S): its ranks were "
+        "not all placed and running"
+    )
+    return RankError(exception="StartTimeout", message=message)

@@ -319,16 +319,16 @@ class RayLauncher:
             return None
         return round(free) + held  # rounded: a probe task holds 0.01 of a GPU for a moment
 
-    def request_stop(self, job_id: int, attempt: int) -> bool:
-        """Ask the attempt's ranks to stop after their next checkpoint (its poll then says
-        "stopped"); whether the supervisor took the request."""
+    def request_stop(self, job_id: int, attempt: int, *, now: bool = False) -> bool:
+        """Ask the attempt's ranks to stop after their next checkpoint (`now`: at their next step,
+        writing a checkpoint there); its poll then says "stopped". Whether the supervisor took it."""
         import ray
 
         supervisor = self._handle(job_id, attempt)
         if supervisor is None:
             return False
         try:
-            ray.get(supervisor.request_stop.remote(), timeout=self.settings.ray_rpc_timeout_s)
+            ray.get(supervisor.request_stop.remote(now), timeout=self.settings.ray_rpc_timeout_s)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             log.warning("job %s: supervisor of attempt %s did not take the stop request", job_id, attempt)
             return False

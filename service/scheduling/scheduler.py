@@ -1,11 +1,13 @@
-"""The scheduler: FIFO with gang admission, dispatch, state transitions and metrics ingestion.
+"""The scheduler: gang admission by the queue's policy, preemption, dispatch, state transitions and
+metrics ingestion.
 
 One thread ticks every ZERO1_SCHEDULER_INTERVAL_S. A tick asks every active job's supervisor
 for its news at once (Ray, outside any transaction), then settles each job in a transaction of
 its own: its new metric rows and its transition. An error while settling one job fails that
-job alone; the others and the queue go on. Then it starts queued jobs in submission order while
-their N GPUs are free (the head of the queue waits for its GPUs: no job overtakes it, so none
-starves). Running jobs never hold more GPUs than exist.
+job alone; the others and the queue go on. Then the queue's policy (service/scheduling/queue.py)
+starts queued jobs by priority, then submission, with backfill and quotas, and asks lower jobs to
+stop for the first that cannot start (preemption: they checkpoint at their next step and return
+to the queue, or shrink). Running jobs never hold more GPUs than exist.
 
 Ray is called only between transactions, never inside one: a slow Ray holds no database lock.
 Every status change is a compare-and-set (service.scheduling.jobs.transition), so a cancel that races a
@@ -18,20 +20,20 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.scheduling import elastic
-from service.scheduling.jobs import gpus_in_use, job_world_sizes, running_reason, still_active, transition
+from service.scheduling.dispatch import Dispatcher, Settled, Stop, resume_point
+from service.scheduling.jobs import poll_acks, running_reason, start_timeout, still_active, transition
 from service.scheduling.launcher import RayLauncher
 from service.schemas.fields import ACTIVE
 from service.store.artifacts import record_final
 from service.store.db import Database
-from service.store.log_lines import log_acks, store_logs
-from service.store.metric_rows import store_metrics, supersede_after
+from service.store.log_lines import store_logs
+from service.store.metric_rows import store_metrics
 from service.store.tables import Job
 from service.telemetry import Telemetry
 from workers.records import RankError
@@ -39,18 +41,6 @@ from workers.records import RankError
 log = logging.getLogger(__name__)
 
 _ALL_STEPS = 2**62
-
-
-@dataclass(frozen=True, slots=True)
-class _Settled:
-    """What a job's transaction decided, for the Ray and file work done after it commits."""
-
-    stored_through: int | None = None
-    """Rows through this step are stored once committed: their pruned checkpoints may go."""
-    ended: bool = False
-    """The job reached a terminal state: release its supervisor, retire its checkpoints."""
-    relaunch: bool = False
-    """A new attempt was recorded: release the old supervisor, launch the new one."""
 
 
 class Scheduler:
@@ -72,8 +62,15 @@ class Scheduler:
         self.sweep_interval_s = sweep_interval_s  # how often a tick frees groups no active attempt owns
         self.log_max_bytes = launcher.settings.log_max_bytes
         self.telemetry = telemetry or Telemetry()  # a registry of its own where no app's is given (tests)
-        self._resized_at: dict[int, float] = {}  # elastic job -> clock() of its last start or resize
-        self._growing: set[tuple[int, int]] = set()  # (job, attempt) asked to stop at a checkpoint to grow
+        self.dispatcher = Dispatcher(
+            db=db,
+            launcher=launcher,
+            total_gpus=total_gpus,
+            clock=clock,
+            telemetry=self.telemetry,
+            grow_interval_s=grow_interval_s,
+        )
+        self.stops = self.dispatcher.stops
         self.last_tick_at: float | None = None
         """clock() when the last tick completed (when the scheduler started, before the first)."""
         self._starting_since: dict[tuple[int, int], float] = {}  # (job, attempt) -> clock() first seen starting
@@ -97,6 +94,10 @@ class Scheduler:
         except Exception:
             log.exception("drain at shutdown failed; the supervisors keep the unstored rows")
 
+    def queue_reasons(self) -> dict[int, str]:
+        """Queued job id -> why it waits, as of the last tick (those the policy looked at)."""
+        return dict(self.dispatcher.reasons)
+
     def tick_age_s(self) -> float | None:
         """Seconds since the last tick completed (or since start, before the first); None if never started."""
         return None if self.last_tick_at is None else self.clock() - self.last_tick_at
@@ -114,21 +115,22 @@ class Scheduler:
         jobs = self._active()
         if self.clock() - self._swept_at >= self.sweep_interval_s:  # before this tick launches anything
             self._sweep({(job.id, job.attempt) for job in jobs})
-        states = self.launcher.poll_many([_acks(job) for job in jobs])
+        states = self.launcher.poll_many([poll_acks(job) for job in jobs])
         attempts = set(states)
         self._starting_since = {key: at for key, at in self._starting_since.items() if key in attempts}
-        self._growing &= attempts
+        self.dispatcher.keep(attempts)
         for job in jobs:
             self._isolated(job, lambda job=job: self._advance(job, states[(job.id, job.attempt)]))
-        self._admit()  # a database that cannot be reached raises here: the tick does not count
-        self._grow()
+        # a database that cannot be reached raises here: the tick does not count
+        self.dispatcher.admit(launch=lambda job: self._launch(job, what="dispatch"))
+        self.dispatcher.grow()
         self.last_tick_at = self.clock()
         self.telemetry.tick_took(time.perf_counter() - started)  # a tick that completes
 
     def drain(self) -> int:
         """One last collection of every active job's metrics and log lines, admitting nothing; rows stored."""
         jobs = self._active()
-        states = self.launcher.poll_many([_acks(job) for job in jobs])
+        states = self.launcher.poll_many([poll_acks(job) for job in jobs])
         stored = 0
         for job in jobs:
             with self.db.session() as session:
@@ -193,7 +195,7 @@ class Scheduler:
         except Exception:
             log.exception("job %s: could not record its failure", job.id)
 
-    def _settle(self, job: Job, write: Callable[[Session, Job], _Settled | None]) -> None:
+    def _settle(self, job: Job, write: Callable[[Session, Job], Settled | None]) -> None:
         """write(session, job) in a transaction of its own, on the job as it is now (skipped if it
         has ended or moved to another attempt since it was read); then the Ray and file work it
         decided, after the commit."""
@@ -213,22 +215,29 @@ class Scheduler:
                 )
             self.launcher.release(job.id, job.attempt)
             self.launcher.retire(fresh)
-        if settled.relaunch:
+        if settled.relaunch or settled.release:
             self.launcher.release(job.id, job.attempt)
+        if settled.relaunch:
             self._launch(fresh, what="relaunch")
 
     def _advance(self, job: Job, state: dict[str, Any]) -> None:
+        if self._kill_if_overdue(job):
+            return
         if job.cancel_requested:
             self.launcher.cancel(job.id, job.attempt)
-            _, _, after, acks = _acks(job)
+            _, _, after, acks = poll_acks(job)
             state = self.launcher.poll(job.id, job.attempt, after_step=after, log_acks=acks)  # up to the stop
             reason = "cancelled by request: every rank stopped, GPUs freed"
             self._settle(job, lambda session, fresh: self._end(session, fresh, "cancelled", reason, state=state))
             return
         if state["status"] == "unknown":  # no answer in time: ask again next tick, never take it for dead
             return
+        if job.suspend_requested and job.id not in self.stops:
+            self.dispatcher.ask_stop(job, Stop(kind="suspend", attempt=job.attempt, asked_at=self.clock()))
+        if job.status == "running" and state["status"] == "running" and not (state["metrics"] or state["logs"]):
+            return  # nothing new: no transaction
         if state["status"] == "starting" and self._start_overdue(job):
-            state = {**state, "status": "failed", "error": _start_timeout(job, self.start_timeout_s)}
+            state = {**state, "status": "failed", "error": start_timeout(job, self.start_timeout_s)}
         if state["status"] == "succeeded":  # final/ read, checked and recorded before the job ends
             record_final(self.db, job, job_dir=self.launcher.checkpoint_dir(job))
         self._settle(job, lambda session, fresh: self._progress(session, fresh, state))
@@ -239,7 +248,7 @@ class Scheduler:
         since = self._starting_since.setdefault((job.id, job.attempt), self.clock())
         return self.clock() - since > self.start_timeout_s
 
-    def _progress(self, session: Session, job: Job, state: dict[str, Any]) -> _Settled | None:
+    def _progress(self, session: Session, job: Job, state: dict[str, Any]) -> Settled | None:
         before = job.step
         self._ingest(session, job, state)
         stored_through = None
@@ -249,15 +258,15 @@ class Scheduler:
         status = state["status"]
         if job.status in ("starting", "restarting") and status in ("running", "succeeded", "stopped"):
             transition(session, job, "running", running_reason(job, nodes=len(set(state["nodes"]))))
-        if status == "stopped":  # at a checkpoint, as asked: relaunched at the N free now, no retry spent
-            return self._record_relaunch(session, job, cause="GPUs free and no job queued", grown=True)
+        if status == "stopped":  # as asked: no retry spent
+            return self._stopped(session, job, self.stops.pop(job.id, job.attempt))
         if status == "succeeded":
             return self._end(
                 session, job, "succeeded", f"all {job.world_size or job.num_gpus} ranks finished step {job.steps - 1}"
             )
         if status in ("failed", "lost"):
             return self._on_failure(session, job, state["error"])
-        return _Settled(stored_through=stored_through)
+        return Settled(stored_through=stored_through)
 
     def _end(
         self,
@@ -268,7 +277,7 @@ class Scheduler:
         *,
         error: RankError | None = None,
         state: dict[str, Any] | None = None,
-    ) -> _Settled | None:
+    ) -> Settled | None:
         """A terminal transition, after storing what a last poll (`state`) brought; None if the job
         changed status under us (nothing to do after)."""
         if state is not None:
@@ -277,7 +286,7 @@ class Scheduler:
             job.error = error.to_json()
         if not transition(session, job, status, reason):
             return None
-        return _Settled(stored_through=_ALL_STEPS, ended=True)  # never relaunched: no saved row is needed
+        return Settled(stored_through=_ALL_STEPS, ended=True)  # never relaunched: no saved row is needed
 
     def _ingest(self, session: Session, job: Job, state: dict[str, Any]) -> int:
         """Store a poll's metric rows and log lines; the number of rows."""
@@ -286,7 +295,7 @@ class Scheduler:
         self.telemetry.ingested_on_commit(session, num_rows=num_rows, num_lines=num_lines)
         return num_rows
 
-    def _on_failure(self, session: Session, job: Job, error: RankError | None) -> _Settled | None:
+    def _on_failure(self, session: Session, job: Job, error: RankError | None) -> Settled | None:
         """Retry from the last checkpoint while max_retries allows, else fail with the cause."""
         max_retries = job.spec.get("max_retries", 0)
         cause = "failed" if error is None else error.reason()
@@ -300,21 +309,16 @@ class Scheduler:
         )
 
     def _record_relaunch(
-        self, session: Session, job: Job, *, cause: str, tail: str = "", grown: bool = False
-    ) -> _Settled | None:
-        """A new attempt from the latest complete checkpoint; rows past it are superseded. The
-        launch itself comes after the commit: a service that stops in between relaunches it."""
-        resume = self.launcher.resume_step(job)
-        # rows up to the checkpoint that never reached the database (Ray stopped with the service)
-        # were saved with the checkpoint: store them, or the surviving curve would have a gap
-        saved = self.launcher.checkpointed_metrics(job, after_step=_after(job))
-        store_metrics(session, job, [row for row in saved if row.step < resume])
-        supersede_after(session, job, resume_step=resume)
-        where = f"checkpoint step {resume - 1}" if resume else "the start (no checkpoint yet)"
+        self, session: Session, job: Job, *, cause: str, tail: str = "", grown: bool = False, size: int | None = None
+    ) -> Settled | None:
+        """A new attempt from the latest complete checkpoint (at N = `size`, else as
+        elastic.relaunch_size decides); rows past it are superseded. The launch itself comes
+        after the commit: a service that stops in between relaunches it."""
+        resume, where = resume_point(session, job, launcher=self.launcher)
         # a growth was decided on free GPUs; Ray's view may not yet show the stopped attempt's as free
         ray_free = (lambda: None) if grown else (lambda: self.launcher.gpus_free_to(job.id, job.attempt))
         old = job.world_size or job.num_gpus
-        new = elastic.relaunch_size(session, job, total=self.total_gpus(), ray_free=ray_free)
+        new = size or elastic.relaunch_size(session, job, total=self.total_gpus(), ray_free=ray_free)
         if new != old:
             cause = f"resized {old} -> {new}: {cause}"
         if job.status != "restarting" and not transition(
@@ -323,9 +327,57 @@ class Scheduler:
             return None
         job.attempt += 1
         job.world_size = new
-        self._resized_at[job.id] = self.clock()
+        self.dispatcher.started(job.id)
         log.info("job %s: %s; attempt %s resumes from %s", job.id, cause, job.attempt, where)
-        return _Settled(stored_through=resume - 1, relaunch=True)
+        return Settled(stored_through=resume - 1, relaunch=True)
+
+    def _stopped(self, session: Session, job: Job, stop: Stop | None) -> Settled | None:
+        """The attempt stopped with a checkpoint at its last step, as asked: preempted (back to the
+        queue, or relaunched smaller), suspended, or grown (relaunched at the N free now)."""
+        if stop is not None and stop.preempt is not None:
+            self.telemetry.preempted("shrunk" if stop.preempt.to_n else "checkpointed")
+            if stop.preempt.to_n:
+                return self._record_relaunch(session, job, cause=stop.cause(), size=stop.preempt.to_n, grown=True)
+            return self._wait_again(session, job, "queued", cause=stop.cause())
+        if stop is not None or job.suspend_requested:
+            self.telemetry.preempted("suspended")
+            return self._wait_again(session, job, "suspended", cause="suspended by request")
+        return self._record_relaunch(session, job, cause="GPUs free and no job queued", grown=True)
+
+    def _wait_again(self, session: Session, job: Job, status: str, *, cause: str, tail: str = "") -> Settled | None:
+        """The attempt is over and the job waits, holding no GPU: back in the queue (preempted:
+        its place is its priority and submission; no retry spent) or suspended. Its next attempt
+        resumes from its latest complete checkpoint."""
+        resume, where = resume_point(session, job, launcher=self.launcher)
+        at = f"checkpoint at step {resume - 1}" if resume else "no checkpoint yet: it starts again from step 0"
+        if not transition(session, job, status, f"{cause}: {at}{tail}"):
+            return None
+        job.attempt += 1
+        job.borrowed = job.backfilled = job.suspend_requested = False
+        log.info("job %s: %s; attempt %s will resume from %s", job.id, cause, job.attempt, where)
+        return Settled(stored_through=resume - 1, release=True)
+
+    def _kill_if_overdue(self, job: Job) -> bool:
+        """A stop not done within ZERO1_PREEMPT_GRACE_S: kill the ranks; the job resumes from its
+        last complete checkpoint (back in the queue, smaller, or suspended, as asked)."""
+        grace = self.launcher.settings.preempt_grace_s
+        if (stop := self.stops.pop_overdue(job.id, job.attempt, now=self.clock(), grace_s=grace)) is None:
+            return False
+        self.launcher.cancel(job.id, job.attempt)
+        _, _, after, acks = poll_acks(job)
+        state = self.launcher.poll(job.id, job.attempt, after_step=after, log_acks=acks)
+        self.telemetry.preempted("killed")
+        tail = f"; its ranks did not stop within {grace:g} s (ZERO1_PREEMPT_GRACE_S) and were killed"
+
+        def write(session: Session, fresh: Job) -> Settled | None:
+            self._ingest(session, fresh, state)
+            if stop.preempt is not None and stop.preempt.to_n:
+                return self._record_relaunch(session, fresh, cause=stop.cause() + tail, size=stop.preempt.to_n)
+            status = "queued" if stop.preempt is not None else "suspended"
+            return self._wait_again(session, fresh, status, cause=stop.cause(), tail=tail)
+
+        self._settle(job, write)
+        return True
 
     def _launch(self, job: Job, *, what: str) -> None:
         """Start the job's current attempt on Ray; a launch Ray refuses fails this job alone."""
@@ -336,61 +388,3 @@ class Scheduler:
             error = RankError.of(exc)
             reason = f"{'dispatch to Ray' if what == 'dispatch' else what} failed: {type(exc).__name__}: {exc}"
             self._settle(job, lambda session, fresh: self._end(session, fresh, "failed", reason, error=error))
-
-    # ----------------------------------------------------------------------- the queue
-
-    def _admit(self) -> None:
-        """Start queued jobs in order while the head's GPUs are free: each start is committed
-        (a compare-and-set from queued) before Ray is asked to launch it."""
-        head = select(Job).where(Job.status == "queued").order_by(Job.id).limit(1)
-        while True:
-            total = self.total_gpus()
-            with self.db.session() as session:
-                job = session.scalar(head)  # only the head is read: the queue may be long
-                if job is None:
-                    return
-                sizes = job_world_sizes(job)
-                fits = [n for n in sizes if n <= total - gpus_in_use(session)]
-                if not fits:
-                    return  # strict FIFO: the head waits for its GPUs (an elastic job for its fewest)
-                n = fits[-1]
-                note = f" (elastic: it runs at N in {sizes})" if len(sizes) > 1 else ""
-                started = transition(session, job, "starting", f"{n} GPUs free: placing {n} ranks{note}")
-                if started:
-                    job.world_size = n
-            if started:  # else cancelled since it was read: the next head
-                self.telemetry.queue_waited((job.started_at - job.created_at).total_seconds())
-                self._resized_at[job.id] = self.clock()
-                self._launch(job, what="dispatch")
-
-    def _grow(self) -> None:
-        """Ask each running elastic job that may grow (elastic.growable) to stop at its next
-        checkpoint; it stops ("stopped") and is relaunched at the larger N (_progress)."""
-        with self.db.session() as session:
-            candidates = elastic.growable(session, total=self.total_gpus())
-        now = self.clock()
-        for job, target in candidates:
-            if (job.id, job.attempt) in self._growing:
-                continue
-            if now - self._resized_at.setdefault(job.id, now) < self.grow_interval_s:
-                continue
-            if self.launcher.request_stop(job.id, job.attempt):
-                log.info("job %s: growing %s -> %s at its next checkpoint", job.id, job.world_size, target)
-                self._growing.add((job.id, job.attempt))
-
-
-def _acks(job: Job) -> tuple[int, int, int, dict[int, int]]:
-    """What a poll says is stored: (job, attempt, its last stored step, its ranks' last log lines)."""
-    return job.id, job.attempt, _after(job), log_acks(job)
-
-
-def _after(job: Job) -> int:
-    return -1 if job.step is None else job.step  # the step through which its rows are stored
-
-
-def _start_timeout(job: Job, timeout_s: float) -> RankError:
-    message = (
-        f"attempt {job.attempt} did not start within {timeout_s:g} s (ZERO1_START_TIMEOUT_S): its ranks were "
-        "not all placed and running"
-    )
-    return RankError(exception="StartTimeout", message=message)

@@ -1,0 +1,266 @@
+"""Between the database and the queue's policy (service/scheduling/queue.py): the snapshot a tick
+decides on, a start committed, and the stops the scheduler has asked for and waits on.
+
+A stop is a preemption (the victim goes back to the queue, or shrinks) or a suspend: the victim's
+ranks agree on a stop at their next step boundary, write a checkpoint at that step and exit (the
+supervisor's status "stopped"); one that has not within ZERO1_PREEMPT_GRACE_S is killed, and
+resumes from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from service.scheduling.elastic import growable
+from service.scheduling.jobs import QUEUE_ORDER, job_world_sizes, stored_step, transition
+from service.scheduling.queue import Holding, Preempt, Start, Waiting, decide, decide_fifo
+from service.schemas.fields import ACTIVE
+from service.schemas.requests import world_sizes
+from service.store.db import Database
+from service.store.metric_rows import store_metrics, supersede_after
+from service.store.tables import Job
+from service.telemetry import Telemetry
+
+if TYPE_CHECKING:
+    from service.scheduling.launcher import RayLauncher
+
+log = logging.getLogger(__name__)
+
+_QUEUE_BATCH = 256
+"""Queued jobs read at a time: a tick reads the queue only as far as its policy looks."""
+
+
+def waiting(session: Session, *, fifo: bool = False) -> Iterator[Waiting]:
+    """The queued jobs in the queue's order (submission order for `fifo`), read lazily."""
+    # the two numbers of the spec the sizes need, read by the database: not every row's whole spec decoded
+    micro, batch = Job.spec["micro_batch_size"].as_integer(), Job.spec["global_batch_size"].as_integer()
+    columns = (Job.id, Job.priority, Job.owner, Job.num_gpus, Job.min_gpus, micro, batch)
+    query = select(*columns).where(Job.status == "queued").order_by(*((Job.id,) if fifo else QUEUE_ORDER))
+    for job_id, priority, owner, num_gpus, min_gpus, micro, batch in session.execute(
+        query.execution_options(yield_per=_QUEUE_BATCH)
+    ):
+        if min_gpus is None or min_gpus == num_gpus:
+            sizes = [num_gpus]  # not elastic: no arithmetic
+        else:
+            micro = micro or 1
+            sizes = world_sizes(
+                min_gpus=min_gpus, num_gpus=num_gpus, micro_batch_size=micro, batch_size=batch or micro * num_gpus
+            )
+        yield Waiting(id=job_id, priority=priority, owner=owner, sizes=tuple(sizes))
+
+
+def holding(session: Session, *, age_s: Callable[[int], float]) -> list[Holding]:
+    """The active jobs, each with its age (`age_s(job id)`: seconds since its attempt started or resized)."""
+    jobs = session.scalars(select(Job).where(Job.status.in_(ACTIVE)).order_by(Job.id))
+    return [
+        Holding(
+            id=job.id,
+            priority=job.priority,
+            owner=job.owner,
+            gpus=job.world_size or job.num_gpus,
+            sizes=tuple(job_world_sizes(job)),
+            running=job.status == "running" and not job.cancel_requested,
+            age_s=age_s(job.id),
+            borrowed=job.borrowed,
+            backfilled=job.backfilled,
+            step=job.step,
+        )
+        for job in jobs
+    ]
+
+
+def commit_start(session: Session, start: Start, *, sizes_note: bool = True) -> Job | None:
+    """The start of a queued job at `start.n` GPUs recorded (a compare-and-set from queued); the
+    job, or None if it is no longer queued (cancelled or suspended since the snapshot)."""
+    job = session.get(Job, start.job_id)
+    if job is None or job.status != "queued":
+        return None
+    sizes = job_world_sizes(job)
+    note = f" (elastic: it runs at N in {sizes})" if sizes_note and len(sizes) > 1 else ""
+    how = " as borrowed (past its owner's GPU quota, on idle GPUs)" if start.borrowed else ""
+    if start.backfilled:
+        how += " (backfilled: a job ahead of it waits for more GPUs and may take these back)"
+    if not transition(session, job, "starting", f"{start.n} GPUs free: placing {start.n} ranks{note}{how}"):
+        return None
+    job.world_size, job.borrowed, job.backfilled = start.n, start.borrowed, start.backfilled
+    return job
+
+
+@dataclass(frozen=True, slots=True)
+class Settled:
+    """What a job's transaction decided, for the Ray and file work done after it commits."""
+
+    stored_through: int | None = None
+    """Rows through this step are stored once committed: their pruned checkpoints may go."""
+    ended: bool = False
+    """The job reached a terminal state: release its supervisor, retire its checkpoints."""
+    relaunch: bool = False
+    """A new attempt was recorded: release the old supervisor, launch the new one."""
+    release: bool = False
+    """The attempt ended and the job waits (queued or suspended): release its supervisor."""
+
+
+def resume_point(session: Session, job: Job, *, launcher: RayLauncher) -> tuple[int, str]:
+    """The step the job's next attempt starts at (after its latest complete checkpoint) and where
+    that is, in words; the rows up to it stored, those past it superseded."""
+    resume = launcher.resume_step(job)
+    # rows up to the checkpoint that never reached the database (Ray stopped with the service)
+    # were saved with the checkpoint: store them, or the surviving curve would have a gap
+    saved = launcher.checkpointed_metrics(job, after_step=stored_step(job))
+    store_metrics(session, job, [row for row in saved if row.step < resume])
+    supersede_after(session, job, resume_step=resume)
+    return resume, (f"checkpoint step {resume - 1}" if resume else "the start (no checkpoint yet)")
+
+
+StopKind = Literal["preempt", "suspend"]
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """A stop the scheduler asked of one attempt, and waits on."""
+
+    kind: StopKind
+    attempt: int
+    asked_at: float
+    """clock() when it was asked."""
+    preempt: Preempt | None = None
+    """What a preemption takes (None for a suspend)."""
+
+    def cause(self) -> str:
+        if self.preempt is None:
+            return "suspended by request"
+        return f"preempted by job {self.preempt.by} (priority {self.preempt.by_priority})"
+
+
+class Stops:
+    """The stops asked and not yet done, by job id."""
+
+    def __init__(self) -> None:
+        self._stops: dict[int, Stop] = {}
+
+    def __contains__(self, job_id: int) -> bool:
+        return job_id in self._stops
+
+    def ask(self, job_id: int, stop: Stop) -> None:
+        self._stops[job_id] = stop
+
+    def pop(self, job_id: int, attempt: int) -> Stop | None:
+        """The stop asked of this attempt, forgotten; None if none was."""
+        stop = self._stops.get(job_id)
+        if stop is None or stop.attempt != attempt:
+            return None
+        return self._stops.pop(job_id)
+
+    def keep(self, attempts: set[tuple[int, int]]) -> None:
+        """Forget the stops of attempts no longer active (ended, or moved on)."""
+        self._stops = {k: s for k, s in self._stops.items() if (k, s.attempt) in attempts}
+
+    def preemptions(self) -> dict[int, Preempt]:
+        """Victim id -> the preemption in flight (for the policy: GPUs that are coming)."""
+        return {k: s.preempt for k, s in self._stops.items() if s.preempt is not None}
+
+    def pop_overdue(self, job_id: int, attempt: int, *, now: float, grace_s: float) -> Stop | None:
+        """The stop asked of this attempt more than `grace_s` ago, forgotten; None if there is none."""
+        stop = self._stops.get(job_id)
+        if stop is None or stop.attempt != attempt or now - stop.asked_at <= grace_s:
+            return None
+        return self._stops.pop(job_id)
+
+
+class Dispatcher:
+    """The queue's side of a tick: starts and stops decided by the policy, and growth."""
+
+    def __init__(
+        self,
+        *,
+        db: Database,
+        launcher: RayLauncher,
+        total_gpus: Callable[[], int],
+        clock: Callable[[], float],
+        telemetry: Telemetry,
+        grow_interval_s: float,
+    ) -> None:
+        self.db, self.launcher, self.total_gpus, self.clock = db, launcher, total_gpus, clock
+        self.telemetry, self.grow_interval_s = telemetry, grow_interval_s
+        self.stops = Stops()
+        self.reasons: dict[int, str] = {}
+        """Queued job id -> why it waits, as of the last admission."""
+        self._started_at: dict[int, float] = {}  # job -> clock() of its attempt's start or last resize
+        self._growing: set[tuple[int, int]] = set()  # (job, attempt) asked to stop at a checkpoint to grow
+
+    def started(self, job_id: int) -> None:
+        """The job's attempt started (or resized) now: its age, for growth and preemption, counts from here."""
+        self._started_at[job_id] = self.clock()
+
+    def age_s(self, job_id: int) -> float:
+        """Seconds since the job's attempt started or resized (since this process first saw it, after a restart)."""
+        now = self.clock()
+        return now - self._started_at.setdefault(job_id, now)
+
+    def keep(self, attempts: set[tuple[int, int]]) -> None:
+        """Forget what concerns attempts no longer active."""
+        self._growing &= attempts
+        self.stops.keep(attempts)
+
+    def admit(self, *, launch: Callable[[Job], None]) -> None:
+        """Start what the queue's policy starts, each start committed (a compare-and-set from
+        queued) before `launch` asks Ray for it; ask the stops it decides."""
+        settings = self.launcher.settings
+        fifo = settings.queue_policy == "fifo"
+        with self.db.session() as session:
+            held = holding(session, age_s=self.age_s)
+            queue = waiting(session, fifo=fifo)
+            if fifo:
+                decision = decide_fifo(queue, held, total=self.total_gpus())
+            else:
+                decision = decide(
+                    queue,
+                    held,
+                    total=self.total_gpus(),
+                    quota=settings.gpu_quota,
+                    borrowing=settings.quota_borrowing,
+                    min_runtime_s=settings.preempt_min_runtime_s,
+                    in_flight=self.stops.preemptions(),
+                )
+        self.reasons = decision.reasons
+        for start in decision.starts:
+            with self.db.session() as session:
+                job = commit_start(session, start)
+            if job is not None:  # else cancelled or suspended since it was read
+                self.telemetry.queue_waited((job.started_at - job.created_at).total_seconds())
+                self.started(job.id)
+                launch(job)
+        if decision.preempts:
+            with self.db.session() as session:
+                victims = {job.id: job for job in session.scalars(select(Job).where(Job.status == "running"))}
+            now = self.clock()
+            for preempt in decision.preempts:
+                if (victim := victims.get(preempt.victim)) is not None:
+                    self.ask_stop(victim, Stop(kind="preempt", attempt=victim.attempt, asked_at=now, preempt=preempt))
+
+    def ask_stop(self, job: Job, stop: Stop) -> None:
+        """Ask the attempt's ranks to stop at their next step with a checkpoint; remembered once
+        the supervisor took it (else asked again next tick)."""
+        if self.launcher.request_stop(job.id, job.attempt, now=True):
+            self.stops.ask(job.id, stop)
+            log.info("job %s: asked to stop at its next step (%s)", job.id, stop.cause())
+
+    def grow(self) -> None:
+        """Ask each running elastic job that may grow (elastic.growable) to stop at its next
+        checkpoint; it stops ("stopped") and is relaunched at the larger N."""
+        with self.db.session() as session:
+            candidates = growable(session, total=self.total_gpus(), quota=self.launcher.settings.gpu_quota)
+        for job, target in candidates:
+            if (job.id, job.attempt) in self._growing or job.id in self.stops:
+                continue
+            if self.age_s(job.id) < self.grow_interval_s:
+                continue
+            if self.launcher.request_stop(job.id, job.attempt):
+                log.info("job %s: growing %s -> %s at its next checkpoint", job.id, job.world_size, target)
+                self._growing.add((job.id, job.attempt))

@@ -1,0 +1,244 @@
+"""Preemption that loses no step, end to end on the embedded Ray (4 logical GPUs): a higher priority
+stops a lower job whole (it checkpoints at the step it stopped, returns to the queue, resumes and
+ends bit for bit where an unpreempted run ends, no retry spent); an elastic victim shrinks and trains
+on; a borrowed job is taken back by a user within quota at the same priority; a young job is left
+alone; a victim that cannot stop within the grace is killed and resumes from its last periodic
+checkpoint; suspend and resume round-trip with every step once.
+
+Packages: service.scheduling, workers.training, workers.runtime.
+"""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+
+import pytest
+
+from conftest import make_settings, serve
+from figures import record
+from helpers import TERMINAL, job_body, job_checkpoint_dir, wait_for, wait_job
+from test_elastic import _gated_bundle, _set_gate
+from test_faults import assert_same_state, final_shards, transitions
+from test_python_jobs import EXAMPLE_DIR, example, upload
+
+ALICE, BOB = (f"{user}-{secrets.token_urlsafe(24)}" for user in ("alice", "bob"))
+
+
+def bearer(token: str) -> dict:
+    return {"Authorization": f"Bearer {token}"}
+
+
+@pytest.fixture
+def preempting(ray_cluster, tmp_path):
+    """The app with no minimum runtime: a job may be preempted as soon as it trains."""
+    settings = make_settings(tmp_path, preempt_min_runtime_s=0, elastic_grow_interval_s=3600)
+    with serve(settings) as client:
+        yield client, settings
+
+
+def submit(client, body: dict, headers: dict | None = None) -> int:
+    response = client.post("/v1/jobs", json=body, headers=headers)
+    assert response.status_code == 201, response.text
+    return response.json()["id"]
+
+
+def steps_stored(client, job_id: int, headers: dict | None = None) -> list[int]:
+    rows = client.get(f"/v1/jobs/{job_id}/metrics", params={"limit": 10_000}, headers=headers).json()["data"]
+    return [row["step"] for row in rows]
+
+
+def losses(client, job_id: int) -> list[float]:
+    rows = client.get(f"/v1/jobs/{job_id}/metrics", params={"limit": 10_000}).json()["data"]
+    return [row["loss"] for row in rows]
+
+
+def events(client, job_id: int, headers: dict | None = None) -> list[dict]:
+    return client.get(f"/v1/jobs/{job_id}/events", headers=headers).json()["data"]
+
+
+def running_past(client, job_id: int, step: int, headers: dict | None = None) -> dict:
+    return wait_job(
+        client,
+        job_id,
+        lambda j: j["status"] == "running" and (j["step"] or 0) >= step,
+        what=f"running past step {step}",
+        headers=headers,
+    )
+
+
+def test_a_higher_priority_job_stops_a_lower_one_which_resumes_and_ends_bit_for_bit(preempting):
+    client, settings = preempting
+    steps = 300
+    body = job_body(num_gpus=4, steps=steps, checkpoint_every=100, priority=10, name="victim")
+    victim = submit(client, body)
+    running_past(client, victim, 20)
+    urgent = submit(client, job_body(num_gpus=2, steps=10, priority=90, name="urgent"))
+    started = wait_job(client, urgent, lambda j: j["status"] in ("running", *TERMINAL), what="urgent running")
+    assert started["status"] in ("running", "succeeded")
+    preempted = next(e for e in events(client, victim) if e["to_status"] == "queued" and e["from_status"])
+    assert preempted["reason"].startswith(f"preempted by job {urgent} (priority 90): checkpoint at step ")
+    stopped_at = int(preempted["reason"].rsplit(" ", 1)[1])
+    assert 20 <= stopped_at < steps - 1
+    done = wait_job(client, victim, lambda j: j["status"] in TERMINAL, what="the victim's end")
+    assert done["status"] == "succeeded" and done["num_retries"] == 0
+    assert transitions(events(client, victim)) == [
+        "queued",
+        "starting",
+        "running",
+        "queued",
+        "starting",
+        "running",
+        "succeeded",
+    ]
+    assert steps_stored(client, victim) == list(range(steps))  # every step exactly once
+    reference = submit(client, {**body, "name": "unpreempted"})
+    assert wait_job(client, reference, lambda j: j["status"] in TERMINAL)["status"] == "succeeded"
+    resumed = final_shards(settings.database_url, Path(settings.checkpoint_uri), victim, step=steps - 1)
+    straight = final_shards(settings.database_url, Path(settings.checkpoint_uri), reference, step=steps - 1)
+    assert_same_state(resumed, straight)  # the same N, and the checkpoint at the step it stopped
+    record(
+        "preempted by priority 90: checkpointed, requeued, resumed",
+        faults=1,
+        jobs_accepted=3,
+        jobs_stored=3,
+        rows_expected=steps,
+        rows_stored=len(steps_stored(client, victim)),
+    )
+    assert client.get(f"/v1/jobs/{urgent}").json()["status"] == "succeeded"
+
+
+def test_an_elastic_victim_shrinks_and_trains_on_with_the_curve_of_an_unresized_run(preempting):
+    client, _ = preempting
+    steps = 200
+    shape = {"micro_batch_size": 2, "global_batch_size": 8, "checkpoint_every": 50, "steps": steps}
+    victim = submit(client, job_body(num_gpus=4, min_gpus=2, priority=10, name="elastic", **shape))
+    running_past(client, victim, 20)
+    urgent = submit(client, job_body(num_gpus=2, steps=10, priority=90, name="urgent"))
+    wait_job(client, urgent, lambda j: j["status"] in ("running", *TERMINAL), what="urgent running")
+    resized = wait_for(
+        lambda: [e for e in events(client, victim) if e["to_status"] == "restarting"],
+        bool,
+        what="the victim's resize",
+    )
+    assert resized[0]["reason"].startswith(f"resized 4 -> 2: preempted by job {urgent} (priority 90)")
+    assert client.get(f"/v1/jobs/{victim}").json()["status"] != "queued"  # it never stopped whole
+    done = wait_job(client, victim, lambda j: j["status"] in TERMINAL, what="the victim's end")
+    assert done["status"] == "succeeded" and done["num_retries"] == 0
+    assert "queued" not in transitions(events(client, victim))[1:]
+    assert steps_stored(client, victim) == list(range(steps))
+    reference = submit(client, job_body(num_gpus=4, name="unresized", **shape))
+    assert wait_job(client, reference, lambda j: j["status"] in TERMINAL)["status"] == "succeeded"
+    for step, (a, b) in enumerate(zip(losses(client, victim), losses(client, reference), strict=True)):
+        assert a == pytest.approx(b, rel=1e-4, abs=1e-4), f"step {step}: {a} against {b}"
+    record(
+        "preempted elastic job shrunk 4 -> 2, trained on",
+        faults=1,
+        jobs_accepted=3,
+        jobs_stored=3,
+        rows_expected=steps,
+        rows_stored=len(steps_stored(client, victim)),
+    )
+
+
+def test_a_borrowed_job_runs_past_its_quota_and_is_taken_back_at_the_same_priority(ray_cluster, tmp_path):
+    settings = make_settings(
+        tmp_path, api_tokens=f"alice:{ALICE},bob:{BOB}", gpu_quotas="alice=2,*=4", preempt_min_runtime_s=0
+    )
+    with serve(settings) as client:
+        long = job_body(num_gpus=2, steps=100_000, checkpoint_every=0)
+        own = submit(client, {**long, "name": "within"}, bearer(ALICE))
+        running_past(client, own, 1, bearer(ALICE))
+        borrowed = submit(client, {**long, "name": "borrowed"}, bearer(ALICE))
+        job = running_past(client, borrowed, 1, bearer(ALICE))
+        assert job["borrowed"] is True
+        assert "as borrowed" in events(client, borrowed, bearer(ALICE))[1]["reason"]
+        bobs = submit(client, job_body(num_gpus=2, steps=5, name="bob's"), bearer(BOB))
+        assert wait_job(client, bobs, lambda j: j["status"] in TERMINAL, headers=bearer(BOB))["status"] == "succeeded"
+        preempted = [e["reason"] for e in events(client, borrowed, bearer(ALICE)) if e["to_status"] == "queued"]
+        assert preempted[-1].startswith(f"preempted by job {bobs} (priority 50): checkpoint at step ")
+        assert client.get(f"/v1/jobs/{own}", headers=bearer(ALICE)).json()["attempt"] == 0  # within quota: untouched
+        for job_id in (own, borrowed):
+            client.post(f"/v1/jobs/{job_id}/cancel", headers=bearer(ALICE))
+
+
+def test_a_job_younger_than_the_minimum_runtime_is_not_preempted(ray_cluster, tmp_path):
+    settings = make_settings(tmp_path, preempt_min_runtime_s=3600)
+    with serve(settings) as client:
+        young = submit(client, job_body(num_gpus=4, steps=100_000, priority=10, name="young"))
+        running_past(client, young, 1)
+        urgent = submit(client, job_body(num_gpus=2, steps=5, priority=90, name="urgent"))
+        scheduler = client.app.state.runtime.scheduler
+        # the policy has looked at the urgent job (its reason is set) and asked no stop
+        wait_for(scheduler.queue_reasons, lambda r: r.get(urgent) == "waiting for 2 GPUs, 0 free", what="a tick")
+        assert young not in scheduler.stops
+        assert client.get(f"/v1/jobs/{young}").json()["status"] == "running"
+        client.post(f"/v1/jobs/{young}/cancel")
+        assert wait_job(client, urgent, lambda j: j["status"] in TERMINAL)["status"] == "succeeded"
+
+
+def test_a_victim_that_cannot_stop_within_the_grace_is_killed_and_resumes_from_its_checkpoint(ray_cluster, tmp_path):
+    data_roots = [str(EXAMPLE_DIR.parents[0] / "data")]
+    settings = make_settings(tmp_path, preempt_min_runtime_s=0, preempt_grace_s=2, data_roots=data_roots)
+    with serve(settings) as client:
+        gate = tmp_path / "gate"
+        code = upload(client, _gated_bundle(tmp_path / "bundle", gate))
+        steps, every = 24, 8
+        # 8 samples a step in micro-batches of 2 on 4 ranks: one forward call a step; the ranks
+        # wait in forward at call 13 (step 12), past the checkpoint of step 7
+        _set_gate(gate, 12)
+        body = example(code, steps=steps, checkpoint_every=every, num_gpus=4, micro_batch_size=2, global_batch_size=8)
+        victim = submit(client, {**body, "priority": 10})
+        # its ranks hold their last rows until the next step's: wait for the checkpoint, not for rows
+        checkpoint = job_checkpoint_dir(settings.database_url, Path(settings.checkpoint_uri), victim)
+        wait_for(lambda: (checkpoint / f"step-{every - 1:09d}" / "complete.json").is_file(), bool, what="step 7")
+        urgent = submit(client, job_body(num_gpus=2, steps=5, priority=90, name="urgent"))
+        killed = wait_for(
+            lambda: [e["reason"] for e in events(client, victim) if e["to_status"] == "queued" and e["from_status"]],
+            bool,
+            what="the victim killed past its grace",
+        )
+        assert killed[0].startswith(f"preempted by job {urgent} (priority 90): checkpoint at step {every - 1}")
+        assert "did not stop within 2 s (ZERO1_PREEMPT_GRACE_S) and were killed" in killed[0]
+        assert wait_job(client, urgent, lambda j: j["status"] in TERMINAL)["status"] == "succeeded"
+        gate.unlink()
+        done = wait_job(client, victim, lambda j: j["status"] in TERMINAL, what="the victim's end")
+        assert done["status"] == "succeeded" and done["num_retries"] == 0
+        assert steps_stored(client, victim) == list(range(steps))
+        record(
+            "preempted past the grace: killed, resumed from its periodic checkpoint",
+            faults=1,
+            jobs_accepted=2,
+            jobs_stored=2,
+            rows_expected=steps,
+            rows_stored=len(steps_stored(client, victim)),
+        )
+
+
+def test_suspend_checkpoints_frees_the_gpus_and_resume_goes_on_with_every_step_once(preempting):
+    client, settings = preempting
+    steps = 300
+    job = submit(client, job_body(num_gpus=4, steps=steps, checkpoint_every=0, name="suspended"))
+    running_past(client, job, 20)
+    assert client.post(f"/v1/jobs/{job}/suspend").status_code == 202
+    suspended = wait_job(client, job, lambda j: j["status"] in ("suspended", *TERMINAL), what="suspended")
+    assert suspended["status"] == "suspended"
+    reason = events(client, job)[-1]["reason"]
+    assert reason.startswith("suspended by request: checkpoint at step ")
+    at = int(reason.rsplit(" ", 1)[1])
+    assert steps_stored(client, job) == list(range(at + 1))
+    other = submit(client, job_body(num_gpus=4, steps=5, name="while suspended"))  # its GPUs are free
+    assert wait_job(client, other, lambda j: j["status"] in TERMINAL)["status"] == "succeeded"
+    assert client.post(f"/v1/jobs/{job}/resume").status_code == 202
+    done = wait_job(client, job, lambda j: j["status"] in TERMINAL, what="the resumed job's end")
+    assert done["status"] == "succeeded" and done["num_retries"] == 0
+    assert steps_stored(client, job) == list(range(steps))
+    assert client.post(f"/v1/jobs/{job}/suspend").status_code == 409
+    record(
+        "suspended, then resumed",
+        faults=1,
+        jobs_accepted=2,
+        jobs_stored=2,
+        rows_expected=steps,
+        rows_stored=len(steps_stored(client, job)),
+    )
