@@ -42,6 +42,10 @@ JOB_BUCKETS_S = (60, 300, 900, 1800, 3600, 2 * 3600, 4 * 3600, 8 * 3600, 12 * 36
 TICK_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 QUEUE_BUCKETS_S = (1, 5, 15, 30, 60, 300, 900, 1800, 3600, 2 * 3600, 4 * 3600, 12 * 3600, 86_400, 2 * 86_400)
 
+PREEMPT_OUTCOMES = ("checkpointed", "shrunk", "killed", "suspended")
+"""How a preemption ended: the victim stopped at a step with a checkpoint, was shrunk to fewer GPUs, was
+killed past ZERO1_PREEMPT_GRACE_S (it resumes from its last checkpoint), or was suspended."""
+
 UNMATCHED = "<unmatched>"
 """The route label of a request no route matches (a 404, a slash redirect): never the raw path,
 whose values are unbounded."""
@@ -90,6 +94,15 @@ class Telemetry:
             registry=self.registry,
         )
 
+        self._preemptions = Counter(
+            "zero1_preemptions",
+            "Running jobs the scheduler stopped or shrank to free GPUs for another, by outcome.",
+            ["outcome"],
+            registry=self.registry,
+        )
+        for outcome in PREEMPT_OUTCOMES:  # every outcome scraped from the start, at 0
+            self._preemptions.labels(outcome)
+
     def register(self, collector: Collector) -> None:
         """Scrape `collector` from now on, in place of one of its type registered before: the jobs and
         GPUs gauges, read from the runtime's database once the app started (service/scheduling/gauges.py)."""
@@ -133,6 +146,11 @@ class Telemetry:
 
     def queue_waited(self, duration_s: float) -> None:
         self._queue_s.observe(duration_s)
+
+    def preempted(self, outcome: str) -> None:
+        """A preemption ended in `outcome` (one of PREEMPT_OUTCOMES)."""
+        assert outcome in PREEMPT_OUTCOMES, f"outcome {outcome!r} is not one of {PREEMPT_OUTCOMES}"
+        self._preemptions.labels(outcome).inc()
 
 
 class RequestTimer:

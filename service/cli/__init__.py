@@ -1,5 +1,6 @@
 """The `zero1` command: `serve` runs the API; `plan` plans a model offline; `submit`,
-`jobs`, `status`, `watch`, `logs`, `cancel` and `download` talk to a running API; `db upgrade` migrates.
+`jobs`, `status`, `watch`, `logs`, `cancel`, `download`, `queue`, `suspend`, `resume` and `priority`
+talk to a running API; `db upgrade` migrates.
 
 May import: service.settings, service.errors, service.auth, service.main, service.schemas,
 service.store, service.planning, workers.memory.
@@ -15,6 +16,7 @@ from decimal import Decimal, InvalidOperation
 from service.cli.jobs import cmd_cancel, cmd_download, cmd_jobs, cmd_status, cmd_submit, cmd_watch
 from service.cli.logs import cmd_logs
 from service.cli.plans import cmd_plan
+from service.cli.queue import cmd_priority, cmd_queue, cmd_resume, cmd_suspend
 from service.cli.server import cmd_db, cmd_serve
 from service.schemas.fields import MAX_TEXT_DIGITS, too_many_digits
 from workers.memory.model import OPTIMIZERS, PRECISIONS, STAGES
@@ -97,6 +99,7 @@ def _parser() -> argparse.ArgumentParser:
         help="a python model's code: DIR zipped (without .git, __pycache__, virtualenvs and what its "
         ".gitignore lists), uploaded, and set as the job's code",
     )
+    submit.add_argument("--priority", type=int, metavar="N", help="0-100, highest first (default: the service's, 50)")
     submit.add_argument("--url", **url)
     jobs = commands.add_parser("jobs", help="list jobs, newest first")
     jobs.add_argument("--status", action="append", help="only these statuses (repeatable)")
@@ -106,12 +109,21 @@ def _parser() -> argparse.ArgumentParser:
         ("status", "a job, with its events"),
         ("watch", "a live progress bar until the job ends"),
         ("cancel", "cancel a job"),
+        ("suspend", "suspend a job: a running one stops at its next step with a checkpoint"),
+        ("resume", "put a suspended job back in the queue"),
     ):
         command = commands.add_parser(name, help=text)
         command.add_argument("job_id", type=int)
         command.add_argument("--url", **url)
         if name == "watch":
             command.add_argument("--interval", type=float, default=0.5, help="seconds between refreshes")
+    priority = commands.add_parser("priority", help="change a job's priority (0-100, highest first)")
+    priority.add_argument("job_id", type=int)
+    priority.add_argument("priority", type=int, help="the new priority, up to your ceiling")
+    priority.add_argument("--url", **url)
+    queue = commands.add_parser("queue", help="the queued jobs in the order they start, why each waits")
+    queue.add_argument("--limit", type=int, default=100, help="the first N queued jobs (default 100)")
+    queue.add_argument("--url", **url)
     logs = commands.add_parser(
         "logs", help="a job's output lines, as [rank R] line", description="A job's output lines, oldest first."
     )
@@ -146,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
         "logs": cmd_logs,
         "cancel": cmd_cancel,
         "download": cmd_download,
+        "queue": cmd_queue,
+        "suspend": cmd_suspend,
+        "resume": cmd_resume,
+        "priority": cmd_priority,
         "db": cmd_db,
     }
     try:

@@ -64,6 +64,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
             if digest is None:
                 return 1
             body["code"] = digest
+        if args.priority is not None:
+            body["priority"] = args.priority
         response = client.post("/v1/jobs", json=body, params={"dry_run": str(args.dry_run).lower()})
     if response.status_code == 422 and response.json().get("error") == "does_not_fit":
         print(f"does not fit: {escape(response.json()['message'], keep=MULTILINE)}", file=sys.stderr)

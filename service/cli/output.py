@@ -18,6 +18,7 @@ STATUS_STYLES = {
     "starting": "cyan",
     "running": "cyan",
     "restarting": "yellow",
+    "suspended": "magenta",
     "succeeded": "green",
     "failed": "red",
     "cancelled": "yellow",

@@ -1,4 +1,4 @@
-"""The dashboard's pages: jobs (/), one job (/jobs/{id}) and the planner (/plan).
+"""The dashboard's pages: jobs and the queue (/), one job (/jobs/{id}) and the planner (/plan).
 
 Each page is rendered whole on the server from the same service.scheduling.jobs and service.planning.plans
 functions the /v1 API uses, so it reads without JavaScript; dashboard.js then keeps it live
@@ -22,14 +22,14 @@ from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service.api.deps import ClusterDep, ReaderDep, SessionDep, SettingsDep
+from service.api.deps import ClusterDep, ReaderDep, RuntimeDep, SessionDep, SettingsDep
 from service.auth import Principal
 from service.dashboard import charts
 from service.dashboard.format import FILTERS, elapsed_s
 from service.errors import ServiceError, describe_validation_errors
 from service.planning.plans import make_plan, plan_public
 from service.planning.recommendations import cost_model_of, recommend_public
-from service.scheduling import jobs
+from service.scheduling import controls, jobs
 from service.schemas.fields import JobStatus, too_many_digits
 from service.schemas.printable import MULTILINE, escape
 from service.schemas.requests import PlanRequest, RecommendRequest
@@ -43,6 +43,8 @@ STATIC_DIR = HERE / "static"
 STATUSES: tuple[str, ...] = JobStatus.__args__
 TABLE_LIMIT = 100
 """Jobs the table shows, newest first, besides every active one (dashboard.js reads it from data-limit)."""
+QUEUE_LIMIT = 50
+"""Queued jobs the queue panel lists, in the order they start (dashboard.js reads it from data-limit)."""
 MAX_POINTS = 200
 """Points a chart asks the metrics endpoint for (dashboard.js reads it from data-max-points)."""
 LOG_LINES = 1000
@@ -102,23 +104,29 @@ def table_jobs(session: Session, *, status: str | None, principal: Principal) ->
     return sorted({job.id: job for job in [*recent, *active]}.values(), key=table_order)
 
 
-def queued_count(session: Session, *, principal: Principal) -> int:
-    """The newest queued job's queue position is the length of the queue."""
-    newest, _ = jobs.list_jobs(session, statuses=["queued"], limit=1, cursor=None, principal=principal)
-    return newest[0].queue_position if newest else 0
-
-
 @router.get("/", response_class=HTMLResponse)
 def jobs_page(
-    request: Request, session: SessionDep, cluster: ClusterDep, principal: ReaderDep, status: str | None = None
+    request: Request,
+    session: SessionDep,
+    cluster: ClusterDep,
+    principal: ReaderDep,
+    runtime: RuntimeDep,
+    settings: SettingsDep,
+    status: str | None = None,
 ):
-    """The cluster strip and the jobs table, filtered by ?status= (an unknown status shows all)."""
+    """The cluster strip, the queue (GET /v1/queue's) and the jobs table, filtered by ?status= (an unknown
+    status shows all)."""
     status = status if status in STATUSES else None
+    queue = controls.queue_view(
+        session, reasons=runtime.scheduler.queue_reasons(), settings=settings, limit=QUEUE_LIMIT
+    )
     context = {
         "page": "jobs",
         "cluster": cluster,
         "gpus_in_use": jobs.gpus_in_use(session),
-        "queued": queued_count(session, principal=principal),
+        "queued": queue.count,
+        "queue": queue,
+        "queue_limit": QUEUE_LIMIT,
         "status": status,
         "jobs": table_jobs(session, status=status, principal=principal),
         "statuses": STATUSES,

@@ -1,6 +1,6 @@
-"""The jobs and GPUs gauges of GET /metrics: zero1_jobs{status}, zero1_gpus_in_use, zero1_gpus_total
-and zero1_steps_per_second, read from the database at each scrape (the app registers a JobGauges
-with its Telemetry once its runtime started)."""
+"""The jobs and GPUs gauges of GET /metrics: zero1_jobs{status}, zero1_gpus_in_use, zero1_gpus_total,
+zero1_steps_per_second and zero1_owner_gpus_in_use{owner}, read from the database at each scrape (the app
+registers a JobGauges with its Telemetry once its runtime started)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from sqlalchemy import func, select
 
+from service.scheduling.controls import gpus_by_owner
 from service.scheduling.jobs import gpus_in_use
 from service.schemas.fields import JobStatus
 from service.store.db import Database
@@ -20,12 +21,14 @@ _GAUGES = {
     "zero1_gpus_in_use": "GPUs held by starting, running and restarting jobs.",
     "zero1_gpus_total": "GPUs in the cluster.",
     "zero1_steps_per_second": "Training steps per second, summed over running jobs.",
+    "zero1_owner_gpus_in_use": "GPUs held by each owner's starting, running and restarting jobs; "
+    'owner="" for jobs submitted while auth was off; 0 for an owner whose jobs all wait (queued, suspended).',
 }
 
 
 class JobGauges:
-    """A collector of zero1_jobs{status}, zero1_gpus_in_use, zero1_gpus_total and zero1_steps_per_second,
-    read from `db` at each scrape."""
+    """A collector of zero1_jobs{status}, zero1_gpus_in_use, zero1_gpus_total, zero1_steps_per_second and
+    zero1_owner_gpus_in_use{owner}, read from `db` at each scrape."""
 
     def __init__(self, db: Database, *, total_gpus: Callable[[], int]) -> None:
         self._db, self._total_gpus = db, total_gpus
@@ -39,6 +42,7 @@ class JobGauges:
             counts = dict(session.execute(select(Job.status, func.count()).group_by(Job.status)).all())
             running = session.scalars(select(Job.latest).where(Job.status == "running")).all()
             num_in_use = gpus_in_use(session)
+            by_owner = {owner or "": gpus for owner, (gpus, _) in gpus_by_owner(session).items()}
         jobs = GaugeMetricFamily("zero1_jobs", _GAUGES["zero1_jobs"], labels=["status"])
         for status in JobStatus.__args__:
             jobs.add_metric([status], counts.get(status, 0))
@@ -47,3 +51,7 @@ class JobGauges:
         yield GaugeMetricFamily("zero1_gpus_total", _GAUGES["zero1_gpus_total"], value=self._total_gpus())
         steps_per_s = sum(1 / row["step_time_s"] for row in running if row and row.get("step_time_s"))
         yield GaugeMetricFamily("zero1_steps_per_second", _GAUGES["zero1_steps_per_second"], value=steps_per_s)
+        owners = GaugeMetricFamily("zero1_owner_gpus_in_use", _GAUGES["zero1_owner_gpus_in_use"], labels=["owner"])
+        for owner, num_gpus in sorted(by_owner.items()):
+            owners.add_metric([owner], num_gpus)
+        yield owners

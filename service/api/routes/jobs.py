@@ -1,4 +1,5 @@
-"""The jobs API: submit (admitted by the memory model), list, get, cancel, metrics, logs, events, artifacts."""
+"""The jobs API: submit (admitted by the memory model), list, get, cancel, metrics, logs, events, artifacts
+(a job's priority, suspend and resume, and the queue: service/api/routes/queue.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from service.api.deps import ClusterDep, PrincipalDep, ReaderDep, RuntimeDep, Se
 from service.auth import Principal, check_can_cancel
 from service.errors import ServiceError
 from service.planning.hf_paths import check_model_path
-from service.scheduling import admission, jobs
+from service.scheduling import admission, controls, jobs
 from service.scheduling.launcher import dataset_cache_dir
 from service.schemas.fields import JobStatus
 from service.schemas.requests import JobSpec
@@ -85,7 +86,10 @@ async def submit_job(
 ) -> Response:
     """Plan the job with the ZeRO-1 memory model against the cluster; queue it if it fits. Its trace and
     its dataset's tokenizing are awaited holding no request thread and no database connection, each in
-    one of ZERO1_MAX_TASKS slots (ZERO1_MAX_TASKS_PER_USER per user; a 429 when none is free)."""
+    one of ZERO1_MAX_TASKS slots (ZERO1_MAX_TASKS_PER_USER per user; a 429 when none is free). The priority
+    and the owner's GPU quota are checked first, before any of it."""
+    priority = controls.check_priority(spec, settings=settings, principal=principal)
+    controls.check_quota(spec, settings=settings, owner=principal.user)
     spec = await offload.in_file_thread(check_model_path, spec, model_roots=settings.model_roots)
     if spec.code is not None:  # before its trace runs the bundle's code
         await offload.require_code(runtime, spec.code, principal=principal)
@@ -105,18 +109,31 @@ async def submit_job(
     )
     if dry_run:
         return _json(DryRunPublic(dry_run=True, admitted=True, plan=plan))
-    store = functools.partial(_store_job, runtime.db, spec=spec, plan=plan, principal=principal)
+    store = functools.partial(_store_job, runtime.db, spec=spec, plan=plan, principal=principal, priority=priority)
     return await run_in_threadpool(store, key=idempotency_key, max_queued=settings.max_queued_jobs_per_user)
 
 
 def _store_job(
-    db: Database, *, spec: JobSpec, plan: PlanPublic, principal: Principal, key: str | None, max_queued: int
+    db: Database,
+    *,
+    spec: JobSpec,
+    plan: PlanPublic,
+    principal: Principal,
+    priority: int,
+    key: str | None,
+    max_queued: int,
 ) -> Response:
     """The admitted job stored (or the one this Idempotency-Key created before) in one session of its
     own: the request's one commit point, opened only now that every check is done."""
     with db.session() as session:
         job, created = jobs.submit_job(
-            session, spec=spec, plan=plan, idempotency_key=key, owner=principal.user, max_queued=max_queued
+            session,
+            spec=spec,
+            plan=plan,
+            idempotency_key=key,
+            owner=principal.user,
+            max_queued=max_queued,
+            priority=priority,
         )
         public = jobs.job_public(job, position=jobs.queue_position(session, job), principal=principal)
     return _json(public, status_code=201 if created else 200)  # 200: the job this key and body created before

@@ -334,6 +334,35 @@
     setText($(".c-queue", tr), queueText(job));
   }
 
+  function cell(tag, label, text, className = "") {  // a table cell of text, labelled for the phone's cards
+    const el = Object.assign(document.createElement(tag), { className, textContent: visible(text) });
+    el.dataset.label = label;
+    if (tag === "th") el.scope = "row";
+    return el;
+  }
+
+  function queueRow(entry) {  // macros.queue_row
+    const tr = document.createElement("tr");
+    tr.dataset.id = entry.id;
+    const job = cell("th", "Job", "");
+    const link = Object.assign(document.createElement("a"), { href: `/jobs/${entry.id}` });
+    link.append(textSpan("job-id", `#${entry.id}`), " ", textSpan("job-name", entry.name));
+    job.append(link);
+    const gpus = entry.min_gpus === entry.num_gpus ? entry.num_gpus : `${entry.min_gpus}–${entry.num_gpus}`;
+    tr.append(cell("td", "Position", `#${entry.position}`, "num"), job, cell("td", "Owner", entry.owner || "—"),
+      cell("td", "Priority", entry.priority, "num"), cell("td", "GPUs", gpus, "num"),
+      cell("td", "Waiting for", entry.reason, "why"));
+    return tr;
+  }
+
+  function ownerRow(usage) {  // macros.owner_row
+    const tr = document.createElement("tr");
+    tr.append(cell("th", "Owner", usage.owner || "—"), cell("td", "GPUs in use", usage.gpus_in_use, "num"),
+      cell("td", "Quota", usage.quota == null ? "none" : usage.quota, "num"),
+      cell("td", "Borrowed", usage.borrowed_gpus, "num"));
+    return tr;
+  }
+
   function jobsPage() {
     const table = $("#jobs"), tbody = table.tBodies[0], template = $("#row-template");
     const filter = $("#filter"), select = $("#status-filter"), announcer = $("#announcer");
@@ -374,14 +403,29 @@
     // one of those changed (a job was submitted, started, ended or left the queue), when the
     // filter changed, and every tenth second anyway.
     let recent = null, recentFor = null, live = "", ticks = 0;
+    const queueLimit = Number($("#queue").dataset.limit) || 50;
+    let queueShown = null;
+
+    function renderQueue(queue) {  // redrawn only when it changed: a link in it keeps its focus
+      const shown = JSON.stringify([queue.data, queue.owners]);
+      if (shown === queueShown) return;
+      queueShown = shown;
+      $("#queue").tBodies[0].replaceChildren(...queue.data.map(queueRow));
+      $("#owners").tBodies[0].replaceChildren(...queue.owners.map(ownerRow));
+      setText($('[data-field="queue-count"]'), queue.count);
+      $("#queue-empty").hidden = queue.data.length > 0;
+      $("#owners").hidden = !queue.owners.length;
+      $("#owners-empty").hidden = queue.owners.length > 0;
+    }
 
     async function refresh() {
-      const [cluster, active, queued] = await Promise.all([
+      const [cluster, active, queue] = await Promise.all([
         api("/v1/cluster"),
         api(`/v1/jobs?limit=500&${ACTIVE.map((s) => `status=${s}`).join("&")}`),
-        api("/v1/jobs?status=queued&limit=1"),
+        api(`/v1/queue?limit=${queueLimit}`),
       ]);
-      const now = [...active.data, ...queued.data].map((job) => `${job.id}:${job.status}:${job.queue_position}`).join();
+      const waiting = queue.data.map((entry) => `${entry.id}:queued:${entry.position}`);
+      const now = [...active.data.map((job) => `${job.id}:${job.status}`), ...waiting, queue.count].join();
       if (recentFor !== status || now !== live || ticks % 10 === 0) {
         const filter = status, only = filter ? `&status=${encodeURIComponent(filter)}` : "";
         recent = (await api(`/v1/jobs?limit=${limit}${only}`)).data;
@@ -394,8 +438,8 @@
       setText($('[data-field="gpus-total"]', strip), cluster.num_gpus);
       setText($('[data-field="gpu-memory"]', strip), humanBytes(cluster.gpu_memory_bytes));
       setText($('[data-field="gpu-kind"]', strip), cluster.simulated ? "simulated" : "real");
-      // newest first: the newest queued job's position is the length of the queue
-      setText($('[data-field="queued"]', strip), queued.data.length ? queued.data[0].queue_position : 0);
+      setText($('[data-field="queued"]', strip), queue.count);
+      renderQueue(queue);
       setText($('[data-field="nodes"]', strip), cluster.nodes);
       const byId = new Map(recent.map((job) => [job.id, job]));
       for (const job of active.data) if (!status || job.status === status) byId.set(job.id, job);
@@ -449,6 +493,8 @@
       setText($('[data-field="attempt"]', stats), job.attempt);
       setText($('[data-field="world-size"]', stats), job.world_size ?? job.num_gpus);
       setText($('[data-field="queue"]', stats), queueText(job));
+      setText($('[data-field="priority"]', stats), job.priority);
+      $('[data-field="borrowed"]', stats).hidden = !job.borrowed;
       const error = $("#job-error");
       error.hidden = !job.error;
       if (job.error) setText(error, `${job.error.exception}: ${job.error.message}`);
@@ -480,6 +526,7 @@
         if (event.from_status) transition.append(badge(event.from_status), " → ");
         transition.append(badge(event.to_status));
         const li = document.createElement("li");
+        if (event.reason.startsWith("preempted")) li.dataset.kind = "preemption";  // as job.html marks it
         li.append(time, " ", transition, " ", textSpan("reason", event.reason));
         return li;
       }));

@@ -1,0 +1,129 @@
+"""The commands that steer the queue: `zero1 queue` (the waiting jobs in the order they start, why each
+waits, and each owner's GPUs against their quota), `suspend`, `resume` and `priority`. `queue` draws a
+rich table on a terminal and prints plain text otherwise (service/cli/output.py)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+from service.cli.jobs import _api_error, _client
+from service.cli.output import terminal
+from service.schemas.printable import escape
+
+if TYPE_CHECKING:
+    from rich.console import Group
+
+_COLUMNS = ("#", "id", "name", "owner", "priority", "gpus", "reason")
+
+
+def _entry_cells(entry: dict) -> dict[str, str]:
+    """A queued job's row, each column as text; the name, owner and reason escaped (users wrote them)."""
+    num_gpus, min_gpus = entry["num_gpus"], entry["min_gpus"]
+    return {
+        "#": str(entry["position"]),
+        "id": str(entry["id"]),
+        "name": escape(entry["name"]),
+        "owner": escape(entry["owner"] or "-"),
+        "priority": str(entry["priority"]),
+        "gpus": str(num_gpus) if min_gpus == num_gpus else f"{min_gpus}-{num_gpus}",
+        "reason": escape(entry["reason"]),
+    }
+
+
+def _owner_cells(usage: dict) -> dict[str, str]:
+    quota = "none" if usage["quota"] is None else str(usage["quota"])
+    borrowed = f" ({usage['borrowed_gpus']} borrowed)" if usage["borrowed_gpus"] else ""
+    return {
+        "owner": escape(usage["owner"] or "-"),
+        "gpus": f"{usage['gpus_in_use']}{borrowed}",
+        "quota": quota,
+    }
+
+
+def queue_lines(queue: dict) -> list[str]:
+    """`zero1 queue` as plain text: the queue, then each owner's GPUs against their quota."""
+    lines = [f"{'#':>4}  {'id':>6}  {'priority':>8}  {'gpus':>5}  {'owner':<12}  {'name':<20}  reason"]
+    for entry in queue["data"]:
+        c = _entry_cells(entry)
+        lines.append(
+            f"{c['#']:>4}  {c['id']:>6}  {c['priority']:>8}  {c['gpus']:>5}  {c['owner']:<12}  {c['name']:<20}  "
+            f"{c['reason']}"
+        )
+    if queue["count"] > len(queue["data"]):
+        lines.append(f"... and {queue['count'] - len(queue['data'])} more queued")
+    if not queue["data"]:
+        lines.append("(the queue is empty)")
+    lines += ["", f"{'owner':<12}  {'gpus in use':>16}  quota"]
+    for usage in queue["owners"]:
+        c = _owner_cells(usage)
+        lines.append(f"{c['owner']:<12}  {c['gpus']:>16}  {c['quota']}")
+    return lines
+
+
+def _queue_tables(queue: dict) -> Group:
+    """The same as rich tables. Cells are Text, never markup: names and reasons are users'."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    jobs = Table(box=None, header_style="bold", pad_edge=False, title="queue", title_justify="left")
+    for name in _COLUMNS:
+        jobs.add_column(name, justify="right" if name in ("#", "id", "priority", "gpus") else "left")
+    for entry in queue["data"]:
+        cells = _entry_cells(entry)
+        jobs.add_row(*(Text(cells[name], style="dim" if name == "reason" else "") for name in _COLUMNS))
+    owners = Table(box=None, header_style="bold", pad_edge=False, title="GPUs by owner", title_justify="left")
+    for name in ("owner", "gpus in use", "quota"):
+        owners.add_column(name, justify="left" if name == "owner" else "right")
+    for usage in queue["owners"]:
+        cells = _owner_cells(usage)
+        owners.add_row(Text(cells["owner"]), Text(cells["gpus"]), Text(cells["quota"]))
+    more = queue["count"] - len(queue["data"])
+    return Group(jobs, Text(f"... and {more} more queued" if more else ""), owners)
+
+
+def cmd_queue(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        response = client.get("/v1/queue", params={"limit": args.limit})
+    if (code := _api_error(response)) is not None:
+        return code
+    if (console := terminal()) is not None:
+        console.print(_queue_tables(response.json()))
+        return 0
+    print("\n".join(queue_lines(response.json())))
+    return 0
+
+
+def cmd_suspend(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        response = client.post(f"/v1/jobs/{args.job_id}/suspend")
+    if (code := _api_error(response)) is not None:
+        return code
+    job = response.json()
+    if job["status"] == "suspended":
+        print(f"job {args.job_id}: suspended")
+    else:  # an active job stops at its next step with a checkpoint
+        print(f"job {args.job_id}: suspend requested ({job['status']}; it stops at its next checkpoint)")
+    return 0
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        response = client.post(f"/v1/jobs/{args.job_id}/resume")
+    if (code := _api_error(response)) is not None:
+        return code
+    job = response.json()
+    print(f"job {args.job_id}: {job['status']} (queue position {job['queue_position']}, priority {job['priority']})")
+    return 0
+
+
+def cmd_priority(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        response = client.patch(f"/v1/jobs/{args.job_id}", json={"priority": args.priority})
+    if (code := _api_error(response)) is not None:
+        return code
+    job = response.json()
+    where = f", queue position {job['queue_position']}" if job["queue_position"] else ""
+    print(f"job {args.job_id}: priority {job['priority']} ({job['status']}{where})")
+    return 0
