@@ -1,0 +1,754 @@
+"""The queue's policies side by side: strict FIFO against priority + backfill + preemption.
+
+    .venv/bin/python benchmarks/scheduling.py   # --jobs 500 --seed 29 --load 0.9 --queued 10000
+
+Replays one workload through the real scheduler (service.scheduling.scheduler.Scheduler, its
+database on SQLite, its policy in service/scheduling/queue.py) twice, once under
+ZERO1_QUEUE_POLICY=fifo and once under priority, with a simulated launcher and clock in place
+of Ray: no job trains, each attempt's progress is a function of the simulated time.
+
+The workload (seeded): --jobs jobs on a 64-GPU cluster, arriving as a Poisson process whose rate
+makes the offered load (the jobs' GPU-seconds over 64 GPUs x the arrival span) --load. Sizes
+1-32 GPUs skewed to one GPU, run times log-normal (minutes to days), three priority classes, a
+fifth of the jobs of 4 GPUs or more elastic (min_gpus = num_gpus / 2). The shape follows the
+published analyses of Microsoft's Philly trace (Jeon et al., USENIX ATC 2019) and SenseTime's
+Helios traces (Hu et al., SC 2021): most jobs use one GPU, a few large long jobs hold most of the
+GPU time, and run times span minutes to days with a heavy tail. The parameters below are this
+benchmark's own choice in that shape, not numbers fitted to either trace.
+
+A simulated attempt needs the job's run time at its full num_gpus and progresses at N/num_gpus
+of that rate at N GPUs (elastic); it holds its GPUs from its launch, starts training
+START_DELAY_S later, and writes a checkpoint every CHECKPOINT_EVERY_S of progress. Asked to stop
+(a preemption) it stops STOP_DELAY_S later at its next step with a checkpoint there, well within
+ZERO1_PREEMPT_GRACE_S, and keeps all its progress; killed (cancel) it keeps only its last
+periodic checkpoint, and the progress since is counted as GPU-seconds lost. A relaunch resumes.
+
+The clock is event-driven: it jumps to the next arrival, start, finish or stop, or to the moment
+a job becomes old enough to preempt or to grow, and the scheduler ticks there until a tick
+launches, stops or releases nothing.
+
+Then the tick itself: with 10,000 jobs queued behind a full cluster, and behind one idle GPU that
+no queued job fits (the priority policy then reads the whole queue to backfill), the median and
+p95 of Scheduler.tick() over --ticks ticks, for each policy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import platform
+import random
+import statistics
+import tempfile
+import time
+from collections import Counter, deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import func, insert, select
+
+from service.planning.cluster import ClusterCapacity
+from service.scheduling import admission, jobs
+from service.scheduling.scheduler import Scheduler
+from service.schemas.requests import JobSpec
+from service.schemas.responses import PlanPublic
+from service.settings import Settings
+from service.store.db import Database, upgrade
+from service.store.tables import Job, JobEvent
+from workers.memory.model import GB
+
+TOTAL_GPUS = 64
+SIZES = (1, 2, 4, 8, 16, 32)
+SIZE_WEIGHTS = (0.60, 0.13, 0.11, 0.09, 0.05, 0.02)
+"""Share of jobs of each size: most use one GPU (Philly, Helios)."""
+DURATION_MEDIAN_S = 30 * 60.0
+DURATION_SIGMA = 1.6
+"""ln(run time) ~ Normal(ln(30 min), 1.6): p90 about 4 h, p99 about 21 h, ..."""
+DURATION_RANGE_S = (60.0, 7 * 86_400.0)
+"""... cut to 1 min - 7 days."""
+CLASSES = (("deadline", 90, 0.10), ("normal", 50, 0.60), ("best-effort", 10, 0.30))
+"""(name, priority, share of jobs)."""
+ELASTIC_SHARE = 0.20
+"""Of the jobs of 4 GPUs or more: elastic, min_gpus = num_gpus / 2."""
+
+START_DELAY_S = 30.0
+"""From a launch to training: placing the ranks, rendezvous, loading a checkpoint."""
+STOP_DELAY_S = 5.0
+"""From a stop request to the ranks' exit with a checkpoint at their next step."""
+CHECKPOINT_EVERY_S = 600.0
+"""Periodic checkpoints, in seconds of progress at full size (a step is one such second)."""
+MIN_RUNTIME_S = 120.0
+GRACE_S = 60.0
+GROW_INTERVAL_S = 300.0
+_EPSILON_S = 1e-3
+_MAX_SETTLE_TICKS = 8
+
+CLUSTER = ClusterCapacity(num_gpus=TOTAL_GPUS, num_gpus_free=TOTAL_GPUS, gpu_memory_bytes=80 * GB, simulated=True)
+MODEL = {"kind": "mlp", "sizes": [64, 64]}
+
+
+# --------------------------------------------------------------------------- the workload
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SimJob:
+    """One job of the workload."""
+
+    arrival_s: float
+    num_gpus: int
+    min_gpus: int
+    duration_s: float
+    """Run time at num_gpus."""
+    priority: int
+    klass: str
+
+    @property
+    def gpu_s(self) -> float:
+        return self.num_gpus * self.duration_s
+
+
+def make_workload(*, num_jobs: int, seed: int, load: float) -> list[SimJob]:
+    """`num_jobs` jobs, Poisson arrivals at the rate that makes the offered load `load`."""
+    rng = random.Random(seed)
+    shapes = [_shape(rng) for _ in range(num_jobs)]
+    mean_gpu_s = statistics.fmean(n * d for n, _, d, _ in shapes)
+    rate = load * TOTAL_GPUS / mean_gpu_s  # jobs per second
+    arrival, out = 0.0, []
+    for num_gpus, min_gpus, duration_s, (klass, priority, _) in shapes:
+        out.append(
+            SimJob(
+                arrival_s=arrival,
+                num_gpus=num_gpus,
+                min_gpus=min_gpus,
+                duration_s=duration_s,
+                priority=priority,
+                klass=klass,
+            )
+        )
+        arrival += rng.expovariate(rate)
+    return out
+
+
+def _shape(rng: random.Random) -> tuple[int, int, float, tuple[str, int, float]]:
+    num_gpus = rng.choices(SIZES, weights=SIZE_WEIGHTS)[0]
+    elastic = num_gpus >= 4 and rng.random() < ELASTIC_SHARE
+    duration_s = min(
+        max(rng.lognormvariate(math.log(DURATION_MEDIAN_S), DURATION_SIGMA), DURATION_RANGE_S[0]), DURATION_RANGE_S[1]
+    )
+    klass = rng.choices(CLASSES, weights=[share for _, _, share in CLASSES])[0]
+    return num_gpus, num_gpus // 2 if elastic else num_gpus, round(duration_s), klass
+
+
+def workload_line(workload: list[SimJob]) -> str:
+    span_s = workload[-1].arrival_s
+    load = sum(j.gpu_s for j in workload) / (TOTAL_GPUS * span_s)
+    sizes = ", ".join(f"{n}: {sum(j.num_gpus == n for j in workload)}" for n in SIZES)
+    classes = ", ".join(f"{name} ({p}): {sum(j.klass == name for j in workload)}" for name, p, _ in CLASSES)
+    durations = sorted(j.duration_s for j in workload)
+    return (
+        f"{len(workload)} jobs on {TOTAL_GPUS} GPUs over {span_s / 3600:.1f} h of arrivals (Poisson), offered load "
+        f"{load:.0%}; jobs by size {sizes}; by class {classes}; {sum(j.min_gpus < j.num_gpus for j in workload)} "
+        f"elastic; run time at full size lognormal(ln 30 min, 1.6) cut to 1 min-7 d: median "
+        f"{_hours(statistics.median(durations))}, p95 {_hours(durations[int(0.95 * (len(durations) - 1))])}, "
+        f"max {_hours(durations[-1])}; the GPU-seconds of the 1-GPU jobs are "
+        f"{sum(j.gpu_s for j in workload if j.num_gpus == 1) / sum(j.gpu_s for j in workload):.0%} of the total"
+    )
+
+
+def job_spec(sim: SimJob, *, name: str) -> JobSpec:
+    """A cheap job of `sim`'s shape: a step is one second of work at num_gpus, so steps is its run time.
+    micro_batch_size 1 and a global batch of num_gpus: an elastic job runs at every N in
+    [min_gpus, num_gpus] that divides num_gpus."""
+    return JobSpec(
+        name=name,
+        model=MODEL,
+        num_gpus=sim.num_gpus,
+        min_gpus=sim.min_gpus if sim.min_gpus < sim.num_gpus else None,
+        precision="fp32",
+        steps=max(1, round(sim.duration_s)),
+        micro_batch_size=1,
+        global_batch_size=sim.num_gpus,
+        checkpoint_every=round(CHECKPOINT_EVERY_S),
+        priority=sim.priority,
+    )
+
+
+class Plans:
+    """Admission's plans, one per (num_gpus, min_gpus): the plan of a job does not depend on its steps."""
+
+    def __init__(self) -> None:
+        self._plans: dict[tuple[int, int], PlanPublic] = {}
+
+    def __call__(self, spec: JobSpec) -> PlanPublic:
+        key = (spec.num_gpus, spec.min_gpus or spec.num_gpus)
+        if key not in self._plans:
+            self._plans[key] = admission.admit(spec, cluster=CLUSTER, overhead_bytes=GB)
+        return self._plans[key]
+
+
+# --------------------------------------------------------------------------- the simulated cluster
+
+
+class SimClock:
+    """The scheduler's clock, moved by the replay."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass(slots=True, kw_only=True)
+class Attempt:
+    """One attempt of a job on the simulated cluster; progress is in seconds of work at num_gpus."""
+
+    job_id: int
+    n: int
+    num_gpus: int
+    duration_s: float
+    launched_at: float
+    start_progress_s: float
+    stop_at: float = math.inf
+    stop_asked_at: float | None = None
+    killed: bool = False
+    released_at: float | None = None
+
+    @property
+    def running_at(self) -> float:
+        return self.launched_at + START_DELAY_S
+
+    @property
+    def rate(self) -> float:
+        return self.n / self.num_gpus
+
+    @property
+    def finish_at(self) -> float:
+        return self.running_at + (self.duration_s - self.start_progress_s) / self.rate
+
+    def progress_s(self, t: float) -> float:
+        return min(self.duration_s, self.start_progress_s + max(0.0, t - self.running_at) * self.rate)
+
+    def time_at(self, progress_s: float) -> float:
+        return self.running_at + (progress_s - self.start_progress_s) / self.rate
+
+    def status(self, t: float) -> str:
+        if self.killed or (self.stop_at < self.finish_at and t >= self.stop_at):
+            return "stopped"
+        if t >= self.finish_at:
+            return "succeeded"
+        return "starting" if t < self.running_at else "running"
+
+    def events(self) -> Iterable[float]:
+        """The times at which this attempt changes what a poll says."""
+        yield self.running_at
+        yield min(self.finish_at, self.stop_at)
+
+
+class SimLauncher:
+    """The launcher interface the scheduler calls (service.scheduling.launcher.RayLauncher's), on a
+    simulated cluster of `total_gpus`: each attempt progresses by the clock, no process runs."""
+
+    def __init__(self, settings: Settings, *, clock: SimClock, total_gpus: int) -> None:
+        self.settings, self.clock, self.total_gpus = settings, clock, total_gpus
+        self.durations_s: dict[int, float] = {}
+        """Job id -> its run time at num_gpus (set when the replay submits it)."""
+        self.attempts: dict[tuple[int, int], Attempt] = {}
+        self.saved_s: dict[int, float] = {}
+        """Job id -> the progress its latest checkpoint holds."""
+        self.first_launch_at: dict[int, float] = {}
+        self.retired: set[int] = set()
+        self.num_actions = 0
+        """Launches, stops taken, kills and releases: a tick that did none of them changed nothing here."""
+        self.held_gpus = 0
+        self.held_gpu_s = 0.0
+        self.restart_gpu_s = 0.0
+        """GPU-seconds of relaunched attempts' start-up (held, not training)."""
+        self.lost_gpu_s = 0.0
+        self.problems: list[str] = []
+
+    # what the scheduler calls
+
+    def checkpoint_dir(self, job: Job) -> Path:
+        return Path(self.settings.checkpoint_uri) / f"job-{job.id}"  # never written: record_final finds no final/
+
+    def launch(self, job: Job) -> None:
+        key, now = (job.id, job.attempt), self.clock()
+        if key in self.attempts:
+            return  # adopted, as RayLauncher does
+        n = job.world_size or job.num_gpus
+        self.attempts[key] = Attempt(
+            job_id=job.id,
+            n=n,
+            num_gpus=job.num_gpus,
+            duration_s=self.durations_s[job.id],
+            launched_at=now,
+            start_progress_s=self.saved_s.get(job.id, 0.0),
+        )
+        self.first_launch_at.setdefault(job.id, now)
+        self.held_gpus += n
+        self.num_actions += 1
+        if self.held_gpus > self.total_gpus:
+            self.problems.append(f"t={now:.0f} s: job {job.id} launched on {n}: {self.held_gpus} GPUs held")
+
+    def poll(self, job_id: int, attempt: int, *, after_step: int, log_acks: dict[int, int]) -> dict[str, Any]:
+        return self.poll_many([(job_id, attempt, after_step, log_acks)])[(job_id, attempt)]
+
+    def poll_many(self, attempts: list[tuple[int, int, int, dict[int, int]]]) -> dict[tuple[int, int], dict[str, Any]]:
+        return {(job_id, attempt): self._state(job_id, attempt) for job_id, attempt, _, _ in attempts}
+
+    def request_stop(self, job_id: int, attempt: int, *, now: bool = False) -> bool:
+        """`now`: stop STOP_DELAY_S later at the next step, a checkpoint there; else at the next periodic checkpoint."""
+        found = self.attempts.get((job_id, attempt))
+        if found is None or found.released_at is not None or found.killed:
+            return False
+        t = self.clock()
+        if now:
+            at = max(t, found.running_at) + STOP_DELAY_S
+        else:
+            at = found.time_at((found.progress_s(t) // CHECKPOINT_EVERY_S + 1) * CHECKPOINT_EVERY_S)
+        found.stop_at = min(found.stop_at, at)
+        found.stop_asked_at = t if found.stop_asked_at is None else found.stop_asked_at
+        self.num_actions += 1
+        return True
+
+    def cancel(self, job_id: int, attempt: int) -> None:
+        """Kill the attempt: it keeps its last periodic checkpoint; the progress since is lost."""
+        found = self.attempts.get((job_id, attempt))
+        if found is None or found.killed or found.status(self.clock()) not in ("starting", "running"):
+            return
+        progress = found.progress_s(self.clock())
+        kept = max(found.start_progress_s, progress // CHECKPOINT_EVERY_S * CHECKPOINT_EVERY_S)
+        self.lost_gpu_s += (progress - kept) * found.num_gpus
+        self.saved_s[job_id] = kept
+        found.killed = True
+        self.num_actions += 1
+
+    def release(self, job_id: int, attempt: int) -> None:
+        found = self.attempts.get((job_id, attempt))
+        if found is None or found.released_at is not None:
+            return
+        now = found.released_at = self.clock()
+        self.held_gpus -= found.n
+        self.held_gpu_s += (now - found.launched_at) * found.n
+        if found.start_progress_s > 0 or attempt > 0:
+            self.restart_gpu_s += (min(now, found.running_at) - found.launched_at) * found.n
+        self.num_actions += 1
+
+    def resume_step(self, job: Job) -> int:
+        return int(self.saved_s.get(job.id, 0.0))
+
+    def checkpointed_metrics(self, job: Job, *, after_step: int) -> list:
+        return []
+
+    def discard_stored_metrics(self, job: Job, *, through_step: int) -> None:
+        pass
+
+    def retire(self, job: Job) -> None:
+        self.retired.add(job.id)
+
+    def gpus_free_to(self, job_id: int, attempt: int) -> int | None:
+        return None
+
+    def sweep(self, attempts: set[tuple[int, int]]) -> int:
+        return 0
+
+    def supervisors(self) -> list[tuple[int, int]]:
+        return [key for key, found in self.attempts.items() if found.released_at is None]
+
+    def exists(self, job_id: int, attempt: int) -> bool:
+        found = self.attempts.get((job_id, attempt))
+        return found is not None and found.released_at is None
+
+    def storage_problems(self) -> dict[str, str]:
+        return {}
+
+    # the replay's side
+
+    def next_event(self, after: float) -> float | None:
+        """The earliest time after `after` at which a poll's answer changes, or a job becomes old
+        enough to be preempted (priority policy), to grow (elastic, below its most), or overdue
+        to stop (past the grace)."""
+        times = []
+        for found in self.attempts.values():
+            if found.released_at is not None:
+                continue
+            times.extend(found.events())
+            if self.settings.queue_policy == "priority":
+                times.append(found.launched_at + MIN_RUNTIME_S + _EPSILON_S)
+            if found.n < found.num_gpus:
+                times.append(found.launched_at + GROW_INTERVAL_S + _EPSILON_S)
+            if found.stop_asked_at is not None:
+                times.append(found.stop_asked_at + GRACE_S + _EPSILON_S)
+        later = [t for t in times if after < t < math.inf]
+        return min(later, default=None)
+
+    def _state(self, job_id: int, attempt: int) -> dict[str, Any]:
+        found = self.attempts.get((job_id, attempt))
+        if found is None or found.released_at is not None:
+            return _poll_state("lost", n=0)
+        status = found.status(self.clock())
+        if status == "stopped" and not found.killed:  # its checkpoint at the step it stopped at
+            self.saved_s[job_id] = found.progress_s(found.stop_at)
+        return _poll_state(status, n=found.n)
+
+
+def _poll_state(status: str, *, n: int) -> dict[str, Any]:
+    return {"status": status, "metrics": [], "nodes": ["n0"] * n, "error": None, "logs": [], "log_dropped": (0, 0)}
+
+
+# --------------------------------------------------------------------------- the replay
+
+
+@dataclass(slots=True)
+class Replay:
+    """One policy's run of the workload."""
+
+    policy: str
+    makespan_s: float = 0.0
+    held_gpu_s: float = 0.0
+    held_until_last_arrival_gpu_s: float = 0.0
+    restart_gpu_s: float = 0.0
+    lost_gpu_s: float = 0.0
+    preemptions: dict[str, int] = field(default_factory=dict)
+    preempted_jobs: int = 0
+    most_preemptions: int = 0
+    """Of one job."""
+    waits_s: dict[str, list[float]] = field(default_factory=dict)
+    statuses: dict[str, int] = field(default_factory=dict)
+    num_ticks: int = 0
+    wall_s: float = 0.0
+    problems: list[str] = field(default_factory=list)
+
+
+def simulated(root: Path, *, policy: str) -> tuple[Database, SimLauncher, Scheduler, SimClock]:
+    """A scheduler on a fresh SQLite database and the simulated cluster, under `policy`."""
+    root.mkdir(parents=True)
+    (root / "checkpoints").mkdir()
+    settings = Settings(
+        database_url=f"sqlite:///{root / 'zero1.db'}",
+        checkpoint_uri=str(root / "checkpoints"),
+        queue_policy=policy,
+        preempt_min_runtime_s=MIN_RUNTIME_S,
+        preempt_grace_s=GRACE_S,
+        elastic_grow_interval_s=GROW_INTERVAL_S,
+    )
+    upgrade(settings.database_url)
+    db, clock = Database(settings.database_url), SimClock()
+    launcher = SimLauncher(settings, clock=clock, total_gpus=TOTAL_GPUS)
+    scheduler = Scheduler(
+        db=db,
+        launcher=launcher,
+        total_gpus=lambda: TOTAL_GPUS,
+        interval_s=settings.scheduler_interval_s,
+        start_timeout_s=settings.start_timeout_s,
+        grow_interval_s=GROW_INTERVAL_S,
+        sweep_interval_s=3600.0,
+        clock=clock,
+    )
+    return db, launcher, scheduler, clock
+
+
+def replay(policy: str, workload: list[SimJob], *, root: Path, plans: Plans) -> Replay:
+    """`workload` through the scheduler under `policy`, event by event, to the last job's end."""
+    db, launcher, scheduler, clock = simulated(root, policy=policy)
+    result, sims = Replay(policy), {}
+    pending = deque(workload)
+    started = time.perf_counter()
+    while True:
+        while pending and pending[0].arrival_s <= clock.now:
+            sim = pending.popleft()
+            job_id = _submit(db, sim, name=f"sim-{len(sims)}", plans=plans)
+            sims[job_id] = sim
+            launcher.durations_s[job_id] = sim.duration_s
+        result.num_ticks += _settle(scheduler, launcher)
+        if not pending and len(launcher.retired) == len(workload):
+            break
+        next_arrival_s = pending[0].arrival_s if pending else None
+        upcoming = [t for t in (next_arrival_s, launcher.next_event(clock.now)) if t is not None]
+        if not upcoming:
+            result.problems.append(f"t={clock.now:.0f} s: nothing left to happen, {_stuck(db, scheduler)}")
+            break
+        clock.now = min(upcoming)
+    result.wall_s = time.perf_counter() - started
+    _collect(result, db=db, launcher=launcher, scheduler=scheduler, sims=sims)
+    result.held_until_last_arrival_gpu_s = _held_until(launcher, workload[-1].arrival_s)
+    db.dispose()
+    return result
+
+
+def _submit(db: Database, sim: SimJob, *, name: str, plans: Plans) -> int:
+    spec = job_spec(sim, name=name)
+    with db.session() as session:
+        job, _ = jobs.submit_job(session, spec=spec, plan=plans(spec), idempotency_key=None, priority=sim.priority)
+        return job.id
+
+
+def _settle(scheduler: Scheduler, launcher: SimLauncher) -> int:
+    """Tick at this instant until a tick launches, stops or releases nothing; the ticks."""
+    for num_ticks in range(1, _MAX_SETTLE_TICKS + 1):
+        before = launcher.num_actions
+        scheduler.tick()
+        if launcher.num_actions == before:
+            return num_ticks
+    return _MAX_SETTLE_TICKS
+
+
+def _held_until(launcher: SimLauncher, t: float) -> float:
+    """GPU-seconds held from 0 to `t`."""
+    return sum(
+        max(0.0, min(t, a.released_at if a.released_at is not None else t) - a.launched_at) * a.n
+        for a in launcher.attempts.values()
+    )
+
+
+def _stuck(db: Database, scheduler: Scheduler) -> str:
+    with db.session() as session:
+        counts = dict(session.execute(select(Job.status, func.count()).group_by(Job.status)).all())
+    reasons = list(scheduler.queue_reasons().items())[:3]
+    return f"jobs by status {counts}; the queue's first reasons {reasons}"
+
+
+def _collect(result: Replay, *, db: Database, launcher: SimLauncher, scheduler: Scheduler, sims: dict) -> None:
+    with db.session() as session:
+        rows = session.execute(select(Job.id, Job.status)).all()
+        failed = session.execute(select(JobEvent.job_id, JobEvent.reason).where(JobEvent.to_status == "failed")).all()
+        preempted = session.execute(  # the victim's transition names the preemption (dispatch.Stop.cause)
+            select(JobEvent.job_id, func.count())
+            .where(JobEvent.reason.contains("preempted by job"))
+            .group_by(JobEvent.job_id)
+        ).all()
+    result.statuses = dict(Counter(status for _, status in rows))
+    result.preempted_jobs = len(preempted)
+    result.most_preemptions = max((n for _, n in preempted), default=0)
+    result.problems += launcher.problems + [f"job {job_id} failed: {reason}" for job_id, reason in failed[-3:]]
+    result.makespan_s = max((a.released_at or 0.0) for a in launcher.attempts.values())
+    result.held_gpu_s, result.restart_gpu_s, result.lost_gpu_s = (
+        launcher.held_gpu_s,
+        launcher.restart_gpu_s,
+        launcher.lost_gpu_s,
+    )
+    registry = scheduler.telemetry.registry
+    for outcome in ("checkpointed", "shrunk", "killed"):
+        result.preemptions[outcome] = int(registry.get_sample_value("zero1_preemptions_total", {"outcome": outcome}))
+    for name, _, _ in CLASSES:
+        result.waits_s[name] = [
+            launcher.first_launch_at[job_id] - sim.arrival_s
+            for job_id, sim in sims.items()
+            if sim.klass == name and job_id in launcher.first_launch_at
+        ]
+
+
+# --------------------------------------------------------------------------- the tick with 10,000 queued
+
+
+def tick_times(
+    policy: str, *, root: Path, plans: Plans, num_queued: int, num_ticks: int, idle_gpu: bool, seed: int
+) -> list[float]:
+    """Scheduler.tick()'s wall times with `num_queued` jobs queued behind a cluster whose GPUs running
+    jobs hold (all of them, or all but one with no queued job of one GPU: `idle_gpu`)."""
+    db, launcher, scheduler, clock = simulated(root, policy=policy)
+    rng = random.Random(seed)
+    running = _fill(rng, TOTAL_GPUS - (1 if idle_gpu else 0))
+    queued = [_shape(rng) for _ in range(num_queued)]
+    if idle_gpu:
+        queued = [shape for shape in queued if shape[0] > 1] or queued
+        while len(queued) < num_queued:
+            shape = _shape(rng)
+            if shape[0] > 1:
+                queued.append(shape)
+    _bulk_insert(db, launcher, running=running, queued=queued, plans=plans, clock=clock)
+    for _ in range(2):  # warm: the dispatcher learns the running jobs' ages, the caches fill
+        scheduler.tick()
+    times = []
+    for _ in range(num_ticks):
+        started = time.perf_counter()
+        scheduler.tick()
+        times.append(time.perf_counter() - started)
+    with db.session() as session:
+        still_queued = session.scalar(select(func.count()).where(Job.status == "queued"))
+    assert still_queued == num_queued, f"{num_queued - still_queued} jobs started during the measurement"
+    db.dispose()
+    return times
+
+
+def _fill(rng: random.Random, num_gpus: int) -> list[tuple[int, int, float, tuple[str, int, float]]]:
+    """Running jobs of the workload's shape holding exactly `num_gpus`, none elastic."""
+    out, left = [], num_gpus
+    while left > 0:
+        n, _, duration_s, klass = _shape(rng)
+        n = max(s for s in SIZES if s <= min(n, left))
+        out.append((n, n, duration_s, klass))
+        left -= n
+    return out
+
+
+def _bulk_insert(db: Database, launcher: SimLauncher, *, running: list, queued: list, plans: Plans, clock) -> None:
+    """The jobs written in one insert each: the running ones as running attempt 0, launched on the
+    simulated cluster with a week left to run."""
+    rows = []
+    for i, (n, m, duration_s, (klass, priority, _)) in enumerate(running + queued):
+        sim = SimJob(arrival_s=0.0, num_gpus=n, min_gpus=m, duration_s=duration_s, priority=priority, klass=klass)
+        spec = job_spec(sim, name=f"bulk-{i}")
+        is_running = i < len(running)
+        rows.append(
+            {
+                "name": spec.name,
+                "status": "running" if is_running else "queued",
+                "spec": spec.model_dump(mode="json"),
+                "plan": plans(spec).model_dump(mode="json"),
+                "num_gpus": n,
+                "min_gpus": spec.min_gpus,
+                "world_size": n if is_running else None,
+                "steps": spec.steps,
+                "priority": priority,
+            }
+        )
+    with db.session() as session:
+        session.execute(insert(Job), rows)
+        ids = list(session.scalars(select(Job.id).where(Job.status == "running").order_by(Job.id)))
+        for job in session.scalars(select(Job).where(Job.id.in_(ids))):
+            launcher.durations_s[job.id] = 7 * 86_400.0
+            launcher.launch(job)
+    clock.now = START_DELAY_S + 1.0  # every running attempt is past its start
+
+
+# --------------------------------------------------------------------------- the table
+
+
+def _hours(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _quantile(values: list[float], q: float) -> float:
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    position = q * (len(ordered) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def _ms(values: list[float], q: float) -> str:
+    return f"{_quantile(values, q) * 1e3:.1f} ms"
+
+
+def table(
+    results: list[Replay], ticks: dict[tuple[str, bool], list[float]], *, last_arrival_s: float, num_queued: int
+) -> str:
+    """Both policies side by side, a markdown table."""
+    rows: list[tuple[str, ...]] = [("measurement", *(_TITLES[r.policy] for r in results))]
+    total = TOTAL_GPUS
+
+    def row(name: str, fn) -> None:
+        rows.append((name, *(fn(r) for r in results)))
+
+    row("jobs succeeded", lambda r: f"{r.statuses.get('succeeded', 0)} of {sum(r.statuses.values())}")
+    row("makespan (first arrival to last end)", lambda r: _hours(r.makespan_s))
+    row(
+        "GPU utilization until the last arrival",
+        lambda r: f"{r.held_until_last_arrival_gpu_s / (total * last_arrival_s):.1%}",
+    )
+    row("GPU utilization over the makespan", lambda r: f"{r.held_gpu_s / (total * r.makespan_s):.1%}")
+    for name, priority, _ in CLASSES:
+        for label, q in (("p50", 0.5), ("p95", 0.95)):
+            row(
+                f"wait to first start, {name} ({priority}), {label}",
+                lambda r, n=name, q=q: _hours(_quantile(r.waits_s[n], q)),
+            )
+    row("preemptions: stopped with a checkpoint", lambda r: str(r.preemptions["checkpointed"]))
+    row("preemptions: shrunk (elastic)", lambda r: str(r.preemptions["shrunk"]))
+    row("preemptions: killed past the grace", lambda r: str(r.preemptions["killed"]))
+    row("jobs preempted at least once", lambda r: str(r.preempted_jobs))
+    row("most preemptions of one job", lambda r: str(r.most_preemptions))
+    row("GPU-seconds of work lost", lambda r: f"{r.lost_gpu_s:,.0f}")
+    row(f"GPU-seconds of relaunch start-up ({START_DELAY_S:g} s each)", lambda r: f"{r.restart_gpu_s:,.0f}")
+    row("scheduler ticks in the replay", lambda r: f"{r.num_ticks:,}")
+    row("wall time of the replay", lambda r: f"{r.wall_s:.1f} s")
+    for idle, what in ((False, "cluster full"), (True, "1 GPU idle, no 1-GPU job queued")):
+        num = len(next(iter(ticks.values())))
+        for label, q in (("p50", 0.5), ("p95", 0.95)):
+            rows.append(
+                (
+                    f"tick, {num_queued:,} queued, {what}, {label} of {num}",
+                    *(_ms(ticks[(r.policy, idle)], q) for r in results),
+                )
+            )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["| " + " | ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)) + " |" for r in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+_TITLES = {"fifo": "FIFO (queue_policy=fifo)", "priority": "priority + backfill + preemption"}
+
+
+# --------------------------------------------------------------------------- main
+
+
+class ErrorLog(logging.Handler):
+    """Warnings and errors logged (the scheduler's "failing it alone", a tick's exception), kept to report."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.WARNING)
+        self.records: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = f"{record.levelname} {record.name}: {record.getMessage()}"
+        if record.exc_info:
+            text += "\n" + logging.Formatter().formatException(record.exc_info)
+        self.records.append(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=500)
+    parser.add_argument("--seed", type=int, default=29)
+    parser.add_argument(
+        "--load", type=float, default=0.9, help="offered load: the jobs' GPU-seconds / (64 x arrival span)"
+    )
+    parser.add_argument("--queued", type=int, default=10_000, help="queued jobs for the tick's time")
+    parser.add_argument("--ticks", type=int, default=20)
+    args = parser.parse_args()
+    errors = ErrorLog()
+    logging.getLogger().addHandler(errors)  # the scheduler's own info lines stay quiet
+    logging.getLogger().setLevel(logging.WARNING)
+    workload = make_workload(num_jobs=args.jobs, seed=args.seed, load=args.load)
+    plans, results, ticks = Plans(), [], {}
+    with tempfile.TemporaryDirectory(prefix="zero1-scheduling-") as tmp:
+        root = Path(tmp)
+        for policy in ("fifo", "priority"):
+            results.append(replay(policy, workload, root=root / f"replay-{policy}", plans=plans))
+            for idle in (False, True):
+                ticks[(policy, idle)] = tick_times(
+                    policy,
+                    root=root / f"tick-{policy}-{idle}",
+                    plans=plans,
+                    num_queued=args.queued,
+                    num_ticks=args.ticks,
+                    idle_gpu=idle,
+                    seed=args.seed,
+                )
+    print(f"machine: {platform.machine()}, {platform.python_version()}, SQLite; workload (seed {args.seed}):")
+    print(workload_line(workload))
+    print()
+    print(table(results, ticks, last_arrival_s=workload[-1].arrival_s, num_queued=args.queued))
+    for r in results:
+        for problem in r.problems:
+            print(f"{r.policy}: scheduler problem: {problem}")
+    for record in errors.records[:5]:
+        print(f"logged: {record}")
+    if errors.records:
+        print(f"{len(errors.records)} warnings and errors logged in all")
+
+
+if __name__ == "__main__":
+    main()
