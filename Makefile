@@ -57,6 +57,7 @@ bench: install
 	$(BIN)/python benchmarks/optimizer.py
 	$(BIN)/python benchmarks/control_plane.py
 	$(BIN)/python benchmarks/throughput.py
+	$(BIN)/python benchmarks/scheduling.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info
