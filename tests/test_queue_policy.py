@@ -126,3 +126,36 @@ def test_fifo_starts_in_submission_order_and_the_head_waits():
     assert d.starts == [] and d.reasons == {1: "waiting for 4 GPUs, 2 free"}
     d = decide_fifo([waiting(1, 10, 1), waiting(2, 90, 4)], [], total=4)
     assert d.starts == [Start(1, 1)]
+
+
+def test_the_queue_is_read_in_its_order_with_each_jobs_sizes_on_both_databases(database):
+    """dispatch.waiting has the database extract the two numbers of a spec the sizes need."""
+    from service.scheduling import dispatch
+    from service.store.tables import Job
+
+    def job(name: str, priority: int, num_gpus: int, **spec) -> Job:
+        return Job(
+            name=name,
+            status="queued",
+            spec={"micro_batch_size": 1, **spec},
+            plan={},
+            num_gpus=num_gpus,
+            min_gpus=spec.pop("min_gpus", None),
+            steps=10,
+            priority=priority,
+        )
+
+    with database.session() as session:
+        session.add_all(
+            [
+                job("a", 10, 2),
+                job("b", 90, 4, min_gpus=1, global_batch_size=4),  # N in 1, 2, 4: each divides 4
+                job("c", 90, 3),
+                job("d", 50, 6, min_gpus=2, micro_batch_size=2, global_batch_size=12),  # N = 2, 3, 6
+            ]
+        )
+    with database.session() as session:
+        read = [(w.priority, w.sizes) for w in dispatch.waiting(session)]
+        fifo = [w.sizes for w in dispatch.waiting(session, fifo=True)]
+    assert read == [(90, (1, 2, 4)), (90, (3,)), (50, (2, 3, 6)), (10, (2,))]
+    assert fifo == [(2,), (1, 2, 4), (3,), (2, 3, 6)]
