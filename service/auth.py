@@ -250,13 +250,14 @@ class Authenticator:
         return principal
 
 
-def check_can_cancel(principal: Principal, *, job_id: int, owner: str | None) -> None:
-    """A job's owner and admins may cancel it; anyone else gets a 403 naming the owner."""
+def check_can_steer(principal: Principal, *, job_id: int, owner: str | None, action: str = "cancel") -> None:
+    """A job's owner and admins may cancel it, suspend or resume it, change its priority (`action`);
+    anyone else gets a 403 naming the owner and the action."""
     if principal.admin or (owner is not None and principal.user == owner):
         return
     whose = f"belongs to {owner}" if owner is not None else "has no owner (submitted while auth was off)"
     raise ServiceError(
-        f"job {job_id} {whose}; only {owner or 'an admin'}{' or an admin' if owner else ''} may cancel it, "
+        f"job {job_id} {whose}; only {owner or 'an admin'}{' or an admin' if owner else ''} may {action} it, "
         f"not {principal.user}",
         status_code=403,
         error="forbidden",

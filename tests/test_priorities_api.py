@@ -21,7 +21,7 @@ from sqlalchemy import select
 
 from service.cli import main
 from service.scheduling import controls
-from service.scheduling.controls import WAITING_REASON
+from service.scheduling.dispatch import Reasons
 from service.scheduling.jobs import transition
 from service.store.tables import Job
 
@@ -34,6 +34,9 @@ TOKENS = f"alice:{ALICE},intern:{INTERN},root:{ROOT}:admin"
 
 def bearer(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
+
+
+WAITING_REASON = Reasons().of(0)  # before the scheduler's first tick
 
 
 def job_body(**overrides) -> dict:
@@ -249,7 +252,7 @@ def test_the_queue_is_by_priority_then_submission_with_why_each_waits(api, monke
     assert [job["queue_position"] for job in map(lambda j: get(api, j["id"]), order)] == [1, 2, 3, 4]
 
     reasons = {first["id"]: f"behind job {top['id']} (priority 90)", second["id"]: "quota: intern holds 2 of 2 GPUs"}
-    monkeypatch.setattr(api.app.state.runtime.scheduler, "queue_reasons", lambda: reasons)
+    monkeypatch.setattr(api.app.state.runtime.scheduler, "queue_reasons", lambda: Reasons(by_job=reasons))
     page = api.get("/v1/queue", params={"limit": 2}, headers=bearer(ALICE)).json()
     assert [(e["id"], e["reason"]) for e in page["data"]] == [
         (top["id"], WAITING_REASON),
@@ -266,7 +269,7 @@ def test_the_dashboard_lists_the_queue_and_each_owners_gpus(api, monkeypatch):
     api.patch(f"/v1/jobs/{sooner['id']}", json={"priority": 40}, headers=bearer(INTERN))
     api.patch(f"/v1/jobs/{later['id']}", json={"priority": 30}, headers=bearer(ALICE))
     reasons = {sooner["id"]: "waiting for 2 GPUs, 0 free"}
-    monkeypatch.setattr(api.app.state.runtime.scheduler, "queue_reasons", lambda: reasons)
+    monkeypatch.setattr(api.app.state.runtime.scheduler, "queue_reasons", lambda: Reasons(by_job=reasons))
     page = api.get("/", headers=bearer(ALICE))
     assert page.status_code == 200
     panel = page.text[page.text.index('id="queue-panel"') : page.text.index('id="jobs-heading"')]
@@ -325,7 +328,7 @@ def test_the_queue_view_follows_the_policy_and_counts_borrowed_gpus(database, tm
     for policy, names in (("priority", ["bob-queued", "alice-queued"]), ("fifo", ["alice-queued", "bob-queued"])):
         settings = make_settings(tmp_path, queue_policy=policy, gpu_quotas="alice=4,*=2")
         with database.session() as session:
-            view = controls.queue_view(session, reasons={}, settings=settings)
+            view = controls.queue_view(session, reasons=Reasons(), settings=settings)
         assert [(e.position, e.name) for e in view.data] == [(1, names[0]), (2, names[1])], policy
     assert [(o.owner, o.gpus_in_use, o.borrowed_gpus, o.quota) for o in view.owners] == [
         ("alice", 3, 1, 4),

@@ -1,17 +1,20 @@
-"""Dependencies injected into routes."""
+"""Dependencies injected into routes, and what every route answers with: a JSON Response made in its own
+thread, the error responses it documents, a job id in a path."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Path, Request, Response
+from pydantic import BaseModel
 from sqlalchemy.orm import Session
 
 from service.auth import Authenticator, Principal
 from service.planning.cluster import ClusterCapacity
 from service.planning.traces import Tracer
 from service.runtime import Runtime
+from service.schemas.responses import ErrorPublic
 from service.settings import Settings
 
 
@@ -74,3 +77,25 @@ def require_writer(request: Request, authenticator: AuthenticatorDep) -> Princip
 ReaderDep = Annotated[Principal, Depends(require_reader)]
 """Who reads: it decides which jobs' details (spec, metrics, events) the reader sees (jobs.can_see)."""
 PrincipalDep = Annotated[Principal, Depends(require_writer)]
+
+
+def errors(*statuses: int) -> dict[int, dict]:
+    """The error responses a route documents, each the one error body."""
+    return {status: {"model": ErrorPublic} for status in statuses}
+
+
+MAX_ID = 2**63 - 1
+"""Ids are 64-bit in the database: a larger one is a 422 here, not a 500 from its driver."""
+JobId = Annotated[int, Path(ge=1, le=MAX_ID)]
+
+
+def json_response(body: BaseModel, *, status_code: int = 200) -> Response:
+    """The body as JSON, made in the endpoint's own worker thread.
+
+    A returned model is validated again by FastAPI in a second trip to the threadpool, and the
+    request's session commits (freeing SQLite's write lock and its pooled connection) only after
+    that trip. Under load every worker thread can be waiting on that lock or the pool, and the
+    trip never comes: a deadlock that 30 s timeouts end in 500s (tests/test_load.py). A Response
+    is sent as it is, and the session's commit needs no worker of the shared pool.
+    """
+    return Response(body.model_dump_json(), status_code=status_code, media_type="application/json")

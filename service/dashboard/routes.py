@@ -90,14 +90,28 @@ def table_order(job: JobPublic) -> tuple[int, int, int]:
     return group, job.queue_position or 0, -job.id
 
 
-def table_jobs(session: Session, *, status: str | None, principal: Principal) -> list[JobPublic]:
+def table_jobs(session: Session, *, status: str | None, principal: Principal, fifo: bool = False) -> list[JobPublic]:
     """The newest TABLE_LIMIT jobs (of `status`, if given) and every active one, in table order."""
     statuses = [status] if status else None
-    recent, _ = jobs.list_jobs(session, statuses=statuses, limit=TABLE_LIMIT, cursor=None, principal=principal)
+    recent, _ = jobs.list_jobs(
+        session,
+        statuses=statuses,
+        limit=TABLE_LIMIT,
+        cursor=None,
+        principal=principal,
+        fifo=fifo,
+    )
     active_statuses = [s for s in jobs.ACTIVE if status in (None, s)]
     # active jobs hold GPUs, so there are never more of them than GPUs; 500 is the API's page limit
     active = (
-        jobs.list_jobs(session, statuses=active_statuses, limit=500, cursor=None, principal=principal)[0]
+        jobs.list_jobs(
+            session,
+            statuses=active_statuses,
+            limit=500,
+            cursor=None,
+            principal=principal,
+            fifo=fifo,
+        )[0]
         if active_statuses
         else []
     )
@@ -128,7 +142,7 @@ def jobs_page(
         "queue": queue,
         "queue_limit": QUEUE_LIMIT,
         "status": status,
-        "jobs": table_jobs(session, status=status, principal=principal),
+        "jobs": table_jobs(session, status=status, principal=principal, fifo=settings.queue_policy == "fifo"),
         "statuses": STATUSES,
         "now": datetime.now(UTC),
         "elapsed_s": elapsed_s,
@@ -156,7 +170,7 @@ def page_job_id(text: str) -> int | None:
 
 
 @router.get("/jobs/{job_id}", response_class=HTMLResponse)
-def job_page(request: Request, job_id: str, session: SessionDep, principal: ReaderDep):
+def job_page(request: Request, job_id: str, session: SessionDep, principal: ReaderDep, settings: SettingsDep):
     """Progress, loss and step-time curves, the newest log lines, the memory panel, the events and the spec of
     one job: its owner's and admins' only; to others the not-found page, as GET /v1/jobs/{id}/events answers them.
     An id that no job can have (not a number, or beyond the database's integers) is not found either."""
@@ -166,7 +180,9 @@ def job_page(request: Request, job_id: str, session: SessionDep, principal: Read
         job = jobs.get_visible_job(session, number, principal=principal)
     except ServiceError as error:
         return templates.TemplateResponse(request, "not_found.html", {"message": error.message}, status_code=404)
-    public = jobs.job_public(job, position=jobs.queue_position(session, job), principal=principal)
+    public = jobs.job_public(
+        job, position=jobs.queue_position(session, job, fifo=settings.queue_policy == "fifo"), principal=principal
+    )
     metrics, _ = jobs.job_metrics(session, job, after_step=None, limit=10 * MAX_POINTS, max_points=MAX_POINTS)
     evaluated, _ = jobs.job_metrics(
         session, job, after_step=None, limit=10 * MAX_POINTS, max_points=None, evaluated=True

@@ -11,7 +11,8 @@ from sqlalchemy.orm.attributes import set_committed_value
 
 from service.auth import Principal
 from service.errors import ServiceError
-from service.scheduling.jobs import QUEUE_ORDER, get_job, transition
+from service.scheduling.dispatch import Reasons
+from service.scheduling.jobs import get_job, queue_order, transition
 from service.schemas.fields import ACTIVE
 from service.schemas.requests import JobSpec
 from service.schemas.responses import OwnerUsagePublic, QueueEntryPublic, QueuePublic
@@ -20,27 +21,10 @@ from service.store.tables import Job
 
 STEERABLE = ("queued", *ACTIVE, "suspended")
 """The statuses whose priority may change: every one but the ends."""
-WAITING_REASON = "waiting for the scheduler's next tick"
-"""Why a queued job waits when the scheduler has not said (it was queued since its last tick)."""
 
 
 def _who(owner: str | None) -> str:
     return "the anonymous user (auth is off)" if owner is None else f"user {owner}"
-
-
-def check_can_steer(principal: Principal, job: Job, *, action: str) -> None:
-    """A job's owner and admins may steer it (auth.check_can_cancel's rule); anyone else gets a 403 naming
-    the owner and the action."""
-    if principal.admin or (job.owner is not None and principal.user == job.owner):
-        return
-    whose = f"belongs to {job.owner}" if job.owner is not None else "has no owner (submitted while auth was off)"
-    raise ServiceError(
-        f"job {job.id} {whose}; only {job.owner or 'an admin'}{' or an admin' if job.owner else ''} may "
-        f"{action} it, not {principal.user}",
-        status_code=403,
-        error="forbidden",
-        owner=job.owner,
-    )
 
 
 def check_ceiling(priority: int, *, settings: Settings, principal: Principal) -> int:
@@ -126,11 +110,11 @@ def resume_job(session: Session, job_id: int) -> Job:
     return job
 
 
-def queue_view(session: Session, *, reasons: dict[int, str], settings: Settings, limit: int = 500) -> QueuePublic:
+def queue_view(session: Session, *, reasons: Reasons, settings: Settings, limit: int = 500) -> QueuePublic:
     """The first `limit` queued jobs in the order the scheduler takes them (by submission only under
     ZERO1_QUEUE_POLICY=fifo), each with why it waits (`reasons`, the scheduler's, by job id), and each
     owner's GPUs against their quota."""
-    order = (Job.id,) if settings.queue_policy == "fifo" else QUEUE_ORDER
+    order = queue_order(fifo=settings.queue_policy == "fifo")
     queued = session.scalars(select(Job).where(Job.status == "queued").order_by(*order).limit(limit))
     data = [
         QueueEntryPublic(
@@ -142,7 +126,7 @@ def queue_view(session: Session, *, reasons: dict[int, str], settings: Settings,
             num_gpus=job.num_gpus,
             min_gpus=job.min_gpus or job.num_gpus,
             created_at=job.created_at,
-            reason=reasons.get(job.id, WAITING_REASON),
+            reason=reasons.of(job.id),
         )
         for position, job in enumerate(queued, start=1)
     ]

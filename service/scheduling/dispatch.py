@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.scheduling.elastic import growable
-from service.scheduling.jobs import QUEUE_ORDER, job_world_sizes, stored_step, transition
+from service.scheduling.jobs import job_world_sizes, queue_order, stored_step, transition
 from service.scheduling.queue import Holding, Preempt, Start, Waiting, decide, decide_fifo
 from service.schemas.fields import ACTIVE
 from service.schemas.requests import world_sizes
@@ -41,7 +41,7 @@ def waiting(session: Session, *, fifo: bool = False) -> Iterator[Waiting]:
     # the two numbers of the spec the sizes need, read by the database: not every row's whole spec decoded
     micro, batch = Job.spec["micro_batch_size"].as_integer(), Job.spec["global_batch_size"].as_integer()
     columns = (Job.id, Job.priority, Job.owner, Job.num_gpus, Job.min_gpus, micro, batch)
-    query = select(*columns).where(Job.status == "queued").order_by(*((Job.id,) if fifo else QUEUE_ORDER))
+    query = select(*columns).where(Job.status == "queued").order_by(*queue_order(fifo=fifo))
     for job_id, priority, owner, num_gpus, min_gpus, micro, batch in session.execute(
         query.execution_options(yield_per=_QUEUE_BATCH)
     ):
@@ -65,7 +65,7 @@ def holding(session: Session, *, age_s: Callable[[int], float]) -> list[Holding]
             owner=job.owner,
             gpus=job.world_size or job.num_gpus,
             sizes=tuple(job_world_sizes(job)),
-            running=job.status == "running" and not job.cancel_requested,
+            running=job.status == "running" and not (job.cancel_requested or job.suspend_requested),
             age_s=age_s(job.id),
             borrowed=job.borrowed,
             backfilled=job.backfilled,
@@ -116,6 +116,19 @@ def resume_point(session: Session, job: Job, *, launcher: RayLauncher) -> tuple[
     store_metrics(session, job, [row for row in saved if row.step < resume])
     supersede_after(session, job, resume_step=resume)
     return resume, (f"checkpoint step {resume - 1}" if resume else "the start (no checkpoint yet)")
+
+
+@dataclass(frozen=True, slots=True)
+class Reasons:
+    """Why the queued jobs wait, as of the scheduler's last admission."""
+
+    by_job: dict[int, str] = field(default_factory=dict)
+    """Those the policy looked at."""
+    behind: str | None = None
+    """The rest: behind the first that cannot start."""
+
+    def of(self, job_id: int) -> str:
+        return self.by_job.get(job_id) or self.behind or "waiting for the scheduler's next tick"
 
 
 StopKind = Literal["preempt", "suspend"]
@@ -189,8 +202,7 @@ class Dispatcher:
         self.db, self.launcher, self.total_gpus, self.clock = db, launcher, total_gpus, clock
         self.telemetry, self.grow_interval_s = telemetry, grow_interval_s
         self.stops = Stops()
-        self.reasons: dict[int, str] = {}
-        """Queued job id -> why it waits, as of the last admission."""
+        self.reasons = Reasons()
         self._started_at: dict[int, float] = {}  # job -> clock() of its attempt's start or last resize
         self._growing: set[tuple[int, int]] = set()  # (job, attempt) asked to stop at a checkpoint to grow
 
@@ -228,7 +240,7 @@ class Dispatcher:
                     min_runtime_s=settings.preempt_min_runtime_s,
                     in_flight=self.stops.preemptions(),
                 )
-        self.reasons = decision.reasons
+        self.reasons = Reasons(decision.reasons, decision.behind)
         for start in decision.starts:
             with self.db.session() as session:
                 job = commit_start(session, start)

@@ -196,11 +196,19 @@ QUEUE_ORDER = (Job.priority.desc(), Job.id)
 """The queue's order: the highest priority first, then the earliest submitted."""
 
 
-def queue_position(session: Session, job: Job) -> int | None:
-    """1 for the first job in the queue's order (QUEUE_ORDER); None unless queued."""
+def queue_order(*, fifo: bool = False) -> tuple:
+    """The order the scheduler takes queued jobs in: QUEUE_ORDER, or by submission alone under
+    ZERO1_QUEUE_POLICY=fifo."""
+    return (Job.id,) if fifo else QUEUE_ORDER
+
+
+def queue_position(session: Session, job: Job, *, fifo: bool = False) -> int | None:
+    """1 for the next job to start (queue_order); None unless queued."""
     if job.status != "queued":
         return None
-    ahead = (Job.priority > job.priority) | ((Job.priority == job.priority) & (Job.id < job.id))
+    ahead = Job.id < job.id
+    if not fifo:
+        ahead = (Job.priority > job.priority) | ((Job.priority == job.priority) & ahead)
     return session.scalar(select(func.count()).where(Job.status == "queued", ahead)) + 1
 
 
@@ -238,7 +246,13 @@ def _finite(row: dict | None) -> dict | None:
 
 
 def list_jobs(
-    session: Session, *, statuses: list[str] | None, limit: int, cursor: int | None, principal: Principal
+    session: Session,
+    *,
+    statuses: list[str] | None,
+    limit: int,
+    cursor: int | None,
+    principal: Principal,
+    fifo: bool = False,
 ) -> tuple[list[JobPublic], str | None]:
     """Newest first, as `principal` sees them; the cursor is the id the next page starts below."""
     query = select(Job).order_by(Job.id.desc()).limit(limit + 1)
@@ -251,7 +265,7 @@ def list_jobs(
     jobs = jobs[:limit]
     positions: dict[int, int] = {}
     if any(j.status == "queued" for j in jobs):  # one query for the whole queue, not one per job
-        queue = session.scalars(select(Job.id).where(Job.status == "queued").order_by(*QUEUE_ORDER))
+        queue = session.scalars(select(Job.id).where(Job.status == "queued").order_by(*queue_order(fifo=fifo)))
         positions = {job_id: i + 1 for i, job_id in enumerate(queue)}
     data = [job_public(j, position=positions.get(j.id), principal=principal) for j in jobs]
     return data, (str(jobs[-1].id) if more else None)
@@ -380,8 +394,5 @@ def stored_step(job: Job) -> int:
 
 
 def start_timeout(job: Job, timeout_s: float) -> RankError:
-    message = (
-        f"attempt {job.attempt} did not start within {timeout_s:g} s (ZERO1_START_TIMEOUT_S): its ranks were "
-        "not all placed and running"
-    )
-    return RankError(exception="StartTimeout", message=message)
+    why = f"did not start within {timeout_s:g} s (ZERO1_START_TIMEOUT_S): its ranks were not all placed and running"
+    return RankError(exception="StartTimeout", message=f"attempt {job.attempt} {why}")

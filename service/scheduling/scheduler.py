@@ -26,7 +26,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.scheduling import elastic
-from service.scheduling.dispatch import Dispatcher, Settled, Stop, resume_point
+from service.scheduling.dispatch import Dispatcher, Reasons, Settled, Stop, resume_point
 from service.scheduling.jobs import poll_acks, running_reason, start_timeout, still_active, transition
 from service.scheduling.launcher import RayLauncher
 from service.schemas.fields import ACTIVE
@@ -94,9 +94,9 @@ class Scheduler:
         except Exception:
             log.exception("drain at shutdown failed; the supervisors keep the unstored rows")
 
-    def queue_reasons(self) -> dict[int, str]:
-        """Queued job id -> why it waits, as of the last tick (those the policy looked at)."""
-        return dict(self.dispatcher.reasons)
+    def queue_reasons(self) -> Reasons:
+        """Why the queued jobs wait, as of the last tick."""
+        return self.dispatcher.reasons
 
     def tick_age_s(self) -> float | None:
         """Seconds since the last tick completed (or since start, before the first); None if never started."""
@@ -221,8 +221,8 @@ class Scheduler:
             self._launch(fresh, what="relaunch")
 
     def _advance(self, job: Job, state: dict[str, Any]) -> None:
-        if self._kill_if_overdue(job):
-            return
+        if state["status"] in ("starting", "running") and self._kill_if_overdue(job):
+            return  # an attempt that has stopped (or ended) since is settled as it ended
         if job.cancel_requested:
             self.launcher.cancel(job.id, job.attempt)
             _, _, after, acks = poll_acks(job)
@@ -334,14 +334,14 @@ class Scheduler:
     def _stopped(self, session: Session, job: Job, stop: Stop | None) -> Settled | None:
         """The attempt stopped with a checkpoint at its last step, as asked: preempted (back to the
         queue, or relaunched smaller), suspended, or grown (relaunched at the N free now)."""
+        if job.suspend_requested or (stop is not None and stop.kind == "suspend"):  # a suspend wins
+            self.telemetry.preempted("suspended")
+            return self._wait_again(session, job, "suspended", cause="suspended by request")
         if stop is not None and stop.preempt is not None:
             self.telemetry.preempted("shrunk" if stop.preempt.to_n else "checkpointed")
             if stop.preempt.to_n:
                 return self._record_relaunch(session, job, cause=stop.cause(), size=stop.preempt.to_n, grown=True)
             return self._wait_again(session, job, "queued", cause=stop.cause())
-        if stop is not None or job.suspend_requested:
-            self.telemetry.preempted("suspended")
-            return self._wait_again(session, job, "suspended", cause="suspended by request")
         return self._record_relaunch(session, job, cause="GPUs free and no job queued", grown=True)
 
     def _wait_again(self, session: Session, job: Job, status: str, *, cause: str, tail: str = "") -> Settled | None:
@@ -373,7 +373,7 @@ class Scheduler:
             self._ingest(session, fresh, state)
             if stop.preempt is not None and stop.preempt.to_n:
                 return self._record_relaunch(session, fresh, cause=stop.cause() + tail, size=stop.preempt.to_n)
-            status = "queued" if stop.preempt is not None else "suspended"
+            status = "queued" if stop.preempt is not None and not fresh.suspend_requested else "suspended"
             return self._wait_again(session, fresh, status, cause=stop.cause(), tail=tail)
 
         self._settle(job, write)

@@ -5,23 +5,18 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Request, Response
-from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
-from service.api.deps import PrincipalDep, ReaderDep, RuntimeDep, SessionDep, SettingsDep
+from service.api.deps import PrincipalDep, ReaderDep, RuntimeDep, SessionDep, SettingsDep, errors, json_response
 from service.errors import ServiceError
 from service.schemas.responses import CodeBundleDetailPublic, CodeBundlePublic, ErrorPublic
 from service.store import code_uploads
 from service.store.code_bundles import digest_of
 
 router = APIRouter(prefix="/code", tags=["code"])
-_ERRORS = {status: {"model": ErrorPublic} for status in (401, 403, 404, 413, 415, 422)}
+_ERRORS = errors(401, 403, 404, 413, 415, 422)
 ZIP = "application/zip"
 _ZIP_BODY = {"required": True, "content": {ZIP: {"schema": {"type": "string", "format": "binary"}}}}
-
-
-def _json(body: BaseModel, *, status_code: int = 200) -> Response:
-    return Response(body.model_dump_json(), status_code=status_code, media_type="application/json")
 
 
 def _check_zip_type(content_type: str | None) -> None:
@@ -73,7 +68,7 @@ async def upload_code(
     # decompressing up to 1 GiB and writing the store's zip is work for a thread, not the event loop
     info, created = await run_in_threadpool(runtime.code.put, data)
     await run_in_threadpool(code_uploads.record_upload, session, info=info, uploader=principal.user)
-    return _json(
+    return json_response(
         CodeBundlePublic(code=info.digest, bytes=info.bytes, files=info.files), status_code=201 if created else 200
     )
 
@@ -85,4 +80,4 @@ def get_code(
     principal: ReaderDep,
 ) -> Response:
     """A bundle's size and uploaders; its uploaders' and admins' only (a 404 to others, as for a job's metrics)."""
-    return _json(code_uploads.get_bundle(session, digest, principal=principal))
+    return json_response(code_uploads.get_bundle(session, digest, principal=principal))

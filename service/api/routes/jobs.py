@@ -13,12 +13,22 @@ from urllib.parse import quote
 
 from fastapi import APIRouter, Header, Path, Query, Request, Response
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from service.api import offload
-from service.api.deps import ClusterDep, PrincipalDep, ReaderDep, RuntimeDep, SessionDep, SettingsDep
-from service.auth import Principal, check_can_cancel
+from service.api.deps import (
+    MAX_ID,
+    ClusterDep,
+    JobId,
+    PrincipalDep,
+    ReaderDep,
+    RuntimeDep,
+    SessionDep,
+    SettingsDep,
+    errors,
+    json_response,
+)
+from service.auth import Principal, check_can_steer
 from service.errors import ServiceError
 from service.planning.hf_paths import check_model_path
 from service.scheduling import admission, controls, jobs
@@ -45,35 +55,21 @@ from service.store.tables import Job
 from workers.memory.model import GB
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
-_ERRORS = {status: {"model": ErrorPublic} for status in (401, 403, 404, 409, 413, 422, 429)}
+ERRORS = errors(401, 403, 404, 409, 413, 422, 429)
 _SUBMITTED = {
     200: {
         "model": JobPublic | DryRunPublic,
         "description": "A dry run's plan, or the job this Idempotency-Key created before",
     }
 }
-# ids are 64-bit in the database, steps 32-bit: a larger number is a 422 here, not a 500 from its driver
-_MAX_ID, _MAX_STEP = 2**63 - 1, 2**31 - 1
-JobId = Annotated[int, Path(ge=1, le=_MAX_ID)]
-
-
-def _json(body: BaseModel, *, status_code: int = 200) -> Response:
-    """The body as JSON, made in the endpoint's own worker thread.
-
-    A returned model is validated again by FastAPI in a second trip to the threadpool, and the
-    request's session commits (freeing SQLite's write lock and its pooled connection) only after
-    that trip. Under load every worker thread can be waiting on that lock or the pool, and the
-    trip never comes: a deadlock that 30 s timeouts end in 500s (tests/test_load.py). A Response
-    is sent as it is, and the session's commit needs no worker of the shared pool.
-    """
-    return Response(body.model_dump_json(), status_code=status_code, media_type="application/json")
+_MAX_STEP = 2**31 - 1  # steps are 32-bit in the database: a larger one is a 422 here, not a 500
 
 
 @router.post(
     "",
     status_code=201,
     response_model=JobPublic | DryRunPublic,
-    responses={**_SUBMITTED, **_ERRORS, 503: {"model": ErrorPublic}},
+    responses={**_SUBMITTED, **ERRORS, 503: {"model": ErrorPublic}},
 )
 async def submit_job(
     spec: JobSpec,
@@ -108,9 +104,10 @@ async def submit_job(
         user=principal.user,
     )
     if dry_run:
-        return _json(DryRunPublic(dry_run=True, admitted=True, plan=plan))
+        return json_response(DryRunPublic(dry_run=True, admitted=True, plan=plan))
     store = functools.partial(_store_job, runtime.db, spec=spec, plan=plan, principal=principal, priority=priority)
-    return await run_in_threadpool(store, key=idempotency_key, max_queued=settings.max_queued_jobs_per_user)
+    fifo = settings.queue_policy == "fifo"
+    return await run_in_threadpool(store, key=idempotency_key, max_queued=settings.max_queued_jobs_per_user, fifo=fifo)
 
 
 def _store_job(
@@ -122,6 +119,7 @@ def _store_job(
     priority: int,
     key: str | None,
     max_queued: int,
+    fifo: bool = False,
 ) -> Response:
     """The admitted job stored (or the one this Idempotency-Key created before) in one session of its
     own: the request's one commit point, opened only now that every check is done."""
@@ -135,39 +133,46 @@ def _store_job(
             max_queued=max_queued,
             priority=priority,
         )
-        public = jobs.job_public(job, position=jobs.queue_position(session, job), principal=principal)
-    return _json(public, status_code=201 if created else 200)  # 200: the job this key and body created before
+        public = jobs.job_public(job, position=jobs.queue_position(session, job, fifo=fifo), principal=principal)
+    return json_response(public, status_code=201 if created else 200)  # 200: the job this key and body created before
 
 
-@router.get("", response_model=JobsPublic, responses=_ERRORS)
+@router.get("", response_model=JobsPublic, responses=ERRORS)
 def list_jobs(
     session: SessionDep,
     principal: ReaderDep,
+    settings: SettingsDep,
     status: Annotated[list[JobStatus] | None, Query()] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
-    cursor: Annotated[int | None, Query(ge=0, le=_MAX_ID, description="next_cursor of the previous page")] = None,
+    cursor: Annotated[int | None, Query(ge=0, le=MAX_ID, description="next_cursor of the previous page")] = None,
 ) -> Response:
     """Newest first, optionally only some statuses (repeat ?status=); others' jobs without their details."""
-    data, next_cursor = jobs.list_jobs(session, statuses=status, limit=limit, cursor=cursor, principal=principal)
-    return _json(JobsPublic(data=data, next_cursor=next_cursor))
+    data, next_cursor = jobs.list_jobs(
+        session, statuses=status, limit=limit, cursor=cursor, principal=principal, fifo=settings.queue_policy == "fifo"
+    )
+    return json_response(JobsPublic(data=data, next_cursor=next_cursor))
 
 
-@router.get("/{job_id}", response_model=JobPublic, responses=_ERRORS)
-def get_job(job_id: JobId, session: SessionDep, principal: ReaderDep) -> Response:
+@router.get("/{job_id}", response_model=JobPublic, responses=ERRORS)
+def get_job(job_id: JobId, session: SessionDep, principal: ReaderDep, settings: SettingsDep) -> Response:
     """Anyone's job; spec, latest and error only to its owner and admins."""
     job = jobs.get_job(session, job_id)
-    return _json(jobs.job_public(job, position=jobs.queue_position(session, job), principal=principal))
+    return json_response(
+        jobs.job_public(
+            job, position=jobs.queue_position(session, job, fifo=settings.queue_policy == "fifo"), principal=principal
+        )
+    )
 
 
-@router.post("/{job_id}/cancel", status_code=202, response_model=JobPublic, responses=_ERRORS)
+@router.post("/{job_id}/cancel", status_code=202, response_model=JobPublic, responses=ERRORS)
 def cancel_job(job_id: JobId, session: SessionDep, principal: PrincipalDep) -> Response:
     """A queued job is cancelled at once; a running one within a scheduler tick. Its owner or an admin only."""
-    check_can_cancel(principal, job_id=job_id, owner=jobs.get_job(session, job_id).owner)
+    check_can_steer(principal, job_id=job_id, owner=jobs.get_job(session, job_id).owner)
     job = jobs.cancel_job(session, job_id)
-    return _json(jobs.job_public(job, position=None, principal=principal), status_code=202)
+    return json_response(jobs.job_public(job, position=None, principal=principal), status_code=202)
 
 
-@router.get("/{job_id}/metrics", response_model=MetricsPublic, responses=_ERRORS)
+@router.get("/{job_id}/metrics", response_model=MetricsPublic, responses=ERRORS)
 def job_metrics(
     job_id: JobId,
     session: SessionDep,
@@ -183,14 +188,14 @@ def job_metrics(
     data, next_after = jobs.job_metrics(
         session, job, after_step=after_step, limit=limit, max_points=max_points, evaluated=evaluated
     )
-    return _json(MetricsPublic(data=data, next_after_step=next_after))
+    return json_response(MetricsPublic(data=data, next_after_step=next_after))
 
 
 @router.get(
     "/{job_id}/logs",
     response_model=LogsPublic,
     responses={
-        **_ERRORS,
+        **ERRORS,
         200: {
             "model": LogsPublic,
             "description": "A page of lines; with follow=true, a text/event-stream of them (one `data:` line "
@@ -207,7 +212,7 @@ def job_logs(
     runtime: RuntimeDep,
     rank: Annotated[int | None, Query(ge=0, le=_MAX_STEP, description="Only this rank's lines")] = None,
     attempt: Annotated[int | None, Query(ge=0, le=_MAX_STEP, description="Only this attempt's lines")] = None,
-    after: Annotated[int, Query(ge=0, le=_MAX_ID, description="`next` of the previous page, or a line's seq")] = 0,
+    after: Annotated[int, Query(ge=0, le=MAX_ID, description="`next` of the previous page, or a line's seq")] = 0,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
     follow: Annotated[bool, Query(description="Stream the lines as they come, until the job ends")] = False,
 ) -> Response:
@@ -217,7 +222,7 @@ def job_logs(
     selection = {"rank": rank, "attempt": attempt, "limit": limit}
     if not follow:
         data, cursor = read_logs(session, job, after=after, **selection)
-        return _json(LogsPublic(data=data, next=cursor))
+        return json_response(LogsPublic(data=data, next=cursor))
     runtime.log_followers.acquire(principal.user)  # a 429 past ZERO1_MAX_LOG_FOLLOWERS(_PER_USER)
     return _FollowerStream(
         _follow(request, runtime.db, job_id, after=after, **selection),
@@ -254,7 +259,7 @@ async def _follow(request: Request, db: Database, job_id: int, *, after: int, **
     while not await request.is_disconnected():
         status, data = await run_in_threadpool(_logs_after, db, job_id, cursor, selection)
         for line in data:
-            yield f"id: {line['seq']}\ndata: {LogLinePublic(**line).model_dump_json()}\n\n"
+            yield f"id: {line['seq']}\ndata: {LogLinePublic(**line).model_dumpjson_response()}\n\n"
         if data:
             cursor, quiet_since = data[-1]["seq"], time.monotonic()
             if len(data) == selection["limit"]:
@@ -277,14 +282,14 @@ def _logs_after(db: Database, job_id: int, after: int, selection: dict[str, Any]
         return status, data
 
 
-@router.get("/{job_id}/events", response_model=EventsPublic, responses=_ERRORS)
+@router.get("/{job_id}/events", response_model=EventsPublic, responses=ERRORS)
 def job_events(job_id: JobId, session: SessionDep, principal: ReaderDep) -> Response:
     """The job's state changes and why; its owner's and admins' only (a 404 to others, as for metrics)."""
     job = jobs.get_visible_job(session, job_id, principal=principal)
-    return _json(EventsPublic(data=jobs.job_events(session, job)))
+    return json_response(EventsPublic(data=jobs.job_events(session, job)))
 
 
-@router.get("/{job_id}/artifacts", response_model=ArtifactsPublic, responses=_ERRORS)
+@router.get("/{job_id}/artifacts", response_model=ArtifactsPublic, responses=ERRORS)
 def job_artifacts(job_id: JobId, session: SessionDep, principal: ReaderDep, runtime: RuntimeDep) -> Response:
     """The files of a succeeded job's final model as the service recorded them when it succeeded (their
     bytes and the sha256 it computed); 409 while it has not succeeded. Its owner's and admins' only (a
@@ -292,14 +297,14 @@ def job_artifacts(job_id: JobId, session: SessionDep, principal: ReaderDep, runt
     job = jobs.get_visible_job(session, job_id, principal=principal)
     _, files = jobs.job_artifacts(session, job, launcher=runtime.launcher)
     data = [ArtifactPublic(name=f.name, bytes=f.bytes, sha256=f.sha256) for f in files]
-    return _json(ArtifactsPublic(data=data, count=len(data)))
+    return json_response(ArtifactsPublic(data=data, count=len(data)))
 
 
 @router.get(
     "/{job_id}/artifacts/{name}",
     response_class=StreamingResponse,
     responses={
-        **_ERRORS,
+        **ERRORS,
         200: {"content": {"application/octet-stream": {}}, "description": "The file's bytes"},
         206: {"description": "The bytes a Range header asked for"},
         416: {"model": ErrorPublic},

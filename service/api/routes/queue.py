@@ -8,13 +8,14 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Response
 
-from service.api.deps import PrincipalDep, ReaderDep, RuntimeDep, SessionDep, SettingsDep
-from service.api.routes.jobs import _ERRORS, JobId, _json
+from service.api.deps import JobId, PrincipalDep, ReaderDep, RuntimeDep, SessionDep, SettingsDep, errors, json_response
+from service.auth import check_can_steer
 from service.scheduling import controls, jobs
 from service.schemas.requests import PriorityPatch
 from service.schemas.responses import JobPublic, QueuePublic
 
 router = APIRouter(tags=["queue"])
+_ERRORS = errors(401, 403, 404, 409, 422)
 
 
 @router.get("/queue", response_model=QueuePublic, responses=_ERRORS)
@@ -29,7 +30,7 @@ def queue(
     scheduler's last tick, and each owner's GPUs in use against their quota. Everyone's: names, owners,
     priorities and GPUs, never a spec (as GET /v1/jobs shows them)."""
     reasons = runtime.scheduler.queue_reasons()
-    return _json(controls.queue_view(session, reasons=reasons, settings=settings, limit=limit))
+    return json_response(controls.queue_view(session, reasons=reasons, settings=settings, limit=limit))
 
 
 @router.patch("/jobs/{job_id}", response_model=JobPublic, responses=_ERRORS)
@@ -39,23 +40,32 @@ def patch_job(
     """A new priority for a queued, running or suspended job, up to the caller's ceiling (a 403
     forbidden_priority above it; 409 once the job has ended). Its owner or an admin only."""
     job = jobs.get_job(session, job_id)
-    controls.check_can_steer(principal, job, action="change the priority of")
+    check_can_steer(principal, job_id=job.id, owner=job.owner, action="change the priority of")
     controls.set_priority(session, job, body.priority, settings=settings, principal=principal)
-    return _json(jobs.job_public(job, position=jobs.queue_position(session, job), principal=principal))
+    return json_response(
+        jobs.job_public(
+            job, position=jobs.queue_position(session, job, fifo=settings.queue_policy == "fifo"), principal=principal
+        )
+    )
 
 
 @router.post("/jobs/{job_id}/suspend", status_code=202, response_model=JobPublic, responses=_ERRORS)
 def suspend_job(job_id: JobId, session: SessionDep, principal: PrincipalDep) -> Response:
     """A queued job is suspended at once; an active one stops at its next step boundary with a checkpoint
     (within ZERO1_PREEMPT_GRACE_S) and waits, holding no GPU, until resumed. Its owner or an admin only."""
-    controls.check_can_steer(principal, jobs.get_job(session, job_id), action="suspend")
+    check_can_steer(principal, job_id=job_id, owner=jobs.get_job(session, job_id).owner, action="suspend")
     job = controls.suspend_job(session, job_id)
-    return _json(jobs.job_public(job, position=None, principal=principal), status_code=202)
+    return json_response(jobs.job_public(job, position=None, principal=principal), status_code=202)
 
 
 @router.post("/jobs/{job_id}/resume", status_code=202, response_model=JobPublic, responses=_ERRORS)
-def resume_job(job_id: JobId, session: SessionDep, principal: PrincipalDep) -> Response:
+def resume_job(job_id: JobId, session: SessionDep, principal: PrincipalDep, settings: SettingsDep) -> Response:
     """A suspended job goes back to the queue, in its place by priority and submission. Its owner or an admin only."""
-    controls.check_can_steer(principal, jobs.get_job(session, job_id), action="resume")
+    check_can_steer(principal, job_id=job_id, owner=jobs.get_job(session, job_id).owner, action="resume")
     job = controls.resume_job(session, job_id)
-    return _json(jobs.job_public(job, position=jobs.queue_position(session, job), principal=principal), status_code=202)
+    return json_response(
+        jobs.job_public(
+            job, position=jobs.queue_position(session, job, fifo=settings.queue_policy == "fifo"), principal=principal
+        ),
+        status_code=202,
+    )
