@@ -290,6 +290,10 @@ def test_watch_a_job_wait_run_and_succeed_cancelling_the_job_ahead_of_it(ui, ser
     expect(rows.nth(0)).to_have_attribute("id", f"job-{hog['id']}")  # active jobs first, then the queue
     expect(rows.nth(1)).to_have_attribute("id", f"job-{job['id']}")
     expect(rows).to_have_count(TABLE_LIMIT)  # the newest TABLE_LIMIT: two seeded jobs made way
+    # the queue panel, redrawn live from GET /v1/queue: the waiting job and the scheduler's reason
+    waiting = dashboard.locator(f'#queue tbody tr[data-id="{job["id"]}"]')
+    expect(waiting.locator("td.why")).to_have_text("waiting for 2 GPUs, 1 free")
+    expect(waiting.locator("td").first).to_have_text("#1")
     ui.screenshot(dashboard, "dashboard-queued", full_page=False)
 
     _cancel_through_its_page(ui, server, hog["id"])
@@ -297,6 +301,8 @@ def test_watch_a_job_wait_run_and_succeed_cancelling_the_job_ahead_of_it(ui, ser
 
     expect(_status(row)).to_have_text("running", timeout=TRAINING_TIMEOUT_MS)
     expect(rows.nth(0)).to_have_attribute("id", f"job-{job['id']}")
+    expect(dashboard.locator("#queue tbody tr")).to_have_count(0)
+    expect(dashboard.locator("#queue-empty")).to_be_visible()
     expect(dashboard.locator('#cluster [data-field="gpus-in-use"]')).to_have_text("2")
     expect(row.locator(".c-queue")).to_have_text("—")
     expect(row.locator(".c-loss")).not_to_have_text("—", timeout=60_000)  # the ranks' first step
