@@ -30,6 +30,7 @@ from workers.training.checkpoints import checkpointed_metrics, latest_checkpoint
 from workers.training.loop import train
 
 from distributed import run_ranks
+from test_workers import wait_for as poll_until
 
 SMALL = GPTSpec(vocab_size=64, n_layer=2, n_head=2, n_embd=32, block_size=32)
 STEPS = 8
@@ -261,31 +262,19 @@ def test_rank_0s_stop_question_is_checked_field_by_field():
 # --------------------------------------------------------------------------- end to end
 
 
-def _poll_until(supervisor, until, *, timeout_s: float) -> tuple[dict, list[MetricRow]]:
-    """Poll the supervisor until `until(state, rows)` holds; every row seen is returned."""
-    rows: list[MetricRow] = []
-    deadline = time.monotonic() + timeout_s
-    while True:
-        state = ray.get(supervisor.poll.remote(rows[-1].step if rows else -1))
-        rows += state["metrics"]
-        if until(state, rows):
-            return state, rows
-        assert time.monotonic() < deadline, f"timed out in state {state['status']} after {len(rows)} rows"
-        time.sleep(0.05)
-
-
 def test_a_job_asked_to_stop_now_stops_after_its_next_step_with_a_checkpoint_of_it(ray_cluster, tmp_path):
     root = tmp_path / "ck"
     cfg = dataclasses.replace(_config(str(root), checkpoint_every=0), steps=100_000)
     supervisor = JobSupervisor.remote("preempted", cfg, Placement(num_workers=2, cpus_per_worker=0.5, timeout_s=30))
     ray.get(supervisor.start.remote())
-    _poll_until(supervisor, lambda state, rows: len(rows) >= 3, timeout_s=120)
+    _, seen = poll_until(supervisor, until=lambda state, rows: len(rows) >= 3, timeout_s=120)
     asked_at = time.monotonic()
     ray.get(supervisor.request_stop.remote(True))
-    state, rows = _poll_until(
-        supervisor, lambda state, rows: state["status"] not in ("starting", "running"), timeout_s=60
+    state, rows = poll_until(
+        supervisor, until=lambda state, rows: state["status"] not in ("starting", "running"), timeout_s=60
     )
     stopped_in_s = time.monotonic() - asked_at
+    rows = seen + [row for row in rows if row.step > seen[-1].step]  # the supervisor drops the rows acked
     assert state["status"] == "stopped", state["error"]
     last = max(row.step for row in rows)
     assert sorted(row.step for row in rows) == list(range(last + 1))

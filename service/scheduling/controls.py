@@ -12,7 +12,7 @@ from sqlalchemy.orm.attributes import set_committed_value
 from service.auth import Principal
 from service.errors import ServiceError
 from service.scheduling.dispatch import Reasons
-from service.scheduling.jobs import get_job, queue_order, transition
+from service.scheduling.jobs import flag_active, get_job, queue_order, transition
 from service.schemas.fields import ACTIVE
 from service.schemas.requests import JobSpec
 from service.schemas.responses import OwnerUsagePublic, QueueEntryPublic, QueuePublic
@@ -87,15 +87,8 @@ def suspend_job(session: Session, job_id: int) -> Job:
     job = get_job(session, job_id)
     if job.status == "queued" and transition(session, job, "suspended", "suspended by request while queued"):
         return job
-    if job.status in ACTIVE:  # a compare-and-set too: the job may have ended since it was read
-        flagged = session.execute(
-            update(Job).where(Job.id == job.id, Job.status.in_(ACTIVE)).values(suspend_requested=True),
-            execution_options={"synchronize_session": False},
-        )
-        if flagged.rowcount == 1:
-            set_committed_value(job, "suspend_requested", True)
-            return job
-        session.refresh(job)
+    if job.status in ACTIVE and flag_active(session, job, "suspend_requested"):
+        return job
     raise _conflict(job, "only a queued or running job can be suspended")
 
 

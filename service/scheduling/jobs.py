@@ -25,7 +25,7 @@ from service.schemas.responses import EventPublic, JobPublic, MetricPublic, Plan
 from service.store.artifacts import FinalFile, check_artifact, recorded_artifacts
 from service.store.log_lines import log_acks
 from service.store.tables import Job, JobEvent, Metric, utcnow
-from workers.records import RankError, finite_or_none
+from workers.records import finite_or_none
 
 if TYPE_CHECKING:
     from service.scheduling.launcher import RayLauncher
@@ -281,16 +281,20 @@ def cancel_job(session: Session, job_id: int) -> Job:
         session, job, "cancelled", f"cancelled by request while {job.status}"
     ):
         return job
-    if job.status in ACTIVE:  # a compare-and-set too: the job may have ended since it was read
-        flagged = session.execute(
-            update(Job).where(Job.id == job.id, Job.status.in_(ACTIVE)).values(cancel_requested=True),
-            execution_options={"synchronize_session": False},
-        )
-        if flagged.rowcount == 1:
-            set_committed_value(job, "cancel_requested", True)
-            return job
-        session.refresh(job)
+    if job.status in ACTIVE and flag_active(session, job, "cancel_requested"):
+        return job
     raise ServiceError(f"job {job_id} is already {job.status}", status_code=409, error="conflict")
+
+
+def flag_active(session: Session, job: Job, flag: str) -> bool:
+    """Set `flag` (cancel_requested, suspend_requested) if the job is still active: a compare-and-set,
+    as it may have ended since it was read (then `job` is refreshed). Whether it was set."""
+    query = update(Job).where(Job.id == job.id, Job.status.in_(ACTIVE)).values({flag: True})
+    if session.execute(query, execution_options={"synchronize_session": False}).rowcount != 1:
+        session.refresh(job)
+        return False
+    set_committed_value(job, flag, True)
+    return True
 
 
 def job_metrics(
@@ -391,8 +395,3 @@ def poll_acks(job: Job) -> tuple[int, int, int, dict[int, int]]:
 def stored_step(job: Job) -> int:
     """The step through which its rows are stored (-1: none)."""
     return -1 if job.step is None else job.step
-
-
-def start_timeout(job: Job, timeout_s: float) -> RankError:
-    why = f"did not start within {timeout_s:g} s (ZERO1_START_TIMEOUT_S): its ranks were not all placed and running"
-    return RankError(exception="StartTimeout", message=f"attempt {job.attempt} {why}")

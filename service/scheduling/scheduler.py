@@ -27,7 +27,7 @@ from sqlalchemy.orm import Session
 
 from service.scheduling import elastic
 from service.scheduling.dispatch import Dispatcher, Reasons, Settled, Stop, resume_point
-from service.scheduling.jobs import poll_acks, running_reason, start_timeout, still_active, transition
+from service.scheduling.jobs import poll_acks, running_reason, still_active, transition
 from service.scheduling.launcher import RayLauncher
 from service.schemas.fields import ACTIVE
 from service.store.artifacts import record_final
@@ -388,3 +388,8 @@ class Scheduler:
             error = RankError.of(exc)
             reason = f"{'dispatch to Ray' if what == 'dispatch' else what} failed: {type(exc).__name__}: {exc}"
             self._settle(job, lambda session, fresh: self._end(session, fresh, "failed", reason, error=error))
+
+
+def start_timeout(job: Job, timeout_s: float) -> RankError:
+    why = f"did not start within {timeout_s:g} s (ZERO1_START_TIMEOUT_S): its ranks were not all placed and running"
+    return RankError(exception="StartTimeout", message=f"attempt {job.attempt} {why}")
