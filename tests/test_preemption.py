@@ -170,7 +170,7 @@ def test_a_job_younger_than_the_minimum_runtime_is_not_preempted(ray_cluster, tm
         urgent = submit(client, job_body(num_gpus=2, steps=5, priority=90, name="urgent"))
         scheduler = client.app.state.runtime.scheduler
         # the policy has looked at the urgent job (its reason is set) and asked no stop
-        wait_for(scheduler.queue_reasons, lambda r: r.get(urgent) == "waiting for 2 GPUs, 0 free", what="a tick")
+        wait_for(scheduler.queue_reasons, lambda r: r.of(urgent) == "waiting for 2 GPUs, 0 free", what="a tick")
         assert young not in scheduler.stops
         assert client.get(f"/v1/jobs/{young}").json()["status"] == "running"
         client.post(f"/v1/jobs/{young}/cancel")

@@ -259,7 +259,7 @@ async def _follow(request: Request, db: Database, job_id: int, *, after: int, **
     while not await request.is_disconnected():
         status, data = await run_in_threadpool(_logs_after, db, job_id, cursor, selection)
         for line in data:
-            yield f"id: {line['seq']}\ndata: {LogLinePublic(**line).model_dumpjson_response()}\n\n"
+            yield f"id: {line['seq']}\ndata: {LogLinePublic(**line).model_dump_json()}\n\n"
         if data:
             cursor, quiet_since = data[-1]["seq"], time.monotonic()
             if len(data) == selection["limit"]:
