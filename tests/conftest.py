@@ -32,6 +32,8 @@ from fastapi.testclient import TestClient  # noqa: E402
 from service.main import create_app  # noqa: E402
 from service.settings import Settings  # noqa: E402
 
+from s3 import S3Server, running_s3_server  # noqa: E402
+
 
 def make_settings(tmp_path: Path, **overrides) -> Settings:
     """A known simulated cluster (80 GB GPUs, 1 GB overhead) and a database of the test's own."""
@@ -121,11 +123,29 @@ def _session_cluster_left_free(request) -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
-def ray_cluster():
+def s3_server() -> Iterator[S3Server]:
+    """An S3 API on loopback for the session (moto's server, tests/s3.py) with the bucket
+    `zero1-test`, and the standard AWS_* variables in os.environ pointing at it (any others of the
+    machine's removed): this process, the session's Ray nodes and every process started after
+    reach it as production reaches S3. Its request log counts the bytes each GET sent."""
+    with running_s3_server() as server:
+        yield server
+
+
+@pytest.fixture
+def s3_uri(s3_server, request) -> str:
+    """A prefix of the session's bucket that no other test writes under: s3://zero1-test/<test>-<hex>."""
+    name = "".join(c if c.isalnum() or c in "-_" else "-" for c in request.node.name)[:60]
+    return s3_server.uri(f"{name}-{secrets.token_hex(4)}")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(s3_server):
     """Two Ray nodes on this machine, 2 logical GPUs each, on loopback; shut down after the session.
 
     Logical CPUs are 4 per node (more than the cores) so that 4 ranks of 0.5
-    CPU each plus their supervisors fit; each rank runs torch on one thread.
+    CPU each plus their supervisors fit; each rank runs torch on one thread. The nodes start
+    after s3_server: a rank's actor inherits its node's environment, and so its AWS_* variables.
     """
     import ray
     from ray.cluster_utils import Cluster
