@@ -58,6 +58,7 @@ bench: install
 	$(BIN)/python benchmarks/control_plane.py
 	$(BIN)/python benchmarks/throughput.py
 	$(BIN)/python benchmarks/scheduling.py
+	$(BIN)/python benchmarks/checkpoint.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

@@ -28,6 +28,7 @@ from workers.models.builtin import build_model
 from workers.training.artifacts import write_final
 from workers.training.checkpoints import final_dir, shard_file
 from workers.training.loop import train
+from workers.training.reader import read_shard
 from workers.zero.optimizer import ZeRO1AdamW, decay_param_groups
 
 from distributed import run_ranks
@@ -277,7 +278,7 @@ def test_artifacts_list_the_model_and_spec_with_their_sha256_and_hold_the_final_
 
     # the weights are the fp32 master weights of the last step: the last checkpoint's shards, joined
     weights = load_file(root / "final" / "model.safetensors")
-    shards = [torch.load(shard_file(root, 7, rank, 2)) for rank in range(2)]
+    shards = [read_shard(shard_file(root, 7, rank, 2)) for rank in range(2)]
     model = build_model(GPTModelSpec.model_validate(TINY).to_spec(), dtype=torch.float32)
     for b, _ in enumerate(shards[0]["buffers"]):
         flat = torch.cat([shard["buffers"][b]["master"] for shard in shards])

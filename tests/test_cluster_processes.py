@@ -371,8 +371,8 @@ def test_a_job_spread_over_two_ray_nodes_trains_with_postgresql_and_shared_check
     assert steps % every == 0 and {d.name for d in job_dir.glob("step-*")} == expected
     assert all((job_dir / name / "complete.json").is_file() for name in expected)
     for name in expected:
-        shards = sorted(p.name for p in (job_dir / name).glob("rank-*.pt"))
-        assert shards == [f"rank-{rank:05d}-of-{world_size:05d}.pt" for rank in range(world_size)]
+        shards = sorted(p.name for p in (job_dir / name).glob("rank-*.safetensors"))
+        assert shards == [f"rank-{rank:05d}-of-{world_size:05d}.safetensors" for rank in range(world_size)]
 
 
 def test_the_deployment_docs_run_these_commands():

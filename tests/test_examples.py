@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 from workers.config import HFSpec
 from workers.models.hf import build_hf
 from workers.training.checkpoints import shard_file
+from workers.training.reader import read_shard
 
 from figures import record
 from helpers import TERMINAL, wait_for, wait_job
@@ -48,7 +49,7 @@ def checkpoint_root(client: TestClient, job_id: int) -> Path:
 
 def master_weights(root: Path, *, step: int, world_size: int) -> dict[str, torch.Tensor]:
     """The fp32 master weights of a checkpoint: every rank's shard of each flat buffer, joined."""
-    shards = [torch.load(shard_file(root, step, rank, world_size)) for rank in range(world_size)]
+    shards = [read_shard(shard_file(root, step, rank, world_size)) for rank in range(world_size)]
     weights = {}
     for b, buffer in enumerate(shards[0]["buffers"]):
         flat = torch.cat([shard["buffers"][b]["master"] for shard in shards])

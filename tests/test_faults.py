@@ -28,6 +28,7 @@ from sqlalchemy import create_engine, text
 
 from service.main import create_app
 from service.scheduling.launcher import supervisor_name
+from workers.training.reader import read_shard
 
 from conftest import make_settings
 from figures import record
@@ -44,7 +45,7 @@ def kill_rank(namespace: str, job_id: int, attempt: int, rank: int) -> None:
 def final_shards(database_url: str, checkpoints: Path, job_id: int, *, step: int) -> list[dict]:
     directory = job_checkpoint_dir(database_url, checkpoints, job_id) / f"step-{step:09d}"
     assert (directory / "complete.json").is_file(), f"no complete checkpoint at {directory}"
-    return [torch.load(path, weights_only=False) for path in sorted(directory.glob("rank-*.pt"))]
+    return [read_shard(path) for path in sorted(directory.glob("rank-*.safetensors"))]
 
 
 def assert_same_state(a, b) -> None:
@@ -402,7 +403,7 @@ def test_an_embedded_ray_job_resumes_from_its_checkpoint_when_the_service_restar
             what="the finished job's checkpoints retired to the final one",
             timeout_s=30,
         )
-        assert sorted(p.parent.name for p in directory.glob("step-*/rank-*.pt")) == [last] * 2
+        assert sorted(p.parent.name for p in directory.glob("step-*/rank-*.safetensors")) == [last] * 2
         record(
             "service SIGTERM, then SIGKILL, embedded Ray",
             faults=2,

@@ -185,8 +185,9 @@ def test_a_victim_that_cannot_stop_within_the_grace_is_killed_and_resumes_from_i
         code = upload(client, _gated_bundle(tmp_path / "bundle", gate))
         steps, every = 24, 8
         # 8 samples a step in micro-batches of 2 on 4 ranks: one forward call a step; the ranks
-        # wait in forward at call 13 (step 12), past the checkpoint of step 7
-        _set_gate(gate, 12)
+        # wait in forward at call 9 (step 8), right past the checkpoint of step 7, which its
+        # background writer completes meanwhile: however slow the steps, they cannot stop cleanly
+        _set_gate(gate, every)
         body = example(code, steps=steps, checkpoint_every=every, num_gpus=4, micro_batch_size=2, global_batch_size=8)
         victim = submit(client, {**body, "priority": 10})
         # its ranks hold their last rows until the next step's: wait for the checkpoint, not for rows
@@ -198,7 +199,7 @@ def test_a_victim_that_cannot_stop_within_the_grace_is_killed_and_resumes_from_i
             bool,
             what="the victim killed past its grace",
         )
-        assert killed[0].startswith(f"preempted by job {urgent} (priority 90): checkpoint at step {every - 1}")
+        assert killed[0].startswith(f"preempted by job {urgent} (priority 90): checkpoint at step {every - 1}"), killed
         assert "did not stop within 2 s (ZERO1_PREEMPT_GRACE_S) and were killed" in killed[0]
         assert wait_job(client, urgent, lambda j: j["status"] in TERMINAL)["status"] == "succeeded"
         gate.unlink()

@@ -18,7 +18,7 @@ from test_optim import HYPER, MAX_NORM, make_model, train_zero1
 from torch.testing import assert_close
 
 from workers.zero.optimizer import ZeRO1AdamW, decay_param_groups
-from workers.zero.sharded_state import load_resharded_state
+from workers.zero.sharded_state import owned_pieces
 
 from distributed import run_ranks
 
@@ -173,4 +173,4 @@ def test_a_checkpoint_missing_a_shard_is_refused():
     state = opt.state_dict()
     state["world_size"] = 2
     with pytest.raises(ValueError, match=r"need every shard of one checkpoint in rank order: got ranks \[0\]"):
-        load_resharded_state(opt._buffers, [state])
+        owned_pieces(opt._buffers, [state])

@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 import workers.training.loop
+import workers.training.writer
 from workers.config import OptimizerSpec, TrainConfig
 from workers.memory.model import GPTSpec
 from workers.models.builtin import build_model
@@ -28,6 +29,7 @@ from workers.runtime.actors import JobSupervisor, Placement, _StopAsker
 from workers.runtime.ranks import MetricsSink, RankFailed, RankProcess
 from workers.training.checkpoints import checkpointed_metrics, latest_checkpoint
 from workers.training.loop import train
+from workers.training.reader import read_shard
 
 from distributed import run_ranks
 from test_workers import wait_for as poll_until
@@ -53,17 +55,17 @@ def _attempt(rank: int, world_size: int, root: str, checkpoint_every: int, stop_
     """One attempt of the run on this rank: stopped after `stop_after` (None: trains to the end);
     its result, what it was asked, what it saved and its rows go to root/../<name>-<rank>.json."""
     saved, asked = [], []
-    save = workers.training.loop.save_checkpoint  # a process of its own: patched for this attempt only
+    save = workers.training.writer.CheckpointWriter.save  # a process of its own: patched for this attempt only
 
-    def counting_save(opt, directory, *, step, **kwargs):
+    def counting_save(writer, step, metrics=()):
         saved.append(step)
-        return save(opt, directory, step=step, **kwargs)
+        return save(writer, step, metrics)
 
     def stop_at(step: int, checkpointed: bool) -> bool:
         asked.append([step, checkpointed])
         return step == stop_after
 
-    workers.training.loop.save_checkpoint = counting_save
+    workers.training.writer.CheckpointWriter.save = counting_save
     rows: list[MetricRow] = []
     result = train(
         _config(root, checkpoint_every=checkpoint_every),
@@ -91,7 +93,7 @@ def _read(tmp_path: Path, name: str) -> list[dict]:
 def _final_state(root: Path) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """The final model's weights, and the last checkpoint's optimizer shards."""
     step, world = latest_checkpoint(root)
-    shards = [torch.load(root / f"step-{step:09d}" / f"rank-{r:05d}-of-{world:05d}.pt") for r in range(world)]
+    shards = [read_shard(root / f"step-{step:09d}" / f"rank-{r:05d}-of-{world:05d}.safetensors") for r in range(world)]
     return load_file(root / "final" / "model.safetensors"), shards
 
 
@@ -119,9 +121,9 @@ def test_a_run_stopped_after_a_step_checkpoints_it_and_resumes_bit_for_bit(tmp_p
     assert sorted(p.name for p in (stopped / f"step-{stop_after:09d}").iterdir()) == [
         "complete.json",
         "rank-00000-of-00002.metrics.json",
-        "rank-00000-of-00002.pt",
+        "rank-00000-of-00002.safetensors",
         "rank-00001-of-00002.metrics.json",
-        "rank-00001-of-00002.pt",
+        "rank-00001-of-00002.safetensors",
     ]
     assert [row.step for row in checkpointed_metrics(stopped, after_step=-1)] == list(range(stop_after + 1))
 

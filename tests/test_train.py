@@ -27,6 +27,7 @@ from workers.models.builtin import build_model
 from workers.records import MetricRow
 from workers.training.checkpoints import checkpointed_metrics, discard_stored_metrics, latest_checkpoint
 from workers.training.loop import NonFiniteError, save_checkpoint, train
+from workers.training.reader import read_shard
 
 from distributed import run_ranks
 from figures import record
@@ -251,6 +252,7 @@ def test_training_reports_every_metric_and_its_planned_memory():
         "mem_planned_bytes",
         "eval_loss",
         "world_size",
+        "checkpoint_blocked_s",
     }
     assert all(set(r.to_json()) == keys and r.rank == 0 and r.world_size == 1 for r in rows)
     plan = breakdown(Workload.from_model(SMALL, precision="bf16", micro_batch_size=4), num_gpus=1, stage=1)
@@ -268,7 +270,7 @@ def test_fp16_training_uses_loss_scaling():
 
 def final_state(root: Path) -> dict:
     step, _ = latest_checkpoint(root)
-    return torch.load(root / f"step-{step:09d}" / "rank-00000-of-00001.pt")
+    return read_shard(root / f"step-{step:09d}" / "rank-00000-of-00001.safetensors")
 
 
 def test_a_stopped_run_resumes_from_its_last_complete_checkpoint(tmp_path):
@@ -332,7 +334,7 @@ def test_every_checkpoint_file_is_fsynced_before_it_is_renamed_into_place(tmp_pa
     train(TrainConfig(model=SMALL, steps=1, precision="fp32", checkpoint_dir=str(tmp_path)))
     assert str(tmp_path / "step-000000000") in synced  # the directory too: its new entries survive a power loss
     assert any(Path(path).name.startswith(".complete.json.tmp") for path in synced)
-    assert any(Path(path).name.startswith(".rank-00000-of-00001.pt.tmp") for path in synced)
+    assert any(Path(path).name.startswith(".rank-00000-of-00001.safetensors.tmp") for path in synced)
 
 
 def test_a_first_run_refuses_a_directory_that_holds_another_runs_checkpoints(tmp_path):
@@ -360,7 +362,7 @@ def test_keep_last_prunes_older_checkpoints_and_a_crashs_leftovers(tmp_path):
     (tmp_path / "step-000000000").mkdir(parents=True)  # an unfinished checkpoint of an earlier crash
     train(cfg)
     assert latest_checkpoint(tmp_path) == (9, 1)
-    assert sorted(p.name for p in tmp_path.glob("step-*/rank-*.pt")) == ["rank-00000-of-00001.pt"] * 2
+    assert sorted(p.name for p in tmp_path.glob("step-*/rank-*.safetensors")) == ["rank-00000-of-00001.safetensors"] * 2
     assert sorted(p.parent.name for p in tmp_path.glob("step-*/complete.json")) == ["step-000000007", "step-000000009"]
     # the pruned ones keep only their rows, until the control plane says they are stored
     assert sorted(p.parent.name for p in tmp_path.glob("step-*/pruned.json")) == [
@@ -451,8 +453,8 @@ def test_a_run_whose_gradients_stay_nan_fails_and_keeps_its_good_checkpoints(tmp
     assert latest_checkpoint(tmp_path) == (3, 2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000001", "step-000000003"]
     assert len(list(tmp_path.glob("step-*/complete.json"))) == 2
-    for shard in tmp_path.glob("step-*/rank-*.pt"):
-        state = torch.load(shard)
+    for shard in tmp_path.glob("step-*/rank-*.safetensors"):
+        state = read_shard(shard)
         assert all(torch.isfinite(buf[kind]).all() for buf in state["buffers"] for kind in ("master", "exp_avg"))
     record(f"gradients nan from step 5, {precision}: failed, good checkpoints kept", faults=1)
 
@@ -485,7 +487,7 @@ def _nonfinite_state_is_not_saved(rank: int, world_size: int, root: str) -> None
     from workers.zero.optimizer import ZeRO1AdamW
 
     opt = ZeRO1AdamW(model.parameters())
-    save_checkpoint(opt, Path(root), step=0, process_group=None)  # finite: written
+    save_checkpoint(opt, Path(root), step=0)  # finite: written
     if rank == 1:
         opt._buffers[0].state["exp_avg_sq"][3] = math.inf  # one element, on one rank
     with pytest.raises(
@@ -493,7 +495,7 @@ def _nonfinite_state_is_not_saved(rank: int, world_size: int, root: str) -> None
         match=r"step 2: 1 of the optimizer state's elements are nan or inf "
         r"\(master 0, exp_avg 0, exp_avg_sq 1\)",
     ):
-        save_checkpoint(opt, Path(root), step=2, process_group=None, keep_last=1)
+        save_checkpoint(opt, Path(root), step=2, keep_last=1)
 
 
 def test_a_checkpoint_of_nonfinite_state_is_refused_on_every_rank_before_anything_is_written(tmp_path):

@@ -30,6 +30,7 @@ from workers.runtime.actors import JobSupervisor, Placement, PlacementError
 from workers.runtime.rendezvous import join_process_group, open_rendezvous_store
 from workers.training.checkpoints import latest_checkpoint
 from workers.training.loop import train
+from workers.training.reader import read_shard
 
 from figures import record
 from helpers import TERMINAL
@@ -319,7 +320,7 @@ def test_a_placement_group_no_attempt_owns_is_removed_and_one_an_active_attempt_
 
 def final_shards(root: Path) -> list[dict]:
     step, world = latest_checkpoint(root)
-    return [torch.load(root / f"step-{step:09d}" / f"rank-{r:05d}-of-{world:05d}.pt") for r in range(world)]
+    return [read_shard(root / f"step-{step:09d}" / f"rank-{r:05d}-of-{world:05d}.safetensors") for r in range(world)]
 
 
 def test_a_killed_rank_fails_the_job_and_a_restart_resumes_exactly(ray_cluster, tmp_path):

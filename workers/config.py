@@ -189,6 +189,10 @@ class TrainConfig:
     """Where checkpoints go; None keeps none."""
     keep_last: int = 0
     """Complete checkpoints kept (the newest ones); 0 keeps every one."""
+    async_checkpoints: bool = True
+    """Write checkpoints in a background thread: the step waits only for the previous checkpoint's
+    write and the copy of its shard to host memory (workers/training/writer.py). False: the files are
+    written, the ranks meet at a barrier and rank 0 marks the checkpoint complete before training goes on."""
     activation_checkpointing: bool = False
     resume: bool = True
     """Resume from the latest complete checkpoint in checkpoint_dir. A job's first attempt

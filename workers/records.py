@@ -41,6 +41,10 @@ class MetricRow:
     """Mean loss on the held-out data, on a step that evaluated (eval_every); else None."""
     world_size: int | None = None
     """The N the step ran at (an elastic job's changes with each resize)."""
+    checkpoint_blocked_s: float | None = None
+    """Seconds the step's checkpoint held training up (workers/training/writer.py): waiting for the
+    previous checkpoint's write and copying the shard to host memory, or the whole write where
+    checkpoints are synchronous; None on a step without a checkpoint."""
     rank: int | None = None
 
     @classmethod
@@ -68,6 +72,11 @@ class MetricRow:
 
 STORED_FIELDS = tuple(f.name for f in fields(MetricRow) if f.name != "rank")
 """The columns a stored row has, in order."""
+
+
+class NonFiniteError(RuntimeError):
+    """The gradients stayed nan or inf for max_nonfinite_steps steps, or the optimizer state is
+    not finite where a checkpoint would save it: the run fails rather than train on, or save, nothing."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

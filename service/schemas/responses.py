@@ -141,8 +141,14 @@ class MetricPublic(BaseModel):
     world_size: int | None = Field(
         None, description="The N the step ran at (an elastic job's changes); null for rows stored before it was kept."
     )
+    checkpoint_blocked_s: float | None = Field(
+        None,
+        description="Seconds the step's checkpoint held training up (waiting for the previous checkpoint's write "
+        "and copying the shard to host memory; the whole write where checkpoints are synchronous); null on a step "
+        "without a checkpoint.",
+    )
 
-    @field_validator("loss", "grad_norm", "eval_loss", mode="before")
+    @field_validator("loss", "grad_norm", "eval_loss", "checkpoint_blocked_s", mode="before")
     @classmethod
     def _finite_or_null(cls, value):
         return value if value is None or math.isfinite(value) else None

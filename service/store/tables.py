@@ -161,6 +161,8 @@ class Metric(Base):
     """The held-out loss on a step that evaluated; null on the others (and when not finite)."""
     world_size: Mapped[int | None] = mapped_column(Integer, default=None)
     """The N the step ran at (an elastic job's changes); null for rows stored before it was kept."""
+    checkpoint_blocked_s: Mapped[float | None] = mapped_column(Float)
+    """Seconds the step's checkpoint held training up; null on a step without one (and when not finite)."""
     superseded: Mapped[bool] = mapped_column(Boolean, default=False)
     """True for rows of an attempt past the checkpoint a retry resumed from."""
 

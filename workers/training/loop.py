@@ -3,8 +3,9 @@
 A step: every micro-batch of this rank's slice of the global batch runs
 forward and backward (gradients accumulate in the optimizer's flat buffer),
 then ZeRO1AdamW reduces, updates its shard and gathers. Each step yields one
-metrics row per rank; every `checkpoint_every` steps each rank writes its
-shard, and rank 0 marks the checkpoint complete once all shards are in place.
+metrics row per rank; every `checkpoint_every` steps each rank checkpoints its
+shard (workers/training/writer.py: a host copy, then the files in the background),
+and the row carries the seconds that held the step up.
 Every `eval_every` steps (and at the last) the row carries the held-out loss;
 a run that completes its steps writes the final model (workers/training/artifacts.py).
 """
@@ -26,26 +27,17 @@ from workers.data.sources import Batches
 from workers.memory import model as memory
 from workers.models.builtin import DTYPES, build_model
 from workers.models.trace import loss_of, measure_step
-from workers.records import MetricRow, TrainResult
+from workers.records import MetricRow, NonFiniteError, TrainResult
 from workers.training.artifacts import write_final
-from workers.training.checkpoints import (
-    COMPLETE,
-    atomic_write,
-    final_dir,
-    latest_checkpoint,
-    prune_checkpoints,
-    shard_file,
-    step_dir,
-    write_json,
-)
+from workers.training.checkpoints import final_dir
+from workers.training.reader import resume
+from workers.training.writer import CheckpointIO, CheckpointWriter, save_checkpoint, shared_directory
 from workers.zero.optimizer import ZeRO1AdamW, decay_param_groups
 
+# the names other modules and tests import from here, wherever they live now
+__all__ = ["NonFiniteError", "resume", "save_checkpoint", "train"]
+
 log = logging.getLogger("zero1.train")
-
-
-class NonFiniteError(RuntimeError):
-    """The gradients stayed nan or inf for max_nonfinite_steps steps, or the optimizer state is
-    not finite where a checkpoint would save it: the run fails rather than train on, or save, nothing."""
 
 
 def default_device() -> torch.device:
@@ -78,12 +70,15 @@ def train(
     on_metrics: Callable[[MetricRow], None] = lambda row: None,
     should_stop: Callable[[], bool] = lambda: False,
     stop_at: Callable[[int, bool], bool] = lambda step, checkpointed: False,
+    io: CheckpointIO | None = None,
 ) -> TrainResult:
     """Train `config` as `rank` of `world_size`, resuming from the latest complete checkpoint.
 
     After each step but the last and a skipped one, rank 0's stop_at(step, checkpointed) decides for every
     rank whether to stop there (TrainResult.stopped) with a checkpoint of that step: just written at it
-    (checkpointed), or written now. An elastic job's resize, a preempted job's stop."""
+    (checkpointed), or written now. An elastic job's resize, a preempted job's stop. `io` reaches the
+    checkpoints (None: config.checkpoint_dir, a directory every rank shares). A stop and the end wait
+    for the checkpoint being written."""
     device = device or default_device()
     batches = Batches(
         model=config.model,
@@ -108,9 +103,12 @@ def train(
         bucket_cap_mb=hyper.bucket_cap_mb,
     )
     first = 0
+    if config.checkpoint_dir and io is None:
+        io = shared_directory(Path(config.checkpoint_dir))
     if config.checkpoint_dir and config.resume:
-        first = resume(opt, Path(config.checkpoint_dir), rank=rank, world_size=world_size)
-    elif config.checkpoint_dir and (found := latest_checkpoint(Path(config.checkpoint_dir))) is not None:
+        resumed = resume(opt, io)
+        first = 0 if resumed is None else resumed.step + 1
+    elif config.checkpoint_dir and (found := io.latest()) is not None:
         raise ValueError(
             f"checkpoint_dir {config.checkpoint_dir} already holds a checkpoint of step {found[0]}, and this run "
             "starts from scratch (resume=False): it is another run's"
@@ -133,35 +131,53 @@ def train(
     since_checkpoint: list[MetricRow] = []
     skipped = 0  # steps skipped in a row (nan/inf norm); a resumed run counts from 0 again
     due = False
-    for step in range(first, config.steps):
-        if should_stop():
-            return TrainResult(rank=rank, first_step=first, last_step=last, cancelled=True)
-        row = context.run_step(step)
-        if _evaluates(config, step):
-            row = replace(row, eval_loss=context.evaluate(num_batches=config.eval_batches))
-        on_metrics(row)
-        if rank == 0:
-            log.info("%s", _step_line(row, steps=config.steps))
-        since_checkpoint.append(row)
-        last = step
-        skipped = _count_skipped(skipped, row, limit=config.max_nonfinite_steps)
-        done = step + 1 == config.steps
-        due = due or bool(config.checkpoint_every and (step + 1) % config.checkpoint_every == 0)
-        # a checkpoint falling on a skipped step waits for the next clean one: written now, it would
-        # hold the same weights under a later step and, with keep_last, prune the ones from before
-        # the trouble began. The last step's is written anyway: the skips changed nothing
-        checkpointed = bool(config.checkpoint_dir) and (done or (due and not skipped))
-        if checkpointed:
-            _save(config, context, step=step, metrics=since_checkpoint)
-            since_checkpoint, due = [], False
-        # a stop waits for a clean step too (at most max_nonfinite_steps - 1 of them, or the run
-        # fails): its checkpoint is then one a periodic one could be, and the resumed run's count
-        # of skips in a row (from 0) is the one the unstopped run would have
-        if done or skipped or not _agree(stop_at(step, checkpointed) if rank == 0 else False, context):
-            continue
-        if config.checkpoint_dir and not checkpointed:
-            _save(config, context, step=step, metrics=since_checkpoint)
-        return TrainResult(rank=rank, first_step=first, last_step=last, cancelled=False, stopped=True)
+    writer = (
+        CheckpointWriter(
+            opt,
+            root=Path(config.checkpoint_dir),
+            io=io,
+            keep_last=config.keep_last,
+            asynchronous=config.async_checkpoints,
+        )
+        if config.checkpoint_dir
+        else None
+    )
+    with writer or contextlib.nullcontext():  # leaving it waits for the write in flight
+        for step in range(first, config.steps):
+            if should_stop():
+                if writer is not None:
+                    writer.abandon()  # the write in flight still finishes; its error is logged, not raised
+                return TrainResult(rank=rank, first_step=first, last_step=last, cancelled=True)
+            row = context.run_step(step)
+            if _evaluates(config, step):
+                row = replace(row, eval_loss=context.evaluate(num_batches=config.eval_batches))
+            last = step
+            skipped = skipped + 1 if row.skipped else 0
+            done = step + 1 == config.steps
+            due = due or bool(config.checkpoint_every and (step + 1) % config.checkpoint_every == 0)
+            # a checkpoint falling on a skipped step waits for the next clean one: written now, it would
+            # hold the same weights under a later step and, with keep_last, prune the ones from before
+            # the trouble began. The last step's is written anyway (the skips changed nothing), unless
+            # the skips fail the run there
+            checkpointed = (
+                writer is not None and skipped < config.max_nonfinite_steps and (done or (due and not skipped))
+            )
+            since_checkpoint.append(row)
+            if checkpointed:
+                row = replace(row, checkpoint_blocked_s=writer.save(step, since_checkpoint))
+                since_checkpoint, due = [], False
+            on_metrics(row)  # after the checkpoint: the row carries the seconds it held the step up
+            if rank == 0:
+                log.info("%s", _step_line(row, steps=config.steps))
+            _check_skipped(skipped, row, limit=config.max_nonfinite_steps)
+            # a stop waits for a clean step too (at most max_nonfinite_steps - 1 of them, or the run
+            # fails): its checkpoint is then one a periodic one could be, and the resumed run's count
+            # of skips in a row (from 0) is the one the unstopped run would have
+            if done or skipped or not _agree(stop_at(step, checkpointed) if rank == 0 else False, context):
+                continue
+            if writer is not None and not checkpointed:
+                writer.save(step, since_checkpoint)
+            return TrainResult(rank=rank, first_step=first, last_step=last, cancelled=False, stopped=True)
     if config.checkpoint_dir:  # every step is done (a resume past the last one too): the model goes out
         write_final(
             model,
@@ -175,20 +191,15 @@ def train(
     return TrainResult(rank=rank, first_step=first, last_step=last, cancelled=False)
 
 
-def _save(config: TrainConfig, context: _StepContext, *, step: int, metrics: list[MetricRow]) -> None:
-    """The checkpoint of `step` (periodic, the last, or a stop's) with the rows since the one before."""
-    directory, group = Path(config.checkpoint_dir), context.process_group
-    save_checkpoint(context.opt, directory, step=step, process_group=group, metrics=metrics, keep_last=config.keep_last)
-
-
 def _step_line(row: MetricRow, *, steps: int) -> str:
     """Rank 0's log line of a step."""
     loss = "-" if row.loss is None else f"{row.loss:.4f}"
     evaluated = "" if row.eval_loss is None else f"  eval {row.eval_loss:.4f}"
     skipped = "  skipped (non-finite gradients)" if row.skipped else ""
+    blocked = "" if row.checkpoint_blocked_s is None else f"  checkpoint {row.checkpoint_blocked_s * 1000:.1f} ms"
     return (
         f"step {row.step}/{steps - 1}  loss {loss}{evaluated}  {row.step_time_s * 1000:.1f} ms  "
-        f"{row.tokens_per_s:,.0f} tokens/s{skipped}"
+        f"{row.tokens_per_s:,.0f} tokens/s{skipped}{blocked}"
     )
 
 
@@ -222,12 +233,9 @@ def _build(config: TrainConfig, *, device: torch.device) -> torch.nn.Module:
     )
 
 
-def _count_skipped(skipped: int, row: MetricRow, *, limit: int) -> int:
-    """Steps skipped in a row, this one included; NonFiniteError at `limit`. Every rank skips
+def _check_skipped(skipped: int, row: MetricRow, *, limit: int) -> None:
+    """NonFiniteError once `skipped` steps in a row (this one included) reach `limit`. Every rank skips
     the same steps (the norm is all-reduced), so every rank raises at the same step."""
-    if not row.skipped:
-        return 0
-    skipped += 1
     if skipped >= limit:
         step = row.step
         raise NonFiniteError(
@@ -235,7 +243,6 @@ def _count_skipped(skipped: int, row: MetricRow, *, limit: int) -> int:
             f"{step}: steps {step - skipped + 1}-{step} were skipped (grad_norm {row.grad_norm}, loss "
             f"{row.loss}, loss_scale {row.loss_scale}); lower the learning rate or check the data"
         )
-    return skipped
 
 
 CPU_MEMORY_EVERY_STEPS = 10
@@ -338,63 +345,3 @@ class _StepContext:
             mem_planned_bytes=self.planned_bytes,
             world_size=self.world_size,
         )
-
-
-# --------------------------------------------------------------------------- checkpoints
-
-
-def save_checkpoint(
-    opt: ZeRO1AdamW,
-    root: Path,
-    *,
-    step: int,
-    process_group: dist.ProcessGroup | None,
-    metrics: list[MetricRow] = (),
-    keep_last: int = 0,
-) -> Path:
-    """Every rank writes its shard and its metric rows since the last checkpoint; rank 0 then
-    marks the step complete. The rows travel with the checkpoint: a control plane that lost
-    them (it and Ray stopped together) reads them back before resuming after this step."""
-    _refuse_nonfinite_state(opt, step=step)
-    directory = step_dir(root, step)
-    directory.mkdir(parents=True, exist_ok=True)
-    state = opt.state_dict()
-    shard = shard_file(root, step, opt.rank, opt.world_size)
-    atomic_write(shard, lambda file: torch.save(state, file))
-    write_json(shard.with_suffix(".metrics.json"), [row.to_json() for row in metrics])
-    if opt.world_size > 1:
-        dist.barrier(group=process_group)  # every shard is in place before the checkpoint counts
-    if opt.rank == 0:
-        write_json(directory / COMPLETE, {"step": step, "world_size": opt.world_size, "format": state["format"]})
-        if keep_last:
-            prune_checkpoints(root, keep_last=keep_last)
-    return directory
-
-
-def _refuse_nonfinite_state(opt: ZeRO1AdamW, *, step: int) -> None:
-    """NonFiniteError on every rank, before anything is written, if any rank's fp32 state holds a
-    nan or inf: a resume would start from it, and pruning would delete the good checkpoints."""
-    counts = opt.nonfinite_state_numel()
-    total = sum(counts.values())
-    if total:
-        by_kind = ", ".join(f"{kind} {n}" for kind, n in counts.items())
-        raise NonFiniteError(
-            f"not saving the checkpoint of step {step}: {total} of the optimizer state's elements are nan or inf "
-            f"({by_kind}) over {opt.world_size} rank(s)"
-        )
-
-
-def resume(opt: ZeRO1AdamW, root: Path, *, rank: int, world_size: int) -> int:
-    """Load this rank's part of the latest complete checkpoint; the step to start at. Written by
-    another number of ranks (an elastic job resized), it is resharded: every shard is mapped
-    (mmap), and this rank reads the byte ranges it now owns."""
-    found = latest_checkpoint(root) if root.exists() else None
-    if found is None:
-        return 0
-    step, saved_world = found
-    if saved_world == world_size:
-        opt.load_state_dict(torch.load(shard_file(root, step, rank, world_size), map_location=opt.device))
-    else:
-        shards = [torch.load(shard_file(root, step, r, saved_world), mmap=True) for r in range(saved_world)]
-        opt.load_resharded_state_dicts(shards)
-    return step + 1
