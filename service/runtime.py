@@ -14,7 +14,7 @@ from service.planning.traces import Tracer
 from service.scheduling.launcher import RayLauncher, dataset_cache_dir
 from service.scheduling.scheduler import Scheduler
 from service.settings import Settings
-from service.store.code_bundles import CodeStore, code_dir
+from service.store.code_bundles import code_store
 from service.store.db import Database, upgrade
 from service.store.housekeeping import Housekeeper
 from service.telemetry import Telemetry
@@ -27,11 +27,9 @@ class Runtime:
         self.settings = settings
         self.db = Database(settings.database_url)
         self.cluster = RayCluster(settings)
-        self.code = CodeStore(code_dir(settings.checkpoint_uri))
+        self.code = code_store(settings.checkpoint_uri, settings.shared_dir)
         self.launcher = RayLauncher(settings, code_uri=self.code.uri)
-        self.housekeeper = Housekeeper(
-            db=self.db, settings=settings, cache_dir=dataset_cache_dir(settings.checkpoint_uri)
-        )
+        self.housekeeper = Housekeeper(db=self.db, settings=settings, cache_dir=dataset_cache_dir(settings.shared_dir))
         self.task_slots = Slots(task_limits(settings))
         """Traces and dataset checks in flight (ZERO1_MAX_TASKS, ZERO1_MAX_TASKS_PER_USER)."""
         self.log_followers = Slots(follower_limits(settings))
@@ -43,7 +41,7 @@ class Runtime:
             timeout_s=settings.data_timeout_s,
             slots=self.task_slots,
             run_as=settings.run_as_of,
-            token_cache=str(dataset_cache_dir(settings.checkpoint_uri) / "tokens"),
+            token_cache=str(dataset_cache_dir(settings.shared_dir) / "tokens"),
         )
         self.scheduler = Scheduler(
             db=self.db,

@@ -1,6 +1,6 @@
 """Settings: every ZERO1_* environment variable, read in one place.
 
-May import: workers.runtime.sandbox.
+May import: workers.runtime.sandbox, workers.training.storage.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_va
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from workers.runtime.sandbox import RunAs
+from workers.training.storage import is_remote, parse_uri
 
 PLACEHOLDER = re.compile(r"change[-_]?me", re.IGNORECASE)
 """The mark of .env.example's values: a secret that has it is known to everyone who read the example."""
@@ -60,15 +61,25 @@ class Settings(BaseSettings):
     ray_namespace: str = "zero1"
     """Ray namespace of this deployment's job supervisors (zero1-job-<id>)."""
     checkpoint_uri: str = ".zero1/checkpoints"
-    """Directory under which each job keeps its checkpoints (job-<id>-<run id>/: a
-    random run id, so a job id reused after a database restore never meets another
-    job's checkpoints); on a multi-node cluster a filesystem every worker shares."""
+    """Where each job keeps its checkpoints and final model (job-<id>-<run id>/: a random run id,
+    so a job id reused after a database restore never meets another job's checkpoints): a
+    directory (on a multi-node cluster one every node shares), or `s3://bucket/prefix` on S3 or
+    any S3-compatible store, reached with the standard AWS_* variables and files. Any other
+    scheme is refused at start."""
+    local_dir: str = ".zero1"
+    """Where the dataset token cache (datasets/) lives when ZERO1_CHECKPOINT_URI is on an object
+    store (code bundles go to its code/ there); beside the checkpoints when it is a directory. On
+    a multi-node cluster a directory every node shares."""
     checkpoint_keep_last: int = Field(3, ge=1, le=1_000_000)
     """Complete checkpoints each job keeps (the newest); older ones lose their
     shards as new ones complete, and their saved rows once the database has them."""
     checkpoint_keep_finished: int = Field(1, ge=0, le=1_000_000)
     """Complete checkpoints a finished job (succeeded, failed or cancelled) keeps, the newest;
     0 deletes its checkpoint directory once its rows are stored."""
+    async_checkpoints: bool = True
+    """Write each rank's checkpoint files in a background thread, the step held up only by the copy
+    of its shard to host memory (and the previous checkpoint's write, if still going); false writes
+    them, and marks the checkpoint complete, before training goes on."""
     cpus_per_worker: float = Field(1.0, gt=0, le=1024)
     """CPUs each rank reserves beside its GPU."""
     placement_timeout_s: float = Field(120.0, gt=0, le=86_400)
@@ -195,6 +206,22 @@ class Settings(BaseSettings):
                 f"({self.placement_timeout_s:g}) + rendezvous_timeout_s ({self.rendezvous_timeout_s:g}) = {floor:g}"
             )
         return self
+
+    @field_validator("checkpoint_uri")
+    @classmethod
+    def _check_storage(cls, value: str) -> str:
+        """A directory or s3://bucket/prefix: a URI of another scheme is never taken for a path."""
+        try:
+            parse_uri(value)
+        except ValueError as exc:
+            raise ValueError(f"ZERO1_CHECKPOINT_URI: {exc}") from None
+        return value.strip()
+
+    @property
+    def shared_dir(self) -> str:
+        """The directory that holds the token cache (and code bundles, beside directory checkpoints):
+        the checkpoint directory itself, or ZERO1_LOCAL_DIR when the checkpoints are on an object store."""
+        return self.local_dir if is_remote(self.checkpoint_uri) else self.checkpoint_uri
 
     @field_validator("run_as", mode="before")
     @classmethod

@@ -9,6 +9,7 @@ import json
 import time
 from datetime import datetime
 
+import fsspec
 import pytest
 import ray
 from fastapi.testclient import TestClient
@@ -314,3 +315,57 @@ def test_a_thinned_curve_has_at_most_max_points_and_ends_at_the_last_step(first,
 def test_max_points_100_of_101_steps_gives_at_most_100():
     assert len(thinned_steps(0, 100, max_points=100)) <= 100
     assert thinned_steps(0, 3, max_points=3) == [0, 2, 3]
+
+
+# --------------------------------------------------------------------------- keep_last
+
+
+@pytest.mark.parametrize(("keep_last", "got"), [(0, "0"), (-3, "-3"), (1_000_001, "1000001"), ("all", "'all'")])
+def test_keep_last_out_of_range_is_a_422_naming_it_and_the_value(sqlite_client, keep_last, got):
+    r = sqlite_client.post("/v1/jobs", json=job_body(keep_last=keep_last), params={"dry_run": "true"})
+    assert r.status_code == 422, r.text
+    assert r.json()["message"].startswith("keep_last: ") and f"(got {got})" in r.json()["message"], r.text
+
+
+def test_keep_last_is_stored_in_the_spec_and_wins_over_the_servers_default(sqlite_client):
+    kept = submit(sqlite_client, job_body(name="kept", steps=2, keep_last=2))
+    default = submit(sqlite_client, job_body(name="default", steps=2))
+    assert (kept["spec"]["keep_last"], default["spec"]["keep_last"]) == (2, None)
+    assert sqlite_client.get(f"/v1/jobs/{kept['id']}").json()["spec"]["keep_last"] == 2
+    for job in (kept, default):
+        sqlite_client.post(f"/v1/jobs/{job['id']}/cancel")  # a running job's keep_last: the test below
+
+    from service.schemas.requests import JobSpec
+
+    def config_keep_last(spec: dict) -> int:  # as the launcher converts it, with the server's default
+        return JobSpec.model_validate(spec).to_config(checkpoint_dir="/unused", keep_last=3).keep_last
+
+    assert (config_keep_last(kept["spec"]), config_keep_last(default["spec"])) == (2, 3)
+
+
+@pytest.mark.parametrize("storage", ["directory", "s3"])
+def test_a_job_with_keep_last_1_ends_with_one_complete_checkpoint(ray_cluster, tmp_path, request, storage):
+    """keep_last bounds what a running job keeps; the server keeps up to 5 of a finished job's here, so
+    what is left is what the job kept: 1 with keep_last 1, ZERO1_CHECKPOINT_KEEP_LAST's 3 without."""
+    uri = request.getfixturevalue("s3_uri") if storage == "s3" else str(tmp_path / "checkpoints")
+    settings = make_settings(
+        tmp_path, checkpoint_uri=uri, local_dir=str(tmp_path), checkpoint_keep_last=3, checkpoint_keep_finished=5
+    )
+    with serve(settings) as client:
+        jobs = {
+            keep_last: submit(
+                client, job_body(name=f"keep-{keep_last}", steps=8, checkpoint_every=2, keep_last=keep_last)
+            )
+            for keep_last in (1, None)
+        }
+        for job in jobs.values():
+            assert wait_job(client, job["id"], finished)["status"] == "succeeded"
+    fs, root = fsspec.core.url_to_fs(uri)
+    complete = {
+        keep_last: sorted(path.split("/")[-2] for path in fs.glob(f"{root}/job-{job['id']}-*/step-*/complete.json"))
+        for keep_last, job in jobs.items()
+    }
+    assert complete == {
+        1: ["step-000000007"],
+        None: ["step-000000003", "step-000000005", "step-000000007"],
+    }

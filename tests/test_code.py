@@ -56,7 +56,7 @@ def secured(ray_cluster, tmp_path_factory):
 def stored(client: TestClient) -> tuple[list[str], int]:
     """(the store's files, the code_bundles rows)."""
     runtime = client.app.state.runtime
-    root = code_dir(runtime.settings.checkpoint_uri)
+    root = code_dir(runtime.settings.shared_dir)
     files = sorted(path.name for path in root.iterdir()) if root.exists() else []
     with runtime.db.session() as session:
         return files, session.scalar(select(func.count()).select_from(CodeBundle))

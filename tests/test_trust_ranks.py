@@ -33,13 +33,14 @@ from workers.runtime.sandbox import RunAs, check_runnable, child_environment, ex
 
 from figures import record
 from helpers import TERMINAL, free_port, job_body, wait_for, wait_healthy, wait_job
+from s3 import SECRET_ACCESS_KEY
 
 ZERO1 = str(Path(sys.executable).with_name("zero1"))
 ALICE, BOB, ROOT = (f"{user}-{secrets.token_urlsafe(24)}" for user in ("alice", "bob", "root"))
 IDS = {"alice": (2001, 2001), "bob": (2002, 2002)}
 NOBODY = (65534, 65534)
 RUN_AS = "alice=2001:2001,bob=2002:2002,*=65534:65534"
-NEEDLES = ["ZERO1_API_TOKENS", "ZERO1_DATABASE_URL", ALICE, BOB, ROOT]
+NEEDLES = ["ZERO1_API_TOKENS", "ZERO1_DATABASE_URL", ALICE, BOB, ROOT, SECRET_ACCESS_KEY]
 
 PROBE = """
 import json
@@ -220,7 +221,9 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served(searchable) -> Iterator[Served]:
+def served(searchable, s3_server) -> Iterator[Served]:
+    """The service with the S3 credentials in its environment (s3_server sets them), as a deployment
+    on S3 has them: its ranks' parents hold them, their children must not."""
     state = Path(tempfile.mkdtemp(prefix="zero1-trust-"))
     service = Served(state, ZERO1_RUN_AS=RUN_AS)
     try:
@@ -272,7 +275,8 @@ def assert_contained(report: dict, *, uid: int, gid: int, home_under: Path | Non
     names = set(report["env"])
     leaked = {n for n in names if n.startswith(("ZERO1_", "RAY_", "AWS_")) or "TOKEN" in n.split("_")}
     assert not leaked, leaked
-    assert not any(secret in value for value in report["env"].values() for secret in (ALICE, BOB, ROOT))
+    secrets_held = (ALICE, BOB, ROOT, SECRET_ACCESS_KEY)  # the last: the S3 key its rank's parent holds
+    assert not any(secret in value for value in report["env"].values() for secret in secrets_held)
     assert report["environ_exposing"] == [], report["environ_exposing"]
     assert report["opens"] == {
         "database": "PermissionError",
@@ -288,6 +292,8 @@ def assert_contained(report: dict, *, uid: int, gid: int, home_under: Path | Non
 
 
 def test_user_code_at_plan_time_and_on_every_rank_runs_as_its_owner_and_reaches_nothing_else(served, probe, reports):
+    # the service and its ranks' parents hold storage credentials: the children's lack of them is tested
+    assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"} <= set(served.env)
     code_alice = served.upload(probe, ALICE)
     # alice's job first: its directory is what bob's code then tries to open
     alice_body = job_body(name="alice", model=probe_model(served, reports, other_job_dir=served.state), seq_len=8)

@@ -13,16 +13,16 @@ from typing import Any
 from service.schemas.requests import JobSpec
 from service.schemas.responses import PlanPublic
 from service.settings import Settings
-from service.store.job_dirs import prepare_job_dir, remove_except, remove_scratch
+from service.store.job_dirs import prepare_job_dir, retire_job_dir
 from service.store.tables import Job
 from workers.records import MetricRow, RankError
 from workers.runtime.sandbox import RunAs
+from workers.training.storage import DirectoryStore, ObjectStore, Store, is_remote, join_uri, open_store
 
 LogAcks = dict[int, int]
 """Rank -> the n of its last log line stored (service.store.log_lines.log_acks)."""
 
 log = logging.getLogger(__name__)
-_ALL_STEPS = 2**62
 _STORAGE_TTL_S = 60.0
 
 
@@ -31,10 +31,10 @@ def checkpoint_dirname(job_id: int, run_id: str | None) -> str:
     return f"job-{job_id}" if run_id is None else f"job-{job_id}-{run_id}"
 
 
-def dataset_cache_dir(checkpoint_uri: str) -> Path:
-    """Where `dataset` jobs' token files are cached: datasets/ on the checkpoint storage, beside the jobs'
-    directories, which every rank reads."""
-    return Path(checkpoint_uri).resolve() / "datasets"
+def dataset_cache_dir(shared_dir: str) -> Path:
+    """Where `dataset` jobs' token files are cached: datasets/ in Settings.shared_dir (beside the jobs'
+    directories when the checkpoints are in a directory), which every rank reads."""
+    return Path(shared_dir).resolve() / "datasets"
 
 
 def supervisor_name(job_id: int, attempt: int = 0) -> str:
@@ -92,23 +92,33 @@ class RayLauncher:
         self._storage_problems: dict[str, str] = {}
         self._storage_checked_at = -math.inf
 
-    def checkpoint_dir(self, job: Job) -> Path:
-        """The job's own directory: job-<id>-<run_id>, which no later job can be given (ids repeat
-        after a database restore; run ids do not)."""
-        return Path(self.settings.checkpoint_uri).resolve() / checkpoint_dirname(job.id, job.run_id)
+    def checkpoint_uri(self, job: Job) -> str:
+        """The job's own place on the storage: job-<id>-<run_id>, which no later job can be given
+        (ids repeat after a database restore; run ids do not). A path, or s3://…"""
+        return join_uri(self.settings.checkpoint_uri, checkpoint_dirname(job.id, job.run_id))
 
-    def prepare_job_dir(self, job: Job) -> tuple[Path, RunAs | None]:
-        """The job's directory, made before its ranks start, and the uid its children run under."""
-        run_as = self.settings.run_as_of(job.owner)
-        directory = self.checkpoint_dir(job)
-        prepare_job_dir(directory, run_as=run_as, database_url=self.settings.database_url)
+    def job_store(self, job: Job) -> Store:
+        """The job's checkpoints and final model, wherever they live."""
+        return open_store(self.checkpoint_uri(job))
+
+    def checkpoint_dir(self, job: Job) -> Path | ObjectStore:
+        """Where the job's final/ is read: its directory, or its prefix on the object store."""
+        return store.root if isinstance(store := self.job_store(job), DirectoryStore) else store
+
+    def prepare_job_dir(self, job: Job) -> tuple[str | None, RunAs | None]:
+        """The job's directory, made before its ranks start (None on an object store: each rank's
+        parent makes a scratch home on its node), and the uid its children run under."""
+        run_as, directory = self.settings.run_as_of(job.owner), self.checkpoint_uri(job)
+        if is_remote(directory):
+            return None, run_as
+        prepare_job_dir(Path(directory), run_as=run_as, database_url=self.settings.database_url)
         return directory, run_as
 
     def resume_step(self, job: Job) -> int:
         """The step a relaunch starts at: after the latest complete checkpoint, else 0."""
         from workers.training.checkpoints import latest_checkpoint
 
-        found = latest_checkpoint(self.checkpoint_dir(job))
+        found = latest_checkpoint(self.job_store(job))
         return 0 if found is None else found[0] + 1
 
     def storage_problems(self) -> dict[str, str]:
@@ -122,7 +132,7 @@ class RayLauncher:
 
         if time.monotonic() - self._storage_checked_at < _STORAGE_TTL_S:
             return self._storage_problems
-        path = str(Path(self.settings.checkpoint_uri).resolve())
+        path = join_uri(self.settings.checkpoint_uri)
         nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU", 0) > 0]
         refs = [
             probe_writable.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(path)
@@ -142,7 +152,7 @@ class RayLauncher:
         """Rows saved with the job's checkpoints after `after_step` (see workers.training.checkpoints)."""
         from workers.training.checkpoints import checkpointed_metrics
 
-        return checkpointed_metrics(self.checkpoint_dir(job), after_step=after_step)
+        return checkpointed_metrics(self.job_store(job), after_step=after_step)
 
     def discard_stored_metrics(self, job: Job, *, through_step: int) -> None:
         """Delete the job's pruned checkpoints whose rows are stored (see workers.training.checkpoints); a
@@ -150,7 +160,7 @@ class RayLauncher:
         from workers.training.checkpoints import discard_stored_metrics
 
         try:
-            discard_stored_metrics(self.checkpoint_dir(job), through_step=through_step)
+            discard_stored_metrics(self.job_store(job), through_step=through_step)
         except OSError as exc:
             log.warning("job %s: could not delete stored rows' checkpoint files: %s", job.id, exc)
 
@@ -158,17 +168,8 @@ class RayLauncher:
         """A finished job (its rows stored) keeps its newest ZERO1_CHECKPOINT_KEEP_FINISHED complete
         checkpoints, its final model (final/) and nothing else; with 0 every checkpoint goes. Logged,
         not raised, on failure."""
-        from workers.training.checkpoints import FINAL, discard_stored_metrics, prune_checkpoints
-
-        directory, keep = self.checkpoint_dir(job), self.settings.checkpoint_keep_finished
         try:
-            if keep == 0:
-                remove_except(directory, keep_name=FINAL)
-                return
-            if directory.exists():
-                prune_checkpoints(directory, keep_last=keep, keep_newest_unfinished=False)
-                discard_stored_metrics(directory, through_step=_ALL_STEPS)
-                remove_scratch(directory)
+            retire_job_dir(self.job_store(job), keep=self.settings.checkpoint_keep_finished)
         except OSError as exc:
             log.warning("job %s: could not prune the finished job's checkpoints: %s", job.id, exc)
 
@@ -179,11 +180,12 @@ class RayLauncher:
 
         job_dir, run_as = self.prepare_job_dir(job)
         config = JobSpec.model_validate(job.spec).to_config(
-            checkpoint_dir=str(job_dir),
+            checkpoint_dir=self.checkpoint_uri(job),
             keep_last=self.settings.checkpoint_keep_last,
+            async_checkpoints=self.settings.async_checkpoints,
             resume=job.attempt > 0,
             data_roots=self.settings.data_roots,
-            dataset_cache_dir=str(dataset_cache_dir(self.settings.checkpoint_uri)),
+            dataset_cache_dir=str(dataset_cache_dir(self.settings.shared_dir)),
             model_roots=self.settings.model_roots,
             plan=PlanPublic.model_validate(job.plan),
         )
@@ -195,7 +197,7 @@ class RayLauncher:
             working_dir=self._working_dir(job.spec.get("code")),
             name=placement_group_name(self.settings.ray_namespace, job.id, job.attempt),
             log_max_bytes=self.settings.log_max_bytes,
-            home=str(job_dir),
+            home=job_dir,
             run_as=run_as,
         )
         supervisor = JobSupervisor.options(

@@ -231,6 +231,13 @@ class JobSpec(Body):
     checkpoint_every: Int = Field(
         _train("checkpoint_every"), ge=0, le=100_000_000, description="0: a checkpoint at the end only."
     )
+    keep_last: Int | None = Field(
+        None,
+        ge=1,
+        le=1_000_000,
+        description="Complete checkpoints the job keeps while it runs, the newest (default "
+        "ZERO1_CHECKPOINT_KEEP_LAST); older ones are deleted as new ones complete.",
+    )
     eval_every: Int = Field(
         _train("eval_every"),
         ge=0,
@@ -311,6 +318,7 @@ class JobSpec(Body):
         *,
         checkpoint_dir: str,
         keep_last: int = 0,
+        async_checkpoints: bool = True,
         resume: bool = True,
         data_roots: Sequence[str] = (),
         dataset_cache_dir: str | None = None,
@@ -318,7 +326,8 @@ class JobSpec(Body):
         plan: PlanPublic | None = None,
     ) -> TrainConfig:
         """The workers' view of this job: every field converted once, here. An hf or python model takes
-        its vocab_size, block_size and planned bytes from the plan it was admitted by (its trace's)."""
+        its vocab_size, block_size and planned bytes from the plan it was admitted by (its trace's).
+        `keep_last` is the server's default (ZERO1_CHECKPOINT_KEEP_LAST); the spec's own wins."""
         traced = isinstance(self.model, TracedModelSpec)
         return TrainConfig(
             model=self.model_spec(plan=plan, model_roots=model_roots),
@@ -333,7 +342,8 @@ class JobSpec(Body):
             seed=self.seed,
             checkpoint_every=self.checkpoint_every,
             checkpoint_dir=checkpoint_dir,
-            keep_last=keep_last,
+            keep_last=keep_last if self.keep_last is None else self.keep_last,
+            async_checkpoints=async_checkpoints,
             activation_checkpointing=self.activation_checkpointing,
             max_nonfinite_steps=self.max_nonfinite_steps,
             eval_every=self.eval_every,

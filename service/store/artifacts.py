@@ -24,6 +24,7 @@ import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -31,6 +32,11 @@ from sqlalchemy.orm import Session
 from service.errors import ServiceError
 from service.store.db import Database
 from service.store.tables import Artifact, Job, utcnow
+from workers.training.storage import ObjectStore
+
+JobDir = Path | ObjectStore
+"""A job's directory, or its prefix on an object store (no link can be planted there: the job's code
+never writes to it; its rank's trusted parent stores what the code wrote, regular files only)."""
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +96,29 @@ def open_final_file(job_dir: Path, name: str) -> int:
     return fd
 
 
+def _open_final(job_dir: JobDir, name: str) -> BinaryIO:
+    """final/`name` open to read: by open_final_file's chain in a directory, or the stored object."""
+    if isinstance(job_dir, Path):
+        return os.fdopen(open_final_file(job_dir, name), "rb")
+    try:
+        return job_dir.open(f"{FINAL}/{name}")
+    except FileNotFoundError:
+        raise Refused(f"{FINAL}/{name} does not exist") from None
+    except OSError as error:
+        raise Refused(f"{FINAL}/{name}: {error}") from None
+
+
+def _size(file: BinaryIO) -> int:
+    size = getattr(file, "size", None)  # an object store's file knows it
+    return int(size) if isinstance(size, int) else os.fstat(file.fileno()).st_size
+
+
+def _final_exists(job_dir: JobDir) -> bool:
+    if isinstance(job_dir, Path):
+        return (job_dir / FINAL).exists() or (job_dir / FINAL).is_symlink()
+    return job_dir.exists(FINAL)
+
+
 def _why(error: OSError, name: str, *, dir_fd: int) -> str:
     """Why `name` could not be opened; a link opened as a directory fails with ENOTDIR, and is named a link."""
     if error.errno == errno.ENOTDIR:
@@ -101,14 +130,13 @@ def _why(error: OSError, name: str, *, dir_fd: int) -> str:
     return _ERRNO_WHY.get(error.errno, error.strerror or str(error))
 
 
-def read_final(job_dir: Path) -> tuple[list[FinalFile], list[str]]:
+def read_final(job_dir: JobDir) -> tuple[list[FinalFile], list[str]]:
     """The files final/manifest.json lists that pass every check, each hashed here; and why each
     other one was refused (nothing and nothing when the job wrote no final/)."""
     try:
         manifest = _read_manifest(job_dir)
     except Refused as refusal:
-        missing = not (job_dir / FINAL).exists() and not (job_dir / FINAL).is_symlink()
-        return [], [] if missing else [str(refusal)]
+        return [], [str(refusal)] if _final_exists(job_dir) else []
     files, refused, seen = [], [], set()
     for number, entry in enumerate(manifest):
         try:
@@ -119,9 +147,8 @@ def read_final(job_dir: Path) -> tuple[list[FinalFile], list[str]]:
     return files, refused
 
 
-def _read_manifest(job_dir: Path) -> list:
-    fd = open_final_file(job_dir, MANIFEST)
-    with os.fdopen(fd, "rb") as file:
+def _read_manifest(job_dir: JobDir) -> list:
+    with _open_final(job_dir, MANIFEST) as file:
         data = file.read(MAX_MANIFEST_BYTES + 1)
     if len(data) > MAX_MANIFEST_BYTES:
         raise Refused(f"{FINAL}/{MANIFEST} is larger than {MAX_MANIFEST_BYTES} bytes")
@@ -156,18 +183,15 @@ def is_plain_name(name: str) -> bool:
     return 0 < len(name) <= 255 and name not in (".", "..", MANIFEST) and "/" not in name and name.isprintable()
 
 
-def _checked(job_dir: Path, claim: FinalFile) -> FinalFile:
+def _checked(job_dir: JobDir, claim: FinalFile) -> FinalFile:
     """The file as the service reads it; Refused when it is not what the manifest claims."""
-    fd = open_final_file(job_dir, claim.name)
-    try:
+    with _open_final(job_dir, claim.name) as file:
         size, digest = 0, hashlib.sha256()
-        while chunk := os.read(fd, min(_CHUNK_BYTES, claim.bytes + 1 - size)):  # one byte past: a larger file
+        while chunk := file.read(min(_CHUNK_BYTES, claim.bytes + 1 - size)):  # one byte past: a larger file
             size += len(chunk)
             digest.update(chunk)
             if size > claim.bytes:
                 break
-    finally:
-        os.close(fd)
     if size != claim.bytes or digest.hexdigest() != claim.sha256:
         raise Refused(
             f"{claim.name!r}: the manifest says {claim.bytes} bytes, sha256 {claim.sha256}; the file has "
@@ -179,7 +203,7 @@ def _checked(job_dir: Path, claim: FinalFile) -> FinalFile:
 # --------------------------------------------------------------------------- recording
 
 
-def record_final(db: Database, job: Job, *, job_dir: Path) -> None:
+def record_final(db: Database, job: Job, *, job_dir: JobDir) -> None:
     """Record the job's artifacts, once, in a transaction of its own: the scheduler calls it when the
     job's ranks report success, before the transaction that ends the job (the files are read and
     hashed with no transaction open)."""
@@ -193,7 +217,7 @@ def record_final(db: Database, job: Job, *, job_dir: Path) -> None:
             _store(session, fresh, files)
 
 
-def recorded_artifacts(session: Session, job: Job, *, job_dir: Path) -> list[FinalFile]:
+def recorded_artifacts(session: Session, job: Job, *, job_dir: JobDir) -> list[FinalFile]:
     """The succeeded job's recorded artifacts, by name; a job that succeeded before they were recorded
     has its final/ read, checked and recorded now (the request commits it)."""
     if job.artifacts_recorded_at is None:
@@ -203,7 +227,7 @@ def recorded_artifacts(session: Session, job: Job, *, job_dir: Path) -> list[Fin
     return [FinalFile(name=row.name, bytes=row.bytes, sha256=row.sha256) for row in rows]
 
 
-def _read_logged(job: Job, job_dir: Path) -> list[FinalFile]:
+def _read_logged(job: Job, job_dir: JobDir) -> list[FinalFile]:
     files, refused = read_final(job_dir)
     for why in refused:
         log.warning("job %s: an artifact in final/ is refused: %s", job.id, why)
@@ -218,16 +242,13 @@ def _store(session: Session, job: Job, files: list[FinalFile]) -> None:
 # --------------------------------------------------------------------------- serving
 
 
-def check_artifact(job: Job, job_dir: Path, artifact: FinalFile) -> None:
+def check_artifact(job: Job, job_dir: JobDir, artifact: FinalFile) -> None:
     """Before a download starts: the file is still a regular file of the recorded size; a 409 otherwise."""
     try:
-        fd = open_final_file(job_dir, artifact.name)
+        with _open_final(job_dir, artifact.name) as file:
+            size = _size(file)
     except Refused as refusal:
         raise _changed(job, artifact, str(refusal)) from None
-    try:
-        size = os.fstat(fd).st_size
-    finally:
-        os.close(fd)
     if size != artifact.bytes:
         raise _changed(job, artifact, f"it has {size} bytes, {artifact.bytes} were recorded")
 
@@ -245,14 +266,14 @@ class ArtifactChanged(Exception):
     """A file whose bytes differ from its record, found while it streamed: the response is cut off."""
 
 
-def stream_artifact(job_id: int, job_dir: Path, artifact: FinalFile, *, first: int, last: int) -> Iterator[bytes]:
+def stream_artifact(job_id: int, job_dir: JobDir, artifact: FinalFile, *, first: int, last: int) -> Iterator[bytes]:
     """Bytes first..last (inclusive) of the artifact, from a fresh open; the whole file is read and
     hashed, and the last piece is yielded only once the digest and size match the record
-    (ArtifactChanged, logged, otherwise: the client never gets the file whole)."""
-    fd = open_final_file(job_dir, artifact.name)
-    try:
+    (ArtifactChanged, logged, otherwise: the client never gets the file whole). On an object store
+    the service streams it the same way (no presigned redirect: the digest check is the service's)."""
+    with _open_final(job_dir, artifact.name) as file:
         size, digest, held = 0, hashlib.sha256(), b""
-        while chunk := os.read(fd, min(_CHUNK_BYTES, artifact.bytes + 1 - size)):  # one byte past: a larger file
+        while chunk := file.read(min(_CHUNK_BYTES, artifact.bytes + 1 - size)):  # one byte past: a larger file
             digest.update(chunk)
             piece = chunk[max(first - size, 0) : max(last + 1 - size, 0)]
             size += len(chunk)
@@ -275,5 +296,3 @@ def stream_artifact(job_id: int, job_dir: Path, artifact: FinalFile, *, first: i
             raise ArtifactChanged(f"job {job_id}: artifact {artifact.name!r} changed since it was recorded")
         if held:
             yield held
-    finally:
-        os.close(fd)

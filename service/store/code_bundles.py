@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import IO
 
 from service.errors import ServiceError
+from workers.training.storage import ObjectStore, is_remote, join_uri, open_store
 
 MAX_ENTRIES = 10_000
 MAX_UNCOMPRESSED_BYTES = 1 << 30
@@ -232,9 +233,10 @@ def _size(num_bytes: int) -> str:
 # --------------------------------------------------------------------------- the store
 
 
-def code_dir(checkpoint_uri: str) -> Path:
-    """Where bundles are stored: code/ under ZERO1_CHECKPOINT_URI, which every worker reads."""
-    return Path(checkpoint_uri).resolve() / "code"
+def code_dir(shared_dir: str) -> Path:
+    """Where bundles are stored: code/ in Settings.shared_dir (ZERO1_CHECKPOINT_URI when it is a
+    directory, else ZERO1_LOCAL_DIR), which every worker reads."""
+    return Path(shared_dir).resolve() / "code"
 
 
 class CodeStore:
@@ -257,18 +259,28 @@ class CodeStore:
     def exists(self, digest: str) -> bool:
         return self.path(digest).is_file()
 
+    def _publish(self, temp: Path, digest: str) -> None:
+        """The packed zip `temp` becomes the bundle `digest`: atomically, readable by every worker."""
+        os.chmod(temp, 0o644)  # mkstemp's 0o600 would keep out workers that run as another user
+        os.replace(temp, self.path(digest))  # atomic: a reader sees the whole zip or none
+        _fsync_dir(self.root)
+
+    def _staging(self) -> Path:
+        """Where a bundle is packed before it is published."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        # searchable, not listable: Ray's user opens a bundle by its digest, and a job's code
+        # under another uid (ZERO1_RUN_AS) finds no other user's bundle to read
+        os.chmod(self.root, 0o711)
+        return self.root
+
     def put(self, data: bytes) -> tuple[BundleInfo, bool]:
         """Check `data` and store it unless it is already; (its info, whether it was new to the store)."""
         limits = {"max_entries": self.max_entries, "max_uncompressed_bytes": self.max_uncompressed_bytes}
-        target = self.path(digest_of(data))
-        if target.is_file():
+        digest = digest_of(data)
+        if self.exists(digest):
             return check_bundle(data, **limits), False
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            # searchable, not listable: Ray's user opens a bundle by its digest, and a job's code
-            # under another uid (ZERO1_RUN_AS) finds no other user's bundle to read
-            os.chmod(self.root, 0o711)
-            handle, temp = tempfile.mkstemp(dir=self.root, prefix=".upload-", suffix=".zip")
+            handle, temp = tempfile.mkstemp(dir=self._staging(), prefix=".upload-", suffix=".zip")
         except OSError as error:
             raise _unwritable(self.root, error) from None
         try:
@@ -277,14 +289,47 @@ class CodeStore:
                     info = _unpack(data, into=into, **limits)
                 file.flush()
                 os.fsync(file.fileno())
-            os.chmod(temp, 0o644)  # mkstemp's 0o600 would keep out workers that run as another user
-            os.replace(temp, target)  # atomic: a reader sees the whole zip or none
-            _fsync_dir(self.root)
+            self._publish(Path(temp), digest)
         except OSError as error:
             raise _unwritable(self.root, error) from None
         finally:
             Path(temp).unlink(missing_ok=True)
         return info, True
+
+
+class ObjectCodeStore(CodeStore):
+    """Bundles as objects <prefix>/code/<64 hex>.zip on an object store (ZERO1_CHECKPOINT_URI=s3://…),
+    packed in a local temporary directory first. Ray's nodes fetch a job's bundle themselves (a
+    runtime_env working_dir of s3://…, with their own credentials and smart_open)."""
+
+    def __init__(self, store: ObjectStore, **limits: int) -> None:
+        super().__init__(Path(tempfile.gettempdir()), **limits)
+        self.store = store
+        self.root = store.uri  # named in errors; bundles are packed in the temporary directory
+
+    def uri(self, digest: str) -> str:
+        return f"{self.store.uri}/{check_digest(digest)}.zip"
+
+    def exists(self, digest: str) -> bool:
+        return self.store.exists(f"{check_digest(digest)}.zip")
+
+    def _staging(self) -> Path:
+        return Path(tempfile.gettempdir())
+
+    def _publish(self, temp: Path, digest: str) -> None:
+        try:
+            self.store.put_file(temp, f"{check_digest(digest)}.zip")
+        except OSError:
+            raise
+        except Exception as error:  # noqa: BLE001 - the object store's client raises its own errors
+            raise OSError(f"{type(error).__name__}: {error}") from None
+
+
+def code_store(checkpoint_uri: str, shared_dir: str) -> CodeStore:
+    """Bundles beside the checkpoints: code/ under an object store's prefix, or code_dir(shared_dir)."""
+    if is_remote(checkpoint_uri):
+        return ObjectCodeStore(open_store(join_uri(checkpoint_uri, "code")))
+    return CodeStore(code_dir(shared_dir))
 
 
 def _fsync_dir(path: Path) -> None:

@@ -1,5 +1,6 @@
 """A job's directory on the checkpoint storage: made by the service for the job's uid, and what a
-finished job keeps of it.
+finished job keeps of it (in a directory, or under its prefix on an object store, where no
+directory is made: workers/runtime/spool.py).
 
     <checkpoint_uri>/                 0711 where jobs run as other uids: reached, never listed
         job-<id>-<run_id>/            0700, owned by the job's uid (ZERO1_RUN_AS): its children's HOME
@@ -14,7 +15,10 @@ import shutil
 from pathlib import Path
 
 from workers.runtime.sandbox import RunAs
-from workers.training.checkpoints import FINAL
+from workers.training.checkpoints import FINAL, discard_stored_metrics, prune_checkpoints
+from workers.training.storage import DirectoryStore, Store
+
+_ALL_STEPS = 2**62
 
 
 def prepare_job_dir(directory: Path, *, run_as: RunAs | None, database_url: str) -> None:
@@ -38,6 +42,26 @@ def _state_dirs_above(job_dir: Path, database_url: str) -> list[Path]:
         if state in job_dir.parents and state != job_dir.parent:
             dirs.append(state)
     return dirs
+
+
+def retire_job_dir(store: Store, *, keep: int) -> None:
+    """What a finished job (its rows stored) keeps: its newest `keep` complete checkpoints and its
+    final model (final/); with 0, final/ alone. In a directory, its children's scratch goes too."""
+    local = isinstance(store, DirectoryStore)
+    if keep == 0:
+        if local:
+            remove_except(store.root, keep_name=FINAL)
+        else:
+            for name in store.list():
+                if name != FINAL:
+                    store.remove_tree(name)
+        return
+    if local and not store.root.exists():
+        return
+    prune_checkpoints(store, keep_last=keep, keep_newest_unfinished=False)
+    discard_stored_metrics(store, through_step=_ALL_STEPS)
+    if local:
+        remove_scratch(store.root)
 
 
 def remove_scratch(directory: Path) -> None:

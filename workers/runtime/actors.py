@@ -10,7 +10,9 @@ kills every rank and frees the group.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -29,6 +31,8 @@ from workers.runtime.groups import remove_group
 from workers.runtime.ranks import MetricsSink, RankProcess
 from workers.runtime.rendezvous import parent_gone
 from workers.runtime.sandbox import ChildSpec, RunAs
+from workers.runtime.spool import Spool
+from workers.training.storage import is_remote, open_store
 
 Strategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 StopMode = Literal["checkpoint", "step"]
@@ -95,8 +99,9 @@ class TrainWorker:
         self.rank, self.world_size = rank, world_size
         self.raylet_gone = parent_gone()
         self.address = ray.util.get_node_ip_address()
-        home = home or tempfile.mkdtemp(prefix=f"zero1-rank{rank}-")
-        spec = ChildSpec(home=home, cwd=os.getcwd() if bundle else None, run_as=run_as)
+        self.scratch = home is None  # removed after the run: checkpoints on an object store, or a test's
+        self.home, self.run_as = home or tempfile.mkdtemp(prefix=f"zero1-rank{rank}-"), run_as
+        spec = ChildSpec(home=self.home, cwd=os.getcwd() if bundle else None, run_as=run_as)
         # started now: the child imports torch and the loop while the job's other ranks are placed
         self.process = RankProcess(rank=rank, world_size=world_size, address=self.address, spec=spec)
 
@@ -115,12 +120,21 @@ class TrainWorker:
             send=lambda rows: supervisor.report.remote(self.rank, rows),
             flush=lambda rows: ray.get(supervisor.report.remote(self.rank, rows)),
         )
+        spool = None
+        if config.checkpoint_dir and is_remote(config.checkpoint_dir):
+            # the child checkpoints into a spool in its home; this process stores it (it holds the credentials)
+            store, size = open_store(config.checkpoint_dir), self.world_size
+            spool = Spool(
+                store, home=self.home, rank=self.rank, world_size=size, keep_last=config.keep_last, run_as=self.run_as
+            )
+            config = dataclasses.replace(config, checkpoint_dir=str(spool.dir))
         start = {
             "config": config,
             "address": address,
             "port": port,
             "pg_timeout_s": pg_timeout_s,
             "log_max_bytes": log_max_bytes,
+            "spool": spool is not None,
         }
         try:
             return self.process.run(
@@ -129,10 +143,15 @@ class TrainWorker:
                 send_logs=logs,
                 stop_requested=_StopAsker(supervisor),
                 parent_gone=self.raylet_gone,
+                spool=spool,
             )
         finally:
             logs.wait()
             self.process.close()
+            if spool is not None:
+                spool.close()
+            if self.scratch:
+                shutil.rmtree(self.home, ignore_errors=True)
 
 
 class _StopAsker:

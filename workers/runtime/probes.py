@@ -15,15 +15,27 @@ def probe_gpu_memory_bytes() -> int | None:
 
 
 @ray.remote(num_cpus=0)
-def probe_writable(path: str) -> str | None:
-    """None when this node can create, write and delete a file under path; else why not."""
+def probe_writable(uri: str) -> str | None:
+    """None when this node can create, write and delete a file under `uri` (a directory, or an
+    object store's prefix with this node's credentials); else why not."""
     import os
     import tempfile
+    import uuid
 
+    from workers.training.storage import DirectoryStore, open_store
+
+    store = open_store(uri)
     try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".zero1-probe-"):
-            pass
+        if isinstance(store, DirectoryStore):
+            os.makedirs(store.root, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=store.root, prefix=".zero1-probe-"):
+                pass
+        else:
+            name = f".zero1-probe-{uuid.uuid4().hex}"
+            store.write(name, b"")
+            store.remove(name)
     except OSError as exc:
         return f"{type(exc).__name__}: {exc.strerror or exc}"
+    except Exception as exc:  # noqa: BLE001 - an object store's client raises its own errors (no credentials, …)
+        return f"{type(exc).__name__}: {exc}"[:500]
     return None

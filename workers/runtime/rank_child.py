@@ -8,6 +8,8 @@ The conversation, parent -> child pickled, child -> parent JSON:
     child:  {"t": "logs", "lines"} | {"t": "row", "row"}                           while training
     child:  {"t": "stop?", "step", "checkpointed"}   rank 0, after each step but the last (loop.train's stop_at)
     parent: {"stop": bool}                           the answer; rank 0 broadcasts it to the others
+    child:  {"t": "latest"} | {"t": "fetch", ...} | {"t": "saved", ...}    checkpoints on an object store:
+    parent: {"latest": ...} | {"fetched": path} | {"error": why}           workers/runtime/spool.py
     child:  {"t": "result", "result"} | {"t": "error", "error"}                    the end
 
 The child imports torch and the training loop as soon as it starts, while the job's other ranks
@@ -19,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
+from pathlib import Path
 from typing import Any
 
 from workers.runtime.capture import OutputCapture
@@ -73,14 +77,16 @@ def _train(link: ParentLink, start: dict[str, Any], rank: int, world_size: int, 
         link.send({"t": "stop?", "step": step, "checkpointed": checkpointed})
         return bool(link.receive()["stop"])
 
+    config = start["config"]
     try:
         result = train(
-            start["config"],
+            config,
             rank=rank,
             world_size=world_size,
             on_metrics=lambda row: link.send({"t": "row", "row": row.to_json()}),
             should_stop=parent_gone(),
             stop_at=stop_at,
+            io=_spooled(link, Path(config.checkpoint_dir)) if start.get("spool") else None,
         )
         if result.cancelled:  # the actor is gone: no one to report to, no peer to wait for
             os._exit(1)
@@ -88,3 +94,32 @@ def _train(link: ParentLink, start: dict[str, Any], rank: int, world_size: int, 
         return result
     finally:
         dist.destroy_process_group()
+
+
+def _spooled(link: ParentLink, spool: Path) -> Any:
+    """The checkpoint storage as this child reaches it when it is an object store: through its
+    parent, which holds the credentials (workers/runtime/spool.py). Asked only by the training
+    thread (reads, before the first step); saves are announced by the writer's thread, and are
+    stored once the parent has deleted them from the spool."""
+    from workers.training.writer import CheckpointIO
+
+    def ask(message: dict[str, Any]) -> dict[str, Any]:
+        link.send(message)
+        answer = link.receive()
+        if "error" in answer:
+            raise OSError(f"the checkpoint storage: {answer['error']}")
+        return answer
+
+    def latest() -> tuple[int, int] | None:
+        found = ask({"t": "latest"})["latest"]
+        return None if found is None else (int(found[0]), int(found[1]))
+
+    def fetch(name: str, ranges: list[tuple[int, int]]) -> Path:
+        return Path(ask({"t": "fetch", "name": name, "ranges": [[int(a), int(b)] for a, b in ranges]})["fetched"])
+
+    def publish(step: int, files: list[Path]) -> None:
+        link.send({"t": "saved", "step": step, "names": [str(path.relative_to(spool)) for path in files]})
+        while any(path.exists() for path in files):  # the parent deletes each once it is stored
+            time.sleep(0.02)
+
+    return CheckpointIO(latest=latest, fetch=fetch, publish=publish)

@@ -19,6 +19,7 @@ from typing import Any
 from workers.records import STREAMS, MetricRow, OutputLine, RankError, TrainResult
 from workers.runtime.capture import MAX_LINE_CHARS
 from workers.runtime.sandbox import Child, ChildExited, ChildSpec, ProtocolError
+from workers.runtime.spool import Spool, SpoolError
 
 _REPORT_EVERY_ROWS = 50
 _REPORT_EVERY_S = 1.0
@@ -77,20 +78,26 @@ class RankProcess:
         send_logs: Callable[[list[OutputLine]], None],
         stop_requested: Callable[[int, bool], bool],
         parent_gone: Callable[[], bool],
+        spool: Spool | None = None,
     ) -> TrainResult:
         """Hand the child its job and relay until it ends: its result, or RankFailed. Rank 0's child
-        asks after each step (stop_requested(step, checkpointed)); the answer must come fast."""
+        asks after each step (stop_requested(step, checkpointed)); the answer must come fast. With
+        a spool (checkpoints on an object store), the child's reads and saves go through it."""
         self.child.send(start)
         try:
             while True:
                 if parent_gone():  # this node's Ray is gone: stop the child, and go
                     self.child.kill()
                     os._exit(1)
+                if spool is not None and spool.error is not None:
+                    self._storage_failed(spool.error)
                 message = self._receive(1.0)
                 if message is None:
                     continue
                 kind = message.get("t")
-                if kind == "row":
+                if spool is not None and kind in ("latest", "fetch", "saved"):
+                    self._storage(spool, message)
+                elif kind == "row":
                     sink(self._row(message))
                 elif kind == "logs":
                     send_logs(self._lines(message))
@@ -98,7 +105,10 @@ class RankProcess:
                     step, checkpointed = _int(message, "step"), _bool(message, "checkpointed")
                     self.child.send({"stop": bool(stop_requested(step, checkpointed))})
                 elif kind == "result":
-                    return self._result(message)
+                    result = self._result(message)
+                    if spool is not None:
+                        self._finish_storage(spool, result)
+                    return result
                 elif kind == "error":
                     raise RankFailed(self._error(message))
                 else:
@@ -108,6 +118,42 @@ class RankProcess:
 
     def close(self) -> None:
         self.child.close()
+
+    # ---------------------------------------------------------------- checkpoints on an object store
+
+    def _storage(self, spool: Spool, message: dict[str, Any]) -> None:
+        kind = message["t"]
+        try:
+            if kind == "latest":
+                self.child.send({"latest": spool.latest()})
+            elif kind == "fetch":
+                ranges = message.get("ranges")
+                if not isinstance(ranges, list) or not all(isinstance(r, list) and len(r) == 2 for r in ranges):
+                    raise SpoolError("bad byte ranges")
+                self.child.send({"fetched": spool.fetch(str(message.get("name")), ranges)})
+            else:
+                names = message.get("names")
+                if not isinstance(names, list):
+                    raise SpoolError("bad file names")
+                spool.saved(_int(message, "step"), names)
+        except (SpoolError, OSError, ValueError) as exc:
+            if kind == "saved":
+                self._storage_failed(exc)
+            self.child.send({"error": f"{type(exc).__name__}: {exc}"[:2000]})
+
+    def _finish_storage(self, spool: Spool, result: TrainResult) -> None:
+        """Every save stored (the checkpoint a stop waited for included); rank 0's final/ after them."""
+        try:
+            spool.drain()
+            if not (result.cancelled or result.stopped):
+                spool.store_final()
+        except (SpoolError, OSError) as exc:
+            self._storage_failed(exc)
+
+    def _storage_failed(self, exc: BaseException) -> None:
+        self.child.kill()
+        message = f"rank {self.rank}: checkpoint storage: {type(exc).__name__}: {exc}"[:2000]
+        raise RankFailed(RankError(exception="StorageError", message=message))
 
     # ---------------------------------------------------------------- the child's words, checked
 
@@ -201,7 +247,15 @@ def _check_row(row: MetricRow) -> None:
     """The types a stored row needs (the database and the merge rely on them)."""
     if not isinstance(row.step, int) or row.step < 0:
         raise ValueError(f"step {row.step!r}")
-    numbers = (row.loss, row.grad_norm, row.loss_scale, row.step_time_s, row.tokens_per_s, row.eval_loss)
+    numbers = (
+        row.loss,
+        row.grad_norm,
+        row.loss_scale,
+        row.step_time_s,
+        row.tokens_per_s,
+        row.eval_loss,
+        row.checkpoint_blocked_s,
+    )
     if any(v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))) for v in numbers):
         raise ValueError("a number that is not one")
     if not all(isinstance(v, int) for v in (*row.mem_peak_bytes, row.mem_planned_bytes)):

@@ -1,9 +1,10 @@
-"""The checkpoint directory's layout, and reading it: standard library only, so the control plane
+"""The checkpoint directory's layout, and reading it from a directory or an object store
+(workers/training/storage.py): standard library only (fsspec for a store), so the control plane
 reads checkpoints without loading torch.
 
     <checkpoint_uri>/job-<id>-<run_id>/
         step-000000099/
-            rank-00000-of-00002.pt            a rank's optimizer shard (workers.training.loop writes it)
+            rank-00000-of-00002.safetensors   a rank's optimizer shard (workers/training/writer.py writes it)
             rank-00000-of-00002.metrics.json  that rank's metric rows since the previous checkpoint
             complete.json                     rank 0's marker once every shard is in place
             pruned.json                       instead of complete.json: shards deleted, rows kept
@@ -21,13 +22,13 @@ import json
 import logging
 import os
 import re
-import shutil
-import stat
+import struct
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
 from workers.records import MetricRow
+from workers.training.storage import Store, as_store
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,13 @@ COMPLETE = "complete.json"
 PRUNED = "pruned.json"
 FINAL = "final"
 MANIFEST = "manifest.json"
+SHARD_SUFFIX = ".safetensors"
+LEGACY_SHARD_SUFFIX = ".pt"
+"""The shards of checkpoints written before safetensors (torch.save's zip): read at their own world size only."""
+ROWS_SUFFIX = ".metrics.json"
+MAX_HEADER_BYTES = 100 << 20
+"""The largest shard header read (safetensors' own bound); a shard's holds about 100 bytes a parameter."""
+_TENSOR_KEYS = ("dtype", "shape", "data_offsets")
 MAX_JSON_BYTES = 64 << 20
 """The most of a marker or rows file read (a rows file holds a few hundred bytes a step)."""
 
@@ -49,11 +57,65 @@ def final_dir(root: Path) -> Path:
 
 
 def step_of(directory: Path) -> int:
-    return int(directory.name.removeprefix("step-"))
+    return step_of_name(directory.name)
+
+
+def step_of_name(name: str) -> int:
+    return int(name.removeprefix("step-"))
+
+
+def shard_name(step: int, rank: int, world_size: int, *, suffix: str = SHARD_SUFFIX) -> str:
+    """A rank's shard, relative to the checkpoint root: step-000000099/rank-00001-of-00002.safetensors."""
+    return f"step-{step:09d}/rank-{rank:05d}-of-{world_size:05d}{suffix}"
+
+
+def rows_name(step: int, rank: int, world_size: int) -> str:
+    """A rank's metric rows file beside its shard, relative to the checkpoint root."""
+    return shard_name(step, rank, world_size, suffix=ROWS_SUFFIX)
 
 
 def shard_file(root: Path, step: int, rank: int, world_size: int) -> Path:
-    return step_dir(root, step) / f"rank-{rank:05d}-of-{world_size:05d}.pt"
+    return root / shard_name(step, rank, world_size)
+
+
+def shard_header(
+    read: Callable[[int, int], bytes],
+) -> tuple[int, dict[str, tuple[str, tuple[int, ...], int, int]], dict[str, str]]:
+    """A safetensors file's header from its first bytes, in two small reads: read(0, 8) (the header's
+    length n, little-endian), then read(8, 8 + n). (data_start, {tensor name: (dtype, shape, start,
+    end)}, metadata): start and end are byte offsets from data_start, as the file keeps them.
+    ValueError for a header that is none (a reader then reads nothing else of the file)."""
+    (length,) = struct.unpack("<Q", _read_exactly(read, 0, 8))
+    if length > MAX_HEADER_BYTES:
+        raise ValueError(f"a safetensors header of {length:,} bytes, above {MAX_HEADER_BYTES:,}: not a shard")
+    header = json.loads(_read_exactly(read, 8, 8 + length))
+    if not isinstance(header, dict):
+        raise ValueError("a safetensors header that is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise ValueError("safetensors metadata that is not a map of strings")
+    tensors = {}
+    for name, entry in header.items():
+        dtype, shape, offsets = (entry.get(key) if isinstance(entry, dict) else None for key in _TENSOR_KEYS)
+        if not (
+            isinstance(dtype, str)
+            and isinstance(shape, list)
+            and all(isinstance(n, int) and n >= 0 for n in shape)
+            and isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(isinstance(n, int) for n in offsets)
+            and 0 <= offsets[0] <= offsets[1]
+        ):
+            raise ValueError(f"tensor {name!r} of the safetensors header is not dtype, shape and data_offsets")
+        tensors[name] = (dtype, tuple(shape), offsets[0], offsets[1])
+    return 8 + length, tensors, metadata
+
+
+def _read_exactly(read: Callable[[int, int], bytes], start: int, end: int) -> bytes:
+    data = read(start, end)
+    if len(data) != end - start:
+        raise ValueError(f"bytes [{start}, {end}) of a shard: read {len(data)} of {end - start} (a file cut short)")
+    return data
 
 
 def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
@@ -76,50 +138,40 @@ def write_json(path: Path, value: Any) -> None:
     atomic_write(path, lambda file: file.write(json.dumps(value, allow_nan=True).encode()))
 
 
-def _read_json(path: Path) -> Any | None:
+def _read_json(store: Store, name: str) -> Any | None:
     """The file's JSON, or None (logged) when it is missing, torn or unreadable. The service reads
-    what a job's code could have written: the file and its step directory must not be links (they
-    would point it at a file of the service's), and it must be a regular file."""
+    what a job's code could have written: in a directory, the file and its step directory must not
+    be links (they would point it at a file of the service's), and it must be a regular file
+    (workers/training/storage.py's DirectoryStore reads so)."""
     try:
-        if path.parent.is_symlink():
-            raise OSError(f"{path.parent.name} is a symbolic link")
-        descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        with os.fdopen(descriptor, "rb") as file:
-            if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
-                raise OSError("not a regular file")
-            return json.loads(file.read(MAX_JSON_BYTES + 1)[:MAX_JSON_BYTES])
+        return json.loads(store.read(name, limit=MAX_JSON_BYTES))
     except (OSError, ValueError) as exc:
-        log.warning("ignoring unreadable checkpoint file %s: %s: %s", path, type(exc).__name__, exc)
+        log.warning("ignoring unreadable checkpoint file %s/%s: %s: %s", store.uri, name, type(exc).__name__, exc)
         return None
 
 
 _STEP_DIR = re.compile(r"step-\d{9}")
+_SHARD = re.compile(r"rank-\d{5}-of-\d{5}\.(?:safetensors|pt)")
+_ROWS = re.compile(r"rank-\d{5}-of-\d{5}\.metrics\.json")
 
 
-def _step_dirs(root: Path) -> list[Path]:
-    """The checkpoint directories under root: named step-<9 digits>, real directories (a job's code
-    could plant a link, or a name that is no step, where the service reads and deletes)."""
-    try:
-        entries = list(root.iterdir())
-    except OSError:
-        return []
-    return [entry for entry in entries if _STEP_DIR.fullmatch(entry.name) and entry.is_dir() and not entry.is_symlink()]
+def _step_dirs(store: Store) -> list[str]:
+    """The checkpoint directories of the store: named step-<9 digits>, real directories (a job's
+    code could plant a link, or a name that is no step, where the service reads and deletes)."""
+    return [name for name in store.list() if _STEP_DIR.fullmatch(name) and store.is_dir(name)]
 
 
-def _markers(root: Path, name: str) -> list[Path]:
-    """The `name` files (complete.json, pruned.json) of root's checkpoint directories."""
-    return [directory / name for directory in _step_dirs(root) if _is_plain_file(directory / name)]
+def _markers(store: Store, name: str) -> list[str]:
+    """The step directories that hold a `name` file (complete.json, pruned.json)."""
+    return [directory for directory in _step_dirs(store) if store.is_file(f"{directory}/{name}")]
 
 
-def _is_plain_file(path: Path) -> bool:
-    return path.is_file() and not path.is_symlink()
-
-
-def latest_checkpoint(root: Path) -> tuple[int, int] | None:
-    """(step, world_size) of the newest complete checkpoint under root, or None."""
+def latest_checkpoint(root: Path | Store) -> tuple[int, int] | None:
+    """(step, world_size) of the newest complete checkpoint under root (a directory or a store), or None."""
+    store = as_store(root)
     best = None
-    for marker in _markers(root, COMPLETE):
-        meta = _read_json(marker)
+    for directory in _markers(store, COMPLETE):
+        meta = _read_json(store, f"{directory}/{COMPLETE}")
         if not isinstance(meta, dict) or not all(isinstance(meta.get(key), int) for key in ("step", "world_size")):
             continue
         if best is None or meta["step"] > best[0]:
@@ -127,7 +179,7 @@ def latest_checkpoint(root: Path) -> tuple[int, int] | None:
     return best
 
 
-def prune_checkpoints(root: Path, *, keep_last: int, keep_newest_unfinished: bool = True) -> list[int]:
+def prune_checkpoints(root: Path | Store, *, keep_last: int, keep_newest_unfinished: bool = True) -> list[int]:
     """Delete the shards of all but the newest `keep_last` complete checkpoints, and any
     unfinished checkpoint older than the newest complete (a crash's leftovers); the steps pruned.
     A running job keeps an unfinished one newer than its newest complete (being written now);
@@ -137,46 +189,51 @@ def prune_checkpoints(root: Path, *, keep_last: int, keep_newest_unfinished: boo
     pruned.json marker: the control plane may not have stored them yet (it polls behind the
     ranks, and it can stop while they run on), and reads them back before a relaunch. It
     discards them once stored (discard_stored_metrics)."""
-    complete = sorted(step_of(m.parent) for m in _markers(root, COMPLETE))
+    store = as_store(root)
+    complete = sorted(step_of_name(directory) for directory in _markers(store, COMPLETE))
     kept = set(complete[-keep_last:])
     newest = complete[-1] if complete else -1
     pruned = []
-    for directory in _step_dirs(root):
-        step = step_of(directory)
-        if step in kept or (keep_newest_unfinished and step >= newest) or (directory / PRUNED).exists():
+    for directory in _step_dirs(store):
+        step = step_of_name(directory)
+        if step in kept or (keep_newest_unfinished and step >= newest) or store.exists(f"{directory}/{PRUNED}"):
             continue
-        marker = directory / COMPLETE
-        if _is_plain_file(marker):
-            os.replace(marker, directory / PRUNED)  # no longer a checkpoint to resume from
-            for shard in directory.glob("rank-*.pt"):
-                shard.unlink(missing_ok=True)
+        if store.is_file(f"{directory}/{COMPLETE}"):
+            store.rename(f"{directory}/{COMPLETE}", f"{directory}/{PRUNED}")  # no longer one to resume from
+            for name in store.list(directory):
+                if _SHARD.fullmatch(name):
+                    store.remove(f"{directory}/{name}")
         else:
-            shutil.rmtree(directory, ignore_errors=True)  # never complete: a later attempt redid its steps
+            store.remove_tree(directory)  # never complete: a later attempt redid its steps
         pruned.append(step)
     return sorted(pruned)
 
 
-def discard_stored_metrics(root: Path, *, through_step: int) -> list[int]:
+def discard_stored_metrics(root: Path | Store, *, through_step: int) -> list[int]:
     """Delete the pruned checkpoints whose rows are all stored (step <= through_step); the steps."""
+    store = as_store(root)
     discarded = []
-    for marker in _markers(root, PRUNED):
-        step = step_of(marker.parent)
+    for directory in _markers(store, PRUNED):
+        step = step_of_name(directory)
         if step <= through_step:
-            shutil.rmtree(marker.parent, ignore_errors=True)
+            store.remove_tree(directory)
             discarded.append(step)
     return sorted(discarded)
 
 
-def checkpointed_metrics(root: Path, *, after_step: int) -> list[MetricRow]:
+def checkpointed_metrics(root: Path | Store, *, after_step: int) -> list[MetricRow]:
     """The rows (one per step, ranks merged) saved with the complete and pruned checkpoints of
     root for the steps after `after_step`, in step order."""
+    store = as_store(root)
     by_step: dict[int, dict[int, MetricRow]] = {}
-    saved = {marker.parent for name in (COMPLETE, PRUNED) for marker in _markers(root, name)}
+    saved = {directory for name in (COMPLETE, PRUNED) for directory in _markers(store, name)}
     for directory in saved:
-        if step_of(directory) <= after_step:
+        if step_of_name(directory) <= after_step:
             continue
-        for path in directory.glob("rank-*.metrics.json"):
-            for row in map(MetricRow.from_json, _read_json(path) or []):
+        for name in store.list(directory):
+            if not _ROWS.fullmatch(name):
+                continue
+            for row in map(MetricRow.from_json, _read_json(store, f"{directory}/{name}") or []):
                 if row.step > after_step:
                     by_step.setdefault(row.step, {})[row.rank] = row
     # a step without rank 0's row (its file torn) is left out: the global values are rank 0's

@@ -100,7 +100,7 @@ async def submit_job(
         model=spec.model_spec(plan=plan, model_roots=settings.model_roots),
         checker=runtime.datasets,
         data_roots=settings.data_roots,
-        cache_dir=str(dataset_cache_dir(settings.checkpoint_uri)),
+        cache_dir=str(dataset_cache_dir(settings.shared_dir)),
         user=principal.user,
     )
     if dry_run:
