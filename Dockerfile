@@ -18,11 +18,11 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# A user of its own; /checkpoints belongs to it, so the named volume mounted there (which
-# Docker fills from the image on first use) is writable by the ranks and the API.
+# A user of its own; /shared belongs to it, so the named volume mounted there (which Docker
+# fills from the image on first use) is writable by the ranks and the API.
 RUN groupadd --gid 1000 zero1 \
     && useradd --uid 1000 --gid zero1 --create-home --shell /usr/sbin/nologin zero1 \
-    && install -d -o zero1 -g zero1 /app /checkpoints
+    && install -d -o zero1 -g zero1 /app /shared
 
 WORKDIR /app
 

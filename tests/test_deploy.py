@@ -8,6 +8,7 @@ Packages: service.settings.
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import re
 import shutil
 import subprocess
@@ -20,8 +21,15 @@ from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
-CHECKPOINTS = "/checkpoints"
+SHARED = "/shared"
 RAY_NODES = ("ray-head", "ray-worker")
+STORAGE_ENV = {
+    "AWS_ENDPOINT_URL": "http://minio:9000",
+    "AWS_REGION": "us-east-1",
+    "AWS_ACCESS_KEY_ID": "${MINIO_ROOT_USER:?set MINIO_ROOT_USER in .env}",
+    "AWS_SECRET_ACCESS_KEY": "${MINIO_ROOT_PASSWORD:?set MINIO_ROOT_PASSWORD in .env}",
+}
+"""What the API and every Ray node hold to reach the checkpoints' bucket: the standard AWS variables."""
 
 
 @pytest.fixture(scope="module")
@@ -59,10 +67,13 @@ def test_docker_compose_config_accepts_the_file_with_the_example_env(tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     resolved = yaml.safe_load(result.stdout)
-    assert set(resolved["services"]) == {"postgres", "ray-head", "ray-worker", "api"}
+    assert set(resolved["services"]) == {"postgres", "minio", "minio-init", "ray-head", "ray-worker", "api"}
     api = _environment(resolved["services"]["api"])
     password = (tmp_path / ".env").read_text().split("POSTGRES_PASSWORD=", 1)[1].split()[0]
     assert api["ZERO1_DATABASE_URL"] == f"postgresql+psycopg://zero1:{password}@postgres:5432/zero1"
+    minio_password = (tmp_path / ".env").read_text().split("MINIO_ROOT_PASSWORD=", 1)[1].split()[0]
+    for name in ("api", *RAY_NODES):
+        assert _environment(resolved["services"][name])["AWS_SECRET_ACCESS_KEY"] == minio_password, name
 
     # without the env file there is nothing to start: Compose says which file is missing
     (tmp_path / ".env").unlink()
@@ -103,20 +114,71 @@ def test_every_published_port_is_bound_to_loopback(compose):
             assert isinstance(port, str) and port.startswith("127.0.0.1:"), f"{name}: {port}"
     assert "127.0.0.1:8265:8265" in published["ray-head"]  # Ray's dashboard
     assert "127.0.0.1:8000:8000" in published["api"]
+    assert {"127.0.0.1:9000:9000", "127.0.0.1:9001:9001"} <= set(published["minio"])  # S3 API, console
     assert "--dashboard-port=8265" in _command(compose["services"]["ray-head"])
 
 
-def test_checkpoints_are_one_volume_at_the_same_path_on_head_workers_and_api(compose):
+def test_checkpoints_go_to_minio_and_the_shared_files_are_one_volume_at_the_same_path(compose):
     services = compose["services"]
-    mounts = {
-        name: [v for v in services[name]["volumes"] if v.split(":")[1] == CHECKPOINTS] for name in ("api", *RAY_NODES)
-    }
+    api = _environment(services["api"])
+    # the checkpoints: in the bucket minio-init makes, reached by the API and by every Ray node
+    uri = api["ZERO1_CHECKPOINT_URI"]
+    assert uri.startswith("s3://"), uri
+    bucket = uri.removeprefix("s3://").split("/")[0]
+    assert f"mc mb --ignore-existing zero1/{bucket}" in _command_of(services["minio-init"], "entrypoint")
+    for name in ("api", *RAY_NODES):
+        env = _environment(services[name])
+        assert {key: env.get(key) for key in STORAGE_ENV} == STORAGE_ENV, name
+    assert any(v.startswith("minio-data:") for v in services["minio"]["volumes"])
+    # code bundles and the token cache stay on a filesystem (ZERO1_LOCAL_DIR): one volume, one path
+    mounts = {name: [v for v in services[name]["volumes"] if v.split(":")[1] == SHARED] for name in ("api", *RAY_NODES)}
     sources = {v.split(":")[0] for found in mounts.values() for v in found}
     assert all(len(found) == 1 for found in mounts.values()) and len(sources) == 1, mounts
     assert sources <= set(compose["volumes"])  # a named volume, not a host path
-    assert _environment(services["api"])["ZERO1_CHECKPOINT_URI"] == CHECKPOINTS
+    assert api["ZERO1_LOCAL_DIR"] == SHARED
+    # the image's user owns the mount point, so the volume Docker fills from it is writable
+    assert re.search(rf"install -d -o zero1 -g zero1 .*{SHARED}\b", (ROOT / "Dockerfile").read_text())
     assert "postgres-data" in compose["volumes"]
     assert any(v.startswith("postgres-data:") for v in services["postgres"]["volumes"])
+
+
+def _command_of(service: dict, key: str) -> str:
+    command = service.get(key, "")
+    return " ".join(command) if isinstance(command, list) else command
+
+
+def test_minio_is_healthy_before_its_bucket_is_made_and_the_api_waits_for_the_bucket(compose):
+    services = compose["services"]
+    minio, init = services["minio"], services["minio-init"]
+    assert minio["image"].startswith("minio/minio:") and init["image"].startswith("minio/mc:")
+    assert _command(minio).startswith("server /data") and "--console-address :9001" in _command(minio)
+    assert minio["healthcheck"]["test"] and init["depends_on"]["minio"]["condition"] == "service_healthy"
+    assert services["api"]["depends_on"]["minio-init"]["condition"] == "service_completed_successfully"
+    assert init.get("restart") == "no"  # a one-shot: it exits once the bucket exists
+
+
+@pytest.mark.parametrize(
+    ("password", "refused"),
+    [("change-me-minio-root-password", True), ("Xchange_MEx-12345", True), ("a-real-secret-123", False)],
+)
+def test_minio_init_refuses_the_placeholder_password_and_makes_the_bucket(compose, tmp_path, password, refused):
+    """minio-init's script, run by sh with a stand-in `mc` that logs its arguments."""
+    init = compose["services"]["minio-init"]
+    argv = [part.replace("$$", "$") for part in init["entrypoint"]]  # Compose's escape of a literal $
+    (tmp_path / "mc").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "mc.log"}\n')
+    (tmp_path / "mc").chmod(0o755)
+    env = {**_environment(init), "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    env |= {"MINIO_ROOT_USER": "zero1", "MINIO_ROOT_PASSWORD": password}
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30)
+    if refused:
+        assert done.returncode != 0 and "MINIO_ROOT_PASSWORD is a placeholder" in done.stderr, done
+        assert password not in done.stderr and not (tmp_path / "mc.log").exists()
+    else:
+        assert done.returncode == 0, done
+        assert (tmp_path / "mc.log").read_text().splitlines() == [
+            f"alias set zero1 http://minio:9000 zero1 {password}",
+            "mb --ignore-existing zero1/zero1",
+        ]
 
 
 def test_the_worker_reserves_nvidia_gpus_and_can_be_scaled(compose):
@@ -130,25 +192,31 @@ def test_the_worker_reserves_nvidia_gpus_and_can_be_scaled(compose):
 
 def test_secrets_come_from_the_git_ignored_env_file(compose, env_example):
     text = COMPOSE_FILE.read_text()
-    secrets = ("POSTGRES_PASSWORD", "RAY_AUTH_TOKEN", "ZERO1_API_TOKENS")
+    secrets = ("POSTGRES_PASSWORD", "RAY_AUTH_TOKEN", "ZERO1_API_TOKENS", "MINIO_ROOT_PASSWORD")
     assert set(secrets) <= set(env_example)
     for value in env_example.values():
         assert value not in text
     for name, service in compose["services"].items():
         env = _environment(service)
-        for key in secrets:
+        for key in (*secrets, "AWS_SECRET_ACCESS_KEY"):
             # only ever interpolated (${...}) from .env, never a literal
             assert key not in env or env[key].startswith("${"), f"{name}: {key} is inline"
         assert "ZERO1_API_TOKENS" not in env, name
         assert "RAY_AUTH_TOKEN" not in env or name in RAY_NODES, name
     for name in ("postgres", "api"):
         assert compose["services"][name]["env_file"] in (".env", [".env"]), name
-    for name in RAY_NODES:  # the nodes that start every job's ranks get Ray's token and nothing else of .env
+    for name in ("minio", "minio-init"):  # MinIO's own credentials, nothing else of .env
+        assert "env_file" not in compose["services"][name], name
+        assert set(_environment(compose["services"][name])) == {"MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD"}, name
+    for name in RAY_NODES:
+        # the nodes that start every job's ranks get Ray's token and the storage key, nothing else of
+        # .env: a rank's Ray actor stores its checkpoints; its child never sees the key (an allowlist)
         service = compose["services"][name]
         assert "env_file" not in service, name
         assert _environment(service) == {
             "RAY_AUTH_MODE": "token",
             "RAY_AUTH_TOKEN": "${RAY_AUTH_TOKEN:?set RAY_AUTH_TOKEN in .env}",
+            **STORAGE_ENV,
         }
     assert "${POSTGRES_PASSWORD" in _environment(compose["services"]["api"])["ZERO1_DATABASE_URL"]
     for name in ("api", *RAY_NODES):
