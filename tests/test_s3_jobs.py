@@ -202,3 +202,37 @@ def test_a_code_bundle_is_stored_in_the_bucket_and_the_ranks_run_it_from_there(r
         assert job["status"] == "succeeded", job["error"]
         spec = client.get(f"/v1/jobs/{job['id']}/artifacts/spec.json").json()
         assert spec["code"] == code
+
+
+def test_an_hf_models_final_directory_on_s3_loads_with_from_pretrained(ray_cluster, s3_uri, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from workers.config import HFSpec
+
+    llama = {
+        "model_type": "llama",
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 32,
+    }
+    job = config(model=HFSpec(config=llama, vocab_size=64, block_size=32), steps=4, checkpoint_dir=f"{s3_uri}/hf")
+    state, _ = wait_for(start_job(job, num_workers=2, job_id="hf"), until=finished)
+    assert state["status"] == "succeeded", state["error"]
+    store = open_store(job.checkpoint_dir)
+    manifest = json.loads(store.read("final/manifest.json"))
+    local = tmp_path / "final"
+    local.mkdir()
+    for entry in manifest["files"]:
+        data = store.read(f"final/{entry['name']}")
+        assert hashlib.sha256(data).hexdigest() == entry["sha256"]
+        (local / entry["name"]).write_bytes(data)
+    loaded = AutoModelForCausalLM.from_pretrained(local, dtype=torch.float32)
+    shards = {name: store.size(f"step-000000003/{name}") for name in store.list("step-000000003")}
+    assert loaded.config.num_hidden_layers == 2 and len(shards) == 5  # 2 shards, 2 rows files, the manifest
+    ids = torch.arange(16).view(1, 16)
+    assert torch.isfinite(loaded(ids).logits).all()
