@@ -220,7 +220,9 @@ def test_an_hf_models_final_directory_on_s3_loads_with_from_pretrained(ray_clust
         "num_key_value_heads": 1,
         "max_position_embeddings": 32,
     }
-    job = config(model=HFSpec(config=llama, vocab_size=64, block_size=32), steps=4, checkpoint_dir=f"{s3_uri}/hf")
+    model = HFSpec(config=llama, vocab_size=64, block_size=32)
+    # planned_bytes: what the service's trace of an hf model would give (no closed form for one)
+    job = config(model=model, steps=4, planned_bytes=1 << 30, checkpoint_dir=f"{s3_uri}/hf")
     state, _ = wait_for(start_job(job, num_workers=2, job_id="hf"), until=finished)
     assert state["status"] == "succeeded", state["error"]
     store = open_store(job.checkpoint_dir)
