@@ -65,12 +65,12 @@ class Spool:
         self.bytes_fetched = self.range_requests = 0
         self._fetched: dict[str, Path] = {}
         self._saves: queue.Queue[tuple[int, list[str]] | None] = queue.Queue()
-        self._idle = threading.Event()
-        self._idle.set()
+        self._unstored = 0  # saves announced and not yet stored (or failed)
+        self._stored = threading.Condition()
         self.error: BaseException | None = None
+        own = rf"rank-{rank:05d}-of-{world_size:05d}\.(?:safetensors|metrics\.json)"
         self._names = re.compile(
-            rf"step-(\d{{9}})/(?:rank-{rank:05d}-of-{world_size:05d}\.(?:safetensors|metrics\.json)"
-            + (f"|{COMPLETE})" if rank == 0 else ")")
+            rf"step-(\d{{9}})/(?:{own}|{re.escape(COMPLETE)})" if rank == 0 else rf"step-(\d{{9}})/{own}"
         )
         self._thread = threading.Thread(target=self._store_saves, name=f"spool-rank{rank}", daemon=True)
         self._thread.start()
@@ -129,12 +129,15 @@ class Spool:
             match = self._names.fullmatch(name) if isinstance(name, str) else None
             if match is None or int(match[1]) != step:
                 raise SpoolError(f"rank {self.rank} may not save {name!r} at step {step}")
-        self._idle.clear()
+        with self._stored:
+            self._unstored += 1
         self._saves.put((step, list(names)))
 
     def drain(self, timeout_s: float | None = None) -> None:
         """Wait until every save so far is stored; SpoolError if one failed."""
-        if not self._idle.wait(timeout_s):
+        with self._stored:
+            done = self._stored.wait_for(lambda: self._unstored == 0, timeout_s)
+        if not done:
             raise SpoolError(f"rank {self.rank}'s checkpoint files were not stored within {timeout_s:g} s")
         if self.error is not None:
             raise SpoolError(f"storing rank {self.rank}'s checkpoint failed: {self.error}") from self.error
@@ -149,8 +152,9 @@ class Spool:
             except BaseException as exc:  # noqa: BLE001 - the run's message loop raises it
                 log.warning("rank %d: storing checkpoint %d failed: %s: %s", self.rank, step, type(exc).__name__, exc)
                 self.error = exc
-            if self._saves.empty():
-                self._idle.set()
+            with self._stored:
+                self._unstored -= 1
+                self._stored.notify_all()
 
     def _store_one(self, step: int, name: str) -> None:
         if name.endswith(COMPLETE):
