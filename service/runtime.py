@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 
 from service.planning.cluster import RayCluster
-from service.planning.dataset_checks import DatasetChecker
+from service.planning.dataset_checks import DatasetChecker, token_store_of
 from service.planning.slots import Slots, follower_limits, task_limits
 from service.planning.traces import Tracer
 from service.scheduling.launcher import RayLauncher, dataset_cache_dir
@@ -42,6 +42,7 @@ class Runtime:
             slots=self.task_slots,
             run_as=settings.run_as_of,
             token_cache=str(dataset_cache_dir(settings.shared_dir) / "tokens"),
+            token_store=token_store_of(settings.checkpoint_uri),
         )
         self.scheduler = Scheduler(
             db=self.db,

@@ -142,7 +142,7 @@ class Settings(BaseSettings):
     data_roots: Annotated[list[str], NoDecode] = ["data"]
     """Directories a `text` or `dataset` job's data.path (and tokenizer) must resolve into (symlinks followed),
     comma-separated or a JSON list; relative ones are under the service's working
-    directory."""
+    directory. An s3://bucket/prefix root holds a `dataset` job's data on an object store."""
     model_roots: Annotated[list[str], NoDecode] = ["models"]
     """Directories an `hf` model's path (a save_pretrained directory) must resolve into (symlinks
     followed), comma-separated or a JSON list; relative ones are under the service's working
@@ -216,6 +216,23 @@ class Settings(BaseSettings):
         except ValueError as exc:
             raise ValueError(f"ZERO1_CHECKPOINT_URI: {exc}") from None
         return value.strip()
+
+    @field_validator("data_roots", "model_roots")
+    @classmethod
+    def _check_roots(cls, value: list[str], info: ValidationInfo) -> list[str]:
+        """A data root may be s3://bucket/prefix; any other URI (and, for models, any URI at all) is
+        refused, never taken for a relative directory."""
+        name = f"ZERO1_{info.field_name.upper()}"
+        for root in value:
+            if "://" not in root:
+                continue
+            if info.field_name == "model_roots":
+                raise ValueError(f"{name}: {root!r}: a model root is a directory (hf models are read from local files)")
+            try:
+                parse_uri(root)
+            except ValueError as exc:
+                raise ValueError(f"{name}: {exc}") from None
+        return value
 
     @property
     def shared_dir(self) -> str:

@@ -77,6 +77,10 @@ class DatasetSpec:
     tokenizer_digest: str | None = None
     """workers/data/digests.py's digest of `tokenizer` when the job was admitted; where set, the tokenizer is
     hashed again before it is loaded, and a difference fails the load."""
+    token_uri: str | None = None
+    """For data on an object store: the token file the submit's check stored in the store's token cache
+    (workers/training/staging.py). A rank's parent fetches it into cache_dir, where the child maps it by
+    its key without reading the data; None: the files are read (and the cache looked up by content)."""
 
     def __post_init__(self) -> None:
         if self.format not in DATASET_FORMATS:

@@ -4,7 +4,9 @@ Reading with `datasets` and tokenizing need libraries the API process does not l
 them), so a Ray task (num_cpus=0, like a trace: the submit must not queue behind training ranks)
 does it within ZERO1_DATA_TIMEOUT_S, awaited by the submit without holding a thread, in a slot of
 those a trace takes too (ZERO1_MAX_TASKS, ZERO1_MAX_TASKS_PER_USER). It leaves the token file in
-the cache, so the job's ranks only hash the files and map it. Its ValueErrors name the field
+the cache, so the job's ranks only hash the files and map it. Data on an object store are staged
+for the check's child by its task (workers/runtime/isolated.py), which then stores the token file in
+the store's token cache and answers its URI as the summary's token_file. Its ValueErrors name the field
 ("data.text_field: ...") and are answered 422 with that field.
 """
 
@@ -20,6 +22,8 @@ from service.planning.tasks import Isolation, run_task, run_task_async
 from workers.config import DatasetSpec
 from workers.records import DatasetSummary
 from workers.runtime.sandbox import RunAs
+from workers.training.staging import token_store
+from workers.training.storage import is_remote
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -61,12 +65,15 @@ class DatasetChecker:
         slots: Slots | None = None,
         run_as: Callable[[str | None], RunAs | None] = lambda user: None,
         token_cache: str | None = None,
+        token_store: str | None = None,
     ) -> None:
         self.timeout_s = timeout_s
         self.run_as = run_as
         """A user -> the uid and gid its checks' children run under (ZERO1_RUN_AS)."""
         self.token_cache = token_cache
         """The cache's tokens/ directory: a token file a check's child made is moved there."""
+        self.token_store = token_store
+        """The object store's token cache, where data read from a store leave their token file; None: no store."""
         self.in_process = in_process
         self.slots = slots
         """The bound on checks running at once (shared with traces); None: unbounded."""
@@ -89,7 +96,9 @@ class DatasetChecker:
 
     def _task_options(self, *, user: str | None) -> dict:
         # the task reads and tokenizes the user's files: a crash of its process is blamed on them
-        isolation = Isolation(result=DatasetSummary, run_as=self.run_as(user), token_cache=self.token_cache)
+        isolation = Isolation(
+            result=DatasetSummary, run_as=self.run_as(user), token_cache=self.token_cache, token_store=self.token_store
+        )
         return {
             "timeout_s": self.timeout_s,
             "timed_out": self._timed_out,
@@ -105,6 +114,11 @@ class DatasetChecker:
             status_code=422,
             error="data_timeout",
         )
+
+
+def token_store_of(checkpoint_uri: str) -> str | None:
+    """The object store's token cache under ZERO1_CHECKPOINT_URI; None when that is a directory."""
+    return token_store(checkpoint_uri) if is_remote(checkpoint_uri) else None
 
 
 def invalid(exc: BaseException) -> ServiceError:

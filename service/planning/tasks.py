@@ -101,6 +101,9 @@ class Isolation:
     """The request's owner's uid and gid (ZERO1_RUN_AS)."""
     token_cache: str | None = None
     """The dataset cache's tokens/ directory, where the task moves a token file its child made."""
+    token_store: str | None = None
+    """The object store's token cache (s3://.../datasets/tokens), where the token file of data staged
+    from a store is put."""
     child: bool = True
     """False: the work runs no user code and reads no user file (a built-in model's trace), so it
     runs in the task's own process."""
@@ -126,6 +129,7 @@ def _call(
         run_as=isolation.run_as,
         bundle=runtime_env is not None,
         token_cache=isolation.token_cache,
+        token_store=isolation.token_store,
         child=isolation.child,
     )
 

@@ -25,6 +25,7 @@ from workers.data import datafiles
 from workers.data.digests import tokenizer_digest
 from workers.memory import model as memory
 from workers.memory.model import GB
+from workers.training import staging
 
 if TYPE_CHECKING:
     from workers.records import DatasetSummary
@@ -79,8 +80,10 @@ def check_data(spec: JobSpec, *, data_roots: Sequence[str]) -> JobSpec:
     if not isinstance(spec.data, TextDataSpec):
         return spec
     path = spec.data.path
+    if staging.is_remote_path(path):
+        raise invalid_data(f"data.path: {path!r}: a text job reads a local file (for an object store: kind dataset)")
     resolved = os.path.realpath(path)
-    roots = [os.path.realpath(root) for root in data_roots]
+    roots = datafiles.real_roots(data_roots)
     if not any(os.path.commonpath([resolved, root]) == root for root in roots):
         raise invalid_data(
             f"data.path: {path!r} is outside the data roots {roots} (ZERO1_DATA_ROOTS; symlinks are followed)"
@@ -92,18 +95,52 @@ def check_data(spec: JobSpec, *, data_roots: Sequence[str]) -> JobSpec:
 
 def _check_dataset_paths(spec: JobSpec, *, data: DatasetDataSpec, data_roots: Sequence[str]) -> JobSpec:
     """A 422 when a dataset's path or tokenizer is outside the roots or names no file (the standard
-    library's checks: reading and tokenizing is check_dataset's, in a Ray task); the paths made absolute."""
+    library's checks: reading and tokenizing is check_dataset's, in a Ray task); the paths made absolute.
+    token_uri is the service's to fill in (with_token_uri), never a user's."""
+    data = data.model_copy(update={"token_uri": None})
+    if staging.is_remote_path(data.tokenizer):
+        raise invalid_data(
+            f"data.tokenizer: {data.tokenizer!r}: a tokenizer is read from a local data root (or give 'bytes'), "
+            "not from an object store"
+        )
+    remote = staging.is_remote_path(data.path)
     try:
-        datafiles.resolve_files(data.path, format=data.format, roots=data_roots)
+        if not remote:
+            datafiles.resolve_files(data.path, format=data.format, roots=data_roots)
         if data.tokenizer not in (None, datafiles.BYTES):
             datafiles.resolve_tokenizer(data.tokenizer, roots=data_roots)
     except ValueError as exc:
         raise invalid_data(str(exc)) from None
-    absolute = {"path": datafiles.absolute_path(data.path)}
+    if remote:
+        _check_objects(data, data_roots=data_roots)
+    absolute = {"path": data.path if remote else datafiles.absolute_path(data.path)}
     if data.tokenizer not in (None, datafiles.BYTES):
         absolute["tokenizer"] = os.path.realpath(data.tokenizer)
         absolute["tokenizer_digest"] = _tokenizer_digest(data, roots=data_roots)
     return spec.model_copy(update={"data": data.model_copy(update=absolute)})
+
+
+def _check_objects(data: DatasetDataSpec, *, data_roots: Sequence[str]) -> None:
+    """A 422 when data on an object store is outside its roots or names no file; a 503 when the store
+    cannot be listed (its credentials, its endpoint)."""
+    try:
+        staging.resolve_objects(data.path, format=data.format, roots=data_roots)
+    except ValueError as exc:
+        raise invalid_data(str(exc)) from None
+    except Exception as exc:  # noqa: BLE001  (botocore's errors are not OSErrors: any is the store's)
+        raise ServiceError(
+            f"data.path: the object store could not be listed: {type(exc).__name__}: {exc}",
+            status_code=503,
+            error="data_storage_unreachable",
+        ) from None
+
+
+def with_token_uri(spec: JobSpec, summary: DatasetSummary | None) -> JobSpec:
+    """A dataset job on an object store with the token file its check stored in the store's token cache
+    (workers/runtime/isolated.py): the URI its ranks fetch instead of the data."""
+    if summary is None or not staging.is_remote_path(summary.token_file):
+        return spec
+    return spec.model_copy(update={"data": spec.data.model_copy(update={"token_uri": summary.token_file})})
 
 
 def _tokenizer_digest(data: DatasetDataSpec, *, roots: Sequence[str]) -> str:

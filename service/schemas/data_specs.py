@@ -34,7 +34,7 @@ class TextDataSpec(Body):
     def to_spec(self, *, data_roots: Sequence[str] = (), cache_dir: str | None = None) -> TextSpec:
         """With the data roots resolved here (a relative root is under the service's working directory),
         for the ranks to check again where they read the file: none given, they read none."""
-        return TextSpec(path=self.path, roots=tuple(os.path.realpath(root) for root in data_roots))
+        return TextSpec(path=self.path, roots=tuple(os.path.realpath(r) for r in data_roots if "://" not in r))
 
 
 def _dataset(name: str):
@@ -42,13 +42,15 @@ def _dataset(name: str):
 
 
 class DatasetDataSpec(Body):
-    """Local files read with `datasets`, tokenized once (cached on the checkpoint storage), packed into
-    seq_len + 1 blocks in a seeded order that does not depend on num_gpus."""
+    """Files (local, or on an object store) read with `datasets`, tokenized once (cached on the checkpoint
+    storage), packed into seq_len + 1 blocks in a seeded order that does not depend on num_gpus."""
 
     kind: Literal["dataset"]
     format: Literal[DATASET_FORMATS]
     path: Text = Field(
-        min_length=1, max_length=4096, description="A file, a directory or a glob, inside ZERO1_DATA_ROOTS."
+        min_length=1,
+        max_length=4096,
+        description="A file, a directory or a glob, inside ZERO1_DATA_ROOTS (s3://bucket/... inside an s3:// root).",
     )
     text_field: Text = Field(
         _dataset("text_field"), min_length=1, max_length=200, description="The column read (text format: text)."
@@ -65,6 +67,12 @@ class DatasetDataSpec(Body):
         pattern=r"^sha256:[0-9a-f]{64}$",
         description="sha256 of the tokenizer's files, filled in at admission; given, they must still have it. "
         "A rank checks it again before it loads the tokenizer.",
+    )
+    token_uri: Text | None = Field(
+        None,
+        max_length=4096,
+        description="Filled in at admission for data on an object store: the token file its check stored in "
+        "the store's token cache, which the ranks fetch instead of the data. A given value is replaced.",
     )
     validation_fraction: Float = Field(
         _dataset("validation_fraction"), ge=0, le=0.5, allow_inf_nan=False, description="Blocks held out."
@@ -83,7 +91,7 @@ class DatasetDataSpec(Body):
         is the checkpoint storage's datasets/ directory."""
         return DatasetSpec(
             **self.model_dump(exclude={"kind"}),
-            roots=tuple(os.path.realpath(root) for root in data_roots),
+            roots=tuple(root if "://" in root else os.path.realpath(root) for root in data_roots),
             cache_dir=cache_dir,
         )
 

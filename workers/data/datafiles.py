@@ -47,7 +47,8 @@ _MAGIC = re.compile(r"[*?[]")
 
 
 def real_roots(roots: Sequence[str] | None) -> list[str] | None:
-    return None if roots is None else [os.path.realpath(root) for root in roots]
+    """The local roots resolved; an object store's (`s3://...`) are not directories and are left out."""
+    return None if roots is None else [os.path.realpath(root) for root in roots if "://" not in root]
 
 
 def inside(real: str, roots: Sequence[str] | None) -> bool:

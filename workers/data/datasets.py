@@ -159,9 +159,14 @@ def _field(spec: DatasetSpec) -> str:
 
 def prepare_tokens(spec: DatasetSpec, *, tokenizer: Tokenizer) -> TokenFile:
     """The dataset's token stream: from the cache when its key is there, else tokenized (and cached)."""
-    files = resolve_files(spec.path, format=spec.format, roots=spec.roots)  # again, where this rank reads
     dtype = token_dtype(tokenizer.vocab_size)
     meta = {"vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id, "dtype": dtype.str}
+    if spec.token_uri is not None and spec.cache_dir is not None:  # fetched by this rank's parent: no data read
+        key = spec.token_uri.rpartition("/")[2].removesuffix(".bin")
+        path, sidecar = Path(spec.cache_dir, "tokens", f"{key}.bin"), Path(spec.cache_dir, "tokens", f"{key}.json")
+        if (found := _cached(path, sidecar, meta=meta)) is not None:
+            return TokenFile(tokens=found, path=str(path), created=False, **_public(meta))
+    files = resolve_files(spec.path, format=spec.format, roots=spec.roots)  # again, where this rank reads
     if spec.cache_dir is None:
         with tempfile.TemporaryFile() as out:
             num_tokens = _tokenize(files, spec=spec, tokenizer=tokenizer, out=out, dtype=dtype)

@@ -32,6 +32,7 @@ from workers.runtime.ranks import MetricsSink, RankProcess
 from workers.runtime.rendezvous import parent_gone
 from workers.runtime.sandbox import ChildSpec, RunAs
 from workers.runtime.spool import Spool
+from workers.training import staging
 from workers.training.storage import is_remote, open_store
 
 Strategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
@@ -128,6 +129,8 @@ class TrainWorker:
                 store, home=self.home, rank=self.rank, world_size=size, keep_last=config.keep_last, run_as=self.run_as
             )
             config = dataclasses.replace(config, checkpoint_dir=str(spool.dir))
+        data, data_dir = staging.for_child(config.data)  # on an object store: fetched or staged by this process
+        config = dataclasses.replace(config, data=data)
         start = {
             "config": config,
             "address": address,
@@ -150,8 +153,9 @@ class TrainWorker:
             self.process.close()
             if spool is not None:
                 spool.close()
-            if self.scratch:
-                shutil.rmtree(self.home, ignore_errors=True)
+            for scratch in (self.home if self.scratch else None, data_dir):
+                if scratch is not None:
+                    shutil.rmtree(scratch, ignore_errors=True)
 
 
 class _StopAsker:

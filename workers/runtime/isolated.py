@@ -6,24 +6,29 @@ a scratch home, killed at its time limit. What the child answers is JSON, checke
 result's dataclass before it is rebuilt; its failures come back as the exceptions the service
 answers 422 (an InvalidModelError naming the field, a ValueError "data.x: why"). Files the child
 made that the service keeps (a dataset's token file for the cache) are moved by this trusted side
-into place, never written there by the child.
+into place, never written there by the child. A dataset on an object store is staged by this side
+for the child, and its token file put in the store's token cache (workers/training/staging.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import os
 import re
 import shutil
+import tempfile
 import types
 import typing
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workers.config import InvalidModelError
+from workers.config import DatasetSpec, InvalidModelError
 from workers.runtime.sandbox import ChildError, ChildExited, RunAs, call_in_child
+from workers.training import staging
 
 SPILL_DIR = "tmp/zero1-cache"
 """Where, under a child's home, it writes the dataset cache entry it cannot write in the shared cache
@@ -48,6 +53,9 @@ class IsolatedCall:
     token_cache: str | None = None
     """The dataset cache's tokens/ directory: a token file the child made in its spill directory is
     moved there, and the result's token_file names it there."""
+    token_store: str | None = None
+    """The object store's token cache: where the token file of data staged from a store is put (the
+    result's token_file then names it there)."""
     child: bool = True
     """False for work that runs no user code nor reads user files (a built-in model's trace): it runs
     in the task's process, without a child's start-up."""
@@ -58,6 +66,30 @@ def run_isolated(call: IsolatedCall) -> Any:
     if not call.child:
         module, _, name = call.function.partition(":")
         return getattr(importlib.import_module(module), name)(call.argument)
+    with _staged(call.argument) as (argument, staged):
+        result = _run_child(call, argument)
+    if staged and call.token_store is not None and isinstance(getattr(result, "token_file", None), str):
+        stored = staging.publish_tokens(result.token_file, store_uri=call.token_store)
+        result = dataclasses.replace(result, token_file=stored)
+    return result
+
+
+@contextlib.contextmanager
+def _staged(argument: Any) -> Iterator[tuple[Any, bool]]:
+    """(the argument, False), or, for a dataset on an object store, (the argument with its data staged
+    into a directory this side downloads it to and removes after, True): the child never reaches the store."""
+    data = getattr(argument, "data", None)
+    if not isinstance(data, DatasetSpec) or not staging.is_remote_path(data.path):
+        yield argument, False
+        return
+    directory = tempfile.mkdtemp(prefix="zero1-data-")
+    try:
+        yield dataclasses.replace(argument, data=staging.stage(data, into=directory)), True
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _run_child(call: IsolatedCall, argument: Any) -> Any:
     kept: dict[str, str] = {}
 
     def keep(home: str) -> None:
@@ -67,7 +99,7 @@ def run_isolated(call: IsolatedCall) -> Any:
     try:
         answer = call_in_child(
             call.function,
-            call.argument,
+            argument,
             timeout_s=call.timeout_s,
             run_as=call.run_as,
             bundle=os.getcwd() if call.bundle else None,

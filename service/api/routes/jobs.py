@@ -95,7 +95,7 @@ async def submit_job(
     )
     spec = await offload.in_file_thread(admission.check_data, spec, data_roots=settings.data_roots)
     admission.check_storage(await run_in_threadpool(runtime.launcher.storage_problems), uri=settings.checkpoint_uri)
-    await admission.check_dataset(
+    summary = await admission.check_dataset(
         spec,
         model=spec.model_spec(plan=plan, model_roots=settings.model_roots),
         checker=runtime.datasets,
@@ -103,6 +103,7 @@ async def submit_job(
         cache_dir=str(dataset_cache_dir(settings.shared_dir)),
         user=principal.user,
     )
+    spec = admission.with_token_uri(spec, summary)  # data on an object store: the token file the ranks fetch
     if dry_run:
         return json_response(DryRunPublic(dry_run=True, admitted=True, plan=plan))
     store = functools.partial(_store_job, runtime.db, spec=spec, plan=plan, principal=principal, priority=priority)
