@@ -164,9 +164,10 @@ class Settings(BaseSettings):
     """Bytes of code bundles (zips as uploaded) one user (everyone when auth is off) may have
     recorded; an upload of a bundle the store does not hold yet that would pass it gets 413."""
     token_cache_max_bytes: int = Field(100 << 30, ge=0, le=1 << 50)
-    """Bytes the dataset token cache (ZERO1_CHECKPOINT_URI/datasets/tokens) may hold: past it the least
-    recently used token files are deleted (never one a queued or active job may need; a rank that
-    finds its token file gone tokenizes it again)."""
+    """Bytes the dataset token cache (datasets/tokens in ZERO1_CHECKPOINT_URI's directory, or in
+    ZERO1_LOCAL_DIR beside an object store) may hold: past it the least recently used token files are
+    deleted (never one a queued or active job may need; a rank that finds its token file gone
+    tokenizes it again). A bucket's token files are bounded by the bucket's lifecycle rule."""
     log_retention_days: float = Field(30.0, ge=0, le=100_000, allow_inf_nan=False)
     """Days a finished job's log lines are kept after it ended; then the service deletes them,
     leaving one marker line. 0 keeps them forever."""

@@ -16,6 +16,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from workers.config import OptimizerSpec, TrainConfig
+from workers.memory.model import GPTSpec
+
 PRELOAD = [
     "pytest",
     "torch",
@@ -28,6 +31,23 @@ PRELOAD = [
 ]
 """What the fork server imports before it forks a rank (what the ranks' functions import)."""
 mp.set_forkserver_preload(PRELOAD)  # read when the server starts: at the first run_ranks
+
+SMALL = GPTSpec(vocab_size=64, n_layer=2, n_head=2, n_embd=32, block_size=32)
+
+
+def small_run(checkpoint_dir: str | Path, *, steps: int = 8, **overrides) -> TrainConfig:
+    """SMALL for `steps` in fp32, global batches of 8 in micro-batches of 4 (2 ranks, or 1 accumulating),
+    checkpointing into `checkpoint_dir`: the runs the checkpoint tests compare bit for bit."""
+    return TrainConfig(
+        model=SMALL,
+        steps=steps,
+        precision="fp32",
+        micro_batch_size=4,
+        global_batch_size=8,
+        checkpoint_dir=str(checkpoint_dir),
+        optimizer=OptimizerSpec(lr=3e-3),
+        **overrides,
+    )
 
 
 def _entry(rank: int, world_size: int, backend: str, tmp: str, fn: Callable, args: tuple) -> None:

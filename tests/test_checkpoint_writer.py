@@ -19,8 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import workers.training.writer
-from workers.config import OptimizerSpec, TrainConfig
-from workers.memory.model import GPTSpec
+from workers.config import TrainConfig
 from workers.models.builtin import build_model
 from workers.records import MetricRow
 from workers.training.checkpoints import checkpointed_metrics, latest_checkpoint, shard_file, shard_header
@@ -29,25 +28,14 @@ from workers.training.reader import read_shard, resume
 from workers.training.writer import CheckpointIO, shared_directory
 from workers.zero.optimizer import ZeRO1AdamW, decay_param_groups
 
-from distributed import run_ranks
+from distributed import SMALL, run_ranks, small_run
 
-SMALL = GPTSpec(vocab_size=64, n_layer=2, n_head=2, n_embd=32, block_size=32)
 STEPS, EVERY = 8, 2  # checkpoints at steps 1, 3, 5 and 7
 CHECKPOINTS = [1, 3, 5, 7]
 
 
 def _config(root: Path, *, asynchronous: bool = True) -> TrainConfig:
-    return TrainConfig(
-        model=SMALL,
-        steps=STEPS,
-        precision="fp32",
-        micro_batch_size=4,
-        global_batch_size=8,
-        checkpoint_every=EVERY,
-        checkpoint_dir=str(root),
-        optimizer=OptimizerSpec(lr=3e-3),
-        async_checkpoints=asynchronous,
-    )
+    return small_run(root, steps=STEPS, checkpoint_every=EVERY, async_checkpoints=asynchronous)
 
 
 def _run(rank: int, world_size: int, root: str, asynchronous: bool) -> None:

@@ -181,11 +181,12 @@ def test_a_dataset_jobs_data_come_from_the_bucket_and_its_ranks_fetch_only_the_t
     store = open_store(root)
     store.write("big/part-0.jsonl", jsonl(texts[:40]))
     store.write("big/part-1.jsonl", jsonl(texts[40:]))
-    r = client.post("/v1/jobs", json=dataset_job(f"{root}/big/*.jsonl"))
+    planted = f"{root}/elsewhere/{'0' * 64}.bin"  # a user never names the token file: the service does
+    r = client.post("/v1/jobs", json=dataset_job(f"{root}/big/*.jsonl", token_uri=planted))
     assert r.status_code == 201, r.text
     mark = s3_server.mark()  # the submit's check read the data; the ranks start after this
     token_uri = r.json()["spec"]["data"]["token_uri"]
-    assert token_uri.startswith(staging.token_store(root.rsplit("/", 1)[0]) + "/")
+    assert token_uri != planted and token_uri.startswith(staging.token_store(root.rsplit("/", 1)[0]) + "/")
     job = helpers.wait_job(client, r.json()["id"], lambda j: j["status"] in helpers.TERMINAL)
     assert job["status"] == "succeeded", job["error"]
     rows = client.get(f"/v1/jobs/{job['id']}/metrics").json()["data"]

@@ -22,6 +22,7 @@ from workers.training.storage import ObjectStore, open_store
 from conftest import make_settings, serve
 from helpers import TERMINAL, job_body, wait_job
 from helpers import wait_for as wait_for_value
+from test_artifacts import LLAMA
 from test_python_jobs import EXAMPLE_DIR, example, upload
 from test_workers import config, finished, start_job, wait_for
 
@@ -210,17 +211,7 @@ def test_an_hf_models_final_directory_on_s3_loads_with_from_pretrained(ray_clust
 
     from workers.config import HFSpec
 
-    llama = {
-        "model_type": "llama",
-        "vocab_size": 64,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "max_position_embeddings": 32,
-    }
-    model = HFSpec(config=llama, vocab_size=64, block_size=32)
+    model = HFSpec(config=LLAMA, vocab_size=64, block_size=32)
     # planned_bytes: what the service's trace of an hf model would give (no closed form for one)
     job = config(model=model, steps=4, planned_bytes=1 << 30, checkpoint_dir=f"{s3_uri}/hf")
     state, _ = wait_for(start_job(job, num_workers=2, job_id="hf"), until=finished)

@@ -21,8 +21,7 @@ from safetensors.torch import load_file
 
 import workers.training.loop
 import workers.training.writer
-from workers.config import OptimizerSpec, TrainConfig
-from workers.memory.model import GPTSpec
+from workers.config import TrainConfig
 from workers.models.builtin import build_model
 from workers.records import MetricRow
 from workers.runtime.actors import JobSupervisor, Placement, _StopAsker
@@ -31,24 +30,14 @@ from workers.training.checkpoints import checkpointed_metrics, latest_checkpoint
 from workers.training.loop import train
 from workers.training.reader import read_shard
 
-from distributed import run_ranks
+from distributed import run_ranks, small_run
 from test_workers import wait_for as poll_until
 
-SMALL = GPTSpec(vocab_size=64, n_layer=2, n_head=2, n_embd=32, block_size=32)
 STEPS = 8
 
 
 def _config(root: str, *, checkpoint_every: int) -> TrainConfig:
-    return TrainConfig(
-        model=SMALL,
-        steps=STEPS,
-        precision="fp32",
-        micro_batch_size=4,
-        global_batch_size=8,
-        checkpoint_every=checkpoint_every,
-        checkpoint_dir=root,
-        optimizer=OptimizerSpec(lr=3e-3),
-    )
+    return small_run(root, steps=STEPS, checkpoint_every=checkpoint_every)
 
 
 def _attempt(rank: int, world_size: int, root: str, checkpoint_every: int, stop_after: int | None, name: str) -> None:

@@ -239,39 +239,31 @@ def code_dir(shared_dir: str) -> Path:
     return Path(shared_dir).resolve() / "code"
 
 
-class CodeStore:
-    """Bundles as <root>/<64 hex>.zip, named by the digest of the bytes uploaded, each re-packed under
-    bundle/ so that Ray, which strips a remote zip's single top-level directory, unpacks the user's
-    files at the root of the job's working_dir."""
+class BundleStore:
+    """Bundles named by the digest of the bytes uploaded, each re-packed under bundle/ so that Ray,
+    which strips a remote zip's single top-level directory, unpacks the user's files at the root of
+    the job's working_dir. put() checks and packs one; a subclass says where it is kept."""
 
-    def __init__(
-        self, root: Path, *, max_entries: int = MAX_ENTRIES, max_uncompressed_bytes: int = MAX_UNCOMPRESSED_BYTES
-    ):
-        self.root, self.max_entries, self.max_uncompressed_bytes = root, max_entries, max_uncompressed_bytes
+    root: Path | str
+    """Where the bundles are, as errors name it."""
 
-    def path(self, digest: str) -> Path:
-        return self.root / f"{check_digest(digest)}.zip"
+    def __init__(self, *, max_entries: int = MAX_ENTRIES, max_uncompressed_bytes: int = MAX_UNCOMPRESSED_BYTES):
+        self.max_entries, self.max_uncompressed_bytes = max_entries, max_uncompressed_bytes
 
     def uri(self, digest: str) -> str:
-        """The stored zip as a runtime_env working_dir: file://<path>."""
-        return self.path(digest).as_uri()
+        """The stored zip as a runtime_env working_dir."""
+        raise NotImplementedError
 
     def exists(self, digest: str) -> bool:
-        return self.path(digest).is_file()
-
-    def _publish(self, temp: Path, digest: str) -> None:
-        """The packed zip `temp` becomes the bundle `digest`: atomically, readable by every worker."""
-        os.chmod(temp, 0o644)  # mkstemp's 0o600 would keep out workers that run as another user
-        os.replace(temp, self.path(digest))  # atomic: a reader sees the whole zip or none
-        _fsync_dir(self.root)
+        raise NotImplementedError
 
     def _staging(self) -> Path:
-        """Where a bundle is packed before it is published."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        # searchable, not listable: Ray's user opens a bundle by its digest, and a job's code
-        # under another uid (ZERO1_RUN_AS) finds no other user's bundle to read
-        os.chmod(self.root, 0o711)
-        return self.root
+        """The directory a bundle is packed in before it is published."""
+        raise NotImplementedError
+
+    def _publish(self, temp: Path, digest: str) -> None:
+        """The packed zip `temp` becomes the bundle `digest`, whole or not at all."""
+        raise NotImplementedError
 
     def put(self, data: bytes) -> tuple[BundleInfo, bool]:
         """Check `data` and store it unless it is already; (its info, whether it was new to the store)."""
@@ -297,15 +289,44 @@ class CodeStore:
         return info, True
 
 
-class ObjectCodeStore(CodeStore):
+class CodeStore(BundleStore):
+    """Bundles as <root>/<64 hex>.zip in a directory every worker reads."""
+
+    def __init__(self, root: Path, **limits: int) -> None:
+        super().__init__(**limits)
+        self.root = root
+
+    def path(self, digest: str) -> Path:
+        return self.root / f"{check_digest(digest)}.zip"
+
+    def uri(self, digest: str) -> str:
+        """file://<path>."""
+        return self.path(digest).as_uri()
+
+    def exists(self, digest: str) -> bool:
+        return self.path(digest).is_file()
+
+    def _publish(self, temp: Path, digest: str) -> None:
+        os.chmod(temp, 0o644)  # mkstemp's 0o600 would keep out workers that run as another user
+        os.replace(temp, self.path(digest))  # atomic: a reader sees the whole zip or none
+        _fsync_dir(self.root)
+
+    def _staging(self) -> Path:
+        self.root.mkdir(parents=True, exist_ok=True)
+        # searchable, not listable: Ray's user opens a bundle by its digest, and a job's code
+        # under another uid (ZERO1_RUN_AS) finds no other user's bundle to read
+        os.chmod(self.root, 0o711)
+        return self.root
+
+
+class ObjectCodeStore(BundleStore):
     """Bundles as objects <prefix>/code/<64 hex>.zip on an object store (ZERO1_CHECKPOINT_URI=s3://…),
     packed in a local temporary directory first. Ray's nodes fetch a job's bundle themselves (a
     runtime_env working_dir of s3://…, with their own credentials and smart_open)."""
 
     def __init__(self, store: ObjectStore, **limits: int) -> None:
-        super().__init__(Path(tempfile.gettempdir()), **limits)
-        self.store = store
-        self.root = store.uri  # named in errors; bundles are packed in the temporary directory
+        super().__init__(**limits)
+        self.store, self.root = store, store.uri
 
     def uri(self, digest: str) -> str:
         return f"{self.store.uri}/{check_digest(digest)}.zip"
@@ -325,7 +346,7 @@ class ObjectCodeStore(CodeStore):
             raise OSError(f"{type(error).__name__}: {error}") from None
 
 
-def code_store(checkpoint_uri: str, shared_dir: str) -> CodeStore:
+def code_store(checkpoint_uri: str, shared_dir: str) -> BundleStore:
     """Bundles beside the checkpoints: code/ under an object store's prefix, or code_dir(shared_dir)."""
     if is_remote(checkpoint_uri):
         return ObjectCodeStore(open_store(join_uri(checkpoint_uri, "code")))
@@ -341,7 +362,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(handle)
 
 
-def _unwritable(root: Path, error: OSError) -> ServiceError:
+def _unwritable(root: Path | str, error: OSError) -> ServiceError:
     return ServiceError(
         f"code storage under ZERO1_CHECKPOINT_URI ({root}) is not writable: {error.strerror or error}",
         status_code=503,

@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 from service.auth import Principal
 from service.errors import ServiceError
 from service.schemas.responses import CodeBundleDetailPublic
-from service.store.code_bundles import BundleInfo, CodeStore, check_digest
+from service.store.code_bundles import BundleInfo, BundleStore, check_digest
 from service.store.tables import CodeBundle
 
 
@@ -84,7 +84,7 @@ def get_bundle(session: Session, digest: str, *, principal: Principal) -> CodeBu
 
 
 def require_bundle(
-    session: Session, digest: str, *, principal: Principal, store: CodeStore | None = None
+    session: Session, digest: str, *, principal: Principal, store: BundleStore | None = None
 ) -> CodeBundle:
     """The bundle a job (or plan) of `principal` names as its `code`: a 422 when no one uploaded it, or
     when `store` no longer holds its zip; a 403 when only others did (an admin may use any; with auth
