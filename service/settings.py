@@ -146,7 +146,8 @@ class Settings(BaseSettings):
     model_roots: Annotated[list[str], NoDecode] = ["models"]
     """Directories an `hf` model's path (a save_pretrained directory) must resolve into (symlinks
     followed), comma-separated or a JSON list; relative ones are under the service's working
-    directory. Nothing is ever downloaded: a hub id is refused."""
+    directory. An s3://bucket/prefix root holds models on an object store. Nothing is downloaded from
+    the hub: a hub id is refused."""
     max_request_bytes: int = Field(1 << 20, ge=1024, le=1 << 30)
     """Largest request body the API reads, in bytes; larger ones get 413. A code bundle has its own
     limit, ZERO1_MAX_CODE_BYTES."""
@@ -221,14 +222,12 @@ class Settings(BaseSettings):
     @field_validator("data_roots", "model_roots")
     @classmethod
     def _check_roots(cls, value: list[str], info: ValidationInfo) -> list[str]:
-        """A data root may be s3://bucket/prefix; any other URI (and, for models, any URI at all) is
-        refused, never taken for a relative directory."""
+        """A root may be s3://bucket/prefix; a URI of another scheme is refused, never taken for a
+        relative directory."""
         name = f"ZERO1_{info.field_name.upper()}"
         for root in value:
             if "://" not in root:
                 continue
-            if info.field_name == "model_roots":
-                raise ValueError(f"{name}: {root!r}: a model root is a directory (hf models are read from local files)")
             try:
                 parse_uri(root)
             except ValueError as exc:

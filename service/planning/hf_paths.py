@@ -5,7 +5,9 @@ Checked here, in the API, without transformers (which loads torch): the path is 
 and the ranks check it again against the roots (workers/models/hf.py). Its files are hashed
 (workers/data/digests.py: a link inside is refused): the digest goes into the trace's key, so a
 directory whose content changed is traced again, and into the job's spec, so a rank loads only
-the content that was planned. A hub id is never downloaded.
+the content that was planned. A hub id is never downloaded. A directory on an object store
+(s3://… inside an s3:// model root) is listed and its objects hashed by streaming them, to the
+digest a local copy of it has: the trace and the ranks read copies their trusted parents download.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ from typing import TypeVar
 
 from pydantic import BaseModel
 
+from service.errors import ServiceError
 from service.planning.traces import invalid_model
 from service.schemas.model_specs import HFModelSpec
 from workers.data.digests import DigestError, directory_digest
+from workers.training import staging
 
 Body = TypeVar("Body", bound=BaseModel)
 
@@ -34,11 +38,14 @@ def check_model_path(body: Body, *, model_roots: Sequence[str]) -> Body:
     model = getattr(body, "model", None)
     if not isinstance(model, HFModelSpec) or model.path is None:
         return body
-    real = resolve_model_dir(model.path, model_roots=model_roots)
-    try:
-        digest = directory_digest(real, field="model.path")
-    except DigestError as exc:
-        raise invalid_model(exc.field, exc.reason) from None
+    if staging.is_remote_path(model.path):
+        real, digest = model.path, _object_digest(model.path, model_roots=model_roots)
+    else:
+        real = resolve_model_dir(model.path, model_roots=model_roots)
+        try:
+            digest = directory_digest(real, field="model.path")
+        except DigestError as exc:
+            raise invalid_model(exc.field, exc.reason) from None
     if model.digest is not None and model.digest != digest:
         raise invalid_model(
             "model.digest", f"the files of {model.path!r} have digest {digest}, not the {model.digest} given"
@@ -46,8 +53,23 @@ def check_model_path(body: Body, *, model_roots: Sequence[str]) -> Body:
     return body.model_copy(update={"model": model.model_copy(update={"path": real, "digest": digest})})
 
 
+def _object_digest(path: str, *, model_roots: Sequence[str]) -> str:
+    """The digest of a model directory on an object store (its objects streamed and hashed, once per
+    process: workers/training/staging.py), or a 422 naming model.path; a 503 when the store cannot be read."""
+    try:
+        return staging.model_digest(path, roots=model_roots)
+    except ValueError as exc:
+        raise invalid_model("model.path", str(exc).removeprefix("model.path: ")) from None
+    except Exception as exc:  # noqa: BLE001  (botocore's errors are not OSErrors: any is the store's)
+        raise ServiceError(
+            f"model.path: the object store could not be read: {type(exc).__name__}: {exc}",
+            status_code=503,
+            error="model_storage_unreachable",
+        ) from None
+
+
 def resolve_model_dir(path: str, *, model_roots: Sequence[str]) -> str:
-    roots = [os.path.realpath(root) for root in model_roots]
+    roots = [os.path.realpath(root) for root in model_roots if "://" not in root]
     if not os.path.lexists(path) and _HUB_ID.fullmatch(path):
         raise invalid_model(
             "model.path",

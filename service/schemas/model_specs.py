@@ -116,7 +116,7 @@ class HFModelSpec(Body):
         return HFSpec(
             config=self.config,
             path=self.path,
-            roots=tuple(os.path.realpath(root) for root in model_roots),
+            roots=tuple(root if "://" in root else os.path.realpath(root) for root in model_roots),
             digest=self.digest,
             vocab_size=vocab_size,
             block_size=block_size,

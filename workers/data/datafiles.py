@@ -40,6 +40,17 @@ EXTENSIONS = {
 }
 """The files of a directory that a format reads; a file or a glob names its files itself."""
 
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
+"""A tokenizer's files in its directory (an hf model's): what final/ copies beside the model, and
+what is fetched of a model on an object store to read its tokenizer."""
+
 BYTES = "bytes"
 """The tokenizer that needs no file: one token per UTF-8 byte."""
 

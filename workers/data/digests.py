@@ -86,14 +86,14 @@ def directory_digest(path: str, *, field: str) -> str:
     directory too deep, or more than MAX_FILES files."""
     files = _regular_files(path, field=field)
     entries = [[name, FILES.of(os.path.join(path, name), field=field, shown=f"{path}/{name}")] for name in files]
-    return _digest_of(entries)
+    return digest_of(entries)
 
 
 def files_digest(paths: list[str], *, field: str) -> str:
     """The digest ("sha256:<hex>") of the named regular files (by base name and content): a
     tokenizer.json and the tokenizer_config.json read beside it."""
     entries = [[os.path.basename(p), FILES.of(p, field=field, shown=p)] for p in paths]
-    return _digest_of(entries)
+    return digest_of(entries)
 
 
 def tokenizer_digest(tokenizer_json: str) -> str:
@@ -116,7 +116,8 @@ def check_digest(actual: str, *, expected: str, field: str, path: str) -> None:
         )
 
 
-def _digest_of(entries: list[list[str]]) -> str:
+def digest_of(entries: list[list[str]]) -> str:
+    """The digest of [relative name, hex sha256] pairs, sorted by name: a directory's or files'."""
     canonical = json.dumps(entries, separators=(",", ":"), ensure_ascii=False)
     return "sha256:" + hashlib.sha256(canonical.encode("utf-8", "surrogateescape")).hexdigest()
 

@@ -129,8 +129,7 @@ class TrainWorker:
                 store, home=self.home, rank=self.rank, world_size=size, keep_last=config.keep_last, run_as=self.run_as
             )
             config = dataclasses.replace(config, checkpoint_dir=str(spool.dir))
-        data, data_dir = staging.for_child(config.data)  # on an object store: fetched or staged by this process
-        config = dataclasses.replace(config, data=data)
+        config, data_dir = staging.for_child(config)  # data or a model on a store: fetched by this process
         start = {
             "config": config,
             "address": address,

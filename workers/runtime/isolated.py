@@ -76,15 +76,14 @@ def run_isolated(call: IsolatedCall) -> Any:
 
 @contextlib.contextmanager
 def _staged(argument: Any) -> Iterator[tuple[Any, bool]]:
-    """(the argument, False), or, for a dataset on an object store, (the argument with its data staged
-    into a directory this side downloads it to and removes after, True): the child never reaches the store."""
-    data = getattr(argument, "data", None)
-    if not isinstance(data, DatasetSpec) or not staging.is_remote_path(data.path):
-        yield argument, False
-        return
-    directory = tempfile.mkdtemp(prefix="zero1-data-")
+    """(the argument, whether it named data on a store) with what it names on a store (a dataset's
+    files, an hf model's config or tokenizer) downloaded by this side into a directory removed after:
+    the child never reaches the store."""
+    directory = tempfile.mkdtemp(prefix="zero1-inputs-")
     try:
-        yield dataclasses.replace(argument, data=staging.stage(data, into=directory)), True
+        staged = staging.staged_inputs(argument, into=directory)
+        data = getattr(argument, "data", None)
+        yield staged, isinstance(data, DatasetSpec) and staging.is_remote_path(data.path)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from workers.config import DatasetSpec, HFSpec, ModelKind, PythonSpec, TrainConfig
+from workers.data.datafiles import TOKENIZER_FILES
 from workers.memory.model import GPTSpec, MLPSpec
 from workers.training.checkpoints import MANIFEST, write_json
 from workers.zero.optimizer import ZeRO1AdamW
@@ -41,15 +42,6 @@ from workers.zero.optimizer import ZeRO1AdamW
 CHUNK_NUMEL = 1 << 22
 """Elements per point-to-point message of the gather (16 MiB of fp32)."""
 FORMAT = "zero1.final.v1"
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-)
-"""A tokenizer's files, copied beside an hf model when the job's data has a tokenizer."""
 _SAFETENSORS_DTYPES = {
     torch.float64: "F64",
     torch.float32: "F32",

@@ -1,4 +1,5 @@
-"""A `dataset` job's data on an object store: `s3://` files inside an `s3://` data root.
+"""A job's inputs on an object store: a `dataset` job's `s3://` files inside an `s3://` data root,
+and an hf model's directory inside an `s3://` model root.
 
 Only the processes that hold the store's credentials call this: the API's admission (it lists the
 files a path names), a dataset check's Ray task and a rank's parent (workers/runtime/isolated.py,
@@ -10,7 +11,12 @@ records that object's URI (DatasetSpec.token_uri). A rank's parent fetches that 
 private cache for its child and downloads none of the data; only when it is gone (a lifecycle rule
 expired it) are the files staged again, and the child tokenizes them.
 
-A path is a file, a prefix (every object under it with the format's extension, none with a hidden
+An hf model's directory may be on a store too (an s3:// model root): the API hashes its objects
+as they stream (model_digest: the digest a local copy has), a trace's task stages its config.json,
+a dataset check's its tokenizer files, and each rank's parent the whole directory, whose digest
+the child checks against the admitted one before it loads the weights.
+
+A data path is a file, a prefix (every object under it with the format's extension, none with a hidden
 component), or a glob whose `*`, `?` and `[...]` match within one '/'-separated component, as for
 local files. Listing is bounded by datafiles.MAX_CANDIDATES objects, matching by MAX_FILES files.
 """
@@ -18,6 +24,7 @@ local files. Listing is bounded by datafiles.MAX_CANDIDATES objects, matching by
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import os
 import re
 import shutil
@@ -27,12 +34,17 @@ from dataclasses import replace
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from workers.config import DatasetSpec
-from workers.data.datafiles import EXTENSIONS, MAX_CANDIDATES, MAX_FILES
+from workers.config import DatasetSpec, HFSpec
+from workers.data.datafiles import EXTENSIONS, MAX_CANDIDATES, MAX_FILES, TOKENIZER_FILES
+from workers.data.digests import MAX_FILES as MAX_MODEL_FILES
+from workers.data.digests import digest_of
 from workers.training.storage import filesystem, join_uri, parse_uri
 
 _MAGIC = re.compile(r"[*?[]")
 _TOKEN_NAME = re.compile(r"[0-9a-f]{16,128}\.bin")
+_HASH_BYTES = 8 << 20
+_OBJECT_DIGESTS: dict[tuple[str, int, str], str] = {}
+"""sha256 of objects hashed by this process, by (key, size, ETag)."""
 
 
 def is_remote_path(path: str | None) -> bool:
@@ -104,21 +116,122 @@ def stage(spec: DatasetSpec, *, into: str) -> DatasetSpec:
     return replace(spec, path=str(Path(into, *key.split("/"))), roots=(*local_roots, os.path.realpath(into)))
 
 
-def for_child(data: Any) -> tuple[Any, str | None]:
-    """A rank's data as its child reads them, and the directory made for that (None: the data are
-    local, as they are). For data on an object store, a new directory holds the token file the job's
-    check stored (the child maps it by its key), or, when that is gone, the staged files (the child
-    tokenizes them into it); the caller removes it after the run."""
-    if not isinstance(data, DatasetSpec) or not is_remote_path(data.path):
-        return data, None
-    directory = tempfile.mkdtemp(prefix="zero1-data-")
+def model_objects(path: str, *, roots: Sequence[str] | None, fs=None) -> list[tuple[str, int, str]]:
+    """(key relative to `path`, size, ETag) of every object of an hf model's directory on a store,
+    sorted; ValueError ("model.path: ...") outside the object-store model roots, without a
+    config.json, or past digests.MAX_FILES objects."""
     try:
-        if data.token_uri is not None and fetch_tokens(data.token_uri, into=directory):
-            return replace(data, cache_dir=directory), directory
-        return replace(stage(data, into=directory), cache_dir=directory, token_uri=None), directory
+        scheme, key = parse_uri(path)
+    except ValueError as exc:
+        raise ValueError(f"model.path: {exc}") from None
+    allowed = remote_roots(roots)
+    if not any(key == root or key.startswith(root + "/") for root in allowed):
+        shown = [f"{scheme}://{root}" for root in allowed]
+        raise ValueError(f"model.path: {path!r} is outside the object-store model roots {shown} (ZERO1_MODEL_ROOTS)")
+    fs = fs if fs is not None else filesystem(scheme)
+    listing = fs.find(key, detail=True)
+    if len(listing) > MAX_MODEL_FILES:
+        raise ValueError(f"model.path: {path!r} holds more than {MAX_MODEL_FILES} objects")
+    found = sorted(
+        (name[len(key) + 1 :], int(info.get("size") or 0), str(info.get("ETag", "")))
+        for name, info in listing.items()
+        if info.get("type") == "file" and name.startswith(key + "/")
+    )
+    if not any(name == "config.json" for name, _, _ in found):
+        raise ValueError(f"model.path: {path!r} is not a save_pretrained directory: it has no config.json")
+    return found
+
+
+def model_digest(path: str, *, roots: Sequence[str] | None) -> str:
+    """The digest of an hf model's directory on a store, as digests.directory_digest gives for a local
+    copy of it (relative names and contents), each object streamed and hashed, and remembered by
+    (key, size, ETag) so that a model is hashed once per process."""
+    scheme, key = parse_uri(path)
+    fs = filesystem(scheme)
+    entries = []
+    for name, size, etag in model_objects(path, roots=roots, fs=fs):
+        known = (f"{key}/{name}", size, etag)
+        if known not in _OBJECT_DIGESTS:
+            digest = hashlib.sha256()
+            with fs.open(f"{key}/{name}", "rb", block_size=_HASH_BYTES, cache_type="none") as file:
+                while chunk := file.read(_HASH_BYTES):
+                    digest.update(chunk)
+            if len(_OBJECT_DIGESTS) >= 100_000:
+                _OBJECT_DIGESTS.clear()
+            _OBJECT_DIGESTS[known] = digest.hexdigest()
+        entries.append([name, _OBJECT_DIGESTS[known]])
+    return digest_of(entries)
+
+
+def stage_model(path: str, *, into: str, names: Sequence[str] | None = None) -> str:
+    """An hf model's directory on a store downloaded below `into` (only `names` of it, where given:
+    a trace reads its config.json, a dataset check its tokenizer); the local directory."""
+    scheme, key = parse_uri(path)
+    fs = filesystem(scheme)
+    local = Path(into, *key.split("/"))
+    local.mkdir(parents=True, exist_ok=True)
+    for name, _, _ in model_objects(path, roots=[path], fs=fs):
+        if names is None or name in names:
+            target = Path(local, *name.split("/"))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fs.get_file(f"{key}/{name}", str(target))
+            os.chmod(target, 0o644)
+    _open_up(into)
+    return str(local)
+
+
+def staged_inputs(argument: Any, *, into: str) -> Any:
+    """A Ray task's request with what it names on a store staged below `into` for the child: a
+    dataset's files (`data`), an hf model's config.json (`model`, a trace's dict) and its tokenizer
+    (`tokenizer_dir`, a dataset check's); the argument itself when it names nothing remote."""
+    changes: dict[str, Any] = {}
+    data = getattr(argument, "data", None)
+    if isinstance(data, DatasetSpec) and is_remote_path(data.path):
+        changes["data"] = stage(data, into=os.path.join(into, "data"))
+    model = getattr(argument, "model", None)
+    if isinstance(model, dict) and is_remote_path(model.get("path")):
+        staged = stage_model(model["path"], into=os.path.join(into, "model"), names=("config.json",))
+        changes["model"] = {**model, "path": staged}
+    tokenizer_dir = getattr(argument, "tokenizer_dir", None)
+    if is_remote_path(tokenizer_dir):
+        changes["tokenizer_dir"] = stage_model(
+            tokenizer_dir, into=os.path.join(into, "tokenizer"), names=TOKENIZER_FILES
+        )
+    return replace(argument, **changes) if changes else argument
+
+
+def for_child(config: Any) -> tuple[Any, str | None]:
+    """A rank's TrainConfig as its child reads it, and the directory made for that (None: nothing in
+    it is on a store). Data on a store: the token file the job's check stored (the child maps it by
+    its key), or, when that is gone, the staged files (the child tokenizes them). An hf model on a
+    store: its directory, staged (the child checks its digest against the admitted one). The caller
+    removes the directory after the run."""
+    data, model = config.data, config.model
+    remote_data = isinstance(data, DatasetSpec) and is_remote_path(data.path)
+    remote_model = isinstance(model, HFSpec) and is_remote_path(model.path)
+    if not (remote_data or remote_model):
+        return config, None
+    directory = tempfile.mkdtemp(prefix="zero1-inputs-")
+    try:
+        changes = {}
+        if remote_data:
+            changes["data"] = data_for_child(data, into=os.path.join(directory, "data"))
+        if remote_model:
+            into = os.path.join(directory, "model")
+            changes["model"] = replace(model, path=stage_model(model.path, into=into), roots=(os.path.realpath(into),))
+        return replace(config, **changes), directory
     except BaseException:
         shutil.rmtree(directory, ignore_errors=True)
         raise
+
+
+def data_for_child(data: DatasetSpec, *, into: str) -> DatasetSpec:
+    """Data on a store as a rank's child reads them from `into`: the token file fetched (a private cache),
+    else the files staged (the cache is the job's own, where the check may have left their tokens)."""
+    os.makedirs(into, exist_ok=True)
+    if data.token_uri is not None and fetch_tokens(data.token_uri, into=into):
+        return replace(data, cache_dir=into)
+    return replace(stage(data, into=into), token_uri=None)  # the child hashes them to find (or make) their tokens
 
 
 def fetch_tokens(token_uri: str, *, into: str) -> bool:

@@ -1,8 +1,10 @@
-"""A `dataset` job's data on the session's S3 server (tests/s3.py): paths resolved by listing under
-the rules of local files, staged for a child, the token file stored in the bucket's token cache and
-fetched by the ranks instead of the data, and the 422s and settings that guard it.
+"""A job's inputs on the session's S3 server (tests/s3.py). A `dataset` job's data: paths resolved
+by listing under the rules of local files, staged for a child, the token file stored in the
+bucket's token cache and fetched by the ranks instead of the data. An hf model's directory: hashed
+as a local copy is, staged by the trusted side for the trace and the ranks. The 422s and settings
+that guard both.
 
-Packages: workers.training, workers.data, service.scheduling, service.settings.
+Packages: workers.training, workers.data, service.scheduling, service.planning, service.settings.
 """
 
 from __future__ import annotations
@@ -20,11 +22,14 @@ from service.settings import Settings
 from workers.config import DatasetSpec
 from workers.data.datafiles import resolve_files
 from workers.data.datasets import DatasetSource
+from workers.data.digests import directory_digest
 from workers.training import staging
 from workers.training.storage import open_store
 
 import helpers
 from conftest import make_settings, serve
+from distributed import small_run
+from test_hf import TINY_LLAMA, hf_config
 
 TREE = {
     "corpus/a.jsonl": ["alpha", "beta"],
@@ -104,38 +109,94 @@ def test_staged_data_tokenize_as_the_local_files_and_the_token_file_round_trips(
 
     # a rank: its parent fetches the token file; the child maps it by its key and reads no data
     with_uri = dataclasses.replace(remote, token_uri=uri)
-    for_child, directory = staging.for_child(with_uri)
-    try:
-        assert for_child.path == remote.path and for_child.cache_dir == directory
-        fetched = DatasetSource(spec=for_child, seq_len=4, seed=0)
-        assert not fetched.token_file.created and fetched.token_file.path.startswith(directory)
-        assert np.array_equal(fetched.token_file.tokens, from_disk.token_file.tokens)
-    finally:
-        shutil.rmtree(directory)
+    directory = str(tmp_path / "rank")
+    for_child = staging.data_for_child(with_uri, into=directory)
+    assert for_child.path == remote.path and for_child.cache_dir == directory
+    fetched = DatasetSource(spec=for_child, seq_len=4, seed=0)
+    assert not fetched.token_file.created and fetched.token_file.path.startswith(directory)
+    assert np.array_equal(fetched.token_file.tokens, from_disk.token_file.tokens)
 
     # gone from the bucket (a lifecycle rule): the data are staged instead, and tokenized again
     open_store(store_uri).remove(Path(uri).name)
-    for_child, directory = staging.for_child(with_uri)
+    directory = str(tmp_path / "rank-again")
+    for_child = staging.data_for_child(with_uri, into=directory)
+    assert for_child.token_uri is None and for_child.path.startswith(directory)
+    again = DatasetSource(spec=for_child, seq_len=4, seed=0)
+    assert again.token_file.created
+    assert np.array_equal(again.token_file.tokens, from_disk.token_file.tokens)
+
+
+def test_a_config_with_nothing_on_a_store_passes_through_for_child_untouched(tmp_path):
+    config = small_run(tmp_path, data=DatasetSpec(format="jsonl", path=str(tmp_path), tokenizer="bytes"))
+    assert staging.for_child(config) == (config, None)
+
+
+def test_for_child_stages_data_into_a_directory_it_removes_on_failure(tree, s3_uri, tmp_path, monkeypatch):
+    root, _ = tree
+    data = DatasetSpec(format="jsonl", path=f"{root}/corpus", tokenizer="bytes", roots=(root,))
+    config, directory = staging.for_child(small_run(tmp_path, data=data))
     try:
-        assert for_child.token_uri is None and for_child.path.startswith(directory)
-        again = DatasetSource(spec=for_child, seq_len=4, seed=0)
-        assert again.token_file.created
-        assert np.array_equal(again.token_file.tokens, from_disk.token_file.tokens)
+        assert config.data.path.startswith(directory) and config.data.cache_dir is None
+        assert sorted(os.listdir(directory)) == ["data"]
     finally:
         shutil.rmtree(directory)
-
-
-def test_a_local_dataset_passes_through_for_child_untouched(tmp_path):
-    spec = DatasetSpec(format="jsonl", path=str(tmp_path), tokenizer="bytes")
-    assert staging.for_child(spec) == (spec, None)
+    made = []
+    monkeypatch.setattr(staging.tempfile, "mkdtemp", lambda **kw: made.append(str(tmp_path / "made")) or made[-1])
+    os.makedirs(tmp_path / "made")
+    missing = dataclasses.replace(data, path=f"{root}/nothing")
+    with pytest.raises(ValueError, match="matches no jsonl files"):
+        staging.for_child(small_run(tmp_path, data=missing))
+    assert made and not os.path.exists(made[0])
 
 
 def test_roots_that_are_not_directories_nor_s3_stop_the_service_at_start(tmp_path):
     with pytest.raises(ValueError, match="ZERO1_DATA_ROOTS: 'gs://b/data': storage scheme 'gs' is not supported"):
         Settings(data_roots="data,gs://b/data")
-    with pytest.raises(ValueError, match="ZERO1_MODEL_ROOTS: 's3://b/models': a model root is a directory"):
-        Settings(model_roots="s3://b/models")
+    with pytest.raises(ValueError, match="ZERO1_MODEL_ROOTS: 'http://h/m': storage scheme 'http' is not supported"):
+        Settings(model_roots="http://h/m")
     assert Settings(data_roots="data,s3://b/data").data_roots == ["data", "s3://b/data"]
+    assert Settings(model_roots="s3://b/models").model_roots == ["s3://b/models"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _TraceLike:
+    model: dict
+    tokenizer_dir: str | None = None
+
+
+def _upload(local: Path, uri: str) -> None:
+    store = open_store(uri)
+    for path in sorted(p for p in local.rglob("*") if p.is_file()):
+        store.write(path.relative_to(local).as_posix(), path.read_bytes())
+
+
+def test_a_model_directory_on_s3_has_its_local_copys_digest_and_a_trace_stages_only_its_config(s3_uri, tmp_path):
+    local = tmp_path / "model"
+    (local / "sub").mkdir(parents=True)
+    (local / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (local / "model.safetensors").write_bytes(os.urandom(3 << 20))
+    (local / "tokenizer.json").write_text("{}")
+    (local / "sub" / "extra.bin").write_bytes(b"x" * 10)
+    root = f"{s3_uri}/models"
+    _upload(local, f"{root}/m")
+    digest = staging.model_digest(f"{root}/m", roots=[root])
+    assert digest == directory_digest(str(local), field="model.path")
+    staged = staging.stage_model(f"{root}/m", into=str(tmp_path / "all"))
+    assert directory_digest(staged, field="model.path") == digest
+
+    trace = staging.staged_inputs(_TraceLike(model={"kind": "hf", "path": f"{root}/m"}), into=str(tmp_path / "t"))
+    assert sorted(p.name for p in Path(trace.model["path"]).rglob("*") if p.is_file()) == ["config.json"]
+    check = staging.staged_inputs(_TraceLike(model={}, tokenizer_dir=f"{root}/m"), into=str(tmp_path / "c"))
+    assert sorted(p.name for p in Path(check.tokenizer_dir).iterdir()) == ["tokenizer.json"]
+
+    open_store(f"{root}/empty").write("a.txt", b"")
+    for path, text in [
+        (f"{s3_uri}/elsewhere/m", "outside the object-store model roots"),
+        (f"{root}/empty", "it has no config.json"),
+    ]:
+        with pytest.raises(ValueError, match="^model.path: ") as raised:
+            staging.model_digest(path, roots=[root])
+        assert text in str(raised.value)
 
 
 # --------------------------------------------------------------------------- through the API
@@ -199,3 +260,38 @@ def test_a_dataset_jobs_data_come_from_the_bucket_and_its_ranks_fetch_only_the_t
     # and it is the bytes tokenizer's stream of the files, in file order
     tokens = np.frombuffer(tokens_store.read(name), dtype="<u2")
     assert tokens.tolist() == [t for text in texts for t in [*text.encode(), 256]]
+
+
+def test_an_hf_job_fine_tunes_a_model_directory_in_the_bucket(ray_cluster, s3_server, s3_uri, tmp_path):
+    """The first step's loss is far above a fresh init's: the ranks loaded the weights from the bucket."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(11)
+    saved = AutoModelForCausalLM.from_config(hf_config(TINY_LLAMA | {"tie_word_embeddings": False}))
+    with torch.no_grad():
+        saved.lm_head.weight.mul_(40)  # a confident (and mostly wrong) model: no random init's loss
+    saved.save_pretrained(tmp_path / "pretrained")
+    root = f"{s3_uri}/models"
+    _upload(tmp_path / "pretrained", f"{root}/pretrained")
+    settings = make_settings(tmp_path, checkpoint_uri=s3_uri, local_dir=str(tmp_path / "local"), model_roots=[root])
+    with serve(settings) as client:
+        outside = helpers.job_body(model={"kind": "hf", "path": f"{s3_uri}/pretrained"}, seq_len=16)
+        r = client.post("/v1/jobs", params={"dry_run": True}, json=outside)
+        assert r.status_code == 422 and r.json()["detail"][0]["field"] == "model.path", r.text
+        assert "outside the object-store model roots" in r.json()["message"]
+
+        body = helpers.job_body(
+            model={"kind": "hf", "path": f"{root}/pretrained"}, steps=3, micro_batch_size=2, seq_len=16
+        )
+        r = client.post("/v1/jobs", json=body)
+        assert r.status_code == 201, r.text
+        assert r.json()["spec"]["model"]["digest"] == directory_digest(str(tmp_path / "pretrained"), field="m")
+        mark = s3_server.mark()
+        job = helpers.wait_job(client, r.json()["id"], lambda j: j["status"] in helpers.TERMINAL)
+        assert job["status"] == "succeeded", job["error"]
+        first = client.get(f"/v1/jobs/{job['id']}/metrics").json()["data"][0]
+    assert first["loss"] > 10  # a fresh init's is about ln 128 = 4.85
+    weights = (tmp_path / "pretrained" / "model.safetensors").stat().st_size
+    # each rank's parent fetched the weights once
+    assert s3_server.bytes_served(f"{root}/pretrained/model.safetensors", since=mark) == 2 * weights
