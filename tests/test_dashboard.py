@@ -379,6 +379,11 @@ def _check_job_page(ui: Browsing, server: Server, page: Page, job_id: int) -> No
         assert int(svg.get_attribute("data-points")) == len(metrics)
         assert len(re.findall(r"[ML]", svg.locator("path.line").get_attribute("d"))) == len(metrics)
     expect(page.locator("#loss-chart .x-max")).to_have_text("step 299")
+    # beside the step time, the seconds each checkpoint step waited for its checkpoint (checkpoint_every 100)
+    checkpointed = server.api.get(f"/v1/jobs/{job_id}/metrics", params={"checkpointed": True}).json()["data"]
+    assert [m["step"] for m in checkpointed] == [99, 199, 299]
+    assert all(0 <= m["checkpoint_blocked_s"] < 60 for m in checkpointed)
+    assert page.locator("#step-time-chart path.eval-line").get_attribute("data-points") == "3"
     world = page.locator("#world-size-chart")  # one size all along: a flat line, one point a row
     assert int(world.get_attribute("data-points")) == len(metrics)
     expect(world.locator(".y-max")).to_have_text(f"{job['world_size'] * 1.05:.3g}")

@@ -187,6 +187,9 @@ def job_page(request: Request, job_id: str, session: SessionDep, principal: Read
     evaluated, _ = jobs.job_metrics(
         session, job, after_step=None, limit=10 * MAX_POINTS, max_points=None, evaluated=True
     )
+    checkpointed, _ = jobs.job_metrics(
+        session, job, after_step=None, limit=10 * MAX_POINTS, max_points=None, checkpointed=True
+    )
     logs, log_next = log_tail(session, job, limit=LOG_LINES)
     plan = public.plan
     per_gpu, gpu_memory_bytes = plan["per_gpu"], plan["gpu_memory_bytes"]
@@ -201,7 +204,10 @@ def job_page(request: Request, job_id: str, session: SessionDep, principal: Read
             [(m.step, m.loss) for m in metrics], second=[(m.step, m.eval_loss) for m in evaluated]
         ),
         "eval_rows": evaluated,
-        "step_time": charts.line_chart([(m.step, m.step_time_s) for m in metrics]),
+        "step_time": charts.line_chart(
+            [(m.step, m.step_time_s) for m in metrics],
+            second=[(m.step, m.checkpoint_blocked_s) for m in checkpointed],
+        ),
         "world_size": charts.line_chart(charts.steps_of([(m.step, m.world_size) for m in metrics])),
         "logs": logs,
         "log_next": log_next,

@@ -305,17 +305,20 @@ def job_metrics(
     limit: int,
     max_points: int | None,
     evaluated: bool = False,
+    checkpointed: bool = False,
 ) -> tuple[list[MetricPublic], int | None]:
     """The surviving curve (superseded rows left out), optionally thinned to max_points by stride;
-    `evaluated`: only the steps that evaluated (eval_loss set), never thinned (they are every
-    eval_every-th step, which a stride would miss)."""
+    `evaluated` / `checkpointed`: only the steps that evaluated (eval_loss set) / checkpointed
+    (checkpoint_blocked_s set), never thinned (a stride would miss every k-th step)."""
     base = select(Metric).where(Metric.job_id == job.id, Metric.superseded.is_(False))
     if after_step is not None:
         base = base.where(Metric.step > after_step)
     if evaluated:
         base = base.where(Metric.eval_loss.is_not(None))
+    if checkpointed:
+        base = base.where(Metric.checkpoint_blocked_s.is_not(None))
     first = 0 if after_step is None else after_step + 1
-    thin = not evaluated and max_points is not None
+    thin = not (evaluated or checkpointed) and max_points is not None
     if thin and job.step is not None and job.step - first + 1 > max_points:
         # looked up by (job_id, step): no scan of the whole curve
         base = base.where(Metric.step.in_(thinned_steps(first, job.step, max_points=max_points)))

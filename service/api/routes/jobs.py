@@ -182,12 +182,21 @@ def job_metrics(
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
     max_points: Annotated[int | None, Query(ge=2, le=10_000)] = None,
     evaluated: Annotated[bool, Query(description="Only the steps that evaluated (eval_loss set), unthinned.")] = False,
+    checkpointed: Annotated[
+        bool, Query(description="Only the checkpoint steps (checkpoint_blocked_s set), unthinned.")
+    ] = False,
 ) -> Response:
     """Per-step metrics of the surviving attempt, oldest first; max_points thins them evenly. Its owner's and
     admins' only: to others a 404, as if there were no such job."""
     job = jobs.get_visible_job(session, job_id, principal=principal)
     data, next_after = jobs.job_metrics(
-        session, job, after_step=after_step, limit=limit, max_points=max_points, evaluated=evaluated
+        session,
+        job,
+        after_step=after_step,
+        limit=limit,
+        max_points=max_points,
+        evaluated=evaluated,
+        checkpointed=checkpointed,
     )
     return json_response(MetricsPublic(data=data, next_after_step=next_after))
 

@@ -540,7 +540,9 @@
         drawLineChart($("#loss-chart"), metrics.data.map((m) => [m.step, m.loss]),
           evaluated.map((m) => [m.step, m.eval_loss]));
         if (evaluated.length) setText($('[data-field="eval-loss"]', $("#job-stats")), significant(evaluated.at(-1).eval_loss));
-        drawLineChart($("#step-time-chart"), metrics.data.map((m) => [m.step, m.step_time_s]));
+        const checkpointed = (await api(`/v1/jobs/${id}/metrics?checkpointed=true&limit=10000`)).data;
+        drawLineChart($("#step-time-chart"), metrics.data.map((m) => [m.step, m.step_time_s]),
+          checkpointed.map((m) => [m.step, m.checkpoint_blocked_s]));
         drawLineChart($("#world-size-chart"), stepsOf(metrics.data.map((m) => [m.step, m.world_size])));
         lastStep = String(job.step ?? "");
       }
