@@ -43,6 +43,16 @@ class ServiceError(Exception):
         self.headers = headers
 
 
+def storage_unreachable(field: str, error: Exception) -> ServiceError:
+    """A 503 for an object store that could not be read where `field` points (its endpoint, its
+    credentials): botocore's errors are not OSErrors, so any the store's client raised."""
+    return ServiceError(
+        f"{field}: the object store could not be read: {type(error).__name__}: {error}",
+        status_code=503,
+        error="storage_unreachable",
+    )
+
+
 def _field_path(loc: tuple[Any, ...]) -> str:
     """('body', 'model', 'gpt', 'n_embd') -> 'model.n_embd', ('body', 'data', 'text', 'path') -> 'data.path'
     (drops the source and union tags)."""

@@ -206,7 +206,11 @@ def test_a_model_directory_on_s3_has_its_local_copys_digest_and_a_trace_stages_o
 def s3_data_app(ray_cluster, tree, s3_uri, tmp_path):
     root, _ = tree
     settings = make_settings(
-        tmp_path, checkpoint_uri=s3_uri, local_dir=str(tmp_path / "local"), data_roots=[str(tmp_path / "mine"), root]
+        tmp_path,
+        checkpoint_uri=s3_uri,
+        local_dir=str(tmp_path / "local"),
+        data_roots=[str(tmp_path / "mine"), root],
+        model_roots=[root],
     )
     with serve(settings) as client:
         yield client, root
@@ -295,3 +299,26 @@ def test_an_hf_job_fine_tunes_a_model_directory_in_the_bucket(ray_cluster, s3_se
     weights = (tmp_path / "pretrained" / "model.safetensors").stat().st_size
     # each rank's parent fetched the weights once
     assert s3_server.bytes_served(f"{root}/pretrained/model.safetensors", since=mark) == 2 * weights
+
+
+def test_a_store_that_cannot_be_read_at_submit_is_a_503_naming_the_field(s3_data_app, monkeypatch):
+    """The store's client failing (an endpoint down, credentials refused: botocore's errors are not
+    OSErrors) is the service's 503, never a 500."""
+    from botocore.exceptions import EndpointConnectionError
+
+    client, root = s3_data_app
+
+    class Down:
+        def __getattr__(self, name):
+            def refuse(*args, **kwargs):
+                raise EndpointConnectionError(endpoint_url="http://127.0.0.1:9")
+
+            return refuse
+
+    monkeypatch.setattr(staging, "filesystem", lambda scheme="s3": Down())
+    r = client.post("/v1/jobs", params={"dry_run": True}, json=dataset_job(f"{root}/corpus"))
+    assert r.status_code == 503 and r.json()["error"] == "storage_unreachable", r.text
+    assert r.json()["message"].startswith("data.path: the object store could not be read: EndpointConnectionError")
+    model = helpers.job_body(model={"kind": "hf", "path": f"{root}/model"}, seq_len=16)
+    r = client.post("/v1/jobs", params={"dry_run": True}, json=model)
+    assert r.status_code == 503 and r.json()["message"].startswith("model.path: the object store could not"), r.text

@@ -19,7 +19,7 @@ from typing import TypeVar
 
 from pydantic import BaseModel
 
-from service.errors import ServiceError
+from service.errors import storage_unreachable
 from service.planning.traces import invalid_model
 from service.schemas.model_specs import HFModelSpec
 from workers.data.digests import DigestError, directory_digest
@@ -60,12 +60,8 @@ def _object_digest(path: str, *, model_roots: Sequence[str]) -> str:
         return staging.model_digest(path, roots=model_roots)
     except ValueError as exc:
         raise invalid_model("model.path", str(exc).removeprefix("model.path: ")) from None
-    except Exception as exc:  # noqa: BLE001  (botocore's errors are not OSErrors: any is the store's)
-        raise ServiceError(
-            f"model.path: the object store could not be read: {type(exc).__name__}: {exc}",
-            status_code=503,
-            error="model_storage_unreachable",
-        ) from None
+    except Exception as exc:  # noqa: BLE001  (any error of the store's client)
+        raise storage_unreachable("model.path", exc) from None
 
 
 def resolve_model_dir(path: str, *, model_roots: Sequence[str]) -> str:

@@ -12,7 +12,7 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from service.errors import ServiceError
+from service.errors import ServiceError, storage_unreachable
 from service.planning.cluster import ClusterCapacity
 from service.planning.dataset_checks import DatasetChecker, DatasetRequest, invalid_data
 from service.planning.plans import make_plan, model_shape, plan_public, trace_first, workload_for
@@ -127,12 +127,8 @@ def _check_objects(data: DatasetDataSpec, *, data_roots: Sequence[str]) -> None:
         staging.resolve_objects(data.path, format=data.format, roots=data_roots)
     except ValueError as exc:
         raise invalid_data(str(exc)) from None
-    except Exception as exc:  # noqa: BLE001  (botocore's errors are not OSErrors: any is the store's)
-        raise ServiceError(
-            f"data.path: the object store could not be listed: {type(exc).__name__}: {exc}",
-            status_code=503,
-            error="data_storage_unreachable",
-        ) from None
+    except Exception as exc:  # noqa: BLE001  (any error of the store's client)
+        raise storage_unreachable("data.path", exc) from None
 
 
 def with_token_uri(spec: JobSpec, summary: DatasetSummary | None) -> JobSpec:

@@ -57,19 +57,28 @@ def remote_roots(roots: Sequence[str] | None) -> list[str]:
     return [parse_uri(root)[1] for root in roots or () if is_remote_path(root)]
 
 
+def _inside(path: str, *, roots: Sequence[str] | None, field: str, kind: str) -> tuple[str, str]:
+    """(scheme, key) of `path`, an object-store URI inside one of the store's `roots`; ValueError
+    ("<field>: ...") otherwise."""
+    try:
+        scheme, key = parse_uri(path)
+    except ValueError as exc:
+        raise ValueError(f"{field}: {exc}") from None
+    allowed = remote_roots(roots)
+    if not any(key == root or key.startswith(root + "/") for root in allowed):
+        shown = [f"{scheme}://{root}" for root in allowed]
+        raise ValueError(
+            f"{field}: {path!r} is outside the object-store {kind} roots {shown} (ZERO1_{kind.upper()}_ROOTS)"
+        )
+    return scheme, key
+
+
 def resolve_objects(
     path: str, *, format: str, roots: Sequence[str] | None, fs=None, max_candidates: int = MAX_CANDIDATES
 ) -> list[tuple[str, int]]:
     """(key, size) of each object `path` names, sorted by key; ValueError ("data.path: ...") for a
     path outside the object-store roots, naming no file or too many, or a listing past its bound."""
-    try:
-        scheme, key = parse_uri(path)
-    except ValueError as exc:
-        raise ValueError(f"data.path: {exc}") from None
-    allowed = remote_roots(roots)
-    if not any(key == root or key.startswith(root + "/") for root in allowed):
-        shown = [f"{scheme}://{root}" for root in allowed]
-        raise ValueError(f"data.path: {path!r} is outside the object-store data roots {shown} (ZERO1_DATA_ROOTS)")
+    scheme, key = _inside(path, roots=roots, field="data.path", kind="data")
     fs = fs if fs is not None else filesystem(scheme)
     parts = key.split("/")
     first = next((i for i, part in enumerate(parts) if _MAGIC.search(part)), len(parts))
@@ -120,14 +129,7 @@ def model_objects(path: str, *, roots: Sequence[str] | None, fs=None) -> list[tu
     """(key relative to `path`, size, ETag) of every object of an hf model's directory on a store,
     sorted; ValueError ("model.path: ...") outside the object-store model roots, without a
     config.json, or past digests.MAX_FILES objects."""
-    try:
-        scheme, key = parse_uri(path)
-    except ValueError as exc:
-        raise ValueError(f"model.path: {exc}") from None
-    allowed = remote_roots(roots)
-    if not any(key == root or key.startswith(root + "/") for root in allowed):
-        shown = [f"{scheme}://{root}" for root in allowed]
-        raise ValueError(f"model.path: {path!r} is outside the object-store model roots {shown} (ZERO1_MODEL_ROOTS)")
+    scheme, key = _inside(path, roots=roots, field="model.path", kind="model")
     fs = fs if fs is not None else filesystem(scheme)
     listing = fs.find(key, detail=True)
     if len(listing) > MAX_MODEL_FILES:
