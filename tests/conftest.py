@@ -6,6 +6,8 @@ import contextlib
 import os
 import secrets
 import shutil
+import stat
+import sys
 import tempfile
 import time
 
@@ -234,3 +236,28 @@ def pytest_terminal_summary(terminalreporter) -> None:
         terminalreporter.write_sep("-", "reliability figures")
         for line in summary_lines():
             terminalreporter.write_line(line)
+
+
+def unsearchable_dirs(*paths: str) -> list[Path]:
+    """The directories above `paths` that other users cannot search (as /root is here, above the interpreter)."""
+    found: list[Path] = []
+    for path in paths:
+        for directory in Path(path).resolve().parents:
+            if not directory.stat().st_mode & stat.S_IXOTH and directory not in found:
+                found.append(directory)
+    return found
+
+
+@pytest.fixture(scope="module")
+def searchable() -> Iterator[None]:
+    """Every uid can start this Python and import zero1, as ZERO1_RUN_AS needs (docs/security.md):
+    each directory above them that others cannot search gets o+x for the module, and its mode back after."""
+    blocked = unsearchable_dirs(os.path.realpath(sys.executable), str(Path(__file__).resolve().parents[1]))
+    modes = {directory: directory.stat().st_mode for directory in blocked}
+    for directory, mode in modes.items():
+        os.chmod(directory, mode | stat.S_IXOTH)
+    try:
+        yield
+    finally:
+        for directory, mode in modes.items():
+            os.chmod(directory, stat.S_IMODE(mode))

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -322,3 +323,45 @@ def test_a_store_that_cannot_be_read_at_submit_is_a_503_naming_the_field(s3_data
     model = helpers.job_body(model={"kind": "hf", "path": f"{root}/model"}, seq_len=16)
     r = client.post("/v1/jobs", params={"dry_run": True}, json=model)
     assert r.status_code == 503 and r.json()["message"].startswith("model.path: the object store could not"), r.text
+
+
+def test_a_check_as_another_uid_reads_the_staged_copy_and_its_token_file_goes_to_the_bucket(
+    searchable, tree, s3_uri, tmp_path
+):
+    """The task's side stages the data where a child under its owner's uid (ZERO1_RUN_AS) can read
+    them, and the child, holding no credentials, tokenizes them; the task stores the token file."""
+    from service.planning.dataset_checks import DatasetRequest
+    from workers.records import DatasetSummary
+    from workers.runtime.isolated import IsolatedCall, run_isolated
+    from workers.runtime.sandbox import RunAs
+
+    root, local = tree
+    cache = tmp_path / "cache"  # the service's: the child spills its token file, the task moves it here
+    data = DatasetSpec(
+        format="jsonl",
+        path=f"{root}/corpus",
+        tokenizer="bytes",
+        roots=(root,),
+        validation_fraction=0,
+        cache_dir=str(cache),
+    )
+    call = IsolatedCall(
+        function="service.planning.dataset_checks:run_check",
+        argument=DatasetRequest(data=data, vocab_size=512, seq_len=4, global_batch_size=1, seed=0),
+        result=DatasetSummary,
+        blame="data",
+        timeout_s=120,
+        run_as=RunAs(65534, 65534),
+        token_cache=str(cache / "tokens"),
+        token_store=staging.token_store(s3_uri),
+    )
+    summary = run_isolated(call)
+    expected = resolve_files(str(local / "corpus"), format="jsonl", roots=None)
+    texts = [json.loads(line)["text"] for f in expected for line in Path(f).read_text().splitlines()]
+    num_tokens = sum(len(text.encode()) + 1 for text in texts)
+    assert summary.tokenized and summary.num_tokens == num_tokens
+    assert summary.token_file.startswith(staging.token_store(s3_uri) + "/")
+    stored = open_store(staging.token_store(s3_uri))
+    assert stored.size(Path(summary.token_file).name) == 2 * num_tokens
+    assert (cache / "tokens" / Path(summary.token_file).name).stat().st_size == 2 * num_tokens
+    assert not list(Path(tempfile.gettempdir()).glob("zero1-inputs-*/data"))  # the staged copy is gone

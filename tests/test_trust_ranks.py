@@ -31,6 +31,7 @@ from service.cli.bundle import zip_directory
 from service.scheduling.launcher import supervisor_name
 from workers.runtime.sandbox import RunAs, check_runnable, child_environment, exit_reason
 
+from conftest import unsearchable_dirs
 from figures import record
 from helpers import TERMINAL, free_port, job_body, wait_for, wait_healthy, wait_job
 from s3 import SECRET_ACCESS_KEY
@@ -128,31 +129,6 @@ def leaky(**args):
 
 
 # --------------------------------------------------------------------------- the machine
-
-
-def _unsearchable_dirs(*paths: str) -> list[Path]:
-    """The directories above `paths` that other users cannot search (as /root is here, above the interpreter)."""
-    found: list[Path] = []
-    for path in paths:
-        for directory in Path(path).resolve().parents:
-            if not directory.stat().st_mode & stat.S_IXOTH and directory not in found:
-                found.append(directory)
-    return found
-
-
-@pytest.fixture(scope="module")
-def searchable() -> Iterator[None]:
-    """Every uid can start this Python and import zero1, as ZERO1_RUN_AS needs (docs/security.md):
-    each directory above them that others cannot search gets o+x for the module, and its mode back after."""
-    blocked = _unsearchable_dirs(os.path.realpath(sys.executable), str(Path(__file__).resolve().parents[1]))
-    modes = {directory: directory.stat().st_mode for directory in blocked}
-    for directory, mode in modes.items():
-        os.chmod(directory, mode | stat.S_IXOTH)
-    try:
-        yield
-    finally:
-        for directory, mode in modes.items():
-            os.chmod(directory, stat.S_IMODE(mode))
 
 
 def _gcs_address(server_pid: int) -> str:
@@ -355,7 +331,7 @@ def test_the_same_job_trains_to_the_same_losses_bit_for_bit_with_and_without_run
 
 
 def test_each_mapped_uid_is_checked_at_start_and_a_blocked_interpreter_is_named():
-    blocked = _unsearchable_dirs(os.path.realpath(sys.executable))
+    blocked = unsearchable_dirs(os.path.realpath(sys.executable))
     if blocked:  # as here (/root is 0700): the service refuses to start rather than fail every job
         with pytest.raises(ValueError, match=r"ZERO1_RUN_AS: uid 65534 cannot run .*chmod o\+x"):
             check_runnable(RunAs(*NOBODY))

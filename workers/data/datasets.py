@@ -193,8 +193,11 @@ def prepare_tokens(spec: DatasetSpec, *, tokenizer: Tokenizer) -> TokenFile:
 def _writable(directory: Path) -> bool:
     """Whether this process may create files in `directory` (or, while it does not exist, in the
     nearest directory above it that does)."""
-    while not directory.exists() and directory != directory.parent:
-        directory = directory.parent
+    try:
+        while not directory.exists() and directory != directory.parent:
+            directory = directory.parent
+    except PermissionError:  # a directory above it this process cannot search: not its to write
+        return False
     return os.access(directory, os.W_OK)
 
 

@@ -199,7 +199,10 @@ def staged_inputs(argument: Any, *, into: str) -> Any:
         changes["tokenizer_dir"] = stage_model(
             tokenizer_dir, into=os.path.join(into, "tokenizer"), names=TOKENIZER_FILES
         )
-    return replace(argument, **changes) if changes else argument
+    if not changes:
+        return argument
+    _open_up(into)  # a child under its owner's uid (ZERO1_RUN_AS) reads them
+    return replace(argument, **changes)
 
 
 def for_child(config: Any) -> tuple[Any, str | None]:
@@ -221,6 +224,7 @@ def for_child(config: Any) -> tuple[Any, str | None]:
         if remote_model:
             into = os.path.join(directory, "model")
             changes["model"] = replace(model, path=stage_model(model.path, into=into), roots=(os.path.realpath(into),))
+        _open_up(directory)
         return replace(config, **changes), directory
     except BaseException:
         shutil.rmtree(directory, ignore_errors=True)
