@@ -365,3 +365,16 @@ def test_a_check_as_another_uid_reads_the_staged_copy_and_its_token_file_goes_to
     assert stored.size(Path(summary.token_file).name) == 2 * num_tokens
     assert (cache / "tokens" / Path(summary.token_file).name).stat().st_size == 2 * num_tokens
     assert not list(Path(tempfile.gettempdir()).glob("zero1-inputs-*/data"))  # the staged copy is gone
+
+
+def test_a_staged_copy_belongs_to_the_childs_uid_alone(tree, tmp_path):
+    root, _ = tree
+    data = DatasetSpec(format="jsonl", path=f"{root}/corpus", tokenizer="bytes", roots=(root,))
+    config, directory = staging.for_child(small_run(tmp_path, data=data), owner=(65534, 65534))
+    try:
+        assert os.stat(directory).st_mode & 0o777 == 0o700  # a mkdtemp: no other user enters it
+        owners = {os.stat(os.path.join(path, name)).st_uid for path, _, names in os.walk(directory) for name in names}
+        assert owners == {65534} and os.stat(directory).st_uid == 65534
+        assert Path(config.data.path, "a.jsonl").is_file()
+    finally:
+        shutil.rmtree(directory)

@@ -129,7 +129,8 @@ class TrainWorker:
                 store, home=self.home, rank=self.rank, world_size=size, keep_last=config.keep_last, run_as=self.run_as
             )
             config = dataclasses.replace(config, checkpoint_dir=str(spool.dir))
-        config, data_dir = staging.for_child(config)  # data or a model on a store: fetched by this process
+        owner = None if self.run_as is None else (self.run_as.uid, self.run_as.gid)
+        config, data_dir = staging.for_child(config, owner=owner)  # inputs on a store: fetched by this process
         start = {
             "config": config,
             "address": address,

@@ -66,7 +66,7 @@ def run_isolated(call: IsolatedCall) -> Any:
     if not call.child:
         module, _, name = call.function.partition(":")
         return getattr(importlib.import_module(module), name)(call.argument)
-    with _staged(call.argument) as (argument, staged):
+    with _staged(call.argument, call.run_as) as (argument, staged):
         result = _run_child(call, argument)
     if staged and call.token_store is not None and isinstance(getattr(result, "token_file", None), str):
         stored = staging.publish_tokens(result.token_file, store_uri=call.token_store)
@@ -75,13 +75,14 @@ def run_isolated(call: IsolatedCall) -> Any:
 
 
 @contextlib.contextmanager
-def _staged(argument: Any) -> Iterator[tuple[Any, bool]]:
+def _staged(argument: Any, run_as: RunAs | None) -> Iterator[tuple[Any, bool]]:
     """(the argument, whether it named data on a store) with what it names on a store (a dataset's
-    files, an hf model's config or tokenizer) downloaded by this side into a directory removed after:
-    the child never reaches the store."""
+    files, an hf model's config or tokenizer) downloaded by this side into a directory removed after,
+    given to the child's uid alone: the child never reaches the store."""
     directory = tempfile.mkdtemp(prefix="zero1-inputs-")
     try:
-        staged = staging.staged_inputs(argument, into=directory)
+        owner = None if run_as is None else (run_as.uid, run_as.gid)
+        staged = staging.staged_inputs(argument, into=directory, owner=owner)
         data = getattr(argument, "data", None)
         yield staged, isinstance(data, DatasetSpec) and staging.is_remote_path(data.path)
     finally:

@@ -119,8 +119,6 @@ def stage(spec: DatasetSpec, *, into: str) -> DatasetSpec:
         local = Path(into, *PurePosixPath(name).parts)
         local.parent.mkdir(parents=True, exist_ok=True)
         fs.get_file(name, str(local))
-        os.chmod(local, 0o644)  # a child under its owner's uid (ZERO1_RUN_AS) reads it
-    _open_up(into)
     local_roots = tuple(root for root in spec.roots or () if not is_remote_path(root))
     return replace(spec, path=str(Path(into, *key.split("/"))), roots=(*local_roots, os.path.realpath(into)))
 
@@ -177,15 +175,14 @@ def stage_model(path: str, *, into: str, names: Sequence[str] | None = None) -> 
             target = Path(local, *name.split("/"))
             target.parent.mkdir(parents=True, exist_ok=True)
             fs.get_file(f"{key}/{name}", str(target))
-            os.chmod(target, 0o644)
-    _open_up(into)
     return str(local)
 
 
-def staged_inputs(argument: Any, *, into: str) -> Any:
+def staged_inputs(argument: Any, *, into: str, owner: tuple[int, int] | None = None) -> Any:
     """A Ray task's request with what it names on a store staged below `into` for the child: a
     dataset's files (`data`), an hf model's config.json (`model`, a trace's dict) and its tokenizer
-    (`tokenizer_dir`, a dataset check's); the argument itself when it names nothing remote."""
+    (`tokenizer_dir`, a dataset check's); the argument itself when it names nothing remote. `owner`:
+    the (uid, gid) the child runs as (ZERO1_RUN_AS), given the copy (hand_over)."""
     changes: dict[str, Any] = {}
     data = getattr(argument, "data", None)
     if isinstance(data, DatasetSpec) and is_remote_path(data.path):
@@ -201,16 +198,16 @@ def staged_inputs(argument: Any, *, into: str) -> Any:
         )
     if not changes:
         return argument
-    _open_up(into)  # a child under its owner's uid (ZERO1_RUN_AS) reads them
+    hand_over(into, owner=owner)
     return replace(argument, **changes)
 
 
-def for_child(config: Any) -> tuple[Any, str | None]:
+def for_child(config: Any, *, owner: tuple[int, int] | None = None) -> tuple[Any, str | None]:
     """A rank's TrainConfig as its child reads it, and the directory made for that (None: nothing in
     it is on a store). Data on a store: the token file the job's check stored (the child maps it by
     its key), or, when that is gone, the staged files (the child tokenizes them). An hf model on a
     store: its directory, staged (the child checks its digest against the admitted one). The caller
-    removes the directory after the run."""
+    removes the directory after the run; `owner` as for staged_inputs."""
     data, model = config.data, config.model
     remote_data = isinstance(data, DatasetSpec) and is_remote_path(data.path)
     remote_model = isinstance(model, HFSpec) and is_remote_path(model.path)
@@ -224,7 +221,7 @@ def for_child(config: Any) -> tuple[Any, str | None]:
         if remote_model:
             into = os.path.join(directory, "model")
             changes["model"] = replace(model, path=stage_model(model.path, into=into), roots=(os.path.realpath(into),))
-        _open_up(directory)
+        hand_over(directory, owner=owner)
         return replace(config, **changes), directory
     except BaseException:
         shutil.rmtree(directory, ignore_errors=True)
@@ -254,12 +251,10 @@ def fetch_tokens(token_uri: str, *, into: str) -> bool:
         for suffix in (".bin", ".json"):
             local = directory / f"{name.removesuffix('.bin')}{suffix}"
             fs.get_file(key.removesuffix(".bin") + suffix, str(local))
-            os.chmod(local, 0o644)
     except FileNotFoundError:
         for stale in directory.iterdir():
             stale.unlink()
         return False
-    _open_up(into)
     return True
 
 
@@ -283,7 +278,14 @@ def token_store(checkpoint_uri: str) -> str:
     return join_uri(checkpoint_uri, "datasets", "tokens")
 
 
-def _open_up(directory: str) -> None:
-    """Every directory from `directory` down readable and searchable by others (a mkdtemp is 0700)."""
-    for path, _, _ in os.walk(directory):
-        os.chmod(path, 0o755)
+def hand_over(directory: str, *, owner: tuple[int, int] | None) -> None:
+    """A staged copy made the child's: everything under `directory` (a mkdtemp, 0700) given to the
+    (uid, gid) its child runs as, and to no one else: another user's job on the node cannot read
+    it. None: the child runs as this process's user, who owns it already."""
+    if owner is None:
+        return
+    uid, gid = owner
+    for path, _, names in os.walk(directory):
+        os.chown(path, uid, gid, follow_symlinks=False)
+        for name in names:
+            os.chown(os.path.join(path, name), uid, gid, follow_symlinks=False)
