@@ -38,16 +38,8 @@ SMALL = GPTSpec(vocab_size=64, n_layer=2, n_head=2, n_embd=32, block_size=32)
 def small_run(checkpoint_dir: str | Path, *, steps: int = 8, **overrides) -> TrainConfig:
     """SMALL for `steps` in fp32, global batches of 8 in micro-batches of 4 (2 ranks, or 1 accumulating),
     checkpointing into `checkpoint_dir`: the runs the checkpoint tests compare bit for bit."""
-    return TrainConfig(
-        model=SMALL,
-        steps=steps,
-        precision="fp32",
-        micro_batch_size=4,
-        global_batch_size=8,
-        checkpoint_dir=str(checkpoint_dir),
-        optimizer=OptimizerSpec(lr=3e-3),
-        **overrides,
-    )
+    values = {"precision": "fp32", "micro_batch_size": 4, "global_batch_size": 8, "optimizer": OptimizerSpec(lr=3e-3)}
+    return TrainConfig(model=SMALL, steps=steps, checkpoint_dir=str(checkpoint_dir), **values | overrides)
 
 
 def _entry(rank: int, world_size: int, backend: str, tmp: str, fn: Callable, args: tuple) -> None:

@@ -374,7 +374,7 @@ def _check_job_page(ui: Browsing, server: Server, page: Page, job_id: int) -> No
 
     metrics = server.api.get(f"/v1/jobs/{job_id}/metrics", params={"max_points": 200}).json()["data"]
     assert len(metrics) >= 150  # 300 steps thinned to every 2nd, and the last
-    for chart in ("#loss-chart", "#step-time-chart"):
+    for chart in ("#loss-chart", "#step-time-chart", "#lr-chart"):
         svg = page.locator(chart)
         assert int(svg.get_attribute("data-points")) == len(metrics)
         assert len(re.findall(r"[ML]", svg.locator("path.line").get_attribute("d"))) == len(metrics)

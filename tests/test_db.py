@@ -60,7 +60,7 @@ def _schema(url: str) -> tuple[set[str], str | None]:
         engine.dispose()
 
 
-HEAD = "0011"
+HEAD = "0012"
 
 
 def _count(database: Database, model: type[Base], job_id: int) -> int:
@@ -73,7 +73,7 @@ def test_one_linear_history(database_url):
     assert script.get_heads() == [HEAD]
     revisions = [r.revision for r in script.walk_revisions()]  # head first, each down to the one before
     assert (
-        revisions == ["0011", "0010", "0009", "0008", "0007", "0006", "0005", "0004", "0003", "0002", "0001"]
+        revisions == ["0012", "0011", "0010", "0009", "0008", "0007", "0006", "0005", "0004", "0003", "0002", "0001"]
         and script.get_revision("0001").down_revision is None
     )
 

@@ -159,9 +159,32 @@ ModelKind = GPTSpec | MLPSpec | HFSpec | PythonSpec
 """What a job trains (ModelSpec in the API's schemas, service/schemas/model_specs.py)."""
 
 
+SCHEDULE_KINDS = ("constant", "linear", "cosine", "wsd")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ScheduleSpec:
+    """The learning rate by step, a pure function of it (workers/training/schedule.py): a linear warmup
+    over warmup_steps, then constant, linear or cosine decay to min_lr_ratio x lr at the last step, or
+    (wsd) constant until decay_steps before the end and a linear decay over them."""
+
+    kind: str = "constant"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    decay_steps: int | None = None
+    """wsd only: the steps of its final decay."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in SCHEDULE_KINDS:
+            raise ValueError(f"schedule kind must be one of {SCHEDULE_KINDS}, got {self.kind!r}")
+        if (self.decay_steps is None) != (self.kind != "wsd"):
+            raise ValueError(f"decay_steps is required for a wsd schedule and only for it (kind {self.kind!r})")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OptimizerSpec:
     lr: float = 3e-4
+    """The peak learning rate: every step's with the default schedule (constant, no warmup)."""
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     weight_decay: float = 0.1
@@ -169,6 +192,7 @@ class OptimizerSpec:
     overlap_comm: bool = False
     """Send each gradient bucket's reduce during the backward (ZeRO1AdamW's overlap_comm)."""
     bucket_cap_mb: float = limits.DEFAULT_BUCKET_CAP_MB
+    schedule: ScheduleSpec = field(default_factory=ScheduleSpec)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -45,6 +45,8 @@ class MetricRow:
     """Seconds the step's checkpoint held training up (workers/training/writer.py): waiting for the
     previous checkpoint's write and copying the shard to host memory, or the whole write where
     checkpoints are synchronous; None on a step without a checkpoint."""
+    lr: float | None = None
+    """The learning rate the step used (its schedule's, workers/training/schedule.py)."""
     rank: int | None = None
 
     @classmethod

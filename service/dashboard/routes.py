@@ -208,6 +208,7 @@ def job_page(request: Request, job_id: str, session: SessionDep, principal: Read
             [(m.step, m.step_time_s) for m in metrics],
             second=[(m.step, m.checkpoint_blocked_s) for m in checkpointed],
         ),
+        "lr": charts.line_chart([(m.step, m.lr) for m in metrics]),
         "world_size": charts.line_chart(charts.steps_of([(m.step, m.world_size) for m in metrics])),
         "logs": logs,
         "log_next": log_next,

@@ -5,7 +5,7 @@ service/schemas/data_specs.py's; the field types all share, service/schemas/fiel
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, model_validator
 
@@ -19,8 +19,8 @@ from service.schemas.model_specs import (
     PythonModelSpec,
     TracedModelSpec,
 )
-from workers import limits
-from workers.config import ModelKind, OptimizerSpec, TrainConfig, default_of
+from service.schemas.optimizer_specs import MAX_STEPS, OptimizerConfig
+from workers.config import ModelKind, TrainConfig, default_of
 from workers.memory import model as memory
 
 if TYPE_CHECKING:
@@ -154,36 +154,6 @@ class RecommendRequest(Body):
 # --------------------------------------------------------------------------- jobs
 
 
-def _opt(name: str):
-    return default_of(OptimizerSpec, name)
-
-
-class OptimizerConfig(Body):
-    lr: Float = Field(_opt("lr"), gt=0, le=10, allow_inf_nan=False)
-    betas: tuple[
-        Annotated[Float, Field(ge=0, lt=1, allow_inf_nan=False)],
-        Annotated[Float, Field(ge=0, lt=1, allow_inf_nan=False)],
-    ] = _opt("betas")
-    eps: Float = Field(_opt("eps"), ge=0, le=1, allow_inf_nan=False)
-    weight_decay: Float = Field(_opt("weight_decay"), ge=0, le=10, allow_inf_nan=False)
-    max_grad_norm: Float | None = Field(_opt("max_grad_norm"), gt=0, le=1e6, allow_inf_nan=False)
-    overlap_comm: Bool = Field(
-        _opt("overlap_comm"),
-        description="Send each gradient bucket's reduce during the backward (ZeRO1AdamW's overlap_comm; "
-        "off by default: docs/optimizer.md).",
-    )
-    bucket_cap_mb: Float = Field(
-        _opt("bucket_cap_mb"),
-        ge=limits.MIN_BUCKET_CAP_MB,
-        le=4096,
-        allow_inf_nan=False,
-        description=f"Largest gradient bucket, MiB (at least {limits.MIN_BUCKET_CAP_MB:g}).",
-    )
-
-    def to_spec(self) -> OptimizerSpec:
-        return OptimizerSpec(**self.model_dump() | {"betas": tuple(self.betas)})
-
-
 def _train(name: str):
     return default_of(TrainConfig, name)
 
@@ -211,7 +181,7 @@ class JobSpec(Body):
     )
     precision: Precision = _train("precision")
     optimizer: OptimizerConfig = OptimizerConfig()
-    steps: Int = Field(ge=1, le=100_000_000)
+    steps: Int = Field(ge=1, le=MAX_STEPS)
     micro_batch_size: Int = Field(_train("micro_batch_size"), ge=1, le=MAX_MICRO_BATCH_SIZE)
     global_batch_size: Int | None = Field(
         None,
@@ -299,6 +269,7 @@ class JobSpec(Body):
         _check_code(
             self.model, code=self.code, seq_len=self.seq_len, activation_checkpointing=self.activation_checkpointing
         )
+        self.optimizer.schedule.check_steps(self.steps)
         if isinstance(self.model, MLPModelSpec):
             if self.seq_len is not None or self.activation_checkpointing:
                 raise ValueError("seq_len and activation_checkpointing only apply to a gpt model")

@@ -147,8 +147,11 @@ class MetricPublic(BaseModel):
         "and copying the shard to host memory; the whole write where checkpoints are synchronous); null on a step "
         "without a checkpoint.",
     )
+    lr: float | None = Field(
+        None, description="The learning rate the step used (optimizer.schedule's); null for rows stored before it."
+    )
 
-    @field_validator("loss", "grad_norm", "eval_loss", "checkpoint_blocked_s", mode="before")
+    @field_validator("loss", "grad_norm", "eval_loss", "checkpoint_blocked_s", "lr", mode="before")
     @classmethod
     def _finite_or_null(cls, value):
         return value if value is None or math.isfinite(value) else None

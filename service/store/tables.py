@@ -163,6 +163,8 @@ class Metric(Base):
     """The N the step ran at (an elastic job's changes); null for rows stored before it was kept."""
     checkpoint_blocked_s: Mapped[float | None] = mapped_column(Float)
     """Seconds the step's checkpoint held training up; null on a step without one (and when not finite)."""
+    lr: Mapped[float | None] = mapped_column(Float)
+    """The learning rate the step used; null for rows stored before it was kept."""
     superseded: Mapped[bool] = mapped_column(Boolean, default=False)
     """True for rows of an attempt past the checkpoint a retry resumed from."""
 

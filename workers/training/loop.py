@@ -31,6 +31,7 @@ from workers.records import MetricRow, NonFiniteError, TrainResult
 from workers.training.artifacts import write_final
 from workers.training.checkpoints import final_dir
 from workers.training.reader import resume
+from workers.training.schedule import lr_at
 from workers.training.writer import CheckpointIO, CheckpointWriter, save_checkpoint, shared_directory
 from workers.zero.optimizer import ZeRO1AdamW, decay_param_groups
 
@@ -148,7 +149,10 @@ def train(
                 if writer is not None:
                     writer.abandon()  # the write in flight still finishes; its error is logged, not raised
                 return TrainResult(rank=rank, first_step=first, last_step=last, cancelled=True)
-            row = context.run_step(step)
+            lr = lr_at(step, lr=hyper.lr, steps=config.steps, schedule=hyper.schedule)
+            for group in opt.param_groups:  # a function of the step alone: a resumed run's is the same
+                group["lr"] = lr
+            row = replace(context.run_step(step), lr=lr)
             if _evaluates(config, step):
                 row = replace(row, eval_loss=context.evaluate(num_batches=config.eval_batches))
             last = step

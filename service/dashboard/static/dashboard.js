@@ -543,6 +543,7 @@
         const checkpointed = (await api(`/v1/jobs/${id}/metrics?checkpointed=true&limit=10000`)).data;
         drawLineChart($("#step-time-chart"), metrics.data.map((m) => [m.step, m.step_time_s]),
           checkpointed.map((m) => [m.step, m.checkpoint_blocked_s]));
+        drawLineChart($("#lr-chart"), metrics.data.map((m) => [m.step, m.lr]));
         drawLineChart($("#world-size-chart"), stepsOf(metrics.data.map((m) => [m.step, m.world_size])));
         lastStep = String(job.step ?? "");
       }
