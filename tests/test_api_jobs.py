@@ -256,6 +256,8 @@ def test_a_huge_json_number_is_a_422_at_once(sqlite_client, number):
         "/v1/jobs": json.dumps(job_body(steps=0)).replace('"steps": 0', f'"steps": {number}'),
     }
     for path, body in bodies.items():
+        # the route warmed first: what is timed is the parse of the number, not a first request's start-up
+        sqlite_client.post(path, content="{}", headers={"content-type": "application/json"})
         start = time.monotonic()
         r = sqlite_client.post(path, content=body, headers={"content-type": "application/json"})
         assert r.status_code == 422, r.text

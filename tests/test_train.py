@@ -253,8 +253,10 @@ def test_training_reports_every_metric_and_its_planned_memory():
         "eval_loss",
         "world_size",
         "checkpoint_blocked_s",
+        "lr",
     }
     assert all(set(r.to_json()) == keys and r.rank == 0 and r.world_size == 1 for r in rows)
+    assert {r.lr for r in rows} == {cfg.optimizer.lr}  # the default schedule: constant, no warmup
     plan = breakdown(Workload.from_model(SMALL, precision="bf16", micro_batch_size=4), num_gpus=1, stage=1)
     assert rows[0].mem_planned_bytes == plan.total_bytes
     (peak,) = rows[0].mem_peak_bytes  # this rank's own
