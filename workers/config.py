@@ -196,6 +196,25 @@ class OptimizerSpec:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class InitSpec:
+    """The weights a job starts from (the API's init_from): a succeeded job's final/model.safetensors,
+    loaded with fresh optimizer state. Only a run that starts at step 0 loads them; a retried, preempted
+    or resumed run resumes from its own checkpoint instead (workers/training/init_weights.py)."""
+
+    job: int
+    """The source job's id, which every error names."""
+    uri: str
+    """The source job's directory on the checkpoint storage (a path, or s3://...): read by a rank's
+    parent (workers/training/staging.py), which holds the storage's credentials, never by its child."""
+    sha256: str
+    bytes: int
+    """final/model.safetensors as the service recorded it when the source job succeeded: the parent's
+    copy must match both, or the attempt fails."""
+    path: str | None = None
+    """The parent's checked copy, which the child loads; None until the parent has made it."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TrainConfig:
     """What one job trains; the same on every rank."""
 
@@ -232,6 +251,8 @@ class TrainConfig:
     planned_bytes: int | None = None
     """The per-GPU bytes the job was admitted by, overhead left out (an hf model's traced plan);
     None: the rank plans a built-in model from its closed forms."""
+    init_from: InitSpec | None = None
+    """Start from another job's final weights (fresh optimizer state) instead of the seed's init."""
     max_nonfinite_steps: int = limits.DEFAULT_MAX_NONFINITE_STEPS
     """Steps in a row with a nan or inf global gradient norm (each skipped: it changes nothing)
     after which the run fails with NonFiniteError. Counted from 0 again after a resume."""

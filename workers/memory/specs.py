@@ -154,6 +154,13 @@ class MLPSpec:
     def num_params(self) -> int:
         return sum(self.param_groups())
 
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of every parameter, as the workers' MLP reports them (weights (out, in))."""
+        shapes = {}
+        for i, (a, b) in enumerate(itertools.pairwise(self.sizes)):
+            shapes[f"layers.{i}.weight"], shapes[f"layers.{i}.bias"] = (b, a), (b,)
+        return shapes
+
     def activation_bytes(
         self, *, micro_batch_size: int, seq_len: int, bytes_per_element: int, checkpointing: bool
     ) -> int:
@@ -192,3 +199,24 @@ class MLPSpec:
 
 
 ModelSpec = GPTSpec | MLPSpec
+
+
+def first_mismatch(
+    model: dict[str, tuple[int, ...]], weights: dict[str, tuple[int, ...]], *, source: str
+) -> str | None:
+    """Why `weights` (name -> shape, from `source`) cannot initialise `model` (name -> shape, in the
+    model's order): its first parameter that the weights lack or hold in another shape, else the
+    first name the model lacks; None when they match. What init_from's 422 and a rank's load say."""
+    for name, shape in model.items():
+        if name not in weights:
+            return f"parameter {name} {_shown(shape)} is not among {source}"
+        if tuple(weights[name]) != tuple(shape):
+            return (
+                f"parameter {name} has shape {_shown(weights[name])} in {source}, {_shown(shape)} in this job's model"
+            )
+    extra = next((name for name in weights if name not in model), None)
+    return None if extra is None else f"{source} hold {extra} {_shown(weights[extra])}, which this job's model lacks"
+
+
+def _shown(shape: tuple[int, ...]) -> str:
+    return "(" + ", ".join(map(str, shape)) + ")"

@@ -30,6 +30,7 @@ from workers.models.trace import loss_of, measure_step
 from workers.records import MetricRow, NonFiniteError, TrainResult
 from workers.training.artifacts import write_final
 from workers.training.checkpoints import final_dir
+from workers.training.init_weights import load_initial_weights
 from workers.training.reader import resume
 from workers.training.schedule import lr_at
 from workers.training.writer import CheckpointIO, CheckpointWriter, save_checkpoint, shared_directory
@@ -114,6 +115,9 @@ def train(
             f"checkpoint_dir {config.checkpoint_dir} already holds a checkpoint of step {found[0]}, and this run "
             "starts from scratch (resume=False): it is another run's"
         )
+    if first == 0 and config.init_from is not None:  # a resumed run's weights are its checkpoint's
+        load_initial_weights(model, opt, config.init_from)
+        log.info("rank %d: starting from job %d's final weights", rank, config.init_from.job)
     context = _StepContext(
         model=model,
         opt=opt,

@@ -16,6 +16,12 @@ as they stream (model_digest: the digest a local copy has), a trace's task stage
 a dataset check's its tokenizer files, and each rank's parent the whole directory, whose digest
 the child checks against the admitted one before it loads the weights.
 
+A job started from another's weights (init_from) has its rank's parent copy the source job's
+final/model.safetensors, wherever it is stored (the child, another uid, cannot read the source's
+directory), hashing it as it copies: a copy that is not the file the service recorded when the source
+succeeded fails the attempt and never reaches the child. An attempt that resumes from a checkpoint in
+a directory fetches nothing (the child would not load it).
+
 A data path is a file, a prefix (every object under it with the format's extension, none with a hidden
 component), or a glob whose `*`, `?` and `[...]` match within one '/'-separated component, as for
 local files. Listing is bounded by datafiles.MAX_CANDIDATES objects, matching by MAX_FILES files.
@@ -34,11 +40,12 @@ from dataclasses import replace
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from workers.config import DatasetSpec, HFSpec
+from workers.config import DatasetSpec, FieldError, HFSpec, InitSpec
 from workers.data.datafiles import EXTENSIONS, MAX_CANDIDATES, MAX_FILES, TOKENIZER_FILES
 from workers.data.digests import MAX_FILES as MAX_MODEL_FILES
 from workers.data.digests import digest_of
-from workers.training.storage import filesystem, join_uri, parse_uri
+from workers.training.checkpoints import FINAL, latest_checkpoint
+from workers.training.storage import filesystem, is_remote, join_uri, open_store, parse_uri
 
 _MAGIC = re.compile(r"[*?[]")
 _TOKEN_NAME = re.compile(r"[0-9a-f]{16,128}\.bin")
@@ -206,12 +213,14 @@ def for_child(config: Any, *, owner: tuple[int, int] | None = None) -> tuple[Any
     """A rank's TrainConfig as its child reads it, and the directory made for that (None: nothing in
     it is on a store). Data on a store: the token file the job's check stored (the child maps it by
     its key), or, when that is gone, the staged files (the child tokenizes them). An hf model on a
-    store: its directory, staged (the child checks its digest against the admitted one). The caller
-    removes the directory after the run; `owner` as for staged_inputs."""
+    store: its directory, staged (the child checks its digest against the admitted one). Weights to
+    start from (init_from, local or not): fetch_weights' checked copy. The caller removes the directory
+    after the run; `owner` as for staged_inputs."""
     data, model = config.data, config.model
     remote_data = isinstance(data, DatasetSpec) and is_remote_path(data.path)
     remote_model = isinstance(model, HFSpec) and is_remote_path(model.path)
-    if not (remote_data or remote_model):
+    init = config.init_from if config.init_from is not None and not _resumes(config) else None
+    if not (remote_data or remote_model or init):
         return config, None
     directory = tempfile.mkdtemp(prefix="zero1-inputs-")
     try:
@@ -221,11 +230,49 @@ def for_child(config: Any, *, owner: tuple[int, int] | None = None) -> tuple[Any
         if remote_model:
             into = os.path.join(directory, "model")
             changes["model"] = replace(model, path=stage_model(model.path, into=into), roots=(os.path.realpath(into),))
+        if init is not None:
+            changes["init_from"] = fetch_weights(init, into=os.path.join(directory, "init"))
         hand_over(directory, owner=owner)
         return replace(config, **changes), directory
     except BaseException:
         shutil.rmtree(directory, ignore_errors=True)
         raise
+
+
+def _resumes(config: Any) -> bool:
+    """Whether the run resumes from a checkpoint this process can see (one in a directory; a spool's
+    are the store's, and the weights are then fetched anyway: the child ignores them)."""
+    directory = config.checkpoint_dir
+    return bool(config.resume and directory and not is_remote(directory) and latest_checkpoint(directory))
+
+
+def fetch_weights(init: InitSpec, *, into: str, chunk_bytes: int = _HASH_BYTES) -> InitSpec:
+    """The source job's final/model.safetensors copied into `into`, hashed as it is copied (no link
+    followed in a directory: DirectoryStore.open); FieldError("init_from.job") when it cannot be read or
+    is not the size and sha256 recorded, and no copy is left."""
+    name, local = f"{FINAL}/model.safetensors", os.path.join(into, "model.safetensors")
+    os.makedirs(into, exist_ok=True)
+    digest, size = hashlib.sha256(), 0
+    try:
+        with open_store(init.uri).open(name) as source, open(local, "xb") as copy:
+            while chunk := source.read(min(chunk_bytes, init.bytes + 1 - size)):  # one byte past: a larger file
+                size += len(chunk)
+                digest.update(chunk)
+                copy.write(chunk)
+                if size > init.bytes:
+                    break
+    except Exception as exc:  # noqa: BLE001  (an OSError, or any error of the store's client)
+        Path(local).unlink(missing_ok=True)
+        raise FieldError("init_from.job", f"job {init.job}'s final/model.safetensors cannot be read: {exc}") from None
+    if size != init.bytes or digest.hexdigest() != init.sha256:
+        os.unlink(local)
+        raise FieldError(
+            "init_from.job",
+            f"job {init.job}'s final/model.safetensors is not the file recorded when it succeeded ({init.bytes} "
+            f"bytes, sha256 {init.sha256}): it has {size}{'+' if size > init.bytes else ''} bytes, sha256 "
+            f"{digest.hexdigest()}; not loaded",
+        )
+    return replace(init, path=local)
 
 
 def data_for_child(data: DatasetSpec, *, into: str) -> DatasetSpec:
