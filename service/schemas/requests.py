@@ -20,7 +20,7 @@ from service.schemas.model_specs import (
     TracedModelSpec,
 )
 from service.schemas.optimizer_specs import MAX_STEPS, OptimizerConfig
-from workers.config import ModelKind, TrainConfig, default_of
+from workers.config import InitSpec, ModelKind, TrainConfig, default_of
 from workers.memory import model as memory
 
 if TYPE_CHECKING:
@@ -165,6 +165,22 @@ def world_sizes(*, min_gpus: int, num_gpus: int, micro_batch_size: int, batch_si
     return [n for n in range(min_gpus, num_gpus + 1) if batch_size % (micro_batch_size * n) == 0]
 
 
+class InitFromSpec(Body):
+    """A job's init_from: start from another succeeded job's final/ weights, with fresh optimizer state.
+    `job` is the user's; the rest the service fills in at submit (service/scheduling/init_from.py),
+    replacing anything given."""
+
+    job: Int = Field(ge=1, le=2**63 - 1, description="A succeeded job of the caller's own (any job, for an admin).")
+    uri: Text | None = Field(None, description="The service's: where the source job's final/ is stored.")
+    sha256: Text | None = Field(None, description="The service's: final/model.safetensors' recorded sha256.")
+    bytes: Int | None = Field(None, ge=0, description="The service's: final/model.safetensors' recorded size.")
+
+    def to_spec(self) -> InitSpec:
+        if self.uri is None or self.sha256 is None or self.bytes is None:
+            raise ValueError(f"init_from: job {self.job}'s weights were not resolved when the job was submitted")
+        return InitSpec(job=self.job, uri=self.uri, sha256=self.sha256, bytes=self.bytes)
+
+
 class JobSpec(Body):
     """POST /v1/jobs: what to train, on how many GPUs."""
 
@@ -217,6 +233,9 @@ class JobSpec(Body):
     )
     eval_batches: Int = Field(
         _train("eval_batches"), ge=1, le=10_000, description="Held-out micro-batches each rank evaluates."
+    )
+    init_from: InitFromSpec | None = Field(
+        None, description='{"job": ID}: start from that succeeded job\'s final weights (a model of the same shape).'
     )
     max_retries: Int = Field(0, ge=0, le=100)
     priority: Int | None = Field(
@@ -320,6 +339,7 @@ class JobSpec(Body):
             eval_every=self.eval_every,
             eval_batches=self.eval_batches,
             resume=resume,
+            init_from=None if self.init_from is None else self.init_from.to_spec(),
         )
 
     def model_spec(self, *, plan: PlanPublic | None = None, model_roots: Sequence[str] = ()) -> ModelKind:

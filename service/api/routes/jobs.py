@@ -32,6 +32,7 @@ from service.auth import Principal, check_can_steer
 from service.errors import ServiceError
 from service.planning.hf_paths import check_model_path
 from service.scheduling import admission, controls, jobs
+from service.scheduling.init_from import resolve_init_from
 from service.scheduling.launcher import dataset_cache_dir
 from service.schemas.fields import JobStatus
 from service.schemas.requests import JobSpec
@@ -86,6 +87,7 @@ async def submit_job(
     and the owner's GPU quota are checked first, before any of it."""
     priority = controls.check_priority(spec, settings=settings, principal=principal)
     controls.check_quota(spec, settings=settings, owner=principal.user)
+    spec = await run_in_threadpool(resolve_init_from, runtime.db, spec, principal=principal, launcher=runtime.launcher)
     spec = await offload.in_file_thread(check_model_path, spec, model_roots=settings.model_roots)
     if spec.code is not None:  # before its trace runs the bundle's code
         await offload.require_code(runtime, spec.code, principal=principal)
