@@ -1,8 +1,10 @@
 """init_from: a job started from another succeeded job's final weights, with fresh optimizer state.
 Through the API on Ray (a first-step loss at the trained weights' own loss on that batch, far below a
 fresh start's; 422s naming init_from.job for another shape, a source that has not succeeded and another
-owner's job), and in one process (a resumed run keeps its own checkpoint; a rank's parent hands its
-child only the file the service recorded; a rank refuses weights of another shape).
+owner's job), and in one process (a resumed run keeps its own checkpoint; bf16 takes the fp32 weights
+as its master copy; an hf model starts from its save_pretrained layout; a rank's parent hands its child
+only the file the service recorded, from a directory or an object store; a rank refuses weights of
+another shape).
 
 Packages: workers.training, workers.memory, service.scheduling, service.schemas, service.api.
 """
@@ -253,6 +255,18 @@ def test_a_rank_hands_its_child_only_the_file_that_was_recorded(source, tmp_path
         fetch_weights(replace(source, uri=str(planted)), into=str(tmp_path / "linked"))
 
 
+def test_a_rank_fetches_the_weights_from_an_object_store_as_from_a_directory(source, s3_uri, tmp_path):
+    from workers.training.storage import open_store
+
+    open_store(s3_uri).put_file(Path(source.path), "final/model.safetensors")
+    fetched = fetch_weights(replace(source, uri=s3_uri), into=str(tmp_path / "fetched"))
+    assert Path(fetched.path).read_bytes() == Path(source.path).read_bytes()
+    with pytest.raises(FieldError, match="is not the file recorded"):
+        fetch_weights(replace(source, uri=s3_uri, sha256="f" * 64), into=str(tmp_path / "other"))
+    with pytest.raises(FieldError, match="cannot be read"):
+        fetch_weights(replace(source, uri=f"{s3_uri}-gone"), into=str(tmp_path / "gone"))
+
+
 def test_a_rank_refuses_weights_of_another_shape_naming_the_parameter(source, tmp_path):
     wider = replace(TINY, n_embd=64, n_head=4)
     with pytest.raises(FieldError) as refused:
@@ -261,3 +275,51 @@ def test_a_rank_refuses_weights_of_another_shape_naming_the_parameter(source, tm
     assert refused.value.reason == (
         "parameter transformer.wte.weight has shape (64, 32) in job 1's final weights, (64, 64) in this job's model"
     )
+
+
+LLAMA = {
+    "model_type": "llama",
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 32,
+    "tie_word_embeddings": True,
+}
+
+
+def test_an_hf_model_starts_from_its_save_pretrained_weights(tmp_path):
+    """final/ holds an hf model under its lm's names, a tied weight once: a run from it starts at the
+    loss from_pretrained's model has on that run's first batch."""
+    from transformers import AutoModelForCausalLM
+
+    from workers.config import HFSpec
+    from workers.models.hf import CausalLM
+
+    spec = HFSpec(config=LLAMA, vocab_size=64, block_size=32)
+    hf = {"model": spec, "planned_bytes": 1 << 30}  # its traced plan's, which the rows only report
+    train(config(tmp_path / "job-1", **hf, steps=20, checkpoint_every=0))
+    weights = tmp_path / "job-1" / "final" / "model.safetensors"
+    init = InitSpec(job=1, uri="", sha256="", bytes=weights.stat().st_size, path=str(weights))  # no parent here
+    rows: list = []
+    train(config(tmp_path / "started", **hf, steps=1, init_from=init), on_metrics=rows.append)
+
+    loaded = CausalLM(AutoModelForCausalLM.from_pretrained(weights.parent, dtype=torch.float32))
+    batches = Batches(
+        model=spec,
+        data=SyntheticSpec(),
+        seed=7,
+        seq_len=None,
+        global_batch_size=2,
+        micro_batch_size=2,
+        rank=0,
+        world_size=1,
+    )
+    with torch.no_grad():
+        evaluated = loaded(*batches.micro_batch(0, 0)).item()
+    assert rows[0].loss == pytest.approx(evaluated, rel=1e-5)
+    fresh: list = []
+    train(config(tmp_path / "fresh", **hf, steps=1), on_metrics=fresh.append)
+    assert rows[0].loss < fresh[0].loss - 0.5
