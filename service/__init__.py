@@ -12,6 +12,7 @@ torch (the workers do). Its packages, each opened by what it holds and what it m
     planning/            plans, traces, recommendations, the cluster's capacity, submit-time checks
     scheduling/          admission, the job state machine, the scheduler, elastic sizes, the launcher
     store/               the database's tables and rows, and the files on the checkpoint storage
+    tracking/            each job as an MLflow run, exported in the background
 
 Imports run from the app down to schemas and store, and from here into workers, never back.
 """

@@ -1,6 +1,7 @@
 """What the service runs while it is up: database, Ray cluster, launcher, scheduler and code store.
 
-May import: service.settings, service.telemetry, service.store, service.planning, service.scheduling.
+May import: service.settings, service.telemetry, service.store, service.planning, service.scheduling,
+service.tracking.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from service.store.code_bundles import code_store
 from service.store.db import Database, upgrade
 from service.store.housekeeping import Housekeeper
 from service.telemetry import Telemetry
+from service.tracking.exporter import Exporter
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,12 @@ class Runtime:
             sweep_interval_s=settings.placement_sweep_interval_s,
             telemetry=telemetry,
         )
+        self.exporter = (
+            None
+            if settings.mlflow_tracking_uri is None
+            else Exporter(db=self.db, settings=settings, job_dir=self.launcher.checkpoint_dir)
+        )
+        """Each job's MLflow run, exported in the background (ZERO1_MLFLOW_TRACKING_URI); None when unset."""
 
     def start(self) -> None:
         """Migrate the database, connect to (or start) Ray, start scheduling."""
@@ -62,10 +70,14 @@ class Runtime:
         self.scheduler.recover()
         self.scheduler.start()
         self.housekeeper.start()
+        if self.exporter is not None:
+            self.exporter.start()
         log.info("zero1 is up: %s", self.cluster.capacity())
 
     def stop(self) -> None:
         """Stop scheduling and drain the metrics the supervisors hold, then let Ray go."""
+        if self.exporter is not None:
+            self.exporter.stop()
         self.housekeeper.stop()
         self.scheduler.stop()
         self.cluster.disconnect()

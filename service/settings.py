@@ -198,6 +198,19 @@ class Settings(BaseSettings):
     it sends, a valid one too, is answered 429 with Retry-After until its oldest failure is that old."""
     auth_failure_window_s: float = Field(60.0, gt=0, le=86_400)
     """The window, in seconds, within which ZERO1_AUTH_MAX_FAILURES wrong tokens lock a client out."""
+    public_url: str | None = None
+    """The address users reach this service at (e.g. https://zero1.example.com), for the links it
+    gives out (an MLflow run's zero1.url tag); unset: http://<ZERO1_HOST>:<ZERO1_PORT>."""
+    mlflow_tracking_uri: str | None = None
+    """An MLflow tracking server (e.g. http://mlflow:5000): set, every job becomes a run there, exported by
+    the service in the background (docs/api.md, MLflow; needs the extra zero1[mlflow]). Unset: none."""
+    mlflow_experiment: str = Field("zero1", min_length=1, max_length=500)
+    """The MLflow experiment the jobs' runs go to (created when missing)."""
+    mlflow_interval_s: float = Field(1.0, gt=0, le=3600)
+    """How often the MLflow exporter looks for new metric rows and status changes."""
+    mlflow_max_backoff_s: float = Field(30.0, gt=0, le=86_400)
+    """The longest wait between tries while MLflow does not answer (the wait doubles from
+    ZERO1_MLFLOW_INTERVAL_S): a run catches up within about this long after MLflow is back."""
 
     @model_validator(mode="after")
     def _start_after_placement(self) -> Settings:

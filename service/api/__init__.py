@@ -4,7 +4,7 @@ Every /v1 route and /metrics is a read that needs a token while auth is on (unle
 ZERO1_PUBLIC_READ); the routes that change something ask for a writer too. /healthz stays open.
 
 May import: service.settings, service.errors, service.auth, service.telemetry, service.runtime,
-service.schemas, service.store, service.planning, service.scheduling, workers.memory.
+service.schemas, service.store, service.planning, service.scheduling, service.tracking, workers.memory.
 """
 
 from fastapi import APIRouter, Depends

@@ -36,6 +36,7 @@ from service.schemas.requests import PlanRequest, RecommendRequest
 from service.schemas.responses import JobPublic
 from service.store.log_lines import read_logs
 from service.store.tables import Job, LogLine
+from service.tracking.runs import run_link
 from workers.memory.model import GB
 
 HERE = Path(__file__).resolve().parent
@@ -191,6 +192,7 @@ def job_page(request: Request, job_id: str, session: SessionDep, principal: Read
         session, job, after_step=None, limit=10 * MAX_POINTS, max_points=None, checkpointed=True
     )
     logs, log_next = log_tail(session, job, limit=LOG_LINES)
+    public.mlflow = run_link(session, job, settings)
     plan = public.plan
     per_gpu, gpu_memory_bytes = plan["per_gpu"], plan["gpu_memory_bytes"]
     context = {

@@ -77,6 +77,19 @@ class ErrorPublic(BaseModel):
     detail: list[dict] | None = None
 
 
+class MlflowRunPublic(BaseModel):
+    """A job's MLflow run (ZERO1_MLFLOW_TRACKING_URI): where its params, metrics, status and final/ go."""
+
+    run_id: str
+    experiment_id: str | None
+    url: str | None = Field(
+        description="The run's page on the MLflow server; null for a tracking URI that is no server."
+    )
+    exported_step: int | None = Field(
+        description="The last step whose metrics row the run holds; null before the first."
+    )
+
+
 class JobPublic(BaseModel):
     """A job as a reader sees it: everyone sees who holds the GPUs (name, owner, status, GPUs, progress, plan);
     spec, latest and error are null for all but the job's owner and admins."""
@@ -112,6 +125,11 @@ class JobPublic(BaseModel):
     priority: int = Field(50, description="0-100: the queue runs the highest first; a job may preempt lower ones.")
     borrowed: bool = Field(
         False, description="It runs past its owner's GPU quota on idle GPUs: the first to be preempted."
+    )
+    mlflow: MlflowRunPublic | None = Field(
+        None,
+        description="Its MLflow run (docs/api.md, MLflow): in GET /v1/jobs/{id} to its owner and admins, once the run "
+        "exists; null otherwise.",
     )
 
 

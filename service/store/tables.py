@@ -224,3 +224,27 @@ class Artifact(Base):
     bytes: Mapped[int] = mapped_column(BigInteger)
     sha256: Mapped[str] = mapped_column(String(64))
     """Hex digest the service computed of the file's bytes (and checked against the manifest's)."""
+
+
+class MlflowRun(Base):
+    """A job's MLflow run and how far the service has exported it (service.tracking): the cursor a
+    restart resumes from, so no point is sent twice and none is skipped."""
+
+    __tablename__ = "mlflow_runs"
+
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    experiment_id: Mapped[str | None] = mapped_column(String(64), default=None)
+    run_id: Mapped[str | None] = mapped_column(String(64), default=None)
+    """MLflow's id of the job's run; null until the run is created."""
+    step: Mapped[int | None] = mapped_column(Integer, default=None)
+    """The last step whose row is exported; null before the first."""
+    batch_time_ms: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    """The timestamp of the batch in flight, kept until MLflow took it: a batch sent again after a
+    crash is the same points, which a SQL-backed tracking server stores once."""
+    status: Mapped[str | None] = mapped_column(String(16), default=None)
+    """The job status last set as the run's zero1.status tag."""
+    artifacts_done: Mapped[bool] = mapped_column(Boolean, default=False)
+    done: Mapped[bool] = mapped_column(Boolean, default=False)
+    """The run is terminated with the job's final status: nothing more to export."""
+    last_error: Mapped[str | None] = mapped_column(Text, default=None)
+    """Why the last try failed (MLflow unreachable, a refused request); null after a success."""

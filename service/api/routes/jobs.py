@@ -53,6 +53,7 @@ from service.store.artifacts import stream_artifact
 from service.store.db import Database
 from service.store.log_lines import read_logs
 from service.store.tables import Job
+from service.tracking.runs import run_link
 from workers.memory.model import GB
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
@@ -158,13 +159,14 @@ def list_jobs(
 
 @router.get("/{job_id}", response_model=JobPublic, responses=ERRORS)
 def get_job(job_id: JobId, session: SessionDep, principal: ReaderDep, settings: SettingsDep) -> Response:
-    """Anyone's job; spec, latest and error only to its owner and admins."""
+    """Anyone's job; spec, latest, error and its MLflow run only to its owner and admins."""
     job = jobs.get_job(session, job_id)
-    return json_response(
-        jobs.job_public(
-            job, position=jobs.queue_position(session, job, fifo=settings.queue_policy == "fifo"), principal=principal
-        )
+    public = jobs.job_public(
+        job, position=jobs.queue_position(session, job, fifo=settings.queue_policy == "fifo"), principal=principal
     )
+    if public.spec is not None:  # the caller may see its details
+        public.mlflow = run_link(session, job, settings)
+    return json_response(public)
 
 
 @router.post("/{job_id}/cancel", status_code=202, response_model=JobPublic, responses=ERRORS)

@@ -1,0 +1,6 @@
+"""Tracking: each job exported as an MLflow run by the service (never by the ranks, which hold no
+credentials), on a thread of its own, from the rows the database already holds; what a run holds
+(runs), how MLflow is called (mlflow_client) and the exporter that resumes from its cursor (exporter).
+
+May import: service.settings, service.store, service.schemas, workers.training.storage.
+"""

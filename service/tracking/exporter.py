@@ -1,0 +1,225 @@
+"""The MLflow exporter: a thread of the service that makes each job an MLflow run and sends it what
+the database holds (its spec as params, its metric rows, its status, final/'s files), resuming from
+the job's cursor (service.store.tables.MlflowRun), so a service restart sends nothing twice.
+
+It reads rows in short transactions and calls MLflow with none open: a slow or absent MLflow never
+holds up the scheduler's writes, so it never slows a job, nor fails one. While MLflow does not
+answer, it waits, doubling from ZERO1_MLFLOW_INTERVAL_S to ZERO1_MLFLOW_MAX_BACKOFF_S, and then
+catches up: the rows are in the database meanwhile. A request MLflow refuses (a 4xx) backs off that
+job alone, and its cursor says why.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+
+from sqlalchemy import case, select
+from sqlalchemy.orm import Session
+
+from service.settings import Settings
+from service.store.artifacts import ArtifactChanged, FinalFile, JobDir, Refused, recorded_artifacts, stream_artifact
+from service.store.db import Database
+from service.store.tables import Job, Metric, MlflowRun
+from service.tracking import runs
+from service.tracking.mlflow_client import MAX_METRICS_PER_BATCH, Mlflow, is_unreachable
+
+log = logging.getLogger(__name__)
+
+ROWS_PER_BATCH = MAX_METRICS_PER_BATCH // runs.POINTS_PER_ROW
+JOBS_PER_PASS = 100
+SLICE_S = 2.0
+"""How long one job's catching up may go on before the next job's turn (the pass then goes round again)."""
+
+
+class Unreachable(Exception):
+    """MLflow did not answer: the pass stops, and the exporter backs off."""
+
+
+def _ms(at: datetime | None) -> int | None:
+    return None if at is None else int(at.timestamp() * 1000)
+
+
+class Exporter:
+    def __init__(
+        self, *, db: Database, settings: Settings, job_dir: Callable[[Job], JobDir], mlflow: Mlflow | None = None
+    ) -> None:
+        assert settings.mlflow_tracking_uri is not None
+        self.db, self.settings, self.job_dir = db, settings, job_dir
+        self.mlflow = mlflow or Mlflow(settings.mlflow_tracking_uri)
+        self.backoff_s = settings.mlflow_interval_s
+        self._experiment_id: str | None = None
+        self._job_retry_at: dict[int, tuple[float, float]] = {}  # a job MLflow refused: when next, and its wait
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="zero1-mlflow", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        delay = 0.0
+        while not self._stop.wait(delay):
+            try:
+                more = self.run_once()
+            except Unreachable as error:
+                log.warning("mlflow: %s; trying again in %.3g s", error, self.backoff_s)
+                delay, self.backoff_s = self.backoff_s, min(2 * self.backoff_s, self.settings.mlflow_max_backoff_s)
+                continue
+            except Exception:  # the database, most likely: the scheduler's problem too; try again
+                log.exception("mlflow: the export pass failed")
+                more = False
+            self.backoff_s = self.settings.mlflow_interval_s
+            delay = 0.0 if more else self.settings.mlflow_interval_s
+
+    # ----------------------------------------------------------------------- one pass
+
+    def run_once(self) -> bool:
+        """One pass over the jobs not fully exported, active ones first; whether work is left."""
+        try:
+            if self._experiment_id is None:
+                self._experiment_id = self.mlflow.experiment_id(self.settings.mlflow_experiment)
+        except Exception as error:
+            raise Unreachable(f"no experiment {self.settings.mlflow_experiment!r}: {error}") from error
+        more = False
+        for job, cursor in self._pending():
+            if self._stop.is_set():
+                return False
+            retry = self._job_retry_at.get(job.id)
+            if retry is not None and time.monotonic() < retry[0]:
+                continue
+            try:
+                more |= self._export(job, cursor)
+                self._job_retry_at.pop(job.id, None)
+            except Exception as error:
+                self._note(job.id, f"{type(error).__name__}: {error}"[:2000])
+                if is_unreachable(error):
+                    raise Unreachable(f"job {job.id}: {error}") from error
+                wait = (
+                    min(2 * retry[1], self.settings.mlflow_max_backoff_s) if retry else self.settings.mlflow_interval_s
+                )
+                self._job_retry_at[job.id] = (time.monotonic() + wait, wait)
+                log.warning("mlflow: job %s refused (%s); trying it again in %.3g s", job.id, error, wait)
+        return more
+
+    def _pending(self) -> list[tuple[Job, MlflowRun]]:
+        """The jobs whose runs are not done, each with its cursor (made here for a job without one)."""
+        terminal = case((Job.status.in_(tuple(runs.RUN_STATUS)), 1), else_=0)
+        with self.db.session() as session:
+            found = session.execute(
+                select(Job, MlflowRun)
+                .outerjoin(MlflowRun, MlflowRun.job_id == Job.id)
+                .where((MlflowRun.done.is_(None)) | (MlflowRun.done.is_(False)))
+                .order_by(terminal, Job.id)
+                .limit(JOBS_PER_PASS)
+            ).all()
+            pairs = []
+            for job, cursor in found:
+                if cursor is None:
+                    cursor = MlflowRun(job_id=job.id, artifacts_done=False, done=False)
+                    session.add(cursor)
+                pairs.append((job, cursor))
+        return pairs
+
+    def _export(self, job: Job, cursor: MlflowRun) -> bool:
+        """Bring the job's run up to the database; whether more is left after this job's slice."""
+        if cursor.run_id is None:
+            cursor.run_id = self.mlflow.find_or_create_run(
+                self._experiment_id,
+                key=runs.job_key(job),
+                name=job.name,
+                start_time_ms=_ms(job.created_at),
+                tags=runs.run_tags(job, self.settings),
+                params=runs.flat_params(job.spec),
+            )
+            self._save(job.id, experiment_id=self._experiment_id, run_id=cursor.run_id, status=job.status)
+        elif cursor.status != job.status:
+            self.mlflow.set_tags(cursor.run_id, {"zero1.status": job.status})
+            self._save(job.id, status=job.status)
+        deadline = time.monotonic() + SLICE_S
+        while rows := self._rows(job.id, after_step=cursor.step):
+            if cursor.batch_time_ms is None:  # kept until MLflow took the batch: a resend is the same points
+                cursor.batch_time_ms = int(time.time() * 1000)
+                self._save(job.id, batch_time_ms=cursor.batch_time_ms)
+            points = [(name, value, row.step) for row in rows for name, value in runs.row_points(row).items()]
+            self.mlflow.log_points(cursor.run_id, points, timestamp_ms=cursor.batch_time_ms)
+            cursor.step, cursor.batch_time_ms = rows[-1].step, None
+            self._save(job.id, step=cursor.step, batch_time_ms=None, last_error=None)
+            if time.monotonic() > deadline:
+                return True
+        if job.status not in runs.RUN_STATUS:
+            return False
+        if job.status == "succeeded" and not cursor.artifacts_done:
+            self._upload_final(job, cursor.run_id)
+            self._save(job.id, artifacts_done=True)
+        self.mlflow.terminate(cursor.run_id, status=runs.RUN_STATUS[job.status], end_time_ms=_ms(job.finished_at))
+        self._save(job.id, done=True, last_error=None)
+        log.info("mlflow: job %s exported as run %s (%s)", job.id, cursor.run_id, job.status)
+        return False
+
+    def _rows(self, job_id: int, *, after_step: int | None) -> list[Metric]:
+        """The next surviving rows past the cursor, in step order, one per step (a step redone after
+        a retry or a resize keeps the point first sent: the same loss, as resumes are exact)."""
+        with self.db.session() as session:
+            rows = session.scalars(
+                select(Metric)
+                .where(
+                    Metric.job_id == job_id,
+                    Metric.superseded.is_(False),
+                    Metric.step > (-1 if after_step is None else after_step),
+                )
+                .order_by(Metric.step, Metric.attempt)
+                .limit(ROWS_PER_BATCH)
+            ).all()
+            session.expunge_all()
+        return list({row.step: row for row in reversed(rows)}.values())[::-1]
+
+    def _upload_final(self, job: Job, run_id: str) -> None:
+        """final/'s recorded files to the run's final/, each copied as the downloads serve it (hashed
+        while read, so a file changed since it was recorded is not sent)."""
+        job_dir = self.job_dir(job)
+        with self.db.session() as session:
+            files = recorded_artifacts(session, session.get(Job, job.id), job_dir=job_dir)
+        with tempfile.TemporaryDirectory(prefix="zero1-mlflow-") as scratch:
+            for file in files:
+                path = Path(scratch) / file.name
+                if self._copy(job, job_dir, file, path):
+                    self.mlflow.log_file(run_id, path, folder="final")
+                    path.unlink()
+
+    @staticmethod
+    def _copy(job: Job, job_dir: JobDir, file: FinalFile, path: Path) -> bool:
+        try:
+            with path.open("wb") as out:
+                for piece in stream_artifact(job.id, job_dir, file, first=0, last=file.bytes - 1):
+                    out.write(piece)
+        except (ArtifactChanged, Refused, OSError) as error:
+            log.warning("mlflow: job %s: artifact %r not sent: %s", job.id, file.name, error)
+            return False
+        return True
+
+    def _save(self, job_id: int, **values: object) -> None:
+        with self.db.session() as session:
+            _update(session, job_id, values)
+
+    def _note(self, job_id: int, error: str) -> None:
+        try:
+            self._save(job_id, last_error=error)
+        except Exception:
+            log.exception("mlflow: could not note job %s's error", job_id)
+
+
+def _update(session: Session, job_id: int, values: dict[str, object]) -> None:
+    row = session.get(MlflowRun, job_id)
+    for name, value in values.items():
+        setattr(row, name, value)
