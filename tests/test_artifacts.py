@@ -6,7 +6,6 @@ Packages: workers.training, service.store, service.cli.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import math
@@ -30,6 +29,7 @@ from workers.training.checkpoints import final_dir, shard_file
 from workers.training.loop import train
 from workers.training.reader import read_shard
 from workers.zero.optimizer import ZeRO1AdamW, decay_param_groups
+from zero1 import Client
 
 from distributed import run_ranks
 from helpers import TERMINAL, TINY, job_body, wait_job
@@ -317,7 +317,7 @@ def test_a_job_that_has_not_succeeded_has_no_artifacts_yet(client):
 
 
 def test_cli_download_verifies_every_file(client, succeeded, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(cli_jobs, "_client", lambda args: contextlib.nullcontext(client))
+    monkeypatch.setattr(cli_jobs, "_client", lambda args, **_: Client(http=client))
     assert cli.main(["download", str(succeeded["id"]), str(tmp_path / "out")]) == 0
     root = _checkpoint_root(client, succeeded["id"])
     for name in ("model.safetensors", "spec.json"):
@@ -338,6 +338,6 @@ def test_cli_download_verifies_every_file(client, succeeded, tmp_path, monkeypat
                 return type("R", (), {"is_success": True, "json": lambda self: listing, "status_code": 200})()
             return client.get(url, **kwargs)
 
-    monkeypatch.setattr(cli_jobs, "_client", lambda args: contextlib.nullcontext(Tampered()))
+    monkeypatch.setattr(cli_jobs, "_client", lambda args, **_: Client(http=Tampered()))
     assert cli.main(["download", str(succeeded["id"]), str(tmp_path / "bad")]) == 1
     assert "sha256 mismatch" in capsys.readouterr().err and not (tmp_path / "bad" / "spec.json").exists()

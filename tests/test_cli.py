@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from service.cli import main
+from zero1 import Client
 
 from helpers import free_port, wait_healthy
 
@@ -328,7 +329,7 @@ def test_output_into_a_closed_pipe_is_no_error():
 
 
 def test_submit_code_zips_the_directory_without_vcs_caches_virtualenvs_or_ignored_files(tmp_path):
-    from service.cli.bundle import zip_directory
+    from zero1.bundle import zip_directory
 
     root = tmp_path / "project"
     files = {
@@ -408,12 +409,21 @@ def fake_api(monkeypatch, handler) -> list[httpx.Request]:
         return handler(request)
 
     transport = httpx.MockTransport(record)
-    monkeypatch.setattr(cli_jobs, "_client", lambda args: httpx.Client(base_url=args.url, transport=transport))
+    http = lambda args: httpx.Client(base_url=args.url, transport=transport)
+    monkeypatch.setattr(cli_jobs, "_client", lambda args, **_: Client(args.url, http=http(args)))
     return requests
 
 
+def job_json(**fields) -> dict:
+    """A job as GET /v1/jobs/{id} answers it (JobPublic), these fields set."""
+    job = {"id": 1, "name": "job", "status": "queued", "spec": None, "plan": {}, "num_gpus": 2, "min_gpus": 2}
+    job |= {"world_size": None, "created_at": "2026-12-03T10:00:00Z", "started_at": None, "finished_at": None}
+    job |= {"step": None, "steps": 300, "latest": None, "error": None, "attempt": 0, "queue_position": None}
+    return job | fields
+
+
 def test_output_is_plain_text_unless_stdout_is_a_terminal_rich_would_draw_on(on_a_terminal, monkeypatch):
-    from service.cli.output import terminal
+    from zero1.output import terminal
 
     a_terminal = on_a_terminal()
 
@@ -437,14 +447,14 @@ def test_the_cli_loads_rich_only_in_the_commands_that_draw():
 
 
 JOBS = [
-    {"id": 12, "status": "running", "step": 41, "steps": 300, "num_gpus": 4, "min_gpus": 2, "world_size": 2}
+    job_json(id=12, status="running", step=41, num_gpus=4, min_gpus=2, world_size=2)
     | {"latest": {"loss": 1.23456}, "name": "[bold]elastic[/]"},
-    {"id": 11, "status": "succeeded", "step": 299, "steps": 300, "num_gpus": 2, "latest": None, "name": "tiny"},
+    job_json(id=11, status="succeeded", step=299, num_gpus=2, min_gpus=2, latest=None, name="tiny"),
 ]
 
 
 def _jobs_api(request: httpx.Request) -> httpx.Response:
-    return httpx.Response(200, json={"data": JOBS, "count": len(JOBS)})
+    return httpx.Response(200, json={"data": JOBS, "next_cursor": None})
 
 
 def test_jobs_in_a_pipe_prints_the_plain_listing(monkeypatch, capsys):
@@ -472,7 +482,7 @@ def test_jobs_on_a_terminal_is_a_table_with_the_status_coloured(on_a_terminal, m
 
 
 def test_the_watch_line():
-    from service.cli.jobs import _progress
+    from zero1.progress import progress_line as _progress
 
     job = {"step": 149, "steps": 300, "status": "running", "latest": {"loss": 1.5, "tokens_per_s": 37700.4}}
     assert _progress(job) == f"[{'#' * 15}{'.' * 15}] 150/300  loss 1.5000  37,700 tokens/s  running"
@@ -490,9 +500,10 @@ def _watched_api(statuses: list[str]):
             return httpx.Response(200, json={"data": [{"step": 0, "eval_loss": 2.5}]})
         step = next(polls)
         status = statuses[step]
-        job = {"id": 5, "status": status, "step": step, "steps": len(statuses), "error": None}
+        job = job_json(id=5, status=status, step=step, steps=len(statuses))
         job |= {"latest": {"loss": 3.0 - step, "tokens_per_s": 1000.0}}
-        return httpx.Response(200, json=job | ({"error": "rank 1 died"} if status == "failed" else {}))
+        died = {"rank": 1, "node_id": "n1", "exception": "RuntimeError", "message": "died", "traceback": []}
+        return httpx.Response(200, json=job | ({"error": died} if status == "failed" else {}))
 
     return handler
 
@@ -504,7 +515,7 @@ def test_watch_in_a_pipe_redraws_its_line_and_exits_by_the_final_status(monkeypa
     assert out.count("\r") == 3 and out.endswith("3/3  loss 1.0000  eval 2.5000  1,000 tokens/s  succeeded\n")
     fake_api(monkeypatch, _watched_api(["running", "failed"]))
     assert main(["watch", "5", "--interval", "0"]) == 1
-    assert capsys.readouterr().err == "error: rank 1 died\n"
+    assert capsys.readouterr().err == "error: rank 1 on node n1: RuntimeError: died\n"
 
 
 def test_watch_on_a_terminal_draws_a_rich_bar(on_a_terminal, monkeypatch, capsys):
@@ -524,11 +535,11 @@ def test_watch_on_a_terminal_draws_a_rich_bar(on_a_terminal, monkeypatch, capsys
         "failed",
     ], out
     assert "\x1b[31mfailed" in a_terminal.getvalue()  # red
-    assert capsys.readouterr().err == "error: rank 1 died\n"
+    assert capsys.readouterr().err == "error: rank 1 on node n1: RuntimeError: died\n"
 
 
 def test_the_upload_bar_is_one_plain_line_unless_stderr_is_a_terminal(on_a_terminal):
-    from service.cli.bundle import UPLOAD_CHUNK_BYTES, upload_chunks
+    from zero1.bundle import UPLOAD_CHUNK_BYTES, upload_chunks
 
     on_a_terminal()  # a colour terminal's environment; the bar goes to the stream given
 
@@ -565,7 +576,7 @@ MESSAGES += [("end", '{"status": "succeeded"}', "")]
 
 
 def test_sse_messages_from_chunks_split_anywhere():
-    from service.cli.logs import sse_messages
+    from zero1.streams import sse_messages
 
     def parsed(chunks):
         return [(message.event, message.data, message.id) for message in sse_messages(chunks)]
@@ -651,7 +662,7 @@ def test_logs_follow_of_an_unknown_job_a_broken_stream_and_ctrl_c(monkeypatch, c
     assert main(["logs", "9", "-f"]) == 1
     assert capsys.readouterr().err == "zero1: 404 job 9 not found\n"
 
-    monkeypatch.setattr("service.cli.logs.RECONNECT_DELAYS_S", (0, 0))
+    monkeypatch.setattr("zero1.streams.RECONNECT_DELAYS_S", (0, 0))
     rows = [LOG_ROWS[1], LOG_ROWS[2]]
 
     def breaks_after_each_line(request: httpx.Request) -> httpx.Response:  # a line, then the stream is gone

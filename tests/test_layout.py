@@ -32,8 +32,15 @@ def modules() -> dict[str, Path]:
     return found
 
 
+ALIASES = {"zero1": "service.client"}
+"""Packages the wheel installs under another name (pyproject's package-dir): imported by that name."""
+
+
 def _owner(name: str) -> str | None:
     """The module or package of the project that an imported dotted name lands in."""
+    for alias, package in ALIASES.items():
+        if name == alias or name.startswith(alias + "."):
+            name = package + name[len(alias) :]
     while name and name not in modules():
         name = name.rpartition(".")[0]
     return name or None

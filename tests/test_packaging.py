@@ -62,7 +62,9 @@ def venv(wheel, tmp_path_factory) -> Path:
 def test_the_wheel_holds_every_module_the_templates_and_the_migrations(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     sources = [p for folder in ("service", "workers") for p in (ROOT / folder).rglob("*") if p.is_file()]
-    expected = {str(p.relative_to(ROOT)) for p in sources if "__pycache__" not in p.parts}
+    # the client ships as the package zero1 (pyproject's package-dir), every other folder as itself
+    shipped = lambda p: str(p.relative_to(ROOT)).replace("service/client/", "zero1/", 1)
+    expected = {shipped(p) for p in sources if "__pycache__" not in p.parts}
     expected |= {
         f"zero1_migrations/{p.relative_to(ROOT / 'migrations')}"
         for p in (ROOT / "migrations").rglob("*")
@@ -103,6 +105,9 @@ def test_a_wheel_installed_without_extras_migrates_serves_plans_and_lists(venv, 
         assert health is not None and health["status"] == "ok", (tmp_path / "serve.log").read_text()[-3000:]
         jobs = _run(zero1, "jobs", "--url", url, **elsewhere).stdout
         assert jobs.split() == ["id", "status", "step/steps", "gpus", "loss", "name"]
+        # the Python client, as a script imports it from the wheel
+        script = f"from zero1 import Client; print(Client({url!r}).cluster().num_gpus, Client.__module__)"
+        assert _run(venv / "python", "-c", script, **elsewhere).stdout.split()[1] == "zero1.api"
     finally:
         server.terminate()
         server.wait(timeout=60)

@@ -375,6 +375,7 @@ def cli_as(api, monkeypatch):
     TestClient as it came: the same app, routes and database, without a socket)."""
     from service.cli import jobs as cli_jobs
     from service.cli import queue as cli_queue
+    from zero1 import Client
 
     def forward(request: httpx.Request) -> httpx.Response:
         path = request.url.raw_path.decode()
@@ -383,7 +384,8 @@ def cli_as(api, monkeypatch):
 
     def as_user(token: str) -> None:
         def client(args, **_):
-            return httpx.Client(base_url=args.url, transport=httpx.MockTransport(forward), headers=bearer(token))
+            transport = httpx.MockTransport(forward)
+            return Client(http=httpx.Client(base_url=args.url, transport=transport, headers=bearer(token)))
 
         monkeypatch.setattr(cli_jobs, "_client", client)
         monkeypatch.setattr(cli_queue, "_client", client)

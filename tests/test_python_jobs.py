@@ -19,9 +19,9 @@ from fastapi.testclient import TestClient
 from safetensors.torch import load_file
 from sqlalchemy import func, select
 
-from service.cli.bundle import zip_directory
 from service.main import create_app
 from service.store.tables import Job
+from zero1.bundle import zip_directory
 
 from conftest import end_supervisors, make_settings
 from helpers import TERMINAL, wait_job

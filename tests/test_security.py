@@ -695,6 +695,9 @@ class _ViaTestClient:
     def __exit__(self, *exc_info):
         return None
 
+    def close(self) -> None:
+        return None
+
     def get(self, url, **kwargs):
         return self.app_client.get(url, headers=self.headers, **kwargs)
 

@@ -27,9 +27,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.cli.bundle import zip_directory
 from service.scheduling.launcher import supervisor_name
 from workers.runtime.sandbox import RunAs, check_runnable, child_environment, exit_reason
+from zero1.bundle import zip_directory
 
 from conftest import unsearchable_dirs
 from figures import record

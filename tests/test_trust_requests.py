@@ -23,6 +23,7 @@ from service.cli import main
 from service.lockout import LoginLockout
 from service.store.tables import Job, JobEvent, LogLine
 from workers.data.datafiles import MAX_RESOLVE_S, resolve_files
+from zero1 import Client
 
 from conftest import make_settings, serve
 from figures import record
@@ -195,9 +196,9 @@ def cli_on(trusted, monkeypatch):
         response = trusted.request(request.method, str(request.url), headers=request.headers, content=request.read())
         return httpx.Response(response.status_code, headers=response.headers, content=response.read())
 
-    def client(args, *, timeout_s: float = 30) -> httpx.Client:
+    def client(args, *, timeout_s: float = 30) -> Client:
         transport = httpx.MockTransport(through_the_app)
-        return httpx.Client(base_url="http://testserver", headers=bearer(ROOT), transport=transport)
+        return Client(http=httpx.Client(base_url="http://testserver", headers=bearer(ROOT), transport=transport))
 
     monkeypatch.setattr(cli_jobs, "_client", client)
 

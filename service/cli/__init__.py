@@ -1,9 +1,9 @@
 """The `zero1` command: `serve` runs the API; `plan` plans a model offline; `submit`,
 `jobs`, `status`, `watch`, `logs`, `cancel`, `download`, `queue`, `suspend`, `resume` and `priority`
-talk to a running API; `db upgrade` migrates.
+talk to a running API through the Python client (`zero1`, service/client/); `db upgrade` migrates.
 
 May import: service.settings, service.errors, service.auth, service.main, service.schemas,
-service.store, service.planning, workers.memory.
+service.store, service.planning, service.client, workers.memory.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import os
 import sys
 from decimal import Decimal, InvalidOperation
 
-from service.cli.jobs import cmd_cancel, cmd_download, cmd_jobs, cmd_status, cmd_submit, cmd_watch
+from service.cli.jobs import cmd_cancel, cmd_download, cmd_jobs, cmd_status, cmd_submit, cmd_watch, print_api_error
 from service.cli.logs import cmd_logs
 from service.cli.plans import cmd_plan
 from service.cli.queue import cmd_priority, cmd_queue, cmd_resume, cmd_suspend
@@ -164,8 +164,12 @@ def main(argv: list[str] | None = None) -> int:
         "priority": cmd_priority,
         "db": cmd_db,
     }
+    from zero1 import ApiError
+
     try:
         return commands[args.command](args)
+    except ApiError as error:
+        return print_api_error(error)
     except BrokenPipeError:  # `zero1 jobs | head -3`: the reader left, which is no error
         _silence_stdout()
         return 0

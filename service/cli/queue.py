@@ -1,15 +1,16 @@
 """The commands that steer the queue: `zero1 queue` (the waiting jobs in the order they start, why each
 waits, and each owner's GPUs against their quota), `suspend`, `resume` and `priority`. `queue` draws a
-rich table on a terminal and prints plain text otherwise (service/cli/output.py)."""
+rich table on a terminal and prints plain text otherwise (service/client/output.py)."""
 
 from __future__ import annotations
 
 import argparse
 from typing import TYPE_CHECKING
 
-from service.cli.jobs import _api_error, _client
-from service.cli.output import terminal
+from service.cli.jobs import _client
 from service.schemas.printable import escape
+from zero1 import Job
+from zero1.output import terminal
 
 if TYPE_CHECKING:
     from rich.console import Group
@@ -85,45 +86,34 @@ def _queue_tables(queue: dict) -> Group:
 
 def cmd_queue(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        response = client.get("/v1/queue", params={"limit": args.limit})
-    if (code := _api_error(response)) is not None:
-        return code
+        queue = client.queue(limit=args.limit).model_dump(mode="json")
     if (console := terminal()) is not None:
-        console.print(_queue_tables(response.json()))
+        console.print(_queue_tables(queue))
         return 0
-    print("\n".join(queue_lines(response.json())))
+    print("\n".join(queue_lines(queue)))
     return 0
 
 
 def cmd_suspend(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        response = client.post(f"/v1/jobs/{args.job_id}/suspend")
-    if (code := _api_error(response)) is not None:
-        return code
-    job = response.json()
-    if job["status"] == "suspended":
+        job = Job(client, args.job_id).suspend()
+    if job.status == "suspended":
         print(f"job {args.job_id}: suspended")
     else:  # an active job stops at its next step with a checkpoint
-        print(f"job {args.job_id}: suspend requested ({job['status']}; it stops at its next checkpoint)")
+        print(f"job {args.job_id}: suspend requested ({job.status}; it stops at its next checkpoint)")
     return 0
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        response = client.post(f"/v1/jobs/{args.job_id}/resume")
-    if (code := _api_error(response)) is not None:
-        return code
-    job = response.json()
-    print(f"job {args.job_id}: {job['status']} (queue position {job['queue_position']}, priority {job['priority']})")
+        info = Job(client, args.job_id).resume().info
+    print(f"job {args.job_id}: {info.status} (queue position {info.queue_position}, priority {info.priority})")
     return 0
 
 
 def cmd_priority(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        response = client.patch(f"/v1/jobs/{args.job_id}", json={"priority": args.priority})
-    if (code := _api_error(response)) is not None:
-        return code
-    job = response.json()
-    where = f", queue position {job['queue_position']}" if job["queue_position"] else ""
-    print(f"job {args.job_id}: priority {job['priority']} ({job['status']}{where})")
+        info = Job(client, args.job_id).set_priority(args.priority).info
+    where = f", queue position {info.queue_position}" if info.queue_position else ""
+    print(f"job {args.job_id}: priority {info.priority} ({info.status}{where})")
     return 0

@@ -13,7 +13,7 @@ import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from service.cli.output import terminal
+from .output import terminal
 
 SKIPPED_DIRS = frozenset({".git", "__pycache__", ".hg", ".svn", ".mypy_cache", ".pytest_cache", ".ruff_cache"})
 """Directories never bundled: version control and caches. A virtualenv (a directory holding
