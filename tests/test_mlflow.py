@@ -34,7 +34,7 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # nothing leaves the 
 MLFLOW = str(Path(sys.executable).with_name("mlflow"))
 EXPERIMENT = "zero1-tests"
 STEPS_DOWN = 200
-"""Enough that the job still runs when its first points are in MLflow, and is suspended there."""
+"""Enough that the job is still running when it is suspended, after its first 5 steps."""
 
 
 class MlflowServer:
@@ -155,7 +155,9 @@ def test_a_jobs_run_holds_its_rows_params_status_and_final_files(tracked, mlflow
     job = client.post("/v1/jobs", json=body).json()
     done = wait_job(client, job["id"], lambda j: j["status"] in TERMINAL)
     assert done["status"] == "succeeded", done["error"]
-    run = wait_for(lambda: caught_up(mlflow_server, client, job["id"]), bool, what="the run", timeout_s=60)
+    run = wait_for(
+        lambda: caught_up(mlflow_server, client, job["id"]), bool, what="the run", timeout_s=60, interval_s=0.5
+    )
     rows = rows_of(client, job["id"])
     assert len(rows) == 12
     run_id = run.info.run_id
@@ -190,16 +192,21 @@ def test_with_mlflow_down_mid_job_the_job_succeeds_and_the_run_catches_up(tracke
     port and store, and the run catches up within a minute."""
     client, _ = tracked
     job_id = client.post("/v1/jobs", json=job_body(steps=STEPS_DOWN, name="down")).json()["id"]
-    wait_for(
-        lambda: (run := the_run(mlflow_server, job_id)) and history(mlflow_server, run.info.run_id, "loss"),
-        bool,
-        what="the run's first points",
-    )
+    wait_job(client, job_id, lambda j: j["status"] in TERMINAL or (j["step"] or 0) >= 5, what="its first steps")
     suspend = client.post(f"/v1/jobs/{job_id}/suspend")
     assert suspend.status_code == 202, suspend.text
     suspended = wait_job(client, job_id, lambda j: j["status"] in ("suspended", *TERMINAL), what="suspended")
     assert suspended["status"] == "suspended", suspended["error"]
-    wait_for(lambda: the_run(mlflow_server, job_id).data.tags["zero1.status"], lambda s: s == "suspended", what="tag")
+    before = wait_for(  # the run holds every row so far, and knows the job is suspended
+        lambda: the_run(mlflow_server, job_id),
+        lambda run: (
+            run is not None
+            and run.data.tags["zero1.status"] == "suspended"
+            and len(history(mlflow_server, run.info.run_id, "loss")) == len(rows_of(client, job_id))
+        ),
+        what="the suspended job's run",
+        interval_s=0.5,
+    )
     mlflow_server.stop()
     stopped_at = time.monotonic()
     assert client.post(f"/v1/jobs/{job_id}/resume").status_code == 202
@@ -207,10 +214,17 @@ def test_with_mlflow_down_mid_job_the_job_succeeds_and_the_run_catches_up(tracke
     assert done["status"] == "succeeded", done["error"]
     job_s = time.monotonic() - stopped_at
     behind = client.get(f"/v1/jobs/{job_id}").json()["mlflow"]
+    assert behind["run_id"] == before.info.run_id
     assert behind["exported_step"] < STEPS_DOWN - 1  # it could not export while the server was down
     assert client.get(f"/jobs/{job_id}").status_code == 200
     back_at = mlflow_server.start()
-    run = wait_for(lambda: caught_up(mlflow_server, client, job_id), bool, what="the run's catching up", timeout_s=60)
+    run = wait_for(  # polled twice a second: a one-worker server is the exporter's too
+        lambda: caught_up(mlflow_server, client, job_id),
+        bool,
+        what="the run's catching up",
+        timeout_s=60,
+        interval_s=0.5,
+    )
     catch_up_s = time.monotonic() - back_at
     rows = rows_of(client, job_id)
     assert len(rows) == STEPS_DOWN and run.info.status == "FINISHED"
@@ -227,7 +241,7 @@ def test_a_batch_sent_again_after_a_crash_is_stored_once(tracked, mlflow_server)
     client, settings = tracked
     job_id = client.post("/v1/jobs", json=job_body(steps=8, name="resent")).json()["id"]
     assert wait_job(client, job_id, lambda j: j["status"] in TERMINAL)["status"] == "succeeded"
-    wait_for(lambda: caught_up(mlflow_server, client, job_id), bool, what="the run", timeout_s=60)
+    wait_for(lambda: caught_up(mlflow_server, client, job_id), bool, what="the run", timeout_s=60, interval_s=0.5)
     database = Database(settings.database_url)
     try:
         with database.session() as session:
