@@ -2,5 +2,5 @@
 credentials), on a thread of its own, from the rows the database already holds; what a run holds
 (runs), how MLflow is called (mlflow_client) and the exporter that resumes from its cursor (exporter).
 
-May import: service.settings, service.store, service.schemas, workers.training.storage.
+May import: service.settings, service.store, service.schemas.
 """
