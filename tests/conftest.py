@@ -92,14 +92,23 @@ def examples_app(ray_cluster, tmp_path_factory) -> Iterator[tuple[TestClient, Se
 
 def end_supervisors(namespace: str) -> None:
     """Kill every actor of a Ray namespace (an app's supervisors, a test's stand-ins) and remove its
-    placement groups: a job a test leaves running never holds the session cluster's GPUs."""
+    placement groups: a job a test leaves running never holds the session cluster's GPUs.
+
+    ray.kill only asks: a supervisor may still be creating its group for a moment after it. The
+    groups are removed once the namespace's actors are gone, so none is created after the pass."""
     import ray
 
     from service.scheduling.launcher import remove_placement_groups
 
-    for entry in ray.util.list_named_actors(all_namespaces=True):
-        if entry["namespace"] == namespace:
+    named = lambda: [e for e in ray.util.list_named_actors(all_namespaces=True) if e["namespace"] == namespace]
+    for entry in named():
+        try:
             ray.kill(ray.get_actor(entry["name"], namespace=namespace), no_restart=True)
+        except ValueError:  # it ended on its own since the listing
+            continue
+    deadline = time.monotonic() + 30
+    while named() and time.monotonic() < deadline:
+        time.sleep(0.05)
     remove_placement_groups(namespace)
 
 

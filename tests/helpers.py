@@ -26,6 +26,9 @@ T = TypeVar("T")
 TINY = {"kind": "gpt", "vocab_size": 64, "n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32}
 """A GPT small enough that a few hundred steps on 2 CPU ranks take seconds."""
 FAST = {"lr": 0.003, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0, "max_grad_norm": 1.0}
+COSINE = FAST | {"schedule": {"kind": "cosine", "warmup_steps": 20, "min_lr_ratio": 0.1}}
+"""FAST's peak after 20 steps of warmup, then down to a tenth by cosine: a retried or preempted job's
+rates must be the uninterrupted run's at every step."""
 """Hyperparameters under which TINY's loss visibly falls within a few dozen steps."""
 LLAMA_2_7B = {
     "model_type": "llama",

@@ -32,7 +32,7 @@ from workers.training.reader import read_shard
 
 from conftest import make_settings
 from figures import record
-from helpers import free_port, job_body, job_checkpoint_dir, wait_for
+from helpers import COSINE, free_port, job_body, job_checkpoint_dir, wait_for
 
 ZERO1 = str(Path(sys.executable).with_name("zero1"))
 
@@ -100,7 +100,7 @@ def test_a_killed_rank_is_retried_from_its_checkpoint_and_ends_where_an_uninterr
     # the database trails the ranks by up to a second of rows (their batches): killing at step
     # 105 leaves rows after the checkpoint of step 99 stored and the next checkpoint far off
     steps, every = 300, 100
-    body = job_body(steps=steps, checkpoint_every=every, max_retries=2)
+    body = job_body(steps=steps, checkpoint_every=every, max_retries=2, optimizer=COSINE)
     victim = client.post("/v1/jobs", json={**body, "name": "killed"}).json()["id"]
     reference = client.post("/v1/jobs", json={**body, "name": "uninterrupted"}).json()["id"]
     job = lambda job_id: client.get(f"/v1/jobs/{job_id}").json()
@@ -137,6 +137,9 @@ def test_a_killed_rank_is_retried_from_its_checkpoint_and_ends_where_an_uninterr
     )
     assert len(killed) == len(clean) == 2
     assert_same_state(killed, clean)  # bit for bit: parameters, moments and step counts
+    straight = client.get(f"/v1/jobs/{reference}/metrics", params={"limit": 10_000}).json()["data"]
+    assert [(m["lr"], m["loss"]) for m in curve] == [(m["lr"], m["loss"]) for m in straight]  # the cosine's rates too
+    assert curve[0]["lr"] == 0.003 / 20 and curve[-1]["lr"] < 0.0004
     record(
         "a rank killed, retried",
         faults=1,

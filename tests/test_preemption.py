@@ -17,7 +17,7 @@ import pytest
 
 from conftest import make_settings, serve
 from figures import record
-from helpers import TERMINAL, job_body, job_checkpoint_dir, wait_for, wait_job
+from helpers import COSINE, TERMINAL, job_body, job_checkpoint_dir, wait_for, wait_job
 from test_elastic import _gated_bundle, _set_gate
 from test_faults import assert_same_state, final_shards, transitions
 from test_python_jobs import EXAMPLE_DIR, example, upload
@@ -70,7 +70,7 @@ def running_past(client, job_id: int, step: int, headers: dict | None = None) ->
 def test_a_higher_priority_job_stops_a_lower_one_which_resumes_and_ends_bit_for_bit(preempting):
     client, settings = preempting
     steps = 300
-    body = job_body(num_gpus=4, steps=steps, checkpoint_every=100, priority=10, name="victim")
+    body = job_body(num_gpus=4, steps=steps, checkpoint_every=100, priority=10, name="victim", optimizer=COSINE)
     victim = submit(client, body)
     running_past(client, victim, 20)
     urgent = submit(client, job_body(num_gpus=2, steps=10, priority=90, name="urgent"))
@@ -97,6 +97,10 @@ def test_a_higher_priority_job_stops_a_lower_one_which_resumes_and_ends_bit_for_
     resumed = final_shards(settings.database_url, Path(settings.checkpoint_uri), victim, step=steps - 1)
     straight = final_shards(settings.database_url, Path(settings.checkpoint_uri), reference, step=steps - 1)
     assert_same_state(resumed, straight)  # the same N, and the checkpoint at the step it stopped
+    rates = lambda job_id: [
+        (m["lr"], m["loss"]) for m in client.get(f"/v1/jobs/{job_id}/metrics?limit=10000").json()["data"]
+    ]
+    assert rates(victim) == rates(reference)  # the cosine's rate and the loss at every step
     record(
         "preempted by priority 90: checkpointed, requeued, resumed",
         faults=1,
