@@ -31,6 +31,7 @@ from workers.training.staging import fetch_weights
 
 import helpers
 from conftest import make_settings, serve
+from test_artifacts import LLAMA
 
 ALICE, BOB, ROOT = (f"{user}-{secrets.token_urlsafe(24)}" for user in ("alice", "bob", "root"))
 TOKENS = f"alice:{ALICE},bob:{BOB},root:{ROOT}:admin"
@@ -275,19 +276,6 @@ def test_a_rank_refuses_weights_of_another_shape_naming_the_parameter(source, tm
     assert refused.value.reason == (
         "parameter transformer.wte.weight has shape (64, 32) in job 1's final weights, (64, 64) in this job's model"
     )
-
-
-LLAMA = {
-    "model_type": "llama",
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "max_position_embeddings": 32,
-    "tie_word_embeddings": True,
-}
 
 
 def test_an_hf_model_starts_from_its_save_pretrained_weights(tmp_path):
