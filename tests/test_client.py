@@ -122,6 +122,7 @@ def test_wait_times_out_and_a_job_is_suspended_resumed_and_cancelled(through):
     job.suspend()  # a queued job leaves the queue at once; a running one at its next step
     wait_for(lambda: job.refresh().status, lambda status: status == "suspended", what="the job suspended")
     assert job.resume().status == "queued" and job.info.queue_position == 1
-    assert [event.to_status for event in job.events()][-2:] == ["suspended", "queued"]
+    changes = [(event.from_status, event.to_status) for event in job.events()]
+    assert ("suspended", "queued") in changes  # the scheduler may have started it again since
     job.cancel()
     assert job.wait(timeout=120, interval=0.05).status == "cancelled" and job.done
