@@ -49,8 +49,10 @@ class Job:
             self.refresh()
         return self._info
 
-    def __repr__(self) -> str:
-        return f"Job(id={self.id}, name={self.info.name!r}, status={self.status!r})"
+    def __repr__(self) -> str:  # what it knows: a repr never asks the API
+        if self._info is None:
+            return f"Job(id={self.id})"
+        return f"Job(id={self.id}, name={self._info.name!r}, status={self._info.status!r})"
 
     @property
     def id(self) -> int:
