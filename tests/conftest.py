@@ -247,11 +247,13 @@ def pytest_terminal_summary(terminalreporter) -> None:
             terminalreporter.write_line(line)
 
 
-def unsearchable_dirs(*paths: str) -> list[Path]:
-    """The directories above `paths` that other users cannot search (as /root is here, above the interpreter)."""
+def unsearchable_dirs(*paths: str, inclusive: bool = False) -> list[Path]:
+    """The directories above `paths` (and, `inclusive`, the paths themselves) that other users cannot
+    search (as /root is here, above the interpreter)."""
     found: list[Path] = []
     for path in paths:
-        for directory in Path(path).resolve().parents:
+        resolved = Path(path).resolve()
+        for directory in ([resolved] if inclusive else []) + list(resolved.parents):
             if not directory.stat().st_mode & stat.S_IXOTH and directory not in found:
                 found.append(directory)
     return found
@@ -259,9 +261,11 @@ def unsearchable_dirs(*paths: str) -> list[Path]:
 
 @pytest.fixture(scope="module")
 def searchable() -> Iterator[None]:
-    """Every uid can start this Python and import zero1, as ZERO1_RUN_AS needs (docs/security.md):
-    each directory above them that others cannot search gets o+x for the module, and its mode back after."""
+    """Every uid can start this Python, import zero1 and reach the temporary directory, as ZERO1_RUN_AS
+    needs (docs/security.md): each directory on the way that others cannot search gets o+x for the
+    module, and its mode back after (a CI machine's /tmp may be private)."""
     blocked = unsearchable_dirs(os.path.realpath(sys.executable), str(Path(__file__).resolve().parents[1]))
+    blocked += [d for d in unsearchable_dirs(tempfile.gettempdir(), inclusive=True) if d not in blocked]
     modes = {directory: directory.stat().st_mode for directory in blocked}
     for directory, mode in modes.items():
         os.chmod(directory, mode | stat.S_IXOTH)

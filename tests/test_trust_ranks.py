@@ -339,6 +339,17 @@ def test_each_mapped_uid_is_checked_at_start_and_a_blocked_interpreter_is_named(
         check_runnable(RunAs(*NOBODY))
 
 
+def test_a_temporary_directory_a_mapped_uid_cannot_reach_is_named_at_start(searchable, tmp_path, monkeypatch):
+    """A child enters its working directory before it drops root: a private TMPDIR would fail each
+    child only at its first absolute path (a staged input, its code copy), so the start check says so."""
+    check_runnable(RunAs(*NOBODY))  # the interpreter and zero1 are reachable (searchable), and so is TMPDIR
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    monkeypatch.setattr(tempfile, "tempdir", str(private))
+    with pytest.raises(ValueError, match=rf"uid 65534 cannot reach the temporary directory {private}.*set TMPDIR"):
+        check_runnable(RunAs(*NOBODY))
+
+
 def test_the_childs_environment_is_built_from_an_allowlist():
     environ = {
         "PATH": "/usr/bin",

@@ -283,13 +283,16 @@ def call_in_child(
 
 
 def check_runnable(run_as: RunAs) -> None:
-    """ValueError, saying what to change, unless a child under `run_as` can start this Python and
-    import zero1 (every directory above the interpreter and the installed code must be searchable
-    by that uid, the files readable)."""
-    command = [sys.executable, "-c", "import workers.runtime.child"]
+    """ValueError, saying what to change, unless a child under `run_as` can start this Python, import
+    zero1 (every directory above the interpreter and the installed code must be searchable by that
+    uid, the files readable) and reach the temporary directory, where its scratch home, its copy of a
+    code bundle and the inputs staged for it are made (a child enters its working directory before
+    it drops root, so a temporary directory it cannot search fails only on its first absolute path)."""
+    scratch = tempfile.gettempdir()
+    probe = "import os, sys, workers.runtime.child; sys.exit(0 if os.access(sys.argv[1], os.X_OK) else 3)"
     try:
         done = subprocess.run(
-            command,
+            [sys.executable, "-c", probe, scratch],
             user=run_as.uid,
             group=run_as.gid,
             extra_groups=[],
@@ -304,6 +307,12 @@ def check_runnable(run_as: RunAs) -> None:
             f"ZERO1_RUN_AS: uid {run_as.uid} cannot run {sys.executable}: every directory above it (and "
             "above zero1's installation) must be searchable by that uid (chmod o+x)"
         ) from None
+    if done.returncode == 3:
+        raise ValueError(
+            f"ZERO1_RUN_AS: uid {run_as.uid} cannot reach the temporary directory {scratch}, where its children's "
+            "scratch and staged inputs are made: it and every directory above it must be searchable by that "
+            "uid (chmod o+x), or set TMPDIR to one that is"
+        )
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or [""])[-1]
         raise ValueError(f"ZERO1_RUN_AS: uid {run_as.uid} runs Python but cannot import zero1: {last}")
