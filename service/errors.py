@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.schemas.data_specs import DATA_KINDS
 from service.schemas.model_specs import MODEL_KINDS
+from workers.config import FieldError
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,11 @@ def describe_validation_errors(errors: list[dict[str, Any]]) -> tuple[str, list[
         field = _field_path(tuple(err.get("loc", ())))
         msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
         kind = err.get("type", "value_error")
-        if kind == "json_invalid":  # loc is ("body", character position)
+        named = err.get("ctx", {}).get("error")
+        if isinstance(named, FieldError):  # a check across fields names the one to change, under its model's path
+            field = named.field if field == "body" else f"{field}.{named.field}"
+            msg = named.reason
+        elif kind == "json_invalid":  # loc is ("body", character position)
             position = err["loc"][-1] if len(err.get("loc", ())) > 1 else 0
             field, msg = "body", f"invalid JSON at character {position} ({err.get('ctx', {}).get('error')})"
         elif isinstance(err.get("input"), bytes):  # the body was not parsed as JSON

@@ -287,7 +287,11 @@ def test_bad_datasets_are_422s_naming_the_field(data_app, tmp_path):
         (dict(path=str(root / "corpus.jsonl"), tokenizer=str(root / "bad.json")), "data.tokenizer", "not a tokenizer"),
         (dict(path=str(root / "corpus.jsonl"), text_field="body"), "data.text_field", "'body' is not a column"),
         (dict(path=str(root / "empty.jsonl")), "data.path", "the dataset is empty"),
-        (dict(path=str(root / "corpus.jsonl"), format="text", text_field="body"), "data", "only applies to jsonl"),
+        (
+            dict(path=str(root / "corpus.jsonl"), format="text", text_field="body"),
+            "data.text_field",
+            "only applies to jsonl",
+        ),
     ]
     for data, field, text in cases:
         r = client.post("/v1/jobs", params={"dry_run": True}, json=dataset_job(**data))

@@ -161,7 +161,7 @@ def test_an_elastic_job_starts_small_grows_shrinks_and_ends_where_an_unresized_r
 @pytest.mark.parametrize(
     ("overrides", "text"),
     [
-        ({"min_gpus": 3, "num_gpus": 2}, "min_gpus (3) must be <= num_gpus (2)"),
+        ({"min_gpus": 3, "num_gpus": 2}, "min_gpus: min_gpus (3) must be <= num_gpus (2)"),
         (
             {"min_gpus": 3, "num_gpus": 4, "global_batch_size": 10},
             "no world size N in [min_gpus, num_gpus] = [3, 4] divides the global batch (10) into micro-batches of 2",
@@ -171,6 +171,7 @@ def test_an_elastic_job_starts_small_grows_shrinks_and_ends_where_an_unresized_r
 def test_an_elastic_spec_without_an_allowed_world_size_is_a_422_naming_the_numbers(client, overrides, text):
     response = client.post("/v1/jobs", json=job_body(**overrides))
     assert response.status_code == 422 and text in response.json()["message"], response.text
+    assert response.json()["detail"][0]["field"] == "min_gpus", response.text  # not "body" (issue 32)
 
 
 def test_an_elastic_job_is_planned_at_the_fewest_gpus_it_runs_on(client):

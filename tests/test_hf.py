@@ -191,7 +191,7 @@ def test_a_qwen2_config_with_tied_embeddings_counts_them_once(hf_client):
         ),
         ({"config": TINY_LLAMA}, {"seq_len": 33}, "seq_len", r"seq_len \(33\) must be <= .* \(32\)"),
         ({"config": {"vocab_size": 10}}, {}, "model.config", "needs model_type"),
-        ({"config": TINY_LLAMA, "path": "x"}, {}, "model", "exactly one of model.config or model.path"),
+        ({"config": TINY_LLAMA, "path": "x"}, {}, "model.path", "exactly one of model.config or model.path"),
     ],
     ids=[
         "hub-id",

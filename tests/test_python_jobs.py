@@ -164,10 +164,14 @@ def test_a_python_job_needs_a_known_bundle_and_a_seq_len(served):
     assert f"code {unknown} is not known: upload it with POST /v1/code" in r.json()["message"]
     r = client.post("/v1/jobs", json={k: v for k, v in example(unknown, model=model).items() if k != "code"})
     assert r.status_code == 422 and "a python model needs code" in r.text, r.text
+    assert r.json()["detail"][0]["field"] == "code", r.text
     r = client.post("/v1/jobs", json={**example(unknown, model=model), "seq_len": None})
     assert r.status_code == 422 and "a python model needs seq_len" in r.text, r.text
+    # named as the field, and without a note about code to one who gave it (issue 32)
+    assert r.json()["detail"][0]["field"] == "seq_len" and "/v1/code" not in r.text, r.text
     r = client.post("/v1/plan", json={"model": {"kind": "mlp", "sizes": [4, 2]}, "code": unknown})
     assert r.status_code == 422 and "code only applies to a python model, not to a mlp model" in r.text, r.text
+    assert r.json()["detail"][0]["field"] == "code", r.text
 
 
 def test_an_exception_in_user_code_at_run_time_fails_the_attempt_with_its_traceback(served, tmp_path):

@@ -137,3 +137,4 @@ def test_a_schedule_that_cannot_run_is_a_422_that_says_why(client, schedule, ste
     body = helpers.job_body(steps=steps, optimizer={**helpers.FAST, "schedule": schedule})
     r = client.post("/v1/jobs", params={"dry_run": True}, json=body)
     assert r.status_code == 422 and text in r.json()["message"], r.text
+    assert r.json()["detail"][0]["field"].startswith(("optimizer.schedule", "optimizer")), r.text  # never "body"

@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from service.schemas.fields import Body, Float, Int, Text
-from workers.config import DATASET_FORMATS, DatasetSpec, SyntheticSpec, TextSpec, default_of
+from workers.config import DATASET_FORMATS, DatasetSpec, FieldError, SyntheticSpec, TextSpec, default_of
 
 
 class SyntheticDataSpec(Body):
@@ -81,9 +81,14 @@ class DatasetDataSpec(Body):
     @model_validator(mode="after")
     def _text_reads_text(self) -> DatasetDataSpec:
         if self.format == "text" and self.text_field != "text":
-            raise ValueError(f"text_field ({self.text_field!r}) only applies to jsonl, parquet and csv: text is text")
+            raise FieldError(
+                "text_field", f"text_field ({self.text_field!r}) only applies to jsonl, parquet and csv: text is text"
+            )
         if self.tokenizer_digest is not None and self.tokenizer in (None, "bytes"):
-            raise ValueError(f"tokenizer_digest applies to a tokenizer file or directory, not to {self.tokenizer!r}")
+            raise FieldError(
+                "tokenizer_digest",
+                f"tokenizer_digest applies to a tokenizer file or directory, not to {self.tokenizer!r}",
+            )
         return self
 
     def to_spec(self, *, data_roots: Sequence[str] = (), cache_dir: str | None = None) -> DatasetSpec:

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from service.schemas.fields import Body, Int, Text, no_nul
-from workers.config import HFSpec, PythonSpec
+from workers.config import FieldError, HFSpec, PythonSpec
 from workers.memory import model as memory
 
 
@@ -106,9 +106,9 @@ class HFModelSpec(Body):
     def _one_source(self) -> HFModelSpec:
         if (self.config is None) == (self.path is None):
             given = "both" if self.config is not None else "neither"
-            raise ValueError(f"exactly one of model.config or model.path is required, got {given}")
+            raise FieldError("path", f"exactly one of model.config or model.path is required, got {given}")
         if self.digest is not None and self.path is None:
-            raise ValueError("model.digest applies to a model.path only")
+            raise FieldError("digest", "model.digest applies to a model.path only")
         return self
 
     def to_spec(self, *, vocab_size: int, block_size: int, model_roots: Sequence[str] = ()) -> HFSpec:

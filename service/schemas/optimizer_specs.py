@@ -9,7 +9,7 @@ from pydantic import Field, model_validator
 
 from service.schemas.fields import Body, Bool, Float, Int
 from workers import limits
-from workers.config import SCHEDULE_KINDS, OptimizerSpec, ScheduleSpec, default_of
+from workers.config import SCHEDULE_KINDS, FieldError, OptimizerSpec, ScheduleSpec, default_of
 
 MAX_STEPS = 100_000_000
 """The most steps a job may train (JobSpec.steps): a schedule's step counts are bounded by it too."""
@@ -42,9 +42,9 @@ class ScheduleConfig(Body):
     @model_validator(mode="after")
     def _decay_steps_for_wsd(self) -> ScheduleConfig:
         if self.kind == "wsd" and self.decay_steps is None:
-            raise ValueError("decay_steps is required for a wsd schedule (the steps of its final decay)")
+            raise FieldError("decay_steps", "decay_steps is required for a wsd schedule (the steps of its final decay)")
         if self.kind != "wsd" and self.decay_steps is not None:
-            raise ValueError(f"decay_steps applies to a wsd schedule only, not to {self.kind!r}")
+            raise FieldError("decay_steps", f"decay_steps applies to a wsd schedule only, not to {self.kind!r}")
         return self
 
     def check_steps(self, steps: int) -> None:
@@ -53,7 +53,10 @@ class ScheduleConfig(Body):
         if self.warmup_steps + decay > steps:
             parts = "warmup_steps" + (" + decay_steps" if decay else "")
             numbers = f"{self.warmup_steps}" + (f" + {decay}" if decay else "")
-            raise ValueError(f"optimizer.schedule.{parts} ({numbers}) must be <= steps ({steps})")
+            raise FieldError(
+                f"optimizer.schedule.{parts.split()[0]}",
+                f"optimizer.schedule.{parts} ({numbers}) must be <= steps ({steps})",
+            )
 
     def to_spec(self) -> ScheduleSpec:
         return ScheduleSpec(**self.model_dump())

@@ -20,7 +20,7 @@ from service.schemas.model_specs import (
     TracedModelSpec,
 )
 from service.schemas.optimizer_specs import MAX_STEPS, OptimizerConfig
-from workers.config import InitSpec, ModelKind, TrainConfig, default_of
+from workers.config import FieldError, InitSpec, ModelKind, TrainConfig, default_of
 from workers.memory import model as memory
 
 if TYPE_CHECKING:
@@ -49,13 +49,19 @@ def _check_code(model: ModelSpec, *, code: str | None, seq_len: int | None, acti
     no other kind takes a bundle."""
     if not isinstance(model, PythonModelSpec):
         if code is not None:
-            raise ValueError(f"code only applies to a python model, not to a {model.kind} model")
+            raise FieldError("code", f"code only applies to a python model, not to a {model.kind} model")
         return
-    missing = [name for name, value in (("code", code), ("seq_len", seq_len)) if value is None]
-    if missing:
-        raise ValueError(f"a python model needs {' and '.join(missing)} (code: POST /v1/code answers it)")
+    if code is None:
+        raise FieldError(
+            "code", "a python model needs code: the sha256:<hex> that POST /v1/code answered (zero1 ... --code DIR)"
+        )
+    if seq_len is None:
+        raise FieldError("seq_len", "a python model needs seq_len: the sequence length it is planned and trained at")
     if activation_checkpointing:
-        raise ValueError("activation_checkpointing applies to gpt and hf models; a python model checkpoints its own")
+        raise FieldError(
+            "activation_checkpointing",
+            "activation_checkpointing applies to gpt and hf models; a python model checkpoints its own",
+        )
 
 
 class PlanRequest(Body):
@@ -89,19 +95,20 @@ class PlanRequest(Body):
     def _one_source_of_params(self) -> PlanRequest:
         if (self.num_params is None) == (self.model is None):
             given = "both" if self.model is not None else "neither"
-            raise ValueError(f"exactly one of num_params or model is required, got {given}")
+            raise FieldError("model", f"exactly one of num_params or model is required, got {given}")
         if self.model is None:
             extra = [f for f in (*_MODEL_ONLY_FIELDS, "method", "code") if getattr(self, f) is not None]
             if extra:
-                raise ValueError(f"{', '.join(extra)} only apply to a plan for a model, not to num_params")
+                raise FieldError(extra[0], f"{', '.join(extra)} only apply to a plan for a model, not to num_params")
             return self
         _check_code(
             self.model, code=self.code, seq_len=self.seq_len, activation_checkpointing=self.activation_checkpointing
         )
         if isinstance(self.model, TracedModelSpec):
             if self.method == "model":
-                raise ValueError(
-                    f"an {self.model.kind} model is planned by its trace only: method must be traced (or omitted)"
+                raise FieldError(
+                    "method",
+                    f"an {self.model.kind} model is planned by its trace only: method must be traced (or omitted)",
                 )
             self.method = "traced"
             return self
@@ -114,12 +121,12 @@ def _check_model(model: GPTModelSpec | MLPModelSpec, *, seq_len: int | None) -> 
     both are checked by its trace)."""
     if seq_len is not None:
         if not isinstance(model, GPTModelSpec):
-            raise ValueError("seq_len only applies to a gpt model")
+            raise FieldError("seq_len", "seq_len only applies to a gpt model")
         if seq_len > model.block_size:
-            raise ValueError(f"seq_len ({seq_len}) must be <= model.block_size ({model.block_size})")
+            raise FieldError("seq_len", f"seq_len ({seq_len}) must be <= model.block_size ({model.block_size})")
     num_params = model.to_spec().num_params
     if num_params > memory.MAX_NUM_PARAMS:
-        raise ValueError(f"model has {num_params:,} parameters, above the limit of {memory.MAX_NUM_PARAMS:,}")
+        raise FieldError("model", f"model has {num_params:,} parameters, above the limit of {memory.MAX_NUM_PARAMS:,}")
 
 
 class RecommendRequest(Body):
@@ -144,8 +151,9 @@ class RecommendRequest(Body):
     @model_validator(mode="after")
     def _consistent(self) -> RecommendRequest:
         if isinstance(self.model, TracedModelSpec):
-            raise ValueError(
-                f"model: recommendations for an {self.model.kind} model are not supported yet; POST /v1/plan plans one"
+            raise FieldError(
+                "model",
+                f"recommendations for an {self.model.kind} model are not supported yet; POST /v1/plan plans one",
             )
         _check_model(self.model, seq_len=self.seq_len)
         return self
@@ -273,17 +281,19 @@ class JobSpec(Body):
         if self.min_gpus is None or self.min_gpus == self.num_gpus:
             per_step = self.micro_batch_size * self.num_gpus
             if self.global_batch_size is not None and self.global_batch_size % per_step:
-                raise ValueError(
+                raise FieldError(
+                    "global_batch_size",
                     f"global_batch_size ({self.global_batch_size}) must be a multiple of micro_batch_size "
-                    f"({self.micro_batch_size}) x num_gpus ({self.num_gpus}) = {per_step}"
+                    f"({self.micro_batch_size}) x num_gpus ({self.num_gpus}) = {per_step}",
                 )
         elif self.min_gpus > self.num_gpus:
-            raise ValueError(f"min_gpus ({self.min_gpus}) must be <= num_gpus ({self.num_gpus})")
+            raise FieldError("min_gpus", f"min_gpus ({self.min_gpus}) must be <= num_gpus ({self.num_gpus})")
         elif not self.world_sizes():
-            raise ValueError(
+            raise FieldError(
+                "min_gpus",
                 f"no world size N in [min_gpus, num_gpus] = [{self.min_gpus}, {self.num_gpus}] divides the global "
                 f"batch ({self.batch_size}) into micro-batches of {self.micro_batch_size}: "
-                f"N x micro_batch_size must divide global_batch_size"
+                f"N x micro_batch_size must divide global_batch_size",
             )
         _check_code(
             self.model, code=self.code, seq_len=self.seq_len, activation_checkpointing=self.activation_checkpointing
@@ -291,16 +301,21 @@ class JobSpec(Body):
         self.optimizer.schedule.check_steps(self.steps)
         if isinstance(self.model, MLPModelSpec):
             if self.seq_len is not None or self.activation_checkpointing:
-                raise ValueError("seq_len and activation_checkpointing only apply to a gpt model")
+                field = "seq_len" if self.seq_len is not None else "activation_checkpointing"
+                raise FieldError(field, "seq_len and activation_checkpointing only apply to a gpt model")
             if not isinstance(self.data, SyntheticDataSpec):
-                raise ValueError("an mlp model trains on synthetic data only")
+                raise FieldError("data.kind", "an mlp model trains on synthetic data only")
         elif isinstance(self.model, TracedModelSpec):
             return self  # seq_len and the parameter count are checked by its trace, at admission
         elif self.seq_len is not None and self.seq_len > self.model.block_size:
-            raise ValueError(f"seq_len ({self.seq_len}) must be <= model.block_size ({self.model.block_size})")
+            raise FieldError(
+                "seq_len", f"seq_len ({self.seq_len}) must be <= model.block_size ({self.model.block_size})"
+            )
         num_params = self.model.to_spec().num_params
         if num_params > memory.MAX_NUM_PARAMS:
-            raise ValueError(f"model has {num_params:,} parameters, above the limit of {memory.MAX_NUM_PARAMS:,}")
+            raise FieldError(
+                "model", f"model has {num_params:,} parameters, above the limit of {memory.MAX_NUM_PARAMS:,}"
+            )
         return self
 
     def to_config(

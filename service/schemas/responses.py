@@ -7,7 +7,7 @@ import math
 from datetime import datetime
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, computed_field, field_validator
 
 from service.schemas.fields import JobStatus, OptimizerName, Precision
 
@@ -107,8 +107,14 @@ class JobPublic(BaseModel):
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
-    step: int | None = Field(description="Last step with stored metrics.")
+    step: int | None = Field(description="The index (from 0) of the last step with stored metrics; null before it.")
     steps: int
+
+    @computed_field(description="Steps done, a count beside steps (step + 1): 300 of 300 when it is done.")
+    @property
+    def steps_done(self) -> int:
+        return 0 if self.step is None else self.step + 1
+
     latest: dict | None = Field(
         description="The last metrics row; null before it, and unless the caller owns the job or is an admin."
     )
