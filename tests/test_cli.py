@@ -140,9 +140,9 @@ def test_plan_recommend_json_is_the_apis_json(client, capsys):
 
 def test_plan_recommend_that_fits_nowhere_says_why_and_shows_the_least_plan():
     out = run_zero1("plan", *GPT_7B_FLAGS, "--recommend", "--global-batch-size", "64", "--max-gpus", "1")
-    assert out.returncode == 1 and out.stdout == ""
-    assert out.stderr.startswith("does not fit: nothing fits within max_gpus = 1: the least per-GPU plan found is")
-    assert "N >= 2 would fit" in out.stderr and "min_gpus at stage 1: 2" in out.stderr
+    assert out.returncode == 1 and out.stderr == ""  # the answer, on stdout: a pipe to head shows it
+    assert out.stdout.startswith("does not fit: nothing fits within max_gpus = 1: the least per-GPU plan found is")
+    assert "N >= 2 would fit" in out.stdout and "min_gpus at stage 1: 2" in out.stdout
 
 
 @pytest.mark.parametrize(
@@ -491,6 +491,31 @@ def test_the_watch_line():
     assert _progress(queued) == f"[{'.' * 30}] 0/300  loss -  - tokens/s  queued"
 
 
+def test_submit_dry_run_that_does_not_fit_prints_why_and_the_plan_to_stdout(client, monkeypatch, capsys, tmp_path):
+    """As a fit's plan does: `| head` shows it; the exit status says it does not fit."""
+    spec = ROOT / "examples" / "gpt-7.5b.json"
+    refused = client.post("/v1/jobs", params={"dry_run": True}, json=json.loads(spec.read_text()))
+    assert refused.status_code == 422 and refused.json()["error"] == "does_not_fit"
+    fake_api(monkeypatch, lambda request: httpx.Response(422, json=refused.json()))
+    assert main(["submit", "--dry-run", str(spec)]) == 1
+    out, err = capsys.readouterr()
+    assert err == "" and out.startswith("does not fit: the per-GPU plan at N = 2 is 87.16 GB"), (out, err)
+    assert "7,500,029,952 parameters" in out.splitlines()[1]
+
+
+def test_status_shows_steps_done_beside_steps_both_counts(monkeypatch, capsys):
+    """A finished 300-step job is 300 of 300, as watch and jobs say (GET's step is the last index, 299)."""
+    done = job_json(id=3, status="succeeded", step=299)
+
+    def api(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"data": []} if request.url.path.endswith("/events") else done)
+
+    fake_api(monkeypatch, api)
+    assert main(["status", "3"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert (shown["steps_done"], shown["steps"]) == (300, 300) and "step" not in shown
+
+
 def _watched_api(statuses: list[str]):
     """A job that is polled through `statuses` a step at a time, the last with an error if it failed."""
     polls = iter(range(len(statuses)))
@@ -547,6 +572,12 @@ def test_the_upload_bar_is_one_plain_line_unless_stderr_is_a_terminal(on_a_termi
     plain = io.StringIO()
     assert b"".join(upload_chunks(data, label="uploading x", stream=plain)) == data
     assert plain.getvalue() == f"uploading x [{'#' * 30}] 100% 2.10/2.10 MB\n"
+    small = io.StringIO()  # a python model's few kB: not 0.00/0.00 MB
+    assert b"".join(upload_chunks(data[:3_210], label="uploading x", stream=small)) == data[:3_210]
+    assert small.getvalue() == f"uploading x [{'#' * 30}] 100% 3.21/3.21 kB\n"
+    tiny = io.StringIO()
+    assert b"".join(upload_chunks(data[:640], label="uploading x", stream=tiny)) == data[:640]
+    assert tiny.getvalue().endswith("100% 640/640 bytes\n")
     drawn = Terminal()
     assert b"".join(upload_chunks(data, label="uploading [x]", stream=drawn)) == data
     assert "uploading [x]" in drawn.getvalue() and "2.1/2.1 MB" in drawn.getvalue()

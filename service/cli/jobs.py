@@ -50,9 +50,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
                 code = bundle.code
             answer = client.submit(body, code=code, dry_run=args.dry_run, priority=args.priority)
         except ApiError as error:
-            if error.status == 422 and error.error == "does_not_fit":
-                print(f"does not fit: {escape(error.message, keep=MULTILINE)}", file=sys.stderr)
-                print(format_plan(error.body["plan"]), file=sys.stderr)
+            if error.status == 422 and error.error == "does_not_fit":  # the answer, as a fit's plan is: to stdout
+                print(f"does not fit: {escape(error.message, keep=MULTILINE)}")
+                print(format_plan(error.body["plan"]))
                 return 1
             raise
     print(format_plan(answer.plan.model_dump(mode="json") if args.dry_run else answer.info.plan))
@@ -136,7 +136,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             events = job.events()
         except ApiError:  # another user's job: its events are its owner's and admins'
             events = []
-    shown = job.info.model_dump(mode="json", exclude={"spec", "plan"})
+    shown = job.info.model_dump(mode="json", exclude={"spec", "plan", "step"})  # steps_done beside steps: counts
     print(json.dumps(shown, indent=2))
     for event in events:
         reason = escape(event.reason, keep=MULTILINE)  # a user's code may have written it

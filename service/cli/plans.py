@@ -133,8 +133,8 @@ def _recommend(args: argparse.Namespace) -> int:
             cost_model=cost_model_of(settings),
         )
     except ServiceError as error:  # does_not_fit: why, and the plan of the least bytes found
-        print(f"does not fit: {error.message}", file=sys.stderr)
-        print(format_plan(error.extra["plan"]), file=sys.stderr)
+        print(f"does not fit: {error.message}")  # the answer, as a fit's table is: to stdout (exit status 1)
+        print(format_plan(error.extra["plan"]))
         return 1
     public = body.model_dump(mode="json")
     print(json.dumps(public, indent=2) if args.json else format_recommendations(public))

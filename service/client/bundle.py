@@ -106,6 +106,9 @@ def upload_chunks(data: bytes, *, label: str, stream=None) -> Iterator[bytes]:
 
 
 def progress_line(label: str, done: int, total: int, *, width: int = 30) -> str:
+    """The bar in a pipe, its sizes in the unit the total reads best in: a 3 kB bundle is not 0.00/0.00 MB."""
     fraction = done / total if total else 1.0
     filled = int(fraction * width)
-    return f"{label} [{'#' * filled}{'.' * (width - filled)}] {fraction:4.0%} {done / 1e6:.2f}/{total / 1e6:.2f} MB"
+    scale, unit = next(((s, u) for s, u in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB")) if total >= s), (1, "bytes"))
+    sizes = f"{done:,}/{total:,}" if scale == 1 else f"{done / scale:.2f}/{total / scale:.2f}"
+    return f"{label} [{'#' * filled}{'.' * (width - filled)}] {fraction:4.0%} {sizes} {unit}"
