@@ -234,6 +234,42 @@ def test_an_lm_is_saved_as_save_pretrained_lays_it_out_and_loads_with_the_same_l
     assert not list(final.parent.glob(".final*"))  # written aside, then renamed into place
 
 
+def test_a_bytes_job_final_directory_holds_its_tokenizer_and_names_its_eos(tmp_path):
+    """final/ needs nothing the user must know: AutoTokenizer gives the bytes the data were tokenized
+    as, and config.json's and generation_config.json's EOS is the bytes EOS (256), not the config's 0."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig
+
+    torch.manual_seed(0)
+    fields = LLAMA | {"vocab_size": 257, "eos_token_id": 0}
+    model = CausalLM(AutoModelForCausalLM.from_config(LlamaConfig(**fields), dtype=torch.float32))
+    opt = ZeRO1AdamW(decay_param_groups(model, weight_decay=0.1), lr=1e-2)
+    job = TrainConfig(
+        model=HFSpec(config=fields, vocab_size=257, block_size=32),
+        data=DatasetSpec(format="jsonl", path=str(tmp_path / "corpus.jsonl"), tokenizer="bytes"),
+        steps=1,
+        precision="fp32",
+    )
+    final = tmp_path / "job" / "final"
+    write_final(model, opt, config=job, directory=final, rank=0, world_size=1, process_group=None)
+
+    tokenizer = AutoTokenizer.from_pretrained(final)
+    text = "héllo, wörld\n😀"
+    assert tokenizer(text)["input_ids"] == list(text.encode()) and tokenizer.decode(list(text.encode())) == text
+    assert tokenizer.eos_token_id == 256 and len(tokenizer) == 257
+    loaded = AutoModelForCausalLM.from_pretrained(final)
+    assert loaded.config.eos_token_id == 256 and GenerationConfig.from_pretrained(final).eos_token_id == 256
+    names = {f["name"] for f in json.loads((final / "manifest.json").read_text())["files"]}
+    assert {"tokenizer.json", "tokenizer_config.json", "config.json"} <= names
+
+    gpt = tmp_path / "gpt" / "final"  # a built-in model's final/ carries it too
+    bytes_gpt = GPTSpec(vocab_size=257, n_layer=1, n_head=2, n_embd=16, block_size=32)
+    builtin = build_model(bytes_gpt, dtype=torch.float32)
+    gpt_opt = ZeRO1AdamW(builtin.parameters(), lr=1e-2)
+    gpt_job = TrainConfig(model=bytes_gpt, data=job.data, steps=1, precision="fp32")
+    write_final(builtin, gpt_opt, config=gpt_job, directory=gpt, rank=0, world_size=1, process_group=None)
+    assert AutoTokenizer.from_pretrained(gpt)(text)["input_ids"] == list(text.encode())
+
+
 # --------------------------------------------------------------------------- through the API and the CLI
 
 

@@ -12,7 +12,9 @@ writer, the weights under the lm's names (a tied weight once, which from_pretrai
     final/
         model.safetensors   the unique parameters and persistent buffers under their state_dict names
         spec.json           other kinds: the model spec; hf kinds: config.json (generation_config.json)
-        manifest.json       and the tokenizer's files when the job's data has a tokenizer
+        manifest.json       and the tokenizer the job's data were tokenized with: its files, or for
+                            "bytes" a tokenizer.json that encodes each UTF-8 byte as its value and
+                            EOS as 256 (an hf model's config then names that EOS)
 
 Rank 0 writes into a temporary directory and renames it to final/ once complete; manifest.json
 lists every other file with its size and sha256 (what GET /v1/jobs/{id}/artifacts serves).
@@ -35,6 +37,7 @@ from torch import Tensor, nn
 
 from workers.config import DatasetSpec, HFSpec, ModelKind, PythonSpec, TrainConfig
 from workers.data.datafiles import TOKENIZER_FILES
+from workers.data.datasets import ByteTokenizer, FileTokenizer
 from workers.memory.model import GPTSpec, MLPSpec
 from workers.training.checkpoints import MANIFEST, write_json
 from workers.zero.optimizer import ZeRO1AdamW
@@ -81,6 +84,7 @@ def write_final(
         else:
             _save_safetensors(model, gathered, tmp / "model.safetensors", trained=trained)
             write_json(tmp / "spec.json", model_spec_json(config.model))
+            write_tokenizer(config, tmp)
         _write_manifest(tmp)
         _replace_dir(tmp, directory)
     else:
@@ -97,6 +101,9 @@ def model_spec_json(spec: ModelKind) -> dict[str, Any]:
     fields = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(spec).items()}
     return {"kind": kind, **fields}
 
+
+BYTES_EOS_TOKEN = "<|endoftext|>"
+"""The bytes tokenizer's EOS (id 256) as its tokenizer.json in final/ names it."""
 
 # --------------------------------------------------------------------------- built-in kinds: streamed
 
@@ -150,12 +157,60 @@ def _save_pretrained(lm: nn.Module, gathered, directory: Path, *, config: TrainC
     """What lm.save_pretrained writes, with the weights streamed as the built-in kinds' are: its
     config (and generation config) through transformers' writers, the fp32 weights under lm's own
     names into model.safetensors, and the tokenizer's files when the job has one."""
+    eos_id = write_tokenizer(config, directory)
+    if eos_id is not None:  # generate() stops where the data's documents ended
+        lm.config.eos_token_id = eos_id
+        if getattr(lm, "generation_config", None) is not None:
+            lm.generation_config.eos_token_id = eos_id
     lm.config.save_pretrained(directory)
     if getattr(lm, "generation_config", None) is not None:
         lm.generation_config.save_pretrained(directory)
     _save_safetensors(lm, gathered, directory / "model.safetensors", trained=trained)
-    for source in tokenizer_files(config):
+
+
+def write_tokenizer(config: TrainConfig, directory: Path) -> int | None:
+    """The tokenizer the job's data were tokenized with, into `directory`: its files, or for "bytes"
+    one made here; the EOS id joined between its documents (None: the data had no tokenizer)."""
+    data = config.data
+    if isinstance(data, DatasetSpec) and data.tokenizer == "bytes":
+        _bytes_tokenizer(directory)
+        return ByteTokenizer.eos_id
+    sources = tokenizer_files(config)
+    for source in sources:
         shutil.copyfile(source, directory / source.name)
+    if "tokenizer.json" not in {source.name for source in sources}:
+        return None
+    try:
+        return FileTokenizer(str(directory / "tokenizer.json")).eos_id
+    except ValueError:  # none it names (a job's data check refuses such a tokenizer): the config's stays
+        return None
+
+
+def _bytes_tokenizer(directory: Path) -> None:
+    """tokenizer.json and tokenizer_config.json of the bytes tokenizer (workers.data.datasets.ByteTokenizer)
+    as `tokenizers` and transformers load them: the byte-level pre-tokenizer's alphabet (GPT-2's: a
+    printable character standing for each byte), one token per byte whose id is the byte's value and
+    no merges, so that encoding a text gives its UTF-8 bytes; EOS 256."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    vocab, shifted = {}, 0
+    for byte in range(256):  # the order GPT-2's bytes_to_unicode gives the bytes that print badly
+        vocab[chr(byte) if byte in printable else chr(256 + shifted)] = byte
+        shifted += byte not in printable
+    tokenizer = Tokenizer(models.BPE(vocab=vocab | {BYTES_EOS_TOKEN: ByteTokenizer.eos_id}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([BYTES_EOS_TOKEN])
+    tokenizer.save(str(directory / "tokenizer.json"))
+    write_json(
+        directory / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": BYTES_EOS_TOKEN,
+            "clean_up_tokenization_spaces": False,
+        },
+    )
 
 
 def tokenizer_files(config: TrainConfig) -> list[Path]:
