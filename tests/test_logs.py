@@ -4,7 +4,7 @@ each line stored once, the bound kept with its marker), on SQLite and PostgreSQL
 a real job. The whole path through Ray and the API is also in test_python_jobs (lines of every
 rank, follow, a rank's traceback) and test_faults (no line lost across service restarts).
 
-Packages: workers.runtime, service.store, service.api.
+Packages: workers.runtime, service.store, service.api, service.dashboard.
 """
 
 from __future__ import annotations
@@ -255,3 +255,14 @@ def test_follow_ends_when_its_client_goes_and_after_the_last_line_of_a_job_that_
     messages = asyncio.run(all_of_it())
     assert ['"line":"hello"' in messages[0], '"line":"world"' in messages[1]] == [True, True]
     assert messages[2:] == ['event: end\ndata: {"status": "succeeded"}\n\n']
+
+
+def test_the_docs_state_the_log_panels_numbers_as_the_page_uses_them():
+    """docs/api.md said the panel keeps 1,000 lines where the page keeps 5,000 (issue 32)."""
+    from pathlib import Path
+
+    from service.dashboard import routes
+
+    docs = " ".join((Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text().split())
+    assert f"newest {routes.LOG_LINES:,} lines at first" in docs
+    assert f"holds the newest {routes.LOG_KEEP:,} lines" in docs
