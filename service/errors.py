@@ -3,7 +3,7 @@
 Each error body is {"error": code, "message": text naming the field and the
 numbers, "detail": [...]?}; an expected failure is a 4xx, never a 500.
 
-May import: service.schemas.
+May import: service.schemas, workers.config.
 """
 
 from __future__ import annotations
