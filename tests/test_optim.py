@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterator
+from unittest import mock
 
 import pytest
 import torch
@@ -103,6 +105,58 @@ def train_zero1(rank, world_size, model, opt, *, steps, first_step):
         opt.zero_grad()
 
 
+# ----------------------------------------------------------------------- the reference
+
+
+class AdamWReference:
+    """torch.optim.AdamW on the whole model and the whole global batch: what ZeRO1AdamW on N ranks
+    must match, clipped to MAX_NORM.
+
+    In fp32 the model is its own master copy. In a 16-bit dtype, mixed precision's recipe: a
+    16-bit replica computes the gradients; an fp32 master copy (the replica upcast at the start)
+    takes them upcast, is clipped and stepped, and is cast back into the replica."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32, *, lr_lambda=None) -> None:
+        self.model = make_model(dtype)
+        self.master = self.model if dtype == torch.float32 else make_model(torch.float32)
+        if self.master is not self.model:
+            with torch.no_grad():
+                for p16, p32 in zip(self.model.parameters(), self.master.parameters(), strict=True):
+                    p32.copy_(p16)
+        self.opt = torch.optim.AdamW(decay_param_groups(self.master, weight_decay=0.1), **HYPER, fused=True)
+        self.sched = None if lr_lambda is None else torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda)
+
+    def step(self, step: int) -> float:
+        """One step on global batch `step`; returns the global gradient norm before clipping."""
+        self.model.zero_grad(set_to_none=True)
+        loss_on(self.model, *global_batch(step), step).backward()
+        if self.master is not self.model:
+            for p16, p32 in zip(self.model.parameters(), self.master.parameters(), strict=True):
+                p32.grad = None if p16.grad is None else p16.grad.float()
+        norm = torch.nn.utils.clip_grad_norm_(self.master.parameters(), MAX_NORM)
+        self.opt.step()
+        if self.sched is not None:
+            self.sched.step()
+        if self.master is not self.model:
+            with torch.no_grad():
+                for p16, p32 in zip(self.model.parameters(), self.master.parameters(), strict=True):
+                    p16.copy_(p32)
+        return norm.item()
+
+
+def assert_matches_reference(model: nn.Module, ref: AdamWReference, *, step: int) -> None:
+    """fp32: assert_close's defaults (rtol 1.3e-6, atol 1e-5): the N ranks (and micro-batches) sum
+    the same gradients in another order, a few fp32 roundings apart. 16-bit: within the model dtype's rounding: the
+    two sides round the 16-bit gradients of different batch splits differently, so allow one ulp
+    at the tensor's scale."""
+    for (name, p), q in zip(model.named_parameters(), ref.model.parameters(), strict=True):
+        tol = {}
+        if p.dtype != torch.float32:
+            eps = torch.finfo(p.dtype).eps
+            tol = {"atol": eps * q.abs().max().item(), "rtol": 2 * eps}
+        assert_close(p, q, **tol, msg=lambda m, name=name: f"{name} at step {step}: {m}")
+
+
 # ----------------------------------------------------------------------- fp32: exact AdamW
 
 
@@ -110,10 +164,7 @@ def _fp32_matches_adamw(rank: int, world_size: int, steps: int, overlap: bool = 
     model = make_model()
     opt = SmallBuckets(decay_param_groups(model, weight_decay=0.1), **HYPER, max_grad_norm=MAX_NORM, **OVERLAP[overlap])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
-
-    ref = make_model()
-    ref_opt = torch.optim.AdamW(decay_param_groups(ref, weight_decay=0.1), **HYPER, fused=True)
-    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, schedule)
+    ref = AdamWReference(lr_lambda=schedule)
     for step in range(steps):
         idx, target = rank_slice(rank, world_size, step)
         loss_on(model, idx, target, step).backward()
@@ -121,15 +172,10 @@ def _fp32_matches_adamw(rank: int, world_size: int, steps: int, overlap: bool = 
         opt.zero_grad()
         sched.step()
 
-        ref_opt.zero_grad(set_to_none=True)
-        loss_on(ref, *global_batch(step), step).backward()
-        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
-        ref_opt.step()
-        ref_sched.step()
-        assert opt.grad_norm == pytest.approx(ref_norm.item(), rel=1e-5), f"step {step}"
+        ref_norm = ref.step(step)
+        assert opt.grad_norm == pytest.approx(ref_norm, rel=1e-5), f"step {step}"
         assert not opt.skipped
-        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
-            assert_close(p, q, msg=lambda m, name=name, step=step: f"{name} at step {step}: {m}")
+        assert_matches_reference(model, ref, step=step)
     # the branch without a gradient on odd steps took half the steps, as in torch.optim.AdamW
     steps_of = {s.name: s.step for s in opt._slots}
     assert steps_of["sometimes.weight"] == math.ceil(steps / 2) and steps_of["fc1.weight"] == steps
@@ -169,41 +215,15 @@ def _mixed_matches_master_reference(rank: int, world_size: int, dtype: torch.dty
     assert (opt.loss_scaler is not None) == (dtype == torch.float16)
     if opt.loss_scaler is not None:
         opt.loss_scaler.scale = 1024.0  # no overflow: the reference never skips
-
-    # reference: an fp32 master copy stepped by torch.optim.AdamW, cast into a 16-bit replica
-    ref16 = make_model(dtype)
-    master = make_model(torch.float32)
-    with torch.no_grad():  # the master copy starts as the 16-bit model, upcast
-        for p16, p32 in zip(ref16.parameters(), master.parameters(), strict=True):
-            p32.copy_(p16)
-    ref_opt = torch.optim.AdamW(decay_param_groups(master, weight_decay=0.1), **HYPER, fused=True)
+    ref = AdamWReference(dtype)
     for step in range(steps):
         idx, target = rank_slice(rank, world_size, step)
         opt.scale_loss(loss_on(model, idx, target, step)).backward()
         opt.step()
         opt.zero_grad()
         assert not opt.skipped
-
-        ref16.zero_grad(set_to_none=True)
-        loss_on(ref16, *global_batch(step), step).backward()
-        for p16, p32 in zip(ref16.parameters(), master.parameters(), strict=True):
-            p32.grad = None if p16.grad is None else p16.grad.float()
-        torch.nn.utils.clip_grad_norm_(master.parameters(), MAX_NORM)
-        ref_opt.step()
-        with torch.no_grad():
-            for p16, p32 in zip(ref16.parameters(), master.parameters(), strict=True):
-                p16.copy_(p32)
-        for (name, p), q in zip(model.named_parameters(), ref16.parameters(), strict=True):
-            # Within the model dtype's rounding: the two sides round the 16-bit gradients of
-            # different batch splits differently, so allow one ulp at the tensor's scale.
-            atol = torch.finfo(dtype).eps * q.abs().max().item()
-            assert_close(
-                p,
-                q,
-                atol=atol,
-                rtol=2 * torch.finfo(dtype).eps,
-                msg=lambda m, name=name, step=step: f"{name} at step {step}: {m}",
-            )
+        ref.step(step)
+        assert_matches_reference(model, ref, step=step)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlap"])
@@ -581,6 +601,82 @@ def test_bucket_cap_has_one_lower_bound_in_the_optimizer_and_the_api():
 def test_bad_hyperparameters_are_value_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ZeRO1AdamW(make_model().parameters(), **kwargs)
+
+
+# ----------------------------------------------------------------------- the GPU's collectives, on gloo
+
+
+@contextlib.contextmanager
+def _watching_collectives() -> Iterator[dict[str, mock.MagicMock]]:
+    """Every torch.distributed call ZeRO1AdamW's communication can make, recorded and passed on."""
+    names = ("reduce_scatter_single", "all_gather_single", "all_reduce", "batch_isend_irecv")
+    with contextlib.ExitStack() as stack:
+        yield {name: stack.enter_context(mock.patch.object(dist, name, wraps=getattr(dist, name))) for name in names}
+
+
+def _ptrs(tensors) -> set[int]:
+    return {t.data_ptr() for t in tensors}
+
+
+def _collectives_match_reference(rank: int, world_size: int, dtype: torch.dtype, steps: int, num_micro: int) -> None:
+    """NCCL's default path, reduce_scatter then all_gather, forced on gloo: num_micro micro-batches
+    a step (all but the last under no_sync()), clipped, against AdamWReference on the whole batch."""
+    with _watching_collectives() as calls:
+        model = make_model(dtype)
+        opt = ZeRO1AdamW(
+            decay_param_groups(model, weight_decay=0.1),
+            **HYPER,
+            max_grad_norm=MAX_NORM,
+            reduce_op="reduce_scatter",
+            gather_op="all_gather",
+        )
+        assert (opt.reduce_op, opt.gather_op) == ("reduce_scatter", "all_gather")
+        assert (opt.loss_scaler is not None) == (dtype == torch.float16)
+        if opt.loss_scaler is not None:
+            opt.loss_scaler.scale = 1024.0  # no overflow: the reference never skips
+        ref = AdamWReference(dtype)
+        norms = []
+        for step in range(steps):
+            idx, target = rank_slice(rank, world_size, step)
+            # unequal micro-batches where the rank's rows do not divide (3 ranks: 2, 1, 1 rows):
+            # each loss weighted by its share of the rows, so the sum is the rank's mean loss
+            micro = list(zip(idx.tensor_split(num_micro), target.tensor_split(num_micro), strict=True))
+            for i, (x, y) in enumerate(micro):
+                with opt.no_sync() if i < num_micro - 1 else contextlib.nullcontext():
+                    opt.scale_loss(loss_on(model, x, y, step) * (len(x) / len(idx))).backward()
+            assert calls["reduce_scatter_single"].call_count == (step * len(opt._buffers) if world_size > 1 else 0)
+            opt.step()
+            opt.zero_grad()
+            assert not opt.skipped
+            norms.append(opt.grad_norm)
+            # the norm of 16-bit gradients rounded in other places (each micro-batch's sum, each
+            # rank's sum) of parameters an ulp apart: two ulps; fp32: a few roundings, as above
+            rel = 2 * torch.finfo(dtype).eps if dtype != torch.float32 else 1e-5
+            assert opt.grad_norm == pytest.approx(ref.step(step), rel=rel), f"step {step}"
+            assert_matches_reference(model, ref, step=step)
+    assert max(norms) > MAX_NORM  # the clip was applied, not only computed
+
+    if world_size == 1:  # LocalComm: one rank moves nothing, whatever the options say
+        assert all(c.call_count == 0 for c in calls.values()), {n: c.call_count for n, c in calls.items()}
+        return
+    # reduce-scatter: each buffer's flat grad (N*S,) once a step, only in step() (counted before it above)
+    reduced = [c.args[1] for c in calls["reduce_scatter_single"].call_args_list]
+    assert len(reduced) == steps * len(opt._buffers) and _ptrs(reduced) == _ptrs(b.grads for b in opt._buffers)
+    # all-gather into each buffer's flat params (N*S,): once at construction, then once a step
+    gathered = [c.args[0] for c in calls["all_gather_single"].call_args_list]
+    assert len(gathered) == (steps + 1) * len(opt._buffers)
+    assert _ptrs(gathered) == _ptrs(b.params for b in opt._buffers)
+    # all-reduce: only the norm and flags vector (1 + slots,) a step, never a flat buffer; no p2p sends
+    summed = [c.args[0] for c in calls["all_reduce"].call_args_list]
+    assert len(summed) == steps and all(t.numel() == 1 + len(opt._slots) for t in summed)
+    assert calls["batch_isend_irecv"].call_count == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_reduce_scatter_and_all_gather_on_gloo_match_the_reference(world_size, dtype):
+    """The path NCCL takes by default (comm.default_collectives), run where CI runs: gloo."""
+    run_ranks(world_size, _collectives_match_reference, dtype, 6, 3)
 
 
 # ----------------------------------------------------------------------- CUDA + NCCL
