@@ -120,6 +120,27 @@ def test_a_rank_checks_the_model_path_against_the_roots_again(tmp_path):
         build_hf(spec, dtype=torch.float32)
 
 
+def test_a_rank_builds_and_trains_an_hf_model_without_transformers_noise(tmp_path, capfd):
+    """No `loss_type=None ... unrecognized` warning and no weight-loading bar: each went into every
+    rank's log (issue 32). The loss is the one transformers would pick (ForCausalLM)."""
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.warning_once.cache_clear()  # transformers warns once a process: as a new rank would
+    saved = build_hf(tiny_spec(), dtype=torch.float32, seed=3)
+    saved.lm.save_pretrained(tmp_path / "models" / "tiny")
+    transformers_logging.warning_once.cache_clear()
+    capfd.readouterr()
+    spec = HFSpec(
+        path=str(tmp_path / "models" / "tiny"), roots=(str(tmp_path / "models"),), vocab_size=128, block_size=32
+    )
+    for model in (build_hf(tiny_spec(), dtype=torch.float32, seed=3), build_hf(spec, dtype=torch.float32)):
+        tokens = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(0))
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        assert model.lm.loss_type == "ForCausalLM"
+    out, err = capfd.readouterr()
+    assert "loss_type" not in out + err and "Loading" not in out + err and "%|" not in err, (out, err)
+
+
 # --------------------------------------------------------------------------- through the API
 
 

@@ -114,6 +114,8 @@ def from_config(config, *, activation_checkpointing: bool = False) -> CausalLM:
 
 def _for_training(lm: nn.Module, *, activation_checkpointing: bool) -> CausalLM:
     lm.train()  # from_pretrained returns the model in eval mode: no checkpointing, no dropout
+    if getattr(lm, "loss_type", None) is None:  # the loss transformers picks then, named: it warns on every rank
+        lm.loss_type = "ForCausalLM"
     if activation_checkpointing:
         # transformers' own switch (renamed in 5.x; the old name warns), non-reentrant by default
         enable = getattr(lm, "activation_checkpointing_enable", None) or lm.gradient_checkpointing_enable
@@ -143,6 +145,9 @@ def build_hf(
     real = model_dir(spec.path, roots=spec.roots)
     if spec.digest is not None:  # the very files that were planned, with no link among them
         check_digest(directory_digest(real, field="model.path"), expected=spec.digest, field="model.path", path=real)
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # a bar a rank, redrawn into every rank's log
     try:
         lm = AutoModelForCausalLM.from_pretrained(
             real, dtype=dtype, attn_implementation=ATTENTION, local_files_only=True
