@@ -164,6 +164,31 @@ def test_the_scheduler_frees_a_placement_group_its_killed_supervisor_left(ray_cl
         wait_for(_gpus_free, lambda free: free == 4, what="the orphaned group's 2 GPUs back", timeout_s=60)
 
 
+def test_releasing_an_ended_attempt_frees_its_group_quietly_and_a_sweep_warns(ray_cluster, tmp_path, caplog):
+    """An attempt that ended (a succeeded job's) is released with its group: routine, not a warning
+    (one followed every job that succeeded, issue 32); a group the sweep finds left behind is one."""
+    import logging
+
+    from ray.util.placement_group import placement_group
+
+    from service.scheduling.launcher import placement_group_name
+
+    launcher = RayLauncher(make_settings(tmp_path))
+    namespace = launcher.settings.ray_namespace
+    table = lambda name: [e["state"] for e in ray.util.placement_group_table().values() if e["name"] == name]
+    caplog.set_level(logging.DEBUG, logger="service.scheduling.launcher")
+    for job_id, end in ((997, lambda: launcher.release(997, 0)), (998, lambda: launcher.sweep(set()))):
+        group = placement_group([{"GPU": 1, "CPU": 0.5}], name=placement_group_name(namespace, job_id, 0))
+        ray.get(group.ready(), timeout=30)
+        end()
+        assert table(placement_group_name(namespace, job_id, 0)) == ["REMOVED"]
+    removals = [(r.levelname, r.getMessage()) for r in caplog.records if "removed placement group" in r.getMessage()]
+    assert removals == [
+        ("DEBUG", f"removed placement group {namespace}/zero1-job-997-a0: its attempt was released"),
+        ("WARNING", f"removed placement group {namespace}/zero1-job-998-a0: its attempt is not running"),
+    ]
+
+
 def test_one_jobs_error_fails_it_alone_and_the_others_and_the_queue_go_on(app):
     """An I/O error while relaunching one job (its checkpoint storage fails) fails that job with
     the cause; a job running beside it and one queued behind both finish."""

@@ -54,14 +54,12 @@ def placement_group_name(namespace: str, job_id: int, attempt: int) -> str:
 _PG_NAME = re.compile(r"(.+)/zero1-job-(\d+)-a(\d+)")
 
 
-def remove_placement_groups(namespace: str, *, keep: Callable[[int, int], bool] = lambda job_id, attempt: False) -> int:
-    """Remove every live placement group of the namespace's attempts that keep(job id, attempt)
-    does not hold; the number removed.
-
-    A supervisor frees its group itself when its attempt ends or is cancelled. This catches the
-    rest: a supervisor killed between asking Ray for its group and recording it, or one that died
-    on its own; Ray frees such a group only when the process that launched the supervisor (this
-    service) exits, and meanwhile its GPUs would stay reserved."""
+def remove_placement_groups(namespace: str, *, keep=lambda job_id, attempt: False, orphans: bool = True) -> int:
+    """Remove every live placement group of the namespace's attempts that keep(job id, attempt) does
+    not hold; the number removed. A supervisor frees its group when its attempt ends; this catches a
+    supervisor killed between asking Ray for its group and recording it, or one that died: Ray frees
+    such a group only when this service exits. `orphans`: a warning each (False: an ended attempt's
+    release, whose supervisor may not have freed it yet)."""
     import ray
     from ray._raylet import PlacementGroupID
     from ray.util.placement_group import PlacementGroup
@@ -71,12 +69,12 @@ def remove_placement_groups(namespace: str, *, keep: Callable[[int, int], bool] 
     removed = 0
     for group_id, entry in ray.util.placement_group_table().items():
         match = _PG_NAME.fullmatch(entry.get("name") or "")
-        if match is None or match[1] != namespace or entry.get("state") == "REMOVED":
-            continue
-        if keep(int(match[2]), int(match[3])):
+        owner = (int(match[2]), int(match[3])) if match and match[1] == namespace else None
+        if owner is None or entry.get("state") == "REMOVED" or keep(*owner):
             continue
         remove_group(PlacementGroup(PlacementGroupID.from_hex(group_id)), state=entry.get("state"))
-        log.warning("removed placement group %s: its attempt is not running", entry["name"])
+        why = "its attempt is not running" if orphans else "its attempt was released"
+        log.log(logging.WARNING if orphans else logging.DEBUG, "removed placement group %s: %s", entry["name"], why)
         removed += 1
     return removed
 
@@ -344,7 +342,9 @@ class RayLauncher:
         self._supervisors.pop((job_id, attempt), None)
         if supervisor is not None:
             ray.kill(supervisor, no_restart=True)
-        remove_placement_groups(self.settings.ray_namespace, keep=lambda j, a: (j, a) != (job_id, attempt))
+        remove_placement_groups(
+            self.settings.ray_namespace, keep=lambda j, a: (j, a) != (job_id, attempt), orphans=False
+        )
 
     def sweep(self, attempts: set[tuple[int, int]]) -> int:
         """Remove the placement groups of this deployment that no attempt in `attempts` (the
