@@ -154,6 +154,10 @@ class Settings(BaseSettings):
     max_code_bytes: int = Field(100 << 20, ge=1024, le=1 << 32)
     """Largest code bundle (the zip of POST /v1/code) the API reads, in bytes; larger ones get 413. It is
     held in memory while it is checked."""
+    access_log: Literal["changes", "all", "off"] = "changes"
+    """uvicorn's request lines on `zero1 serve`'s stderr: changes logs every request but a GET or
+    HEAD that succeeded (the dashboard's and `zero1 watch`'s polls, otherwise nearly every line of
+    the log); all, or off."""
     log_max_bytes: int = Field(16 << 20, ge=1024, le=1 << 40)
     """Bytes of log lines (their text) kept per job: past it the oldest lines are dropped, and one
     marker line in their place says how many. It also bounds what a rank and a job's supervisor

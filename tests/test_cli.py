@@ -273,6 +273,9 @@ def test_serve_plans_admits_and_trains_as_a_user_would(tmp_path):
     log = server.stderr.read()
     assert f"Uvicorn running on http://127.0.0.1:{port}" in log
     assert "Application shutdown complete" in log
+    # ZERO1_ACCESS_LOG=changes: the writes and the refusals, not the polls that were most of the lines
+    assert '"POST /v1/jobs HTTP/1.1" 422' in log and '"POST /v1/jobs?dry_run=true HTTP/1.1" 200' in log, log
+    assert '"POST /v1/jobs?dry_run=false HTTP/1.1" 201' in log and '"GET /' not in log, log
 
 
 def run_on_a_terminal(*args: str, env: dict[str, str]) -> tuple[int, str]:

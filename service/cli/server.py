@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import logging
 import os
 import sys
@@ -43,10 +44,31 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
 
     import uvicorn
+    from uvicorn.config import LOGGING_CONFIG
 
     from service.main import create_app
 
     # zero1's own log lines (re-attachments, retries, the drain at shutdown) beside uvicorn's
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(create_app(settings, tokens=tokens), host=host, port=args.port or settings.port)
+    log_config = copy.deepcopy(LOGGING_CONFIG)
+    log_config["handlers"]["access"]["stream"] = "ext://sys.stderr"  # beside every other line, not on stdout
+    if settings.access_log == "changes":
+        log_config.setdefault("filters", {})["changes"] = {"()": ChangesOnly}
+        log_config["handlers"]["access"]["filters"] = ["changes"]
+    uvicorn.run(
+        create_app(settings, tokens=tokens),
+        host=host,
+        port=args.port or settings.port,
+        access_log=settings.access_log != "off",
+        log_config=log_config,
+    )
     return 0
+
+
+class ChangesOnly(logging.Filter):
+    """uvicorn's access lines but a GET or HEAD answered below 400 (ZERO1_ACCESS_LOG=changes): its
+    record's args are (client, method, path, HTTP version, status)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (len(args) == 5 and args[1] in ("GET", "HEAD") and isinstance(args[4], int) and args[4] < 400)
