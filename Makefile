@@ -29,10 +29,13 @@ $(VENV)/.installed: pyproject.toml Makefile docker/constraints.txt
 	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
 	touch $@
 
-# The tour's dataset examples read the corpus the repository ships (examples/data); set
-# ZERO1_DATA_ROOTS to choose other roots.
+# The tour's dataset examples read the corpus the repository ships (examples/data); roots in
+# ZERO1_DATA_ROOTS (comma-separated) are added to those two. `zero1 serve` itself takes the
+# variable as it is: set, it replaces the default (data).
+comma := ,
+RUN_DATA_ROOTS := data,examples/data$(if $(ZERO1_DATA_ROOTS),$(comma)$(ZERO1_DATA_ROOTS))
 run: install
-	ZERO1_DATA_ROOTS="$${ZERO1_DATA_ROOTS:-data,examples/data}" $(BIN)/zero1 serve
+	ZERO1_DATA_ROOTS="$(RUN_DATA_ROOTS)" $(BIN)/zero1 serve
 
 # One process by default: on 2 cores the suite is mostly CPU-bound (Ray workers importing torch
 # and training; the machine sat idle a quarter of the time). Two pytest-xdist workers gained 12%

@@ -6,6 +6,7 @@ Packages: service.api, service.scheduling, service.store.
 from __future__ import annotations
 
 import json
+import os
 import time
 from datetime import datetime
 
@@ -206,13 +207,16 @@ def test_dry_run_plans_and_stores_nothing(sqlite_client):
     assert sqlite_client.get("/v1/jobs").json()["data"] == []
 
 
-def test_cluster_reports_ray(sqlite_client):
+def test_cluster_reports_ray_and_where_data_and_models_may_lie(sqlite_client):
+    settings = sqlite_client.app.state.runtime.settings
     assert sqlite_client.get("/v1/cluster").json() == {
         "num_gpus": 4,
         "num_gpus_free": 4,
         "gpu_memory_bytes": 80_000_000_000,
         "nodes": 2,
         "simulated": True,
+        "data_roots": [os.path.realpath(root) for root in settings.data_roots],
+        "model_roots": [os.path.realpath(root) for root in settings.model_roots],
     }
 
 

@@ -231,6 +231,11 @@ class ClusterPublic(BaseModel):
     gpu_memory_bytes: int
     nodes: int
     simulated: bool
+    data_roots: list[str] = Field(
+        description="Where a text or dataset job's data.path (and tokenizer) may lie: ZERO1_DATA_ROOTS, resolved "
+        "as the service resolves a path (real directories, or s3:// prefixes)."
+    )
+    model_roots: list[str] = Field(description="Where an hf model's path may lie: ZERO1_MODEL_ROOTS, resolved alike.")
 
 
 class RecommendationPublic(BaseModel):
