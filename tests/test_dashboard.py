@@ -9,6 +9,7 @@ Packages: service.dashboard.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -326,12 +327,12 @@ def _cancel_through_its_page(ui: Browsing, server: Server, job_id: int) -> None:
     """The job's page draws its loss live; Cancel asks first: dismissed, nothing happens; accepted, it ends."""
     page = ui.open(f"/jobs/{job_id}")
     expect(_status(page.locator("#job"))).to_have_text("running", timeout=TRAINING_TIMEOUT_MS)
-    chart = page.locator("#loss-chart")
-    expect(chart).not_to_have_attribute("data-points", "0", timeout=60_000)  # drawn live from the first step
-    drawn = int(chart.get_attribute("data-points"))
-    page.wait_for_function(f"Number(document.querySelector('#loss-chart').dataset.points) > {drawn}")
+    curves = page.locator("#curves")
+    page.wait_for_function("Number(document.querySelector('#curves').dataset.points) > 0", timeout=60_000)
+    drawn = int(curves.get_attribute("data-points"))  # drawn live from the first step
+    page.wait_for_function(f"Number(document.querySelector('#curves').dataset.points) > {drawn}")
     # the held-out loss beside it (eval_every 2): its own series on the same axes, and the latest in the strip
-    page.wait_for_function("Number(document.querySelector('#loss-chart path.eval-line').dataset.points) > 1")
+    page.wait_for_function(f"{_SERIES.format(figure='loss-figure', index=3)}.filter(v => v != null).length > 1")
     expect(page.locator('#job-stats [data-field="eval-loss"]')).not_to_have_text("—")
     expect(page.locator('#peaks tr[data-rank="2"] td[data-bytes]')).not_to_have_text("—")
     ui.screenshot(page, "job-running")
@@ -374,19 +375,20 @@ def _check_job_page(ui: Browsing, server: Server, page: Page, job_id: int) -> No
 
     metrics = server.api.get(f"/v1/jobs/{job_id}/metrics", params={"max_points": 200}).json()["data"]
     assert len(metrics) >= 150  # 300 steps thinned to every 2nd, and the last
-    for chart in ("#loss-chart", "#step-time-chart", "#lr-chart"):
-        svg = page.locator(chart)
-        assert int(svg.get_attribute("data-points")) == len(metrics)
-        assert len(re.findall(r"[ML]", svg.locator("path.line").get_attribute("d"))) == len(metrics)
-    expect(page.locator("#loss-chart .x-max")).to_have_text("step 299")
+    page.wait_for_function(f"document.querySelector('#curves').dataset.points == {len(metrics)}")
+    assert _series(page, "loss-figure", 1) == [m["loss"] for m in metrics]
+    assert _series(page, "lr-figure", 1) == [m["lr"] for m in metrics]
+    assert _series(page, "loss-figure", 0)[-1] == 299
     # beside the step time, the seconds each checkpoint step waited for its checkpoint (checkpoint_every 100)
     checkpointed = server.api.get(f"/v1/jobs/{job_id}/metrics", params={"checkpointed": True}).json()["data"]
     assert [m["step"] for m in checkpointed] == [99, 199, 299]
     assert all(0 <= m["checkpoint_blocked_s"] < 60 for m in checkpointed)
-    assert page.locator("#step-time-chart path.eval-line").get_attribute("data-points") == "3"
-    world = page.locator("#world-size-chart")  # one size all along: a flat line, one point a row
-    assert int(world.get_attribute("data-points")) == len(metrics)
-    expect(world.locator(".y-max")).to_have_text(f"{job['world_size'] * 1.05:.3g}")
+    assert [v for v in _series(page, "speed-figure", 2) if v is not None] == [
+        m["checkpoint_blocked_s"] for m in checkpointed
+    ]
+    expect(page.locator("#checkpoints li")).to_have_count(3)
+    assert _series(page, "world-size-figure", 1) == [job["world_size"]] * len(metrics)  # one size all along
+    expect(page.locator("#artifacts tbody tr").first).to_be_visible()  # final/ of a succeeded job, each with a link
 
     plan = job["plan"]
     for part in PARTS:
@@ -403,6 +405,167 @@ def _check_job_page(ui: Browsing, server: Server, page: Page, job_id: int) -> No
     expect(events.last).to_contain_text("succeeded")
     expect(page.locator("#spec")).to_contain_text('"name": "tiny-gpt"')
     ui.screenshot(page, "job-succeeded")
+
+
+# --------------------------------------------------------------------------- charts, checkpoints, artifacts
+
+FIGURES = ("loss-figure", "speed-figure", "lr-figure", "world-size-figure", "memory-figure")
+_UPLOT = "document.querySelector('#{figure} .u-chart').uplot"
+"""A figure's uPlot, as JavaScript: charts.js keeps it on its container."""
+_SERIES = "Array.from(" + _UPLOT + ".data[{index}])"
+RESTART_STEP = 15
+RESTARTED_STEPS = 40
+ARTIFACT_NAME = "model.safetensors"
+ARTIFACT_BYTES = bytes(range(256)) * 33
+
+
+def _series(page: Page, figure: str, index: int) -> list:
+    """The values uPlot draws of one series (0: the steps) of a figure's chart."""
+    return page.evaluate(_SERIES.format(figure=figure, index=index))
+
+
+def _restart_row(step: int) -> MetricRow:
+    """A noisy loss (smoothing shows), the lr, N = 2 and a checkpoint every 10th step."""
+    return MetricRow(
+        step=step,
+        loss=4.0 / (1 + step) + 0.5 + 0.3 * (-1) ** step,
+        grad_norm=1.0,
+        loss_scale=1.0,
+        skipped=False,
+        step_time_s=0.02 + 0.001 * (step % 3),
+        tokens_per_s=12_800.0,
+        mem_peak_bytes=(1_500_000 + step, 1_400_000),
+        mem_planned_bytes=1_538_048,
+        eval_loss=4.5 / (1 + step) + 0.5 if step % 10 == 9 else None,
+        world_size=2,
+        checkpoint_blocked_s=0.01 if step % 10 == 9 else None,
+        lr=1e-3 * (1 + step) / RESTARTED_STEPS,
+    )
+
+
+@pytest.fixture(scope="module")
+def restarted(server) -> int:
+    """A job stored as the service stores one that a rank's death restarted at RESTART_STEP, then
+    succeeded with one artifact in its final/: its id."""
+    db = Database(server.database_url)
+    cluster = ClusterCapacity(num_gpus=4, num_gpus_free=4, gpu_memory_bytes=80 * GB, simulated=True)
+    try:
+        with db.session() as session:
+            spec = JobSpec.model_validate({**TINY_GPT, "name": "restarted"})
+            job, _ = submit_job(
+                session, spec=spec, plan=admit(spec, cluster=cluster, overhead_bytes=GB), idempotency_key=None
+            )
+            transition(session, job, "starting", "seeded")
+            transition(session, job, "running", "seeded")
+            store_metrics(session, job, [_restart_row(step) for step in range(RESTART_STEP)])
+            transition(session, job, "restarting", f"rank 1 exited: attempt 1 resumes from step {RESTART_STEP - 1}")
+            job.attempt = 1
+            transition(session, job, "running", "attempt 1: 2 ranks placed on 1 node(s), resumed")
+            store_metrics(session, job, [_restart_row(step) for step in range(RESTART_STEP, RESTARTED_STEPS)])
+            transition(session, job, "succeeded", "seeded")
+            session.flush()
+            job_id, run_id = job.id, job.run_id
+    finally:
+        db.dispose()
+    checkpoints = Path(server.database_url.removeprefix("sqlite:///")).parent / "checkpoints"
+    final = checkpoints / f"job-{job_id}-{run_id}" / "final"
+    final.mkdir(parents=True)
+    (final / ARTIFACT_NAME).write_bytes(ARTIFACT_BYTES)
+    digest = hashlib.sha256(ARTIFACT_BYTES).hexdigest()
+    manifest = {"files": [{"name": ARTIFACT_NAME, "bytes": len(ARTIFACT_BYTES), "sha256": digest}]}
+    (final / "manifest.json").write_text(json.dumps(manifest))
+    return job_id
+
+
+def _ema(values: list[float], weight: float) -> list[float]:
+    out: list[float] = []
+    for value in values:
+        out.append(value if not out else weight * out[-1] + (1 - weight) * value)
+    return out
+
+
+def test_the_job_pages_charts_are_uplot_with_readable_ticks_hover_and_a_restart_marker(ui, server, restarted):
+    """Five uPlot charts, each with 4+ y ticks in a 10+ px font; hovering a step reads its values in the
+    legend; the restart is marked on every chart and listed; N draws as integer steps; every request the
+    page makes goes to the server itself (uPlot is vendored, no CDN)."""
+    page = ui.new_page()
+    requests: list[str] = []
+    page.on("request", lambda request: requests.append(request.url))
+    page.goto(f"/jobs/{restarted}")
+    metrics = server.api.get(f"/v1/jobs/{restarted}/metrics", params={"max_points": 200}).json()["data"]
+    assert len(metrics) == RESTARTED_STEPS
+    page.wait_for_function(f"document.querySelector('#curves').dataset.points == {RESTARTED_STEPS}")
+    for figure in FIGURES:
+        expect(page.locator(f"#{figure} .uplot")).to_have_count(1)
+        uplot = _UPLOT.format(figure=figure)
+        axis = page.evaluate(f"({{ font: {uplot}.axes[1].font, values: {uplot}.axes[1]._values }})")
+        font_px = float(re.search(r"(\d+(?:\.\d+)?)px", str(axis["font"])).group(1))
+        assert font_px >= 10, (figure, axis)
+        assert len([v for v in axis["values"] if v not in (None, "")]) >= 4, (figure, axis)
+        # the restart: attempt 1's first step, drawn as a dashed line on the chart
+        expect(page.locator(f"#{figure} .uplot")).to_have_attribute("data-markers", f"restart@{RESTART_STEP}")
+    expect(page.locator("#chart-markers li")).to_have_count(1)
+    expect(page.locator('#chart-markers li[data-kind="restart"]')).to_have_attribute("data-step", str(RESTART_STEP))
+    assert _series(page, "world-size-figure", 1) == [2] * RESTARTED_STEPS
+    gpu_ticks = page.evaluate(f"{_UPLOT.format(figure='world-size-figure')}.axes[1]._values")
+    assert all(re.fullmatch(r"\d+", v) for v in gpu_ticks) and "2" in gpu_ticks, gpu_ticks
+
+    step = 20  # hover step 20 on the loss chart: the legend reads its step and loss
+    box = page.locator("#loss-figure .u-over").bounding_box()
+    x = page.evaluate(f"{_UPLOT.format(figure='loss-figure')}.valToPos({step}, 'x')")
+    page.mouse.move(box["x"] + x, box["y"] + box["height"] / 2)
+    legend = page.locator("#loss-figure .u-legend .u-series")
+    expect(legend.nth(0).locator(".u-value")).to_have_text(str(step))
+    loss = next(m["loss"] for m in metrics if m["step"] == step)
+    assert float(legend.nth(1).locator(".u-value").inner_text()) == pytest.approx(loss, rel=1e-2)
+    ui.screenshot(page, "job-charts-restarted")
+
+    assert requests and all(url.startswith(server.base + "/") for url in requests), requests
+    assert any("/static/vendor/uplot/uPlot.iife.min.js" in url for url in requests)
+    ui.assert_no_console_errors()
+
+
+def test_the_smoothing_slider_and_the_log_toggle_redraw_the_loss(ui, server, restarted):
+    """The smoothed loss is the EMA of the raw one at the slider's weight; moving the slider redraws the
+    curve (the canvas's pixels change); the log toggle makes the y scale logarithmic."""
+    page = ui.open(f"/jobs/{restarted}")
+    page.wait_for_function(f"document.querySelector('#curves').dataset.points == {RESTARTED_STEPS}")
+    raw = _series(page, "loss-figure", 1)
+    assert raw[0] == pytest.approx(_restart_row(0).loss)
+    assert _series(page, "loss-figure", 2) == pytest.approx(_ema(raw, 0.6))  # the slider's first place
+    canvas = "document.querySelector('#loss-figure canvas').toDataURL()"
+    before = page.evaluate(canvas)
+    page.locator("#loss-smoothing").fill("0.95")
+    expect(page.locator("#loss-smoothing-value")).to_have_text("0.95")
+    assert _series(page, "loss-figure", 2) == pytest.approx(_ema(raw, 0.95))
+    assert page.evaluate(canvas) != before
+
+    uplot = _UPLOT.format(figure="loss-figure")
+    assert page.evaluate(f"{uplot}.scales.y.distr") == 1
+    linear_ticks = page.evaluate(f"{uplot}.axes[1]._values")
+    page.get_by_label("Log scale").check()
+    page.wait_for_function(f"{uplot}.scales.y.distr == 3")
+    assert page.evaluate(f"{uplot}.axes[1]._values") != linear_ticks
+    assert _series(page, "loss-figure", 2) == pytest.approx(_ema(raw, 0.95))  # the smoothing stays
+    page.get_by_label("Log scale").uncheck()
+    page.wait_for_function(f"{uplot}.scales.y.distr == 1")
+    ui.assert_no_console_errors()
+
+
+def test_the_job_page_lists_checkpoints_and_downloads_an_artifact(ui, server, restarted):
+    """The checkpoint steps, and each final/ file with a link that downloads its bytes from the API."""
+    page = ui.open(f"/jobs/{restarted}")
+    steps = [step for step in range(RESTARTED_STEPS) if step % 10 == 9]
+    expect(page.locator("#checkpoints li")).to_have_count(len(steps))
+    assert page.locator("#checkpoints li").evaluate_all("lis => lis.map(li => Number(li.dataset.step))") == steps
+    link = page.locator(f'#artifacts tr[data-name="{ARTIFACT_NAME}"] a')
+    expect(link).to_have_attribute("href", f"/v1/jobs/{restarted}/artifacts/{ARTIFACT_NAME}")
+    with page.expect_download() as download:
+        link.click()
+    assert Path(download.value.path()).read_bytes() == ARTIFACT_BYTES
+    response = page.request.get(link.get_attribute("href"))  # the page's own context: its cookies, if any
+    assert response.status == 200 and response.body() == ARTIFACT_BYTES
+    ui.assert_no_console_errors()
 
 
 # --------------------------------------------------------------------------- a job's logs

@@ -1,6 +1,7 @@
 """Chart geometry for the first paint: line charts of a metric by step, the planner's sweep over N,
-and the memory panel's stacked bar. dashboard.js redraws the same shapes from the /v1 JSON, with the
-same constants, so a chart looks the same before and after the script takes over."""
+and the memory panel's stacked bar. dashboard.js redraws the sweep from the /v1 JSON with the same
+constants; a job's line charts are what a browser without JavaScript sees, and static/charts.js draws
+the interactive ones (uPlot) in their place."""
 
 from __future__ import annotations
 

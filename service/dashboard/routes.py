@@ -30,6 +30,7 @@ from service.errors import ServiceError, describe_validation_errors
 from service.planning.plans import make_plan, plan_public
 from service.planning.recommendations import cost_model_of, recommend_public
 from service.scheduling import controls, jobs
+from service.scheduling.launcher import RayLauncher
 from service.schemas.fields import JobStatus, too_many_digits
 from service.schemas.printable import MULTILINE, escape
 from service.schemas.requests import PlanRequest, RecommendRequest
@@ -61,8 +62,8 @@ MAX_JOB_ID = 2**63 - 1
 def asset_version() -> str:
     """A digest of the static files: their URLs change when they do, so a browser never runs a stale script."""
     digest = hashlib.sha256()
-    for path in sorted(STATIC_DIR.iterdir()):
-        digest.update(path.name.encode() + path.read_bytes())
+    for path in sorted(p for p in STATIC_DIR.rglob("*") if p.is_file()):  # vendor/uplot/ included
+        digest.update(str(path.relative_to(STATIC_DIR)).encode() + path.read_bytes())
     return digest.hexdigest()[:12]
 
 
@@ -171,9 +172,12 @@ def page_job_id(text: str) -> int | None:
 
 
 @router.get("/jobs/{job_id}", response_class=HTMLResponse)
-def job_page(request: Request, job_id: str, session: SessionDep, principal: ReaderDep, settings: SettingsDep):
-    """Progress, loss and step-time curves, the newest log lines, the memory panel, the events and the spec of
-    one job: its owner's and admins' only; to others the not-found page, as GET /v1/jobs/{id}/events answers them.
+def job_page(
+    request: Request, job_id: str, session: SessionDep, principal: ReaderDep, settings: SettingsDep, runtime: RuntimeDep
+):
+    """Progress and training curves, the newest log lines, the memory panel, the events, the checkpoints and
+    artifacts, and the spec of one job: its owner's and admins' only; to others the not-found page, as
+    GET /v1/jobs/{id}/events answers them.
     An id that no job can have (not a number, or beyond the database's integers) is not found either."""
     try:
         if (number := page_job_id(job_id)) is None:
@@ -224,8 +228,22 @@ def job_page(request: Request, job_id: str, session: SessionDep, principal: Read
         "peaks": (public.latest or {}).get("mem_peak_bytes") or [],
         "planned_bytes": (public.latest or {}).get("mem_planned_bytes"),
         "spec_json": json.dumps(public.spec, indent=2),
+        "checkpoints": checkpointed,
+        "artifacts": job_artifacts(session, job, launcher=runtime.launcher),
     }
     return templates.TemplateResponse(request, "job.html", context)
+
+
+def job_artifacts(session: Session, job: Job, *, launcher: RayLauncher) -> list[dict] | None:
+    """The succeeded job's final/ files as GET /v1/jobs/{id}/artifacts lists them; None before it has succeeded
+    (the listing's 409) or when its storage cannot be read (the API says why)."""
+    if job.status != "succeeded":
+        return None
+    try:
+        _, files = jobs.job_artifacts(session, job, launcher=launcher)
+    except (ServiceError, OSError):  # OSError: the checkpoint root is gone (the listing's 500)
+        return None
+    return [{"name": f.name, "bytes": f.bytes, "sha256": f.sha256} for f in files]
 
 
 # --------------------------------------------------------------------------- planner

@@ -1,7 +1,8 @@
 // zero1 dashboard: keeps the server-rendered pages live by polling the /v1 API once a second.
 // No framework and no CDN. The server draws the first paint (service/dashboard/templates); this
-// script fills the same slots with the same formatting and chart geometry (service/dashboard/
-// format.py and charts.py), so a page reads the same before and after it takes over.
+// script fills the same slots with the same formatting and the planner's chart geometry (service/
+// dashboard/format.py and charts.py), so a page reads the same before and after it takes over. A job's
+// training curves are charts.js's (uPlot, vendored): the server's SVG stands in for them without JavaScript.
 "use strict";
 
 (() => {
@@ -159,69 +160,7 @@
     return tick;
   }
 
-  // ------------------------------------------------------------------ charts (charts.py)
-
-  function span(low, high) {
-    if (high > low) return [low, high];
-    const pad = Math.abs(low) * 0.05 || 1;
-    return [low - pad, high + pad];
-  }
-
-  function lineChart(points, second = []) {  // charts.line_chart: `second` shares the axes
-    const finite = points.filter(([, y]) => y != null);
-    if (!finite.length) return { path: "", count: 0, secondPath: "", secondCount: 0 };
-    const both = finite.concat(second);
-    const [x0, x1] = span(Math.min(...both.map((p) => p[0])), Math.max(...both.map((p) => p[0])));
-    const [y0, y1] = span(Math.min(...both.map((p) => p[1])), Math.max(...both.map((p) => p[1])));
-    const path = (series) => {
-      const parts = [];
-      let penDown = false;
-      for (const [x, y] of series) {
-        if (y == null) { penDown = false; continue; }
-        const px = CHART.LEFT + ((x - x0) / (x1 - x0)) * CHART.PLOT_W;
-        const py = CHART.TOP + (1 - (y - y0) / (y1 - y0)) * CHART.PLOT_H;
-        parts.push(`${penDown ? "L" : "M"}${px.toFixed(1)},${py.toFixed(1)}`);
-        penDown = true;
-      }
-      return parts.join(" ");
-    };
-    const first = finite[0], last = finite[finite.length - 1];
-    return {
-      path: path(points), count: finite.length, x0, x1, y0, y1, first, last,
-      secondPath: path(second), secondCount: second.length,
-    };
-  }
-
-  function stepsOf(points) {  // charts.steps_of: flat between changes
-    const out = [];
-    for (const [x, y] of points) {
-      if (y == null) continue;
-      if (out.length && out.at(-1)[1] !== y) out.push([x, out.at(-1)[1]]);
-      out.push([x, y]);
-    }
-    return out;
-  }
-
-  function drawLineChart(svg, points, second = []) {
-    const c = lineChart(points, second);
-    const unit = svg.dataset.unit;
-    svg.dataset.points = c.count;
-    $("path.line", svg).setAttribute("d", c.path);
-    const secondLine = $("path.eval-line", svg);
-    if (secondLine) {
-      secondLine.setAttribute("d", c.secondPath);
-      secondLine.dataset.points = c.secondCount;
-    }
-    setText($(".y-max", svg), c.count ? significant(c.y1, 3) : "");
-    setText($(".y-min", svg), c.count ? significant(c.y0, 3) : "");
-    setText($(".x-min", svg), c.count ? `step ${Math.trunc(c.x0)}` : "");
-    setText($(".x-max", svg), c.count ? `step ${Math.trunc(c.x1)}` : "");
-    setText($(".empty-note", svg), c.count ? "" : "No metrics yet");
-    setText($("desc", svg), c.count
-      ? `${c.count} points from step ${c.first[0]} (${significant(c.first[1])} ${unit}) ` +
-        `to step ${c.last[0]} (${significant(c.last[1])} ${unit})`
-      : "No metrics yet");
-  }
+  // ------------------------------------------------------------------ the planner's charts (charts.py)
 
   function floorBytes(perGpu, stage) {  // what sharding cannot remove, plus the step's bytes and overhead
     const replicated = [["params", "grads", "optimizer", "padding"], ["params", "grads"], ["params"], []][stage];
@@ -462,8 +401,8 @@
   function jobPage() {
     const head = $("#job"), id = Number(head.dataset.id), maxPoints = Number(head.dataset.maxPoints) || 200;
     const cancel = $("#cancel"), note = $("#cancel-note");
-    let status = head.dataset.status, lastStep = head.dataset.step;
-    let eventsFor = `${status}/${head.dataset.attempt}`;  // a retry can pass through restarting between polls
+    let status = head.dataset.status;
+    let eventsFor = null;  // status/attempt the events were read at: a retry can pass through restarting between polls
     cancel.hidden = TERMINAL.has(status);
 
     cancel.addEventListener("click", async () => {
@@ -532,31 +471,67 @@
       }));
     }
 
+    // the training curves, drawn by charts.js (uPlot) from the rows the endpoints give
+    const curves = window.zero1Charts.jobCharts($("#curves"));
+    let drawnStep = null;
+
     async function refresh() {
       const job = await api(`/v1/jobs/${id}`);
-      if (String(job.step ?? "") !== lastStep) {
-        const metrics = await api(`/v1/jobs/${id}/metrics?max_points=${maxPoints}&limit=${10 * maxPoints}`);
-        const evaluated = (await api(`/v1/jobs/${id}/metrics?evaluated=true&limit=10000`)).data;
-        drawLineChart($("#loss-chart"), metrics.data.map((m) => [m.step, m.loss]),
-          evaluated.map((m) => [m.step, m.eval_loss]));
-        if (evaluated.length) setText($('[data-field="eval-loss"]', $("#job-stats")), significant(evaluated.at(-1).eval_loss));
-        const checkpointed = (await api(`/v1/jobs/${id}/metrics?checkpointed=true&limit=10000`)).data;
-        drawLineChart($("#step-time-chart"), metrics.data.map((m) => [m.step, m.step_time_s]),
-          checkpointed.map((m) => [m.step, m.checkpoint_blocked_s]));
-        drawLineChart($("#lr-chart"), metrics.data.map((m) => [m.step, m.lr]));
-        drawLineChart($("#world-size-chart"), stepsOf(metrics.data.map((m) => [m.step, m.world_size])));
-        lastStep = String(job.step ?? "");
-      }
       if (`${job.status}/${job.attempt}` !== eventsFor) {
-        renderEvents((await api(`/v1/jobs/${id}/events`)).data);
+        const events = (await api(`/v1/jobs/${id}/events`)).data;
+        renderEvents(events);
+        curves.setEvents(events);
         eventsFor = `${job.status}/${job.attempt}`;
       }
+      if (String(job.step ?? "") !== drawnStep) {
+        const metrics = await api(`/v1/jobs/${id}/metrics?max_points=${maxPoints}&limit=${10 * maxPoints}`);
+        const evaluated = (await api(`/v1/jobs/${id}/metrics?evaluated=true&limit=10000`)).data;
+        const checkpointed = (await api(`/v1/jobs/${id}/metrics?checkpointed=true&limit=10000`)).data;
+        curves.update({ metrics: metrics.data, evaluated, checkpointed });
+        if (evaluated.length) setText($('[data-field="eval-loss"]', $("#job-stats")), significant(evaluated.at(-1).eval_loss));
+        renderCheckpoints(checkpointed);
+        drawnStep = String(job.step ?? "");
+      }
+      if (job.status === "succeeded" && status !== "succeeded") await renderArtifacts();
       fillStats(job);
       status = job.status;
       return !TERMINAL.has(status);  // a finished job's page is final
     }
 
+    function renderCheckpoints(checkpointed) {
+      $("#checkpoints").replaceChildren(...checkpointed.map((row) => {
+        const li = document.createElement("li");
+        li.dataset.step = row.step;
+        li.append(`step ${grouped(row.step)} `, textSpan("note", `(training waited ${significant(row.checkpoint_blocked_s, 3)} s)`));
+        return li;
+      }));
+      $("#checkpoints-empty").hidden = checkpointed.length > 0;
+    }
+
+    async function renderArtifacts() {  // job.html's table, once the job has succeeded while the page was open
+      const files = (await api(`/v1/jobs/${id}/artifacts`)).data;
+      $("#artifacts tbody").replaceChildren(...files.map((file) => {
+        const row = document.createElement("tr");
+        row.dataset.name = file.name;
+        const link = Object.assign(document.createElement("a"), { href: `/v1/jobs/${id}/artifacts/${encodeURIComponent(file.name)}`, textContent: visible(file.name) });
+        link.download = file.name;
+        const digest = Object.assign(document.createElement("code"), { title: file.sha256, textContent: file.sha256.slice(0, 12) });
+        const cells = [link, humanBytes(file.bytes), digest].map((content, i) => {
+          const cell = document.createElement("td");
+          if (i === 1) cell.className = "num";
+          cell.append(content);
+          return cell;
+        });
+        row.append(...cells);
+        return row;
+      }));
+      const empty = $("#artifacts-empty");
+      empty.hidden = files.length > 0;
+      empty.textContent = "The job wrote no final model files.";
+    }
+
     const refreshNow = poll(refresh);
+    refreshNow();  // the curves are drawn from the API at once, not a poll later
     jobLogs(head);
   }
 
