@@ -540,7 +540,20 @@ def test_the_smoothing_slider_and_the_log_toggle_redraw_the_loss(ui, server, res
     assert _series(page, "loss-figure", 2) == pytest.approx(_ema(raw, 0.95))
     assert page.evaluate(canvas) != before
 
+    # a drag zooms in; new data (the slider's, as a poll's during training) keeps the zoom
     uplot = _UPLOT.format(figure="loss-figure")
+    box = page.locator("#loss-figure .u-over").bounding_box()
+    page.mouse.move(box["x"] + box["width"] * 0.25, box["y"] + box["height"] / 2)
+    page.mouse.down()
+    page.mouse.move(box["x"] + box["width"] * 0.6, box["y"] + box["height"] / 2, steps=5)
+    page.mouse.up()
+    zoomed = page.evaluate(f"[{uplot}.scales.x.min, {uplot}.scales.x.max]")
+    assert 0 < zoomed[0] < zoomed[1] < RESTARTED_STEPS - 1, zoomed
+    page.locator("#loss-smoothing").fill("0.9")
+    assert _series(page, "loss-figure", 2) == pytest.approx(_ema(raw, 0.9))
+    assert page.evaluate(f"[{uplot}.scales.x.min, {uplot}.scales.x.max]") == zoomed
+    page.locator("#loss-smoothing").fill("0.95")
+
     assert page.evaluate(f"{uplot}.scales.y.distr") == 1
     linear_ticks = page.evaluate(f"{uplot}.axes[1]._values")
     page.get_by_label("Log scale").check()

@@ -115,15 +115,20 @@
   // A uPlot in `container`, rebuilt by `build()` when its options change (the log-scale toggle: uPlot
   // fixes a scale's distribution when it is made). `state.markers` is read at every redraw.
   function chart(container, state, options) {
-    let u = null;
+    let u = null, zoomed = false;  // a chart the user zoomed keeps its x range as new rows come
+    container.addEventListener("dblclick", () => { zoomed = false; });  // uPlot zooms out on it
     function build(data) {
       if (u) u.destroy();
+      zoomed = false;
       const opts = options();
       u = new uPlot({
         width: Math.max(280, container.clientWidth), height: HEIGHT, ...opts,
         cursor: { drag: { x: true, y: false }, ...(opts.cursor || {}) },  // drag to zoom, double-click to reset
         legend: { live: true },
-        hooks: { draw: [(plot) => drawMarkers(plot, state.markers)] },
+        hooks: {
+          draw: [(plot) => drawMarkers(plot, state.markers)],
+          setSelect: [(plot) => { if (plot.select.width > 0) zoomed = true; }],
+        },
       }, data, container);
       container.uplot = u;
     }
@@ -131,7 +136,7 @@
       .observe(container);
     return {
       build,
-      set(data) { if (!u) build(data); else u.setData(data); },
+      set(data) { if (!u) build(data); else u.setData(data, !zoomed); },
       redraw() { if (u) u.redraw(false, false); },
       data: () => (u ? u.data : null),
     };
