@@ -8,7 +8,7 @@
   const FONT = "12px system-ui, -apple-system, 'Segoe UI', sans-serif";  // tick labels: >= 10 px
   const HEIGHT = 240;
   const COLOURS = { train: "#2563eb", raw: "rgba(37, 99, 235, 0.25)", eval: "#c2410c", second: "#0f766e" };
-  const MARKER_COLOURS = { restart: "#b45309", resize: "#7c3aed", preemption: "#dc2626" };
+  const MARKER_COLOURS = { restart: "#374151", resize: "#7c3aed", preemption: "#dc2626" };
 
   const stripZeros = (s) => (s.includes(".") ? s.replace(/\.?0+$/, "") : s);
   function short(v) {  // 3 significant digits; an exponent only for the very small or large
