@@ -16,7 +16,9 @@ Side by side, from one run, on this machine:
   on it for the run and gives the mode back after, saying so.
 
 Each server's first job is a warm-up, not counted (its Ray starts its worker pool). Prints medians,
-minimums and maximums over --jobs jobs per column.
+minimums and maximums over --jobs jobs per column, then where the time goes, phase by phase, from
+the same jobs: the job's events (`starting`, `running`: the server's clock, at the scheduler tick
+that saw each) and its ranks' log lines (the time each rank wrote them), read through the API.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -80,9 +83,20 @@ def serve(tree: Path, scratch: Path, **env: str) -> Iterator[httpx.Client]:
         shutil.rmtree(environment["RAY_TMPDIR"], ignore_errors=True)
 
 
-def one_job(client: httpx.Client) -> tuple[float, float]:
-    """(seconds to the first metric row, seconds to succeeded) of one tiny job."""
-    start = time.monotonic()
+PHASES = {
+    "starting": "submit -> `starting` (the scheduler takes the job)",
+    "running": "-> `running` (supervisor, placement, rank actors, children import torch, rendezvous)",
+    "built": "-> every rank's model built (process group joined, data and model made)",
+    "stepped": "-> step 0's log line (the first step)",
+    "first_row": "-> first metric row through the API (relay, supervisor, scheduler poll, database)",
+    "succeeded": "-> `succeeded` (steps 1-299, checkpoints, final/)",
+}
+"""Each phase ends at its key's moment and starts at the one before it (the first at the submit)."""
+
+
+def one_job(client: httpx.Client) -> dict[str, float]:
+    """Seconds from the submit to each moment of PHASES, of one tiny job."""
+    start, submitted_at = time.monotonic(), time.time()
     response = client.post("/v1/jobs", json=JOB)
     response.raise_for_status()
     job_id = response.json()["id"]
@@ -94,11 +108,36 @@ def one_job(client: httpx.Client) -> tuple[float, float]:
         if job["status"] in ("succeeded", "failed", "cancelled"):
             if job["status"] != "succeeded":
                 raise SystemExit(f"job {job_id} ended {job['status']}: {job['error']}")
-            return first_row if first_row is not None else time.monotonic() - start, time.monotonic() - start
+            done = time.monotonic() - start
+            return {
+                **_moments(client, job_id, since=submitted_at),
+                "first_row": first_row if first_row is not None else done,
+                "succeeded": done,
+            }
         time.sleep(0.02)
 
 
-def measure(tree: Path, *, jobs: int, **env: str) -> list[tuple[float, float]]:
+def _moments(client: httpx.Client, job_id: int, *, since: float) -> dict[str, float]:
+    """Seconds after `since` (the submit) of the job's first `starting` and `running` events, of the
+    last rank's model built (its "N parameters" line) and of rank 0's step 0 line."""
+    events = client.get(f"/v1/jobs/{job_id}/events").json()["data"]
+    lines = client.get(f"/v1/jobs/{job_id}/logs", params={"limit": 100}).json()["data"]
+    moments = {}
+    for status in ("starting", "running"):
+        moments[status] = min(_at(e["at"]) for e in events if e["to_status"] == status) - since
+    last = JOB["steps"] - 1
+    built = [_at(line["time"]) for line in lines if line["line"].endswith(f"parameters, steps 0 to {last}")]
+    moments["built"] = max(built) - since
+    moments["stepped"] = min(_at(line["time"]) for line in lines if f"step 0/{last} " in line["line"]) - since
+    return moments
+
+
+def _at(stamp: str) -> float:
+    moment = datetime.fromisoformat(stamp)
+    return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp()
+
+
+def measure(tree: Path, *, jobs: int, **env: str) -> list[dict[str, float]]:
     scratch = Path(tempfile.mkdtemp(prefix="zero1-bench-"))
     try:
         with serve(tree, scratch, **env) as client:
@@ -151,7 +190,7 @@ def main() -> None:
     parser.add_argument("--before", required=True, help="git ref of the tree to compare with")
     parser.add_argument("--jobs", type=int, default=5, help="jobs measured per column (after one warm-up)")
     args = parser.parse_args()
-    columns: dict[str, list[tuple[float, float]]] = {}
+    columns: dict[str, list[dict[str, float]]] = {}
     with worktree(args.before) as before:
         columns[f"before ({args.before})"] = measure(before, jobs=args.jobs)
     columns["this tree"] = measure(ROOT, jobs=args.jobs)
@@ -159,14 +198,24 @@ def main() -> None:
         if granted:
             print(f"(o+x granted on {', '.join(map(str, granted))} for the ZERO1_RUN_AS column)", file=sys.stderr)
         columns["this tree, ZERO1_RUN_AS"] = measure(ROOT, jobs=args.jobs, ZERO1_RUN_AS="*=65534:65534")
-    names = list(columns)
     print(
         f"examples/tiny-gpt.json (2 ranks, 300 steps); median (min-max) of {args.jobs} jobs each, after one warm-up\n"
     )
-    print("| from submit to | " + " | ".join(names) + " |")
-    print("|---|" + "---|" * len(names))
-    print("| first metric row | " + " | ".join(_cell([r[0] for r in columns[n]]) for n in names) + " |")
-    print("| `succeeded` | " + " | ".join(_cell([r[1] for r in columns[n]]) for n in names) + " |")
+    _table("from submit to", {"first metric row": "first_row", "`succeeded`": "succeeded"}, columns, lambda r, k: r[k])
+    print("\nWhere the time goes, phase by phase (each from the end of the one above):\n")
+    keys = list(PHASES)
+    rows = {PHASES[k]: k for k in keys}
+    _table("phase", rows, columns, lambda r, k: r[k] - (r[keys[keys.index(k) - 1]] if keys.index(k) else 0.0))
+
+
+def _table(
+    title: str, rows: dict[str, str], columns: dict[str, list[dict[str, float]]], value: Callable[..., float]
+) -> None:
+    """A markdown table: a row per (label, key), a column per tree, value(run, key) of each run."""
+    print(f"| {title} | " + " | ".join(columns) + " |")
+    print("|---|" + "---|" * len(columns))
+    for label, key in rows.items():
+        print(f"| {label} | " + " | ".join(_cell([value(r, key) for r in runs]) for runs in columns.values()) + " |")
 
 
 if __name__ == "__main__":
