@@ -218,6 +218,12 @@
       memory.set([steps, metrics.map((m) => (m.mem_peak_bytes.length ? Math.max(...m.mem_peak_bytes) : null)),
         metrics.map((m) => m.mem_planned_bytes)]);
       root.dataset.points = metrics.length;
+      // a chart with nothing to draw says so (before the first step; `lr` of rows stored before it was kept)
+      const empty = { "loss-figure": lossData()[1], "speed-figure": steps, "lr-figure": metrics.map((m) => m.lr),
+        "world-size-figure": metrics.map((m) => m.world_size), "memory-figure": steps };
+      for (const [figure, values] of Object.entries(empty)) {
+        root.querySelector(`#${figure}`).classList.toggle("no-data", !values.some((v) => v != null));
+      }
     }
 
     function listMarkers() {
