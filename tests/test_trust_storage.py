@@ -284,6 +284,8 @@ def test_no_final_directory_is_no_artifacts_and_no_complaint(tmp_path):
     assert read_final(tmp_path / "job-9-x") == ([], [])
     (tmp_path / "job-9-x").mkdir()
     assert read_final(tmp_path / "job-9-x") == ([], [])
+    # nor a checkpoint root that is gone (GET /v1/jobs/{id}/artifacts answered 500 then)
+    assert read_final(tmp_path / "gone" / "job-9-x") == ([], [])
 
 
 # --------------------------------------------------------------------------- item 7b: the token cache

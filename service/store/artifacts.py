@@ -72,7 +72,10 @@ def open_final_file(job_dir: Path, name: str) -> int:
     """A read-only descriptor of `job_dir`/final/`name`, opened with no link followed below the
     checkpoint root (the service's own); Refused unless it is a regular file with one link (a
     hard link could be another file of the service's)."""
-    fd = os.open(job_dir.parent, _DIR_FLAGS & ~os.O_NOFOLLOW)
+    try:
+        fd = os.open(job_dir.parent, _DIR_FLAGS & ~os.O_NOFOLLOW)
+    except OSError as error:  # the checkpoint storage itself is gone or unreadable: the job's files with it
+        raise Refused(f"{job_dir.name} cannot be reached: {error.strerror or error}") from None
     try:
         for part, shown, flags in (
             (job_dir.name, job_dir.name, _DIR_FLAGS),
