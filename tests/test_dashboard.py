@@ -960,6 +960,9 @@ def test_without_javascript_every_page_reads_from_the_first_paint(ui, server):
     rows = page.locator("#jobs tbody tr")
     expect(rows).to_have_count(TABLE_LIMIT)
     expect(page.locator("#cluster")).to_contain_text("80.00 GB per GPU, simulated")
+    cluster = server.api.get("/v1/cluster").json()  # where a job's data and models may lie, as the API says
+    expect(page.locator('#cluster [data-field="data-roots"] code')).to_have_text(cluster["data_roots"])
+    expect(page.locator('#cluster [data-field="model-roots"] code')).to_have_text(cluster["model_roots"])
     expect(page.locator(f"#job-{SEEDED_JOBS} .job-name")).to_have_text(HTML_NAME)  # escaped by the server
     page.get_by_label("Status").select_option("cancelled")
     page.get_by_role("button", name="Filter").click()  # a plain GET form

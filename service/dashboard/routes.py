@@ -35,6 +35,7 @@ from service.schemas.fields import JobStatus, too_many_digits
 from service.schemas.printable import MULTILINE, escape
 from service.schemas.requests import PlanRequest, RecommendRequest
 from service.schemas.responses import JobPublic
+from service.settings import resolved_roots
 from service.store.log_lines import read_logs
 from service.store.tables import Job, LogLine
 from service.tracking.runs import run_link
@@ -139,6 +140,8 @@ def jobs_page(
     context = {
         "page": "jobs",
         "cluster": cluster,
+        "data_roots": resolved_roots(settings.data_roots),
+        "model_roots": resolved_roots(settings.model_roots),
         "gpus_in_use": jobs.gpus_in_use(session),
         "queued": queue.count,
         "queue": queue,

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
-
 from fastapi import APIRouter
 
 from service.api.deps import ClusterDep, SettingsDep
 from service.schemas.responses import ClusterPublic
+from service.settings import resolved_roots
 
 router = APIRouter(tags=["cluster"])
 
@@ -20,11 +19,6 @@ def cluster(capacity: ClusterDep, settings: SettingsDep) -> ClusterPublic:
         gpu_memory_bytes=capacity.gpu_memory_bytes,
         nodes=capacity.nodes,
         simulated=capacity.simulated,
-        data_roots=_resolved(settings.data_roots),
-        model_roots=_resolved(settings.model_roots),
+        data_roots=resolved_roots(settings.data_roots),
+        model_roots=resolved_roots(settings.model_roots),
     )
-
-
-def _resolved(roots: list[str]) -> list[str]:
-    """As a job's path is checked against them (service/schemas: to_spec): real directories, URIs as they are."""
-    return [root if "://" in root else os.path.realpath(root) for root in roots]
