@@ -30,16 +30,16 @@ WORKDIR /app
 # changes do not rebuild
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 
-# then zero1 and its dependencies at the tested versions, and Ray's dashboard. Editable, like
-# `make install`: the migrations are found beside the service package.
+# then zero1 with its mlflow extra (ZERO1_MLFLOW_TRACKING_URI) and their dependencies at the tested
+# versions, and Ray's dashboard.
 COPY docker/constraints.txt /tmp/constraints.txt
 COPY --chown=zero1:zero1 pyproject.toml README.md ./
 COPY --chown=zero1:zero1 service ./service
 COPY --chown=zero1:zero1 workers ./workers
 COPY --chown=zero1:zero1 migrations ./migrations
 COPY --chown=zero1:zero1 examples ./examples
-RUN pip install --constraint /tmp/constraints.txt . "ray[default]" \
-    && python -c "import service.main, workers.runtime.actors, torch, ray; print('torch', torch.__version__, 'ray', ray.__version__)"
+RUN pip install --constraint /tmp/constraints.txt ".[mlflow]" "ray[default]" \
+    && python -c "import service.main, workers.runtime.actors, torch, ray, mlflow; print('torch', torch.__version__, 'ray', ray.__version__)"
 
 USER zero1
 # the API's port; Ray's ports are its own (6379 for the GCS, 8265 for its dashboard)

@@ -208,7 +208,8 @@ class Settings(BaseSettings):
     gives out (an MLflow run's zero1.url tag); unset: http://<ZERO1_HOST>:<ZERO1_PORT>."""
     mlflow_tracking_uri: str | None = None
     """An MLflow tracking server (e.g. http://mlflow:5000): set, every job becomes a run there, exported by
-    the service in the background (docs/api.md, MLflow; needs the extra zero1[mlflow]). Unset: none."""
+    the service in the background (docs/api.md, MLflow; needs the extra zero1[mlflow], which the
+    image installs). Unset: none."""
     mlflow_experiment: str = Field("zero1", min_length=1, max_length=500)
     """The MLflow experiment the jobs' runs go to (created when missing)."""
     mlflow_interval_s: float = Field(1.0, gt=0, le=3600)

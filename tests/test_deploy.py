@@ -250,3 +250,21 @@ def test_the_image_pins_the_versions_the_tests_ran_with():
     requirements = [Requirement(r) for r in importlib.metadata.requires("zero1") or []]
     runtime = {canonicalize_name(r.name) for r in requirements if r.marker is None} - {"torch"}
     assert runtime <= set(pins), f"not pinned for the image: {sorted(runtime - set(pins))}"
+    # the image installs the mlflow extra (an exporter needs it): its whole closure is pinned too
+    assert '".[mlflow]"' in dockerfile
+    extra = {canonicalize_name(r.name) for r in requirements if r.marker and r.marker.evaluate({"extra": "mlflow"})}
+    assert extra and _closure(extra) <= set(pins), f"not pinned: {sorted(_closure(extra) - set(pins))}"
+
+
+def _closure(names: set[str]) -> set[str]:
+    """The installed distributions `names` need, themselves included (no extras of theirs)."""
+    seen, todo = set(), list(names)
+    while todo:
+        if (name := canonicalize_name(todo.pop())) in seen:
+            continue
+        seen.add(name)
+        for text in importlib.metadata.requires(name) or []:
+            requirement = Requirement(text)
+            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                todo.append(requirement.name)
+    return seen
