@@ -141,8 +141,12 @@ def measure(tree: Path, *, jobs: int, **env: str) -> list[dict[str, float]]:
     scratch = Path(tempfile.mkdtemp(prefix="zero1-bench-"))
     try:
         with serve(tree, scratch, **env) as client:
-            one_job(client)  # warm-up
-            return [one_job(client) for _ in range(jobs)]
+            try:
+                one_job(client)  # warm-up
+                return [one_job(client) for _ in range(jobs)]
+            except SystemExit:  # a job that failed: the server's log says why
+                print((scratch / "serve.log").read_text()[-6000:], file=sys.stderr)
+                raise
     finally:
         subprocess.run(["rm", "-rf", str(scratch)], check=False)
 

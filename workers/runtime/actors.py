@@ -117,8 +117,11 @@ class TrainWorker:
     ) -> TrainResult:
         """Train as this rank in the child, relaying its rows, lines and questions to the supervisor."""
         logs = _OrderedSender(lambda lines: supervisor.report_logs.remote(self.rank, lines))
-        rows = _OrderedSender(lambda batch: supervisor.report.remote(self.rank, batch))
-        sink = MetricsSink(send=rows, flush=rows.deliver)
+        sink = MetricsSink(
+            send=lambda rows: supervisor.report.remote(self.rank, rows),
+            flush=lambda rows: ray.get(supervisor.report.remote(self.rank, rows)),
+            delivered=lambda sent: _delivered(sent, 0),
+        )
         spool = None
         if config.checkpoint_dir and is_remote(config.checkpoint_dir):
             # the child checkpoints into a spool in its home; this process stores it (it holds the credentials)
@@ -189,8 +192,8 @@ class _StopAsker:
 
 
 class _OrderedSender:
-    """Sends a rank's batches (log lines, metric rows) to the supervisor one after another: each once
-    the one before it is delivered (the supervisor takes calls concurrently, so order is kept here)."""
+    """Sends a rank's log batches to the supervisor one after another: each once the one before it
+    is delivered (the supervisor takes calls concurrently, so order is kept here)."""
 
     def __init__(self, send: Callable[[list[Any]], Any]) -> None:
         self._send, self._in_flight = send, None
@@ -198,11 +201,6 @@ class _OrderedSender:
     def __call__(self, batch: list[Any]) -> None:
         self.wait()
         self._in_flight = self._send(batch)
-
-    def deliver(self, batch: list[Any]) -> None:
-        """Send after the batch in flight and return once delivered (the supervisor's error raised)."""
-        self.wait()
-        ray.get(self._send(batch))
 
     def wait(self, timeout_s: float = 30.0) -> None:
         if self._in_flight is not None:

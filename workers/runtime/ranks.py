@@ -22,7 +22,7 @@ from workers.runtime.sandbox import Child, ChildExited, ChildSpec, ProtocolError
 from workers.runtime.spool import Spool, SpoolError
 
 _REPORT_EVERY_ROWS = 50
-_REPORT_EVERY_S = 0.1
+_REPORT_EVERY_S = 0.25
 
 
 class RankFailed(RuntimeError):
@@ -38,17 +38,26 @@ class RankFailed(RuntimeError):
 
 class MetricsSink:
     """Batches a rank's metric rows to the supervisor: the first at once (a new job shows its first
-    step as soon as it is taken), then every 50 rows or 0.1 s, and at the end."""
+    step as soon as it is taken), then every 50 rows or 0.25 s, and at the end. A batch goes only once
+    the one before it is delivered (`delivered(what send returned)`, asked without waiting): the
+    relay, which also answers rank 0's "stop?" at every step, never waits on the supervisor."""
 
-    def __init__(self, send: Callable[[list[MetricRow]], Any], flush: Callable[[list[MetricRow]], None]) -> None:
-        self._send, self._flush = send, flush
+    def __init__(
+        self,
+        send: Callable[[list[MetricRow]], Any],
+        flush: Callable[[list[MetricRow]], None],
+        delivered: Callable[[Any], bool] = lambda sent: True,
+    ) -> None:
+        self._send, self._flush, self._delivered = send, flush, delivered
         self.rows: list[MetricRow] = []
         self.sent_at = -math.inf
+        self._in_flight: Any = None
 
     def __call__(self, row: MetricRow) -> None:
         self.rows.append(row)
-        if len(self.rows) >= _REPORT_EVERY_ROWS or time.monotonic() - self.sent_at >= _REPORT_EVERY_S:
-            self._send(self.rows)
+        due = len(self.rows) >= _REPORT_EVERY_ROWS or time.monotonic() - self.sent_at >= _REPORT_EVERY_S
+        if due and (self._in_flight is None or self._delivered(self._in_flight)):
+            self._in_flight = self._send(self.rows)
             self.rows, self.sent_at = [], time.monotonic()
 
     def flush(self) -> None:
