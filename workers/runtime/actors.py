@@ -120,7 +120,7 @@ class TrainWorker:
         sink = MetricsSink(
             send=lambda rows: supervisor.report.remote(self.rank, rows),
             flush=lambda rows: ray.get(supervisor.report.remote(self.rank, rows)),
-            delivered=lambda sent: _delivered(sent, 0),
+            delivered=_delivered,
         )
         spool = None
         if config.checkpoint_dir and is_remote(config.checkpoint_dir):

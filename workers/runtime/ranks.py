@@ -23,6 +23,7 @@ from workers.runtime.spool import Spool, SpoolError
 
 _REPORT_EVERY_ROWS = 50
 _REPORT_EVERY_S = 0.25
+_FLUSH_WAIT_S = 30.0
 
 
 class RankFailed(RuntimeError):
@@ -39,14 +40,15 @@ class RankFailed(RuntimeError):
 class MetricsSink:
     """Batches a rank's metric rows to the supervisor: the first at once (a new job shows its first
     step as soon as it is taken), then every 50 rows or 0.25 s, and at the end. A batch goes only once
-    the one before it is delivered (`delivered(what send returned)`, asked without waiting): the
-    relay, which also answers rank 0's "stop?" at every step, never waits on the supervisor."""
+    the one before it is delivered (`delivered(what send returned, timeout_s)`, asked without waiting
+    while the run goes on): the relay, which also answers rank 0's "stop?" at every step, never waits
+    on the supervisor. The last batch goes once the one in flight is delivered, in order."""
 
     def __init__(
         self,
         send: Callable[[list[MetricRow]], Any],
         flush: Callable[[list[MetricRow]], None],
-        delivered: Callable[[Any], bool] = lambda sent: True,
+        delivered: Callable[[Any, float], bool] = lambda sent, timeout_s: True,
     ) -> None:
         self._send, self._flush, self._delivered = send, flush, delivered
         self.rows: list[MetricRow] = []
@@ -56,11 +58,14 @@ class MetricsSink:
     def __call__(self, row: MetricRow) -> None:
         self.rows.append(row)
         due = len(self.rows) >= _REPORT_EVERY_ROWS or time.monotonic() - self.sent_at >= _REPORT_EVERY_S
-        if due and (self._in_flight is None or self._delivered(self._in_flight)):
+        if due and (self._in_flight is None or self._delivered(self._in_flight, 0)):
             self._in_flight = self._send(self.rows)
             self.rows, self.sent_at = [], time.monotonic()
 
     def flush(self) -> None:
+        if self._in_flight is not None:  # the supervisor takes calls concurrently: keep the batches' order
+            self._delivered(self._in_flight, _FLUSH_WAIT_S)
+            self._in_flight = None
         self._flush(self.rows)  # delivered before the run returns
         self.rows = []
 
