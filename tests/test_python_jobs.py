@@ -78,14 +78,16 @@ def test_the_example_bundle_uploads_plans_by_its_trace_and_trains_on_two_ranks(s
     per_block = 2 * 64 + 3 * 64 * 64 + 64 * 64 + 3 * 64 * 256
     assert plan.json()["num_params"] == 512 * 64 + 64 * 64 + 2 * per_block + 64
 
-    steps = 40
-    r = client.post("/v1/jobs", json=example(code, steps=steps, checkpoint_every=20))
+    steps = EXAMPLE["steps"]  # the README's run, as it submits it
+    r = client.post("/v1/jobs", json=example(code))
     assert r.status_code == 201, r.text
     assert r.json()["plan"]["method"] == "traced"
     job = wait_job(client, r.json()["id"], lambda j: j["status"] in TERMINAL)
     assert job["status"] == "succeeded", job["error"]
     losses = [row["loss"] for row in client.get(f"/v1/jobs/{job['id']}/metrics", params={"limit": 100}).json()["data"]]
     assert len(losses) == steps and sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 1.0, losses
+    # the loss the README's `zero1 watch` line shows is this run's (it said 1.5612 after it had changed)
+    assert f"{steps}/{steps} loss {losses[-1]:.4f} " in (ROOT / "README.md").read_text(), losses[-1]
 
     names = {entry["name"] for entry in client.get(f"/v1/jobs/{job['id']}/artifacts").json()["data"]}
     assert {"model.safetensors", "spec.json"} <= names
