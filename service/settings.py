@@ -6,7 +6,6 @@ May import: workers.runtime.sandbox, workers.training.storage.
 from __future__ import annotations
 
 import json
-import os
 import re
 from functools import lru_cache
 from typing import Annotated, Literal
@@ -333,12 +332,6 @@ class Settings(BaseSettings):
 def get_settings() -> Settings:
     """The process's settings, read once from the environment."""
     return Settings()
-
-
-def resolved_roots(roots: list[str]) -> list[str]:
-    """Data or model roots as a job's path is checked against them (the schemas' to_spec): real
-    directories (relative ones under the working directory), URIs as they are."""
-    return [root if "://" in root else os.path.realpath(root) for root in roots]
 
 
 def env_table() -> str:

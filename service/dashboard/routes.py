@@ -31,11 +31,10 @@ from service.planning.plans import make_plan, plan_public
 from service.planning.recommendations import cost_model_of, recommend_public
 from service.scheduling import controls, jobs
 from service.scheduling.launcher import RayLauncher
-from service.schemas.fields import JobStatus, too_many_digits
+from service.schemas.fields import JobStatus, resolved_roots, too_many_digits
 from service.schemas.printable import MULTILINE, escape
 from service.schemas.requests import PlanRequest, RecommendRequest
 from service.schemas.responses import JobPublic
-from service.settings import resolved_roots
 from service.store.log_lines import read_logs
 from service.store.tables import Job, LogLine
 from service.tracking.runs import run_link
@@ -244,7 +243,7 @@ def job_artifacts(session: Session, job: Job, *, launcher: RayLauncher) -> list[
         return None
     try:
         _, files = jobs.job_artifacts(session, job, launcher=launcher)
-    except (ServiceError, OSError):  # OSError: the checkpoint root is gone (the listing's 500)
+    except ServiceError:
         return None
     return [{"name": f.name, "bytes": f.bytes, "sha256": f.sha256} for f in files]
 

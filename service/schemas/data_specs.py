@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from service.schemas.fields import Body, Float, Int, Text
+from service.schemas.fields import Body, Float, Int, Text, resolved_roots
 from workers.config import DATASET_FORMATS, DatasetSpec, FieldError, SyntheticSpec, TextSpec, default_of
 
 
@@ -96,7 +96,7 @@ class DatasetDataSpec(Body):
         is the checkpoint storage's datasets/ directory."""
         return DatasetSpec(
             **self.model_dump(exclude={"kind"}),
-            roots=tuple(root if "://" in root else os.path.realpath(root) for root in data_roots),
+            roots=resolved_roots(data_roots),
             cache_dir=cache_dir,
         )
 

@@ -4,6 +4,8 @@ the names of precisions, optimizers and job statuses."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
 from decimal import Decimal
 from typing import Annotated, Literal
 
@@ -71,3 +73,9 @@ class Body(BaseModel):
     """A request body: a field it does not know is an error, not silently dropped."""
 
     model_config = ConfigDict(extra="forbid")
+
+
+def resolved_roots(roots: Sequence[str]) -> tuple[str, ...]:
+    """Data or model roots as a job's path is checked against them: real directories (relative ones
+    under the working directory), URIs (s3://) as they are."""
+    return tuple(root if "://" in root else os.path.realpath(root) for root in roots)

@@ -4,13 +4,12 @@ workers' spec by its to_spec()."""
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from service.schemas.fields import Body, Int, Text, no_nul
+from service.schemas.fields import Body, Int, Text, no_nul, resolved_roots
 from workers.config import FieldError, HFSpec, PythonSpec
 from workers.memory import model as memory
 
@@ -116,7 +115,7 @@ class HFModelSpec(Body):
         return HFSpec(
             config=self.config,
             path=self.path,
-            roots=tuple(root if "://" in root else os.path.realpath(root) for root in model_roots),
+            roots=resolved_roots(model_roots),
             digest=self.digest,
             vocab_size=vocab_size,
             block_size=block_size,

@@ -5,8 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from service.api.deps import ClusterDep, SettingsDep
+from service.schemas.fields import resolved_roots
 from service.schemas.responses import ClusterPublic
-from service.settings import resolved_roots
 
 router = APIRouter(tags=["cluster"])
 
@@ -19,6 +19,6 @@ def cluster(capacity: ClusterDep, settings: SettingsDep) -> ClusterPublic:
         gpu_memory_bytes=capacity.gpu_memory_bytes,
         nodes=capacity.nodes,
         simulated=capacity.simulated,
-        data_roots=resolved_roots(settings.data_roots),
-        model_roots=resolved_roots(settings.model_roots),
+        data_roots=list(resolved_roots(settings.data_roots)),
+        model_roots=list(resolved_roots(settings.model_roots)),
     )
