@@ -155,9 +155,13 @@ def server(browser, tmp_path_factory) -> Iterator[Server]:
     database_url = f"sqlite:///{tmp / 'zero1.db'}"
     seed_jobs(database_url, count=SEEDED_JOBS)
     port = free_port()
+    # a root as deep as a CI checkout's: a phone must wrap it, not scroll sideways to read it
+    long_root = tmp / "ci-runner-workspace-checkouts-0123456789abcdef0123456789abcdef" / "examples" / "data"
+    long_root.mkdir(parents=True)
     env = {
         **os.environ,
         "ZERO1_DATABASE_URL": database_url,
+        "ZERO1_DATA_ROOTS": f"data,{long_root}",
         "ZERO1_CHECKPOINT_URI": str(tmp / "checkpoints"),
         "ZERO1_RAY_NAMESPACE": f"zero1-dashboard-{secrets.token_hex(4)}",
         "ZERO1_SIMULATED_GPUS": "4",
