@@ -64,7 +64,7 @@ def remove_placement_groups(namespace: str, *, keep=lambda job_id, attempt: Fals
     from ray._raylet import PlacementGroupID
     from ray.util.placement_group import PlacementGroup
 
-    from workers.runtime.groups import remove_group
+    from workers.runtime.cluster import remove_group
 
     removed = 0
     for group_id, entry in ray.util.placement_group_table().items():
@@ -126,7 +126,7 @@ class RayLauncher:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from workers.runtime.probes import probe_writable
+        from workers.runtime.cluster import probe_writable
 
         if time.monotonic() - self._storage_checked_at < _STORAGE_TTL_S:
             return self._storage_problems

@@ -27,7 +27,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from workers.config import TrainConfig
 from workers.records import MetricRow, OutputLine, RankError, TrainResult
 from workers.runtime.capture import HeldLines
-from workers.runtime.groups import remove_group
+from workers.runtime.cluster import remove_group
 from workers.runtime.ranks import MetricsSink, RankProcess
 from workers.runtime.rendezvous import parent_gone
 from workers.runtime.sandbox import ChildSpec, RunAs
