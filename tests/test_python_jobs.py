@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
@@ -86,8 +87,15 @@ def test_the_example_bundle_uploads_plans_by_its_trace_and_trains_on_two_ranks(s
     assert job["status"] == "succeeded", job["error"]
     losses = [row["loss"] for row in client.get(f"/v1/jobs/{job['id']}/metrics", params={"limit": 100}).json()["data"]]
     assert len(losses) == steps and sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 1.0, losses
-    # the loss the README's `zero1 watch` line shows is this run's (it said 1.5612 after it had changed)
-    assert f"{steps}/{steps} loss {losses[-1]:.4f} " in (ROOT / "README.md").read_text(), losses[-1]
+    # the loss the README shows is this run's (it said 1.5612 after it had changed): its `zero1 watch`
+    # line's or the one it names for the other CPU (the float kernels of an AMD EPYC and an Intel Xeon
+    # differ in the last bits, and 100 steps at lr 0.01 carry that on to the third decimal)
+    readme = (ROOT / "README.md").read_text()
+    shown = re.findall(
+        rf"{steps}/{steps} loss (\d\.\d{{4}}) .*\n```\n\nThat loss is an \w+ \w+'s; an \w+ \w+ ends at (\d\.\d{{4}})",
+        readme,
+    )
+    assert len(shown) == 1 and f"{losses[-1]:.4f}" in shown[0], (shown, losses[-1])
 
     names = {entry["name"] for entry in client.get(f"/v1/jobs/{job['id']}/artifacts").json()["data"]}
     assert {"model.safetensors", "spec.json"} <= names

@@ -10,12 +10,16 @@ Ray) starts such work as a child process of its own and talks to it over a socke
 The child's environment is built from an allowlist (PATH, locale, thread and CUDA/NCCL settings),
 never inherited whole; nothing named like a secret passes. With `run_as` it runs under that uid
 and gid, with no supplementary groups. A lifeline pipe ends it when its parent goes, however the
-parent dies (SIGKILL of a cancelled rank included). This room imports the standard library only.
+parent dies (SIGKILL of a cancelled rank included). A child is forked from the node's zygote, torch
+already loaded (workers/runtime/zygote.py), or started as a fresh interpreter where there is none.
+This room imports the standard library only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import pickle
 import re
@@ -175,27 +179,60 @@ class Child:
         if spec.run_as is not None:
             identity = {"user": spec.run_as.uid, "group": spec.run_as.gid, "extra_groups": []}
         try:
-            self.process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "workers.runtime.child",
-                    mode,
-                    str(child_end.fileno()),
-                    str(lifeline_read),
-                    staging,
-                ],
-                env=env,
-                cwd=cwd,
-                stdin=subprocess.DEVNULL,
-                pass_fds=(child_end.fileno(), lifeline_read),
-                start_new_session=True,
-                **identity,
-            )
+            self.process = self._fork(mode, staging, env, cwd, spec.run_as, child_end.fileno(), lifeline_read)
+            if self.process is None:
+                self.process = subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "workers.runtime.child",
+                        mode,
+                        str(child_end.fileno()),
+                        str(lifeline_read),
+                        staging,
+                    ],
+                    env=env,
+                    cwd=cwd,
+                    stdin=subprocess.DEVNULL,
+                    pass_fds=(child_end.fileno(), lifeline_read),
+                    start_new_session=True,
+                    **identity,
+                )
         finally:
             child_end.close()
             os.close(lifeline_read)
         self.conn = Connection(parent_end.detach())
+
+    @staticmethod
+    def _fork(
+        mode: str,
+        staging: str,
+        env: dict[str, str],
+        cwd: str,
+        run_as: RunAs | None,
+        connection_fd: int,
+        lifeline_fd: int,
+    ) -> Any:
+        """The child forked from this node's zygote (torch already loaded: workers/runtime/zygote.py);
+        None where there is no zygote to fork from, and the child starts as a fresh interpreter."""
+        from workers.runtime import zygote
+
+        if os.environ.get("ZERO1_ZYGOTE", "on") == "off":
+            return None
+        try:
+            return zygote.spawn(
+                mode,
+                staging,
+                env=env,
+                cwd=cwd,
+                uid=run_as.uid if run_as else None,
+                gid=run_as.gid if run_as else None,
+                connection_fd=connection_fd,
+                lifeline_fd=lifeline_fd,
+            )
+        except zygote.Unavailable as exc:
+            logging.getLogger(__name__).warning("starting a child without the zygote: %s", exc)
+            return None
 
     def send(self, message: Any) -> None:
         self.conn.send_bytes(pickle.dumps(message))
@@ -228,7 +265,8 @@ class Child:
 
     def kill(self) -> None:
         if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # a zygote's child may end before it says so
+                os.killpg(self.process.pid, signal.SIGKILL)
 
     def close(self) -> None:
         """Hang up: the child's lifeline breaks and it exits, if it has not."""
