@@ -421,6 +421,12 @@ RESTART_STEP = 15
 RESTARTED_STEPS = 40
 ARTIFACT_NAME = "model.safetensors"
 ARTIFACT_BYTES = bytes(range(256)) * 33
+STORED_STEP = 39
+STORED_FILES = {
+    "complete.json": json.dumps({"step": STORED_STEP, "world_size": 2, "format": "flat"}).encode(),
+    "rank-00000-of-00002.safetensors": bytes(range(7, 256)) * 5,
+    "rank-00001-of-00002.safetensors": bytes(range(9, 256)) * 6,
+}
 
 
 def _series(page: Page, figure: str, index: int) -> list:
@@ -478,6 +484,10 @@ def restarted(server) -> int:
     digest = hashlib.sha256(ARTIFACT_BYTES).hexdigest()
     manifest = {"files": [{"name": ARTIFACT_NAME, "bytes": len(ARTIFACT_BYTES), "sha256": digest}]}
     (final / "manifest.json").write_text(json.dumps(manifest))
+    stored = final.parent / f"step-{STORED_STEP:09d}"  # the checkpoint still stored; the others were pruned
+    stored.mkdir()
+    for name, data in STORED_FILES.items():
+        (stored / name).write_bytes(data)
     return job_id
 
 
@@ -595,11 +605,23 @@ def test_each_new_attempt_is_marked_by_its_cause_a_restart_a_resize_or_a_preempt
 
 
 def test_the_job_page_lists_checkpoints_and_downloads_an_artifact(ui, server, restarted):
-    """The checkpoint steps, and each final/ file with a link that downloads its bytes from the API."""
+    """The checkpoint steps, the stored one's files and each final/ file, each with a link that
+    downloads its bytes from the API."""
     page = ui.open(f"/jobs/{restarted}")
     steps = [step for step in range(RESTARTED_STEPS) if step % 10 == 9]
     expect(page.locator("#checkpoints li")).to_have_count(len(steps))
     assert page.locator("#checkpoints li").evaluate_all("lis => lis.map(li => Number(li.dataset.step))") == steps
+    for step in steps:  # the pruned ones are listed without links
+        links = page.locator(f'#checkpoints li[data-step="{step}"] a')
+        expect(links).to_have_count(len(STORED_FILES) if step == STORED_STEP else 0)
+    for name, data in STORED_FILES.items():
+        link = page.locator(f'#checkpoints li[data-step="{STORED_STEP}"] a', has_text=name)
+        expect(link).to_have_attribute("href", f"/v1/jobs/{restarted}/checkpoints/{STORED_STEP}/{name}")
+        with page.expect_download() as download:
+            link.click()
+        assert download.value.suggested_filename == f"step-{STORED_STEP}-{name}"
+        assert Path(download.value.path()).read_bytes() == data
+    page.locator("#files").screenshot(path=ui.report.directory / "job-checkpoints.png")
     link = page.locator(f'#artifacts tr[data-name="{ARTIFACT_NAME}"] a')
     expect(link).to_have_attribute("href", f"/v1/jobs/{restarted}/artifacts/{ARTIFACT_NAME}")
     with page.expect_download() as download:

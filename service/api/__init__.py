@@ -10,11 +10,12 @@ service.schemas, service.store, service.planning, service.scheduling, service.tr
 from fastapi import APIRouter, Depends
 
 from service.api.deps import require_reader
-from service.api.routes import cluster, code, health, jobs, plan, prometheus, queue
+from service.api.routes import checkpoints, cluster, code, health, jobs, plan, prometheus, queue
 
 v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_reader)])
 v1.include_router(plan.router)
 v1.include_router(jobs.router)
+v1.include_router(checkpoints.router)
 v1.include_router(queue.router)
 v1.include_router(cluster.router)
 v1.include_router(code.router)

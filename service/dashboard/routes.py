@@ -35,6 +35,7 @@ from service.schemas.fields import JobStatus, resolved_roots, too_many_digits
 from service.schemas.printable import MULTILINE, escape
 from service.schemas.requests import PlanRequest, RecommendRequest
 from service.schemas.responses import JobPublic
+from service.store.checkpoint_files import stored_checkpoints
 from service.store.log_lines import read_logs
 from service.store.tables import Job, LogLine
 from service.tracking.runs import run_link
@@ -231,9 +232,20 @@ def job_page(
         "planned_bytes": (public.latest or {}).get("mem_planned_bytes"),
         "spec_json": json.dumps(public.spec, indent=2),
         "checkpoints": checkpointed,
+        "checkpoint_files": checkpoint_files(job, launcher=runtime.launcher),
         "artifacts": job_artifacts(session, job, launcher=runtime.launcher),
     }
     return templates.TemplateResponse(request, "job.html", context)
+
+
+def checkpoint_files(job: Job, *, launcher: RayLauncher) -> dict[int, list[dict]]:
+    """The files of the job's complete checkpoints by step, as GET /v1/jobs/{id}/checkpoints lists
+    them; none when its storage cannot be read (the API says why)."""
+    try:
+        found = stored_checkpoints(launcher.job_store(job))
+    except ServiceError:
+        return {}
+    return {step: [{"name": name, "bytes": size} for name, size in files] for step, files in found}
 
 
 def job_artifacts(session: Session, job: Job, *, launcher: RayLauncher) -> list[dict] | None:

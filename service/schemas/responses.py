@@ -214,6 +214,23 @@ class ArtifactsPublic(BaseModel):
     count: int
 
 
+class CheckpointFilePublic(BaseModel):
+    name: str = Field(
+        description="A rank's shard (`rank-00000-of-00002.safetensors`) or the checkpoint's `complete.json`."
+    )
+    bytes: int
+
+
+class CheckpointPublic(BaseModel):
+    step: int = Field(description="The last step the checkpoint holds (0-based): a resume starts at step + 1.")
+    files: list[CheckpointFilePublic]
+
+
+class CheckpointsPublic(BaseModel):
+    data: list[CheckpointPublic]
+    count: int
+
+
 class EventPublic(BaseModel):
     at: datetime
     from_status: str | None

@@ -239,3 +239,26 @@ def checkpointed_metrics(root: Path | Store, *, after_step: int) -> list[MetricR
     # a step without rank 0's row (its file torn) is left out: the global values are rank 0's
     complete = [step for step in sorted(by_step) if 0 in by_step[step]]
     return [MetricRow.merge(by_step[step]) for step in complete]
+
+
+def complete_checkpoints(root: Path | Store) -> list[tuple[int, list[tuple[str, int]]]]:
+    """The complete checkpoints under root, oldest first: each step with its downloadable files
+    (its ranks' shards and its complete.json marker, name and bytes). Only regular files in real
+    step directories count (a job's code could plant a link where the service reads)."""
+    store = as_store(root)
+    found = []
+    for directory in sorted(_markers(store, COMPLETE)):
+        files = []
+        for name in store.list(directory):
+            if (_SHARD.fullmatch(name) or name == COMPLETE) and store.is_file(f"{directory}/{name}"):
+                try:
+                    files.append((name, store.size(f"{directory}/{name}")))
+                except OSError:  # pruned while listed
+                    continue
+        found.append((step_of_name(directory), files))
+    return found
+
+
+def is_checkpoint_file(name: str) -> bool:
+    """A name complete_checkpoints may list: a rank's shard or the marker."""
+    return name == COMPLETE or _SHARD.fullmatch(name) is not None

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import re
 import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
-from urllib.parse import quote
 
 from fastapi import APIRouter, Header, Path, Query, Request, Response
 from fastapi.responses import StreamingResponse
@@ -28,8 +26,8 @@ from service.api.deps import (
     errors,
     json_response,
 )
+from service.api.downloads import attachment, byte_range
 from service.auth import Principal, check_can_steer
-from service.errors import ServiceError
 from service.planning.hf_paths import check_model_path
 from service.scheduling import admission, controls, jobs
 from service.scheduling.init_from import resolve_init_from
@@ -337,12 +335,12 @@ def job_artifact(
     those bytes (416 past the end). Only a name the listing gives; the job's owner's and admins' only."""
     job = jobs.get_visible_job(session, job_id, principal=principal)
     job_dir, artifact = jobs.artifact_file(session, job, name, launcher=runtime.launcher)
-    span = _byte_range(range_header, size=artifact.bytes)
+    span = byte_range(range_header, size=artifact.bytes)
     first, last = span or (0, artifact.bytes - 1)
     headers = {
         "Accept-Ranges": "bytes",
         "Content-Length": str(last + 1 - first),
-        "Content-Disposition": _attachment(name),
+        "Content-Disposition": attachment(name),
     }
     if span is not None:
         headers["Content-Range"] = f"bytes {first}-{last}/{artifact.bytes}"
@@ -352,42 +350,3 @@ def job_artifact(
         media_type="application/octet-stream",
         headers=headers,
     )
-
-
-_RANGE = re.compile(r"bytes=(\d{0,19})-(\d{0,19})")
-
-
-def _byte_range(header: str | None, *, size: int) -> tuple[int, int] | None:
-    """(first, last) of a single `bytes=a-b`, `bytes=a-` or `bytes=-n` range; None for no header or one
-    this does not serve as a range (several ranges, another unit: the whole file, as RFC 9110 allows);
-    a 416 when it starts past the end."""
-    found = None if header is None else _RANGE.fullmatch(header.strip())
-    if found is None or found[1] == found[2] == "":
-        return None
-    if found[1] == "":  # the last n bytes
-        first, last = max(size - int(found[2]), 0), size - 1
-        if int(found[2]) == 0 or size == 0:
-            raise _unsatisfiable(header, size=size)
-        return first, last
-    first = int(found[1])
-    last = size - 1 if found[2] == "" else min(int(found[2]), size - 1)
-    if found[2] != "" and int(found[2]) < first:
-        return None  # an invalid range is ignored
-    if first >= size:
-        raise _unsatisfiable(header, size=size)
-    return first, last
-
-
-def _unsatisfiable(header: str, *, size: int) -> ServiceError:
-    return ServiceError(
-        f"Range: {header!r} starts past the end of the file ({size} bytes)",
-        status_code=416,
-        error="range_not_satisfiable",
-        headers={"Content-Range": f"bytes */{size}"},
-    )
-
-
-def _attachment(name: str) -> str:
-    """Content-Disposition for `name`, as Starlette's FileResponse writes it."""
-    quoted = quote(name)
-    return f'attachment; filename="{name}"' if quoted == name else f"attachment; filename*=utf-8''{quoted}"

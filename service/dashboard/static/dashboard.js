@@ -489,7 +489,7 @@
         const checkpointed = (await api(`/v1/jobs/${id}/metrics?checkpointed=true&limit=10000`)).data;
         curves.update({ metrics: metrics.data, evaluated, checkpointed });
         if (evaluated.length) setText($('[data-field="eval-loss"]', $("#job-stats")), significant(evaluated.at(-1).eval_loss));
-        renderCheckpoints(checkpointed);
+        renderCheckpoints(checkpointed, (await api(`/v1/jobs/${id}/checkpoints`)).data);
         drawnStep = String(job.step ?? "");
       }
       if (job.status === "succeeded" && status !== "succeeded") await renderArtifacts();
@@ -498,11 +498,24 @@
       return !TERMINAL.has(status);  // a finished job's page is final
     }
 
-    function renderCheckpoints(checkpointed) {
+    function renderCheckpoints(checkpointed, stored) {  // job.html's list: each step, with the files still stored
+      const filesOf = new Map(stored.map((checkpoint) => [checkpoint.step, checkpoint.files]));
       $("#checkpoints").replaceChildren(...checkpointed.map((row) => {
         const li = document.createElement("li");
         li.dataset.step = row.step;
         li.append(`step ${grouped(row.step)} `, textSpan("note", `(training waited ${significant(row.checkpoint_blocked_s, 3)} s)`));
+        const files = filesOf.get(row.step) || [];
+        if (files.length) {
+          const list = Object.assign(document.createElement("span"), { className: "checkpoint-files" });
+          files.forEach((file, i) => {
+            const link = Object.assign(document.createElement("a"), {
+              href: `/v1/jobs/${id}/checkpoints/${row.step}/${encodeURIComponent(file.name)}`, textContent: visible(file.name),
+            });
+            link.download = `step-${row.step}-${file.name}`;
+            list.append(i ? ", " : "", link, " ", textSpan("note", humanBytes(file.bytes)));
+          });
+          li.append(" ", list);
+        }
         return li;
       }));
       $("#checkpoints-empty").hidden = checkpointed.length > 0;
