@@ -2,9 +2,10 @@
 real 2-rank job that keeps its two newest checkpoints lists exactly those, each rank's shard comes
 back byte for byte (whole and by Range) and loads as the safetensors file the ranks wrote; a pruned
 step, a name the listing does not give, a path and a link planted where a shard would be are 404s;
-another user gets a 404 for the job itself.
+another user gets a 404 for the job itself. The Python client and `zero1 download --checkpoint`
+fetch one, each file's size checked.
 
-Packages: service.api, service.store, workers.training.
+Packages: service.api, service.store, service.client, service.cli, workers.training.
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load
+
+from service import cli
+from service.cli import jobs as cli_jobs
+from zero1 import Client
 
 from conftest import make_settings, serve
 from helpers import TERMINAL, job_body, wait_job
@@ -112,3 +117,25 @@ def test_another_user_sees_no_checkpoints_of_the_job(trained):
         r = client.get(f"/v1/jobs/{job_id}/{path}", headers=bob)
         assert r.status_code == 404 and r.json()["error"] == "not_found", r.text
     assert json.loads(client.get(f"/v1/jobs/{job_id}/checkpoints").content)["count"] == 2  # alice still does
+
+
+def test_the_client_and_the_cli_download_a_stored_checkpoint(trained, tmp_path, monkeypatch, capsys):
+    client, job_id, directory = trained
+    job = Client(http=client).job(job_id)
+    assert [c.step for c in job.checkpoints()] == [29, 39]
+    paths = job.download(tmp_path / "py", checkpoint=29)
+    stored = sorted(p.name for p in (directory / "step-000000029").iterdir() if not p.name.endswith(".metrics.json"))
+    assert sorted(p.name for p in paths) == stored
+    for path in paths:
+        assert path.read_bytes() == (directory / "step-000000029" / path.name).read_bytes()
+
+    monkeypatch.setattr(cli_jobs, "_client", lambda args, **_: Client(http=client))
+    assert cli.main(["download", str(job_id), str(tmp_path / "cli"), "--checkpoint", "39"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 and all(line.endswith("bytes  size ok") for line in lines), lines
+    assert (tmp_path / "cli" / "rank-00001-of-00002.safetensors").read_bytes() == (
+        directory / "step-000000039" / "rank-00001-of-00002.safetensors"
+    ).read_bytes()
+    assert cli.main(["download", str(job_id), str(tmp_path / "gone"), "--checkpoint", "9"]) == 1
+    assert f"job {job_id} stores no checkpoint at step 9 (stored: [29, 39])" in capsys.readouterr().err
+    assert not (tmp_path / "gone").exists()

@@ -137,9 +137,17 @@ def _parser() -> argparse.ArgumentParser:
     logs.add_argument("--rank", type=int, help="only this rank's lines")
     logs.add_argument("--attempt", type=int, help="only this attempt's lines (a retry is the next attempt)")
     logs.add_argument("--url", **url)
-    download = commands.add_parser("download", help="a succeeded job's final model, each file's sha256 checked")
+    download = commands.add_parser(
+        "download", help="a succeeded job's final model, each file's sha256 checked; or one of its checkpoints"
+    )
     download.add_argument("job_id", type=int)
     download.add_argument("dir", help="where the files go (created)")
+    download.add_argument(
+        "--checkpoint",
+        type=int,
+        metavar="STEP",
+        help="that stored checkpoint's shards and marker instead (its size checked)",
+    )
     download.add_argument("--url", **url)
     db = commands.add_parser("db", help="database maintenance")
     db.add_argument("action", choices=("upgrade",), help="upgrade: apply the migrations (ZERO1_DATABASE_URL)")

@@ -169,19 +169,21 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def cmd_download(args: argparse.Namespace) -> int:
-    """Every file of the job's final model into DIR, streamed to a temporary name, its sha256 checked
-    against the listing before it takes its own name; a line per file. Exit 1 at the first mismatch."""
+    """Every file of the job's final model into DIR, or with --checkpoint STEP that checkpoint's shards
+    and marker, streamed to a temporary name, its size (and a final file's sha256) checked against the
+    listing before it takes its own name; a line per file. Exit 1 at the first mismatch."""
 
     def shown(path: Path, entry) -> None:
-        print(f"{escape(path.name)}  {entry.bytes:,} bytes  sha256 ok {entry.sha256[:16]}")
+        checked = f"sha256 ok {entry.sha256[:16]}" if hasattr(entry, "sha256") else "size ok"
+        print(f"{escape(path.name)}  {entry.bytes:,} bytes  {checked}")
 
     with _client(args) as client:
         job = Job(client, args.job_id)
-        if not job.artifacts():
+        if args.checkpoint is None and not job.artifacts():
             print(f"zero1 download: job {args.job_id} has no artifacts", file=sys.stderr)
             return 1
         try:
-            job.download(args.dir, on_file=shown)
+            job.download(args.dir, checkpoint=args.checkpoint, on_file=shown)
         except ValueError as exc:
             print(f"zero1 download: {exc}", file=sys.stderr)
             return 1

@@ -12,7 +12,15 @@ from pathlib import Path
 from typing import Any
 
 from service.schemas.printable import escape
-from service.schemas.responses import ArtifactPublic, EventPublic, JobPublic, LogLinePublic, MetricPublic
+from service.schemas.responses import (
+    ArtifactPublic,
+    CheckpointFilePublic,
+    CheckpointPublic,
+    EventPublic,
+    JobPublic,
+    LogLinePublic,
+    MetricPublic,
+)
 
 from .errors import raise_for
 from .output import terminal
@@ -165,30 +173,50 @@ class Job:
         """The files of a succeeded job's final model, each with its size and sha256."""
         return [ArtifactPublic.model_validate(a) for a in self._get(f"/v1/jobs/{self.id}/artifacts")["data"]]
 
+    def checkpoints(self) -> list[CheckpointPublic]:
+        """The complete checkpoints the job's storage holds now, oldest first, each with its files."""
+        return [CheckpointPublic.model_validate(c) for c in self._get(f"/v1/jobs/{self.id}/checkpoints")["data"]]
+
     def download(
-        self, directory: str | Path, *, on_file: Callable[[Path, ArtifactPublic], None] | None = None
+        self,
+        directory: str | Path,
+        *,
+        checkpoint: int | None = None,
+        on_file: Callable[[Path, ArtifactPublic | CheckpointFilePublic], None] | None = None,
     ) -> list[Path]:
-        """Every file of the final model into `directory` (created), each streamed to a temporary name
-        and given its own only once its size and sha256 match the listing; a ValueError (the file
-        removed) at the first that does not. The paths written; `on_file` hears each as it lands."""
+        """Every file of the final model into `directory` (created), or, with `checkpoint` (a step the
+        listing gives), that checkpoint's shards and marker. Each is streamed to a temporary name and
+        given its own only once its size (and a final file's sha256) matches the listing; a ValueError
+        (the file removed) at the first that does not, or for a step not stored. The paths written;
+        `on_file` hears each as it lands."""
+        if checkpoint is None:
+            entries: list[Any] = self.artifacts()
+            prefix = f"/v1/jobs/{self.id}/artifacts"
+        else:
+            stored = {c.step: c.files for c in self.checkpoints()}
+            if checkpoint not in stored:
+                raise ValueError(f"job {self.id} stores no checkpoint at step {checkpoint} (stored: {sorted(stored)})")
+            entries, prefix = stored[checkpoint], f"/v1/jobs/{self.id}/checkpoints/{checkpoint}"
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         written = []
-        for entry in self.artifacts():
+        for entry in entries:
             name = Path(entry.name).name  # a file name, never a path out of the directory
             part, digest, size = directory / f".{name}.part", hashlib.sha256(), 0
-            with self.client.http.stream("GET", f"/v1/jobs/{self.id}/artifacts/{name}") as response:
+            with self.client.http.stream("GET", f"{prefix}/{name}") as response:
                 raise_for(response)
                 with open(part, "wb") as file:
                     for chunk in response.iter_bytes(1 << 20):
                         digest.update(chunk)
                         size += len(chunk)
                         file.write(chunk)
-            if digest.hexdigest() != entry.sha256 or size != entry.bytes:
+            expected = getattr(entry, "sha256", None)
+            if size != entry.bytes or (expected is not None and digest.hexdigest() != expected):
                 part.unlink()
+                listed = f"{entry.bytes:,} bytes" + (f", sha256 {expected}" if expected else "")
                 raise ValueError(
-                    f"{escape(name)}: sha256 mismatch ({size:,} bytes, sha256 {digest.hexdigest()}; "
-                    f"listed {entry.bytes:,} bytes, sha256 {entry.sha256})"
+                    f"{escape(name)}: {'sha256' if size == entry.bytes else 'size'} mismatch "
+                    f"({size:,} bytes, sha256 {digest.hexdigest()}; listed {listed})"
                 )
             part.replace(directory / name)
             written.append(directory / name)
