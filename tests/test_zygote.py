@@ -226,3 +226,20 @@ def test_a_request_the_zygote_cannot_read_is_answered_and_it_goes_on(bundle):
         connection.send(b"not json")
         assert json.loads(connection.recv(4096))["error"].startswith("JSONDecodeError")
     assert call_in_child("probe:who", None, timeout_s=120, bundle=bundle)["parent"][2] == "workers.runtime.zygote"
+
+
+def test_a_zygote_killed_under_its_children_loses_only_their_exit_status_and_is_replaced(bundle, tmp_path):
+    child = Child("call", ChildSpec(home=str(tmp_path / "home"), cwd=bundle, run_as=NOBODY))
+    try:
+        assert isinstance(child.process, zygote.ZygoteProcess)
+        zygote_pid = int(Path(f"/proc/{child.process.pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        os.kill(zygote_pid, 9)
+        with pytest.raises(subprocess.TimeoutExpired):  # the child waits for its work: still running
+            child.process.wait(timeout=0.5)
+        assert child.process.poll() is None
+        child.kill()
+        assert child.ended(timeout_s=30) == f"exited with code {zygote.LOST}"
+    finally:
+        child.close()
+    # the next child starts a new zygote over the dead one's socket
+    assert call_in_child("probe:who", None, timeout_s=120, bundle=bundle)["parent"][2] == "workers.runtime.zygote"

@@ -64,7 +64,7 @@ class ZygoteProcess:
     def __init__(self, connection: socket.socket, pid: int) -> None:
         self.pid = pid
         self.returncode: int | None = None
-        self._connection = connection
+        self._connection: socket.socket | None = connection
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -74,23 +74,28 @@ class ZygoteProcess:
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.returncode is None:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not self._read(left):
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left < 0:
                 raise subprocess.TimeoutExpired(f"zygote child {self.pid}", timeout or 0)
+            self._read(left if self._connection is not None else 0.05)
         return self.returncode
 
-    def _read(self, timeout: float | None) -> bool:
+    def _read(self, timeout: float | None) -> None:
+        """The zygote's word on how the child ended, if it came within timeout. Once the zygote is
+        gone the child is init's: it has ended when its pid is free, how is lost (LOST)."""
+        if self._connection is None:
+            if _alive(self.pid):
+                time.sleep(timeout or 0)
+            else:
+                self.returncode = LOST
+            return
         if not select.select([self._connection], [], [], timeout)[0]:
-            return False
+            return
         data = self._connection.recv(4096)
+        self._connection.close()
+        self._connection = None
         if data:
             self.returncode = int(json.loads(data)["returncode"])
-        else:  # the zygote is gone: the child is init's now; it has ended once its pid is free
-            while _alive(self.pid):
-                time.sleep(0.05)
-            self.returncode = LOST
-        self._connection.close()
-        return True
 
 
 def spawn(
