@@ -47,6 +47,8 @@ PRELOAD = ("torch", "workers.training.loop", "workers.runtime.child", "workers.r
 PER_CHILD = frozenset({"HOME", "TMPDIR", "PYTHONPATH", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"})
 """A child's variables that are its own; the rest of its environment is the zygote's, and names it."""
 READY_TIMEOUT_S = 60.0
+ANSWER_TIMEOUT_S = 30.0
+"""How long a parent waits for a running zygote to fork its child before it starts one afresh."""
 LOST = 255
 """The exit code reported for a child whose zygote ended before it could say how the child ended."""
 
@@ -112,12 +114,17 @@ def spawn(
     """Fork `python -m workers.runtime.child MODE <connection> <lifeline> STAGING` from this node's
     zygote (started here if there is none), as `uid`:`gid`, in `cwd`, with `env`."""
     base_env = {name: value for name, value in env.items() if name not in PER_CHILD}
-    path, watched = _socket_path(base_env)
-    connection = _connect(path) or _start(path, watched, base_env)
+    try:
+        path, watched = _socket_path(base_env)
+        connection = _connect(path) or _start(path, watched, base_env)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise Unavailable(f"no zygote could be started: {type(exc).__name__}: {exc}") from None
     request = {"mode": mode, "staging": staging, "env": dict(env), "cwd": cwd, "uid": uid, "gid": gid}
     try:
+        connection.settimeout(ANSWER_TIMEOUT_S)  # a zygote that hangs is not waited for
         socket.send_fds(connection, [json.dumps(request).encode()], [connection_fd, lifeline_fd, 1, 2])
         answer = json.loads(connection.recv(65536) or b"{}")
+        connection.settimeout(None)
     except (OSError, ValueError) as exc:
         connection.close()
         raise Unavailable(f"the zygote at {path} did not answer: {exc}") from None
