@@ -489,7 +489,9 @@
         const checkpointed = (await api(`/v1/jobs/${id}/metrics?checkpointed=true&limit=10000`)).data;
         curves.update({ metrics: metrics.data, evaluated, checkpointed });
         if (evaluated.length) setText($('[data-field="eval-loss"]', $("#job-stats")), significant(evaluated.at(-1).eval_loss));
-        renderCheckpoints(checkpointed, (await api(`/v1/jobs/${id}/checkpoints`)).data);
+        // the stored checkpoints' files: none to link while the storage cannot be listed (a 503)
+        const stored = await api(`/v1/jobs/${id}/checkpoints`).then((r) => r.data, () => []);
+        renderCheckpoints(checkpointed, stored);
         drawnStep = String(job.step ?? "");
       }
       if (job.status === "succeeded" && status !== "succeeded") await renderArtifacts();
