@@ -4,9 +4,50 @@ and the Content-Disposition that names the file. Shared by a job's artifacts and
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterator
+from typing import Annotated, Any
 from urllib.parse import quote
 
+from fastapi import Header, Path
+from fastapi.responses import StreamingResponse
+
 from service.errors import ServiceError
+from service.schemas.responses import ErrorPublic
+
+RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"application/octet-stream": {}}, "description": "The file's bytes"},
+    206: {"description": "The bytes a Range header asked for"},
+    416: {"model": ErrorPublic},
+}
+"""What a download route answers besides its errors, for the OpenAPI document."""
+
+FileName = Annotated[str, Path(min_length=1, max_length=255)]
+"""A file's name in a download's path."""
+RangeHeader = Annotated[str | None, Header(alias="range", max_length=200)]
+"""A download's `Range` header: `bytes=a-b`, `bytes=a-` or `bytes=-n`."""
+
+
+def download(
+    body: Callable[[int, int], Iterator[bytes]], *, filename: str, size: int, range_header: str | None
+) -> StreamingResponse:
+    """The file's bytes, or the range `range_header` asks for (206), from body(first, last): its
+    Content-Length, Accept-Ranges and Content-Disposition (a 416 past the end, before body is called)."""
+    span = byte_range(range_header, size=size)
+    first, last = span or (0, size - 1)
+    headers = {
+        "Accept-Ranges": "bytes",
+        "Content-Length": str(max(last + 1 - first, 0)),
+        "Content-Disposition": attachment(filename),
+    }
+    if span is not None:
+        headers["Content-Range"] = f"bytes {first}-{last}/{size}"
+    return StreamingResponse(
+        body(first, last),
+        status_code=206 if span is not None else 200,
+        media_type="application/octet-stream",
+        headers=headers,
+    )
+
 
 _RANGE = re.compile(r"bytes=(\d{0,19})-(\d{0,19})")
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Path, Response
+from fastapi import APIRouter, Path, Response
 from fastapi.responses import StreamingResponse
 
+from service.api import downloads
 from service.api.deps import JobId, ReaderDep, RuntimeDep, SessionDep, errors, json_response
-from service.api.downloads import attachment, byte_range
 from service.errors import ServiceError
 from service.scheduling import jobs
 from service.schemas.responses import CheckpointFilePublic, CheckpointPublic, CheckpointsPublic
@@ -40,42 +40,28 @@ def job_checkpoints(job_id: JobId, session: SessionDep, principal: ReaderDep, ru
 @router.get(
     "/{job_id}/checkpoints/{step}/{name}",
     response_class=StreamingResponse,
-    responses={
-        **ERRORS,
-        200: {"content": {"application/octet-stream": {}}, "description": "The file's bytes"},
-        206: {"description": "The bytes a Range header asked for"},
-        416: {"description": "A Range that starts past the end"},
-    },
+    responses={**ERRORS, **downloads.RESPONSES},
 )
 def job_checkpoint_file(
     job_id: JobId,
     step: Annotated[int, Path(ge=0, le=MAX_STEP)],
-    name: Annotated[str, Path(min_length=1, max_length=255)],
+    name: downloads.FileName,
     session: SessionDep,
     principal: ReaderDep,
     runtime: RuntimeDep,
-    range_header: Annotated[str | None, Header(alias="range", max_length=200)] = None,
+    range_header: downloads.RangeHeader = None,
 ) -> Response:
     """One file of a complete checkpoint, as the listing names it: a rank's shard or `complete.json`
     (any other name is a 404, a path included). `Range: bytes=a-b` answers 206 with those bytes."""
     job = jobs.get_visible_job(session, job_id, principal=principal)
     file, size = open_checkpoint_file(runtime.launcher.job_store(job), job.id, step, name)
     try:
-        span = byte_range(range_header, size=size)
-    except ServiceError:  # 416
+        return downloads.download(
+            lambda first, last: stream_file(file, first=first, last=last),
+            filename=f"step-{step}-{name}",
+            size=size,
+            range_header=range_header,
+        )
+    except ServiceError:  # a 416: the file is not streamed
         file.close()
         raise
-    first, last = span or (0, size - 1)
-    headers = {
-        "Accept-Ranges": "bytes",
-        "Content-Length": str(max(last + 1 - first, 0)),
-        "Content-Disposition": attachment(f"step-{step}-{name}"),
-    }
-    if span is not None:
-        headers["Content-Range"] = f"bytes {first}-{last}/{size}"
-    return StreamingResponse(
-        stream_file(file, first=first, last=last),
-        status_code=206 if span is not None else 200,
-        media_type="application/octet-stream",
-        headers=headers,
-    )

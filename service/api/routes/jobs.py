@@ -9,11 +9,11 @@ import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, Path, Query, Request, Response
+from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from service.api import offload
+from service.api import downloads, offload
 from service.api.deps import (
     MAX_ID,
     ClusterDep,
@@ -26,7 +26,6 @@ from service.api.deps import (
     errors,
     json_response,
 )
-from service.api.downloads import attachment, byte_range
 from service.auth import Principal, check_can_steer
 from service.planning.hf_paths import check_model_path
 from service.scheduling import admission, controls, jobs
@@ -315,38 +314,24 @@ def job_artifacts(job_id: JobId, session: SessionDep, principal: ReaderDep, runt
 @router.get(
     "/{job_id}/artifacts/{name}",
     response_class=StreamingResponse,
-    responses={
-        **ERRORS,
-        200: {"content": {"application/octet-stream": {}}, "description": "The file's bytes"},
-        206: {"description": "The bytes a Range header asked for"},
-        416: {"model": ErrorPublic},
-    },
+    responses={**ERRORS, **downloads.RESPONSES},
 )
 def job_artifact(
     job_id: JobId,
-    name: Annotated[str, Path(min_length=1, max_length=255)],
+    name: downloads.FileName,
     session: SessionDep,
     principal: ReaderDep,
     runtime: RuntimeDep,
-    range_header: Annotated[str | None, Header(alias="range", max_length=200)] = None,
+    range_header: downloads.RangeHeader = None,
 ) -> Response:
     """One recorded artifact's bytes, streamed and hashed as they go: a file changed since it was recorded
     is cut off before its end (409 when its size already differs). `Range: bytes=a-b` answers 206 with
     those bytes (416 past the end). Only a name the listing gives; the job's owner's and admins' only."""
     job = jobs.get_visible_job(session, job_id, principal=principal)
     job_dir, artifact = jobs.artifact_file(session, job, name, launcher=runtime.launcher)
-    span = byte_range(range_header, size=artifact.bytes)
-    first, last = span or (0, artifact.bytes - 1)
-    headers = {
-        "Accept-Ranges": "bytes",
-        "Content-Length": str(last + 1 - first),
-        "Content-Disposition": attachment(name),
-    }
-    if span is not None:
-        headers["Content-Range"] = f"bytes {first}-{last}/{artifact.bytes}"
-    return StreamingResponse(
-        stream_artifact(job.id, job_dir, artifact, first=first, last=last),
-        status_code=206 if span is not None else 200,
-        media_type="application/octet-stream",
-        headers=headers,
+    return downloads.download(
+        lambda first, last: stream_artifact(job.id, job_dir, artifact, first=first, last=last),
+        filename=name,
+        size=artifact.bytes,
+        range_header=range_header,
     )
