@@ -121,6 +121,8 @@ READS = [
     ("get", "/v1/jobs/1", {}),
     ("get", "/v1/jobs/1/metrics", {}),
     ("get", "/v1/jobs/1/events", {}),
+    ("get", "/v1/jobs/1/checkpoints", {}),
+    ("get", "/v1/jobs/1/checkpoints/9/complete.json", {}),
     ("get", "/v1/cluster", {}),
     ("get", f"/v1/code/sha256:{'0' * 64}", {}),
     ("get", "/metrics", {}),
@@ -285,7 +287,8 @@ def test_a_jobs_spec_metrics_and_events_are_for_its_owner_and_admins_only(secure
         listed = {j["id"]: j for j in secured.get("/v1/jobs", headers=bearer(BOB)).json()["data"]}
         assert listed[job["id"]]["spec"] is None and listed[blocker["id"]]["spec"] is None
         assert listed[own["id"]]["spec"]["name"] == "bobs run"
-        for part in ("metrics", "events", "artifacts", "artifacts/model.safetensors"):  # as if there were no such job
+        parts = ("metrics", "events", "artifacts", "artifacts/model.safetensors", "checkpoints", "checkpoints/9/a")
+        for part in parts:  # as if there were no such job
             hidden = secured.get(f"/v1/jobs/{job['id']}/{part}", headers=bearer(BOB))
             assert hidden.status_code == 404 and hidden.json()["message"] == f"no job with id {job['id']}"
         for token in (ALICE, ROOT):  # its owner and admins are told it has none yet
