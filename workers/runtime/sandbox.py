@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from workers.runtime import zygote
+
 MAX_MESSAGE_BYTES = 64 << 20
 """The largest message a child may send; past it the child is treated as broken."""
 PASSED_NAMES = frozenset(
@@ -215,8 +217,6 @@ class Child:
     ) -> Any:
         """The child forked from this node's zygote (torch already loaded: workers/runtime/zygote.py);
         None where there is no zygote to fork from, and the child starts as a fresh interpreter."""
-        from workers.runtime import zygote
-
         if os.environ.get("ZERO1_ZYGOTE", "on") == "off":
             return None
         try:

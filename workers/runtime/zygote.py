@@ -249,7 +249,7 @@ def _serve(path: str, watched: int, ready: int) -> None:
         while _alive(watched):
             for key, _ in events.select(timeout=1.0):
                 if key.fileobj is listener:
-                    _accept(listener, children, keep=(listener, wake_read, wake_write))
+                    _accept(listener, children)
                 else:
                     with contextlib.suppress(BlockingIOError):
                         os.read(wake_read, 4096)
@@ -263,7 +263,8 @@ def _serve(path: str, watched: int, ready: int) -> None:
                     os.unlink(path + ".log")
 
 
-def _accept(listener: socket.socket, children: dict[int, socket.socket], keep: tuple[Any, ...]) -> None:
+def _accept(listener: socket.socket, children: dict[int, socket.socket]) -> None:
+    """Fork the child one connection asks for, answering its pid; a request that is not one is answered why."""
     connection, _ = listener.accept()
     fds: list[int] = []
     try:
