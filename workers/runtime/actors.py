@@ -103,7 +103,7 @@ class TrainWorker:
         self.scratch = home is None  # removed after the run: checkpoints on an object store, or a test's
         self.home, self.run_as = home or tempfile.mkdtemp(prefix=f"zero1-rank{rank}-"), run_as
         spec = ChildSpec(home=self.home, cwd=os.getcwd() if bundle else None, run_as=run_as)
-        # started now: the child imports torch and the loop while the job's other ranks are placed
+        # started now: forked with torch loaded, or importing it while the job's other ranks are placed
         self.process = RankProcess(rank=rank, world_size=world_size, address=self.address, spec=spec)
 
     def rendezvous(self, timeout_s: float = 120.0) -> tuple[str, int, str]:

@@ -12,9 +12,10 @@ The conversation, parent -> child pickled, child -> parent JSON:
     parent: {"latest": ...} | {"fetched": path} | {"error": why}           workers/runtime/spool.py
     child:  {"t": "result", "result"} | {"t": "error", "error"}                    the end
 
-The child imports torch and the training loop as soon as it starts, while the job's other ranks
-are being placed; it opens rank 0's store itself, so the actor (trusted, connected to Ray) never
-loads torch.
+The child has torch and the training loop loaded when it starts (forked from the node's zygote,
+workers/runtime/zygote.py), or imports them at once, while the job's other ranks are being placed
+(a fresh interpreter); it opens rank 0's store itself, so the actor (trusted, connected to Ray)
+never loads torch.
 """
 
 from __future__ import annotations
