@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from service.errors import ServiceError
-from workers.training.checkpoints import complete_checkpoints, is_checkpoint_file
+from workers.training.checkpoints import checkpoint_file_size, complete_checkpoints
 from workers.training.storage import Store
 
 CHUNK_BYTES = 1 << 20
@@ -28,9 +28,11 @@ def stored_checkpoints(store: Store) -> list[tuple[int, list[tuple[str, int]]]]:
 def open_checkpoint_file(store: Store, job_id: int, step: int, name: str) -> tuple[Any, int]:
     """The open file and its listed size; a 404 for a name the listing does not give (a path
     included), a checkpoint pruned or never complete, or a file that cannot be opened as a plain one."""
-    listed = None
-    if is_checkpoint_file(name):
-        listed = next((dict(files).get(name) for found, files in stored_checkpoints(store) if found == step), None)
+    try:
+        listed = checkpoint_file_size(store, step, name)
+    except Exception as exc:  # noqa: BLE001 - botocore's errors are not OSErrors: any the store's client raised
+        why = f"the job's storage {store.uri} could not be read: {type(exc).__name__}: {exc}"
+        raise ServiceError(why, status_code=503, error="storage_unreachable") from None
     if listed is None:
         raise ServiceError(
             f"job {job_id} has no checkpoint file {name!r} at step {step}", status_code=404, error="not_found"

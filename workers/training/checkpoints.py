@@ -248,15 +248,29 @@ def complete_checkpoints(root: Path | Store) -> list[tuple[int, list[tuple[str, 
     store = as_store(root)
     found = []
     for directory in sorted(_markers(store, COMPLETE)):
-        files = []
-        for name in store.list(directory):
-            if (_SHARD.fullmatch(name) or name == COMPLETE) and store.is_file(f"{directory}/{name}"):
-                try:
-                    files.append((name, store.size(f"{directory}/{name}")))
-                except OSError:  # pruned while listed
-                    continue
-        found.append((step_of_name(directory), files))
+        sizes = ((name, _file_size(store, directory, name)) for name in store.list(directory))
+        found.append((step_of_name(directory), [(name, size) for name, size in sizes if size is not None]))
     return found
+
+
+def checkpoint_file_size(root: Path | Store, step: int, name: str) -> int | None:
+    """The bytes of `name` in the complete checkpoint at `step`, as complete_checkpoints lists it;
+    None for a name it would not list, or a step with no complete checkpoint (only that step is read)."""
+    store = as_store(root)
+    directory = f"step-{step:09d}"
+    if not (store.is_dir(directory) and store.is_file(f"{directory}/{COMPLETE}")):
+        return None
+    return _file_size(store, directory, name)
+
+
+def _file_size(store: Store, directory: str, name: str) -> int | None:
+    """A downloadable file's bytes: a shard or the marker, a regular file; None otherwise (or pruned meanwhile)."""
+    if not is_checkpoint_file(name) or not store.is_file(f"{directory}/{name}"):
+        return None
+    try:
+        return store.size(f"{directory}/{name}")
+    except OSError:
+        return None
 
 
 def is_checkpoint_file(name: str) -> bool:
