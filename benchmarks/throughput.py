@@ -1,6 +1,6 @@
 """Training throughput through zero1 against a plain DDP loop: the service's overhead as a ratio.
 
-    .venv/bin/python benchmarks/throughput.py        (make bench runs every benchmark)
+    .venv/bin/python benchmarks/throughput.py [--before REF]      (make bench runs every benchmark)
 
 The same job both ways, on 2 gloo ranks of this machine: examples/tiny-llama.json (a tiny Llama
 on the shipped corpus and tokenizer, fp32, micro-batch 8, global batch 16, seq 64), with
@@ -12,6 +12,10 @@ evaluation off and one checkpoint at the end.
 - DDP: two processes (torch.multiprocessing), the same model from the same seed, the same
   batches (workers.data.sources.Batches over the same token file), DistributedDataParallel and
   torch.optim.AdamW (foreach), timed per step the same way.
+
+With `--before REF`, zero1 also runs the tree of git ref REF (checked out with `git worktree`, run
+with this venv: benchmarks/startup.py's way), one job after the other in the same run: a change's
+cost in throughput, side by side.
 
 Prints one table, medians over the steps after the first 10 (warm-up), and the ratio.
 """
@@ -57,11 +61,14 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def zero1_rates(*, steps: int, scratch: Path) -> tuple[list[float], str]:
-    """Tokens/s of each step of the job run through `zero1 serve`, and the cache dir of its token file."""
+def zero1_rates(*, steps: int, scratch: Path, tree: Path = ROOT) -> tuple[list[float], str]:
+    """Tokens/s of each step of the job run through `zero1 serve` of `tree`'s code, and the cache dir
+    of its token file."""
+    scratch.mkdir(parents=True, exist_ok=True)
     port = _free_port()
     env = {
         **os.environ,
+        "PYTHONPATH": str(tree),
         "ZERO1_DATABASE_URL": f"sqlite:///{scratch}/zero1.db",
         "ZERO1_CHECKPOINT_URI": f"{scratch}/checkpoints",
         "ZERO1_DATA_ROOTS": str(ROOT / "examples" / "data"),
@@ -162,14 +169,22 @@ def ddp_rates(*, steps: int, cache_dir: str, scratch: Path) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--before", help="git ref of a tree whose zero1 runs the same job, for comparison")
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="zero1-throughput-"))
+    rows = []
     try:
-        ours, cache_dir = zero1_rates(steps=args.steps, scratch=scratch)
+        if args.before:
+            from startup import worktree  # benchmarks/ is this script's directory, first on sys.path
+
+            with worktree(args.before) as before:
+                earlier, _ = zero1_rates(steps=args.steps, scratch=scratch / "before", tree=before)
+            rows.append((f"zero1 before ({args.before})", earlier))
+        ours, cache_dir = zero1_rates(steps=args.steps, scratch=scratch / "this")
         theirs = ddp_rates(steps=args.steps, cache_dir=cache_dir, scratch=scratch)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    rows = [("zero1 (service, Ray, ZeRO1AdamW)", ours), ("plain DDP + torch.optim.AdamW", theirs)]
+    rows += [("zero1 (service, Ray, ZeRO1AdamW)", ours), ("plain DDP + torch.optim.AdamW", theirs)]
     header = f"{'tiny Llama, 2 gloo ranks, fp32':<36}{'steps':>7}{'tokens/s p50':>14}{'step p50':>11}{'vs DDP':>8}"
     print(header)
     print("-" * len(header))
