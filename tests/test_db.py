@@ -17,7 +17,17 @@ from sqlalchemy.exc import IntegrityError, StatementError
 from service.store.db import Database, alembic_config, downgrade, make_engine, upgrade
 from service.store.tables import Base, CodeBundle, Job, JobEvent, Metric
 
-TABLES = {"jobs", "job_events", "metrics", "logs", "code_bundles", "artifacts", "mlflow_runs", "alembic_version"}
+TABLES = {
+    "jobs",
+    "job_events",
+    "metrics",
+    "logs",
+    "code_bundles",
+    "artifacts",
+    "mlflow_runs",
+    "owner_uids",
+    "alembic_version",
+}
 GIB = 2**30
 
 
@@ -60,7 +70,7 @@ def _schema(url: str) -> tuple[set[str], str | None]:
         engine.dispose()
 
 
-HEAD = "0013"
+HEAD = "0014"
 
 
 def _count(database: Database, model: type[Base], job_id: int) -> int:
@@ -74,7 +84,22 @@ def test_one_linear_history(database_url):
     revisions = [r.revision for r in script.walk_revisions()]  # head first, each down to the one before
     assert (
         revisions
-        == ["0013", "0012", "0011", "0010", "0009", "0008", "0007", "0006", "0005", "0004", "0003", "0002", "0001"]
+        == [
+            "0014",
+            "0013",
+            "0012",
+            "0011",
+            "0010",
+            "0009",
+            "0008",
+            "0007",
+            "0006",
+            "0005",
+            "0004",
+            "0003",
+            "0002",
+            "0001",
+        ]
         and script.get_revision("0001").down_revision is None
     )
 

@@ -1,5 +1,5 @@
 """The database: jobs, their state transitions, their per-step metrics, logs and artifacts, and who uploaded
-which code.
+which code, and the uid each unmapped owner runs under.
 
 The schema changes only through Alembic migrations (migrations/); a test
 checks that these models and the migrations agree.
@@ -23,6 +23,7 @@ from sqlalchemy import (
     Integer,
     String,
     Text,
+    UniqueConstraint,
     false,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -248,3 +249,16 @@ class MlflowRun(Base):
     """The run is terminated with the job's final status: nothing more to export."""
     last_error: Mapped[str | None] = mapped_column(Text, default=None)
     """Why the last try failed (MLflow unreachable, a refused request); null after a success."""
+
+
+class OwnerUid(Base):
+    """The uid an owner that ZERO1_RUN_AS does not name runs its children under, taken once from the
+    `*=LO-HI` range and kept: the same owner gets the same uid after a restart (its files stay its own),
+    and no two owners share one (the unique constraint is what makes concurrent allocations safe)."""
+
+    __tablename__ = "owner_uids"
+    __table_args__ = (UniqueConstraint("uid", name="uq_owner_uids_uid"),)
+
+    owner: Mapped[str] = mapped_column(String(200), primary_key=True)
+    uid: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
