@@ -1,6 +1,6 @@
 """The field types every body shares: numbers that must be JSON numbers, booleans that must be JSON
-booleans, text without NUL or other control characters, the bound on a number typed as text, and
-the names of precisions, optimizers and job statuses."""
+booleans, text without NUL, other control characters or format characters, the bound on a number
+typed as text, and the names of precisions, optimizers and job statuses."""
 
 from __future__ import annotations
 
@@ -51,14 +51,20 @@ def no_nul(text: str) -> str:
 
 def no_control(text: str) -> str:
     # a name is printed by the CLI and the dashboard to other users: an ESC in it would drive their
-    # terminal (service/schemas/printable.py escapes what is stored; this refuses what is new)
+    # terminal, a bidi override (U+202E) would make it read as another name (service/schemas/printable.py
+    # escapes what is stored; this refuses what is new)
     no_nul(text)
-    if (index := first_control(text)) is not None:
+    if (index := first_control(text)) is None:
+        return text
+    if ord(text[index]) <= 0x9F:
         raise ValueError(
             f"must not contain a control character ({escape(text[index])} at {index}): C0, DEL and C1 "
             "characters (ESC, BEL, CR, newline, ...) are refused"
         )
-    return text
+    raise ValueError(
+        f"must not contain a format character ({escape(text[index])} at {index}): Unicode's category Cf "
+        "(bidi overrides and isolates, zero-width characters, U+FEFF, ...) is refused"
+    )
 
 
 Int = Annotated[int, BeforeValidator(_a_number)]
@@ -66,7 +72,8 @@ Float = Annotated[float, BeforeValidator(_a_number)]
 Bool = StrictBool
 """true or false: pydantic's lax mode would also read 0, 1, "yes" and "off"."""
 Text = Annotated[str, AfterValidator(no_control)]
-"""Text a request names something by (a job's name, a path, a column, an entrypoint): no control characters."""
+"""Text a request names something by (a job's name, a path, a column, an entrypoint): no control or
+format characters."""
 
 
 class Body(BaseModel):
