@@ -70,7 +70,7 @@ def _schema(url: str) -> tuple[set[str], str | None]:
         engine.dispose()
 
 
-HEAD = "0014"
+HEAD = "0015"
 
 
 def _count(database: Database, model: type[Base], job_id: int) -> int:
@@ -85,6 +85,7 @@ def test_one_linear_history(database_url):
     assert (
         revisions
         == [
+            "0015",
             "0014",
             "0013",
             "0012",

@@ -4,17 +4,18 @@ decides on, a start committed, and the stops the scheduler has asked for and wai
 A stop is a preemption (the victim goes back to the queue, or shrinks) or a suspend: the victim's
 ranks agree on a stop at their next step boundary, write a checkpoint at that step and exit (the
 supervisor's status "stopped"); one that has not within ZERO1_PREEMPT_GRACE_S is killed, and
-resumes from its last checkpoint.
+resumes from its last checkpoint. A stop asked is stored with its job (Job.stop) until it is done, so
+that a restart meanwhile carries it out: a victim back to the queue, never relaunched at its full N.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from service.scheduling.elastic import growable
@@ -145,6 +146,20 @@ class Stop:
     preempt: Preempt | None = None
     """What a preemption takes (None for a suspend)."""
 
+    def to_json(self) -> dict:
+        """As Job.stop stores it (asked_at, a clock() reading, dies with the process)."""
+        return {
+            "kind": self.kind,
+            "attempt": self.attempt,
+            "preempt": None if self.preempt is None else asdict(self.preempt),
+        }
+
+    @classmethod
+    def of_json(cls, stored: dict, *, asked_at: float) -> Stop:
+        """A stop stored before a restart, its grace counted again from `asked_at`."""
+        preempt = None if stored.get("preempt") is None else Preempt(**stored["preempt"])
+        return cls(kind=stored["kind"], attempt=stored["attempt"], asked_at=asked_at, preempt=preempt)
+
     def cause(self) -> str:
         if self.preempt is None:
             return "suspended by request"
@@ -162,6 +177,12 @@ class Stops:
 
     def ask(self, job_id: int, stop: Stop) -> None:
         self._stops[job_id] = stop
+
+    def load(self, jobs: Iterable[Job], *, now: float) -> None:
+        """The stops stored with `jobs` (after a restart) for their current attempts, asked at `now`."""
+        for job in jobs:
+            if job.stop is not None and job.stop.get("attempt") == job.attempt:
+                self._stops[job.id] = Stop.of_json(job.stop, asked_at=now)
 
     def pop(self, job_id: int, attempt: int) -> Stop | None:
         """The stop asked of this attempt, forgotten; None if none was."""
@@ -257,9 +278,12 @@ class Dispatcher:
                     self.ask_stop(victim, Stop(kind="preempt", attempt=victim.attempt, asked_at=now, preempt=preempt))
 
     def ask_stop(self, job: Job, stop: Stop) -> None:
-        """Ask the attempt's ranks to stop at their next step with a checkpoint; remembered once
-        the supervisor took it (else asked again next tick)."""
+        """Ask the attempt's ranks to stop at their next step with a checkpoint; remembered (and
+        stored with the job, for a restart) once the supervisor took it, else asked again next tick."""
         if self.launcher.request_stop(job.id, job.attempt, now=True):
+            with self.db.session() as session:  # that attempt's only: one that moved on is not stopped
+                stored = update(Job).where(Job.id == job.id, Job.attempt == job.attempt, Job.status.in_(ACTIVE))
+                session.execute(stored.values(stop=stop.to_json()), execution_options={"synchronize_session": False})
             self.stops.ask(job.id, stop)
             log.info("job %s: asked to stop at its next step (%s)", job.id, stop.cause())
 

@@ -32,9 +32,9 @@ if TYPE_CHECKING:
 
 _TRANSITIONS = {
     "queued": {"starting", "cancelled", "suspended"},
-    "starting": {"running", "failed", "cancelled", "restarting"},
+    "starting": {"running", "failed", "cancelled", "restarting", "queued", "suspended"},  # a lost attempt
     "running": {"succeeded", "failed", "cancelled", "restarting", "queued", "suspended"},  # queued: preempted
-    "restarting": {"running", "failed", "cancelled"},
+    "restarting": {"running", "failed", "cancelled", "queued", "suspended"},
     "suspended": {"queued", "cancelled"},
 }
 

@@ -10,7 +10,9 @@ its owner's quota starts only as *borrowed*, on GPUs no job within its quota wai
 head the scheduler takes GPUs from the jobs it may preempt (borrowed ones, lower priorities, those
 backfilled past it), never one younger than ZERO1_PREEMPT_MIN_RUNTIME_S: shrinking elastic jobs
 first, then stopping whole ones, borrowed first, then the lowest priority, then the most recently
-started; and only when that frees enough for it to start.
+started; and only when that frees enough for it to start. Every N the scheduler picks (a start, a
+retry, a relaunch after a restart, a growth: service/scheduling/elastic.py) goes through one quota
+check, `allowed_sizes`.
 
 No database, no Ray, no clock: service/scheduling/dispatch.py reads the snapshot and carries out
 the decision; benchmarks/scheduling.py replays workloads through the same code.
@@ -19,7 +21,7 @@ the decision; benchmarks/scheduling.py replays workloads through the same code.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 Quota = Callable[[str | None], int | None]
@@ -86,6 +88,17 @@ class Decision:
     """Why the queued jobs it did not look at wait: behind the first that cannot start."""
 
 
+def quota_room(owner: str | None, *, quota: Quota, held: Mapping[str | None, int]) -> int | None:
+    """The GPUs `owner` may still take within its quota, its jobs holding `held[owner]`; None: no quota."""
+    limit = quota(owner)
+    return None if limit is None else limit - held.get(owner, 0)
+
+
+def allowed_sizes(sizes: Iterable[int], *, free: int, room: int | None) -> list[int]:
+    """The N of `sizes` (ascending) that both `free` GPUs and the owner's quota `room` (None: none) allow."""
+    return [n for n in sizes if n <= free and (room is None or n <= room)]
+
+
 def ahead(a: Waiting | Holding, b: Waiting | Holding) -> bool:
     """Whether `a` comes before `b` in the queue's order (priority, then submission)."""
     return (-a.priority, a.id) < (-b.priority, b.id)
@@ -116,13 +129,12 @@ def decide(
     for job in queue:
         if free <= 0 and head is not None:
             break
-        limit = quota(job.owner)
-        room = None if limit is None else limit - held[job.owner]
+        room = quota_room(job.owner, quota=quota, held=held)
         if room is not None and job.sizes[0] > room:
             over.append(job)
-            decision.reasons[job.id] = f"quota: {_who(job.owner)} holds {held[job.owner]} of {limit} GPUs"
+            decision.reasons[job.id] = f"quota: {_who(job.owner)} holds {held[job.owner]} of {quota(job.owner)} GPUs"
             continue
-        fits = [n for n in job.sizes if n <= free and (room is None or n <= room)]
+        fits = allowed_sizes(job.sizes, free=free, room=room)
         if fits:
             backfilled = head is not None and head.priority <= job.priority  # else lower: preemptible anyway
             decision.starts.append(Start(job.id, fits[-1], backfilled=backfilled))

@@ -148,10 +148,11 @@ class Scheduler:
 
     def recover(self) -> None:
         """At start-up: adopt the supervisors that outlived the last service process, relaunch the
-        active jobs whose supervisor is gone (an embedded Ray dies with the service), and end
-        supervisors and placement groups no active job owns. Queued jobs wait in the database as
-        they were."""
+        active jobs whose supervisor is gone (an embedded Ray dies with the service) or carry out
+        the stop they were asked (persisted: a preempted victim goes back to the queue), and end
+        supervisors and placement groups no active job owns. Queued jobs wait as they were."""
         jobs = {job.id: job for job in self._active()}
+        self.stops.load(jobs.values(), now=self.clock())  # a stop asked before the restart is still asked
         for job_id, attempt in self.launcher.supervisors():
             job = jobs.get(job_id)
             if job is None or attempt != job.attempt:
@@ -165,12 +166,13 @@ class Scheduler:
             cause = "the service restarted and this job's supervisor did not survive it"
             if self.launcher.settings.ray_address is None:
                 cause += " (the embedded Ray cluster stops with the service)"
-            self._isolated(
-                job,
-                lambda job=job, cause=cause: self._settle(
-                    job, lambda session, fresh: self._record_relaunch(session, fresh, cause=cause)
-                ),
-            )
+            self._isolated(job, lambda job=job, cause=cause: self._settle(job, self._recovering(cause)))
+
+    def _recovering(self, cause: str) -> Callable[[Session, Job], Settled | None]:
+        """For a job whose attempt the restart lost: the stop asked of it carried out, else relaunched."""
+        return lambda session, job: self._carry_out(
+            session, job, stop=self.stops.pop(job.id, job.attempt), cause=cause, how="killed"
+        )
 
     # ----------------------------------------------------------------------- one job
 
@@ -259,7 +261,8 @@ class Scheduler:
         if job.status in ("starting", "restarting") and status in ("running", "succeeded", "stopped"):
             transition(session, job, "running", running_reason(job, nodes=len(set(state["nodes"]))))
         if status == "stopped":  # as asked: no retry spent
-            return self._stopped(session, job, self.stops.pop(job.id, job.attempt))
+            stop = self.stops.pop(job.id, job.attempt)
+            return self._carry_out(session, job, stop=stop, cause="GPUs free and no job queued")
         if status == "succeeded":
             return self._end(
                 session, job, "succeeded", f"all {job.world_size or job.num_gpus} ranks finished step {job.steps - 1}"
@@ -318,7 +321,10 @@ class Scheduler:
         # a growth was decided on free GPUs; Ray's view may not yet show the stopped attempt's as free
         ray_free = (lambda: None) if grown else (lambda: self.launcher.gpus_free_to(job.id, job.attempt))
         old = job.world_size or job.num_gpus
-        new = size or elastic.relaunch_size(session, job, total=self.total_gpus(), ray_free=ray_free)
+        quota = self.launcher.settings.gpu_quota
+        new = size or elastic.relaunch_size(session, job, total=self.total_gpus(), ray_free=ray_free, quota=quota)
+        if new is None:  # its owner's quota no longer holds its fewest GPUs: the queue's policy decides
+            return self._wait_again(session, job, "queued", cause=f"{cause}; past its owner's GPU quota")
         if new != old:
             cause = f"resized {old} -> {new}: {cause}"
         if job.status != "restarting" and not transition(
@@ -326,23 +332,25 @@ class Scheduler:
         ):
             return None
         job.attempt += 1
-        job.world_size = new
+        job.world_size, job.stop = new, None
         self.dispatcher.started(job.id)
         log.info("job %s: %s; attempt %s resumes from %s", job.id, cause, job.attempt, where)
         return Settled(stored_through=resume - 1, relaunch=True)
 
-    def _stopped(self, session: Session, job: Job, stop: Stop | None) -> Settled | None:
-        """The attempt stopped with a checkpoint at its last step, as asked: preempted (back to the
-        queue, or relaunched smaller), suspended, or grown (relaunched at the N free now)."""
+    def _carry_out(
+        self, session: Session, job: Job, *, stop: Stop | None = None, cause: str, how: str | None = None
+    ) -> Settled | None:
+        """The attempt is over: as `stop` asked (queued, smaller, suspended), else relaunched for `cause`."""
+        tail = f"; {cause}" if stop is not None else ""
         if job.suspend_requested or (stop is not None and stop.kind == "suspend"):  # a suspend wins
-            self.telemetry.preempted("suspended")
-            return self._wait_again(session, job, "suspended", cause="suspended by request")
-        if stop is not None and stop.preempt is not None:
-            self.telemetry.preempted("shrunk" if stop.preempt.to_n else "checkpointed")
-            if stop.preempt.to_n:
-                return self._record_relaunch(session, job, cause=stop.cause(), size=stop.preempt.to_n, grown=True)
-            return self._wait_again(session, job, "queued", cause=stop.cause())
-        return self._record_relaunch(session, job, cause="GPUs free and no job queued", grown=True)
+            self.telemetry.preempted(how or "suspended")
+            return self._wait_again(session, job, "suspended", cause="suspended by request", tail=tail)
+        if stop is None or stop.preempt is None:
+            return self._record_relaunch(session, job, cause=cause, grown=how is None)
+        self.telemetry.preempted(how or ("shrunk" if stop.preempt.to_n else "checkpointed"))
+        if stop.preempt.to_n:
+            return self._record_relaunch(session, job, cause=stop.cause() + tail, size=stop.preempt.to_n, grown=True)
+        return self._wait_again(session, job, "queued", cause=stop.cause(), tail=tail)
 
     def _wait_again(self, session: Session, job: Job, status: str, *, cause: str, tail: str = "") -> Settled | None:
         """The attempt is over and the job waits, holding no GPU: back in the queue (preempted:
@@ -354,6 +362,7 @@ class Scheduler:
             return None
         job.attempt += 1
         job.borrowed = job.backfilled = job.suspend_requested = False
+        job.stop = None
         log.info("job %s: %s; attempt %s will resume from %s", job.id, cause, job.attempt, where)
         return Settled(stored_through=resume - 1, release=True)
 
@@ -366,15 +375,11 @@ class Scheduler:
         self.launcher.cancel(job.id, job.attempt)
         _, _, after, acks = poll_acks(job)
         state = self.launcher.poll(job.id, job.attempt, after_step=after, log_acks=acks)
-        self.telemetry.preempted("killed")
-        tail = f"; its ranks did not stop within {grace:g} s (ZERO1_PREEMPT_GRACE_S) and were killed"
+        cause = f"its ranks did not stop within {grace:g} s (ZERO1_PREEMPT_GRACE_S) and were killed"
 
         def write(session: Session, fresh: Job) -> Settled | None:
             self._ingest(session, fresh, state)
-            if stop.preempt is not None and stop.preempt.to_n:
-                return self._record_relaunch(session, fresh, cause=stop.cause() + tail, size=stop.preempt.to_n)
-            status = "queued" if stop.preempt is not None and not fresh.suspend_requested else "suspended"
-            return self._wait_again(session, fresh, status, cause=stop.cause(), tail=tail)
+            return self._carry_out(session, fresh, stop=stop, cause=cause, how="killed")
 
         self._settle(job, write)
         return True

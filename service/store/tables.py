@@ -117,6 +117,9 @@ class Job(Base):
     log_state: Mapped[dict[str, Any] | None] = mapped_column(default=None)
     """What its logs hold (service.store.log_lines): the bytes kept, the lines dropped past
     ZERO1_LOG_MAX_BYTES, and per rank the n of the last line of this attempt stored."""
+    stop: Mapped[dict[str, Any] | None] = mapped_column(default=None)
+    """The stop the scheduler asked of its current attempt (service.scheduling.dispatch.Stop: a
+    preemption or a suspend) until it is done: a restart meanwhile carries it out, never relaunches."""
     artifacts_recorded_at: Mapped[datetime | None] = mapped_column(default=None)
     """When the service read its final/ directory and recorded its artifacts (service.store.artifacts);
     null before, and for jobs that succeeded before artifacts were recorded (read on first listing)."""

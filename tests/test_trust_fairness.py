@@ -1,0 +1,249 @@
+"""Issue 40's fairness and trust seams around the scheduler and the login: quotas hold for every N the
+scheduler picks (a start, a retry, a relaunch after a restart, a growth); a stop (a preemption, a
+suspend) asked before a restart is carried out after it, never a relaunch at full size; the lockout
+believes X-Forwarded-For only from ZERO1_TRUSTED_PROXIES and never refuses a valid token it has seen
+from that address.
+
+The scheduler's tests drive the real Scheduler and its database through a restart (a second
+Scheduler on the same database, as `zero1 serve` starting again builds one) with a fast lane of fakes
+for Ray (FakeRay: each launched attempt "runs" until the test says otherwise). The attacks then run
+against a real `zero1 serve` with ZERO1_RUN_AS (tests/served.py), stopped and started again on the same
+state for the restart.
+
+Packages: service.scheduling, service.auth, service.lockout, service.cli.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+
+from service.planning.cluster import ClusterCapacity
+from service.scheduling import admission, jobs
+from service.scheduling.scheduler import Scheduler
+from service.schemas.requests import JobSpec
+from service.settings import Settings
+from service.store.db import Database
+from service.store.tables import Job, JobEvent
+from workers.memory.model import GB
+from workers.records import RankError
+
+from conftest import make_settings
+from helpers import job_body
+
+CLUSTER = ClusterCapacity(num_gpus=4, num_gpus_free=4, gpu_memory_bytes=80 * GB, simulated=True)
+ELASTIC = {"num_gpus": 2, "min_gpus": 1, "micro_batch_size": 2, "global_batch_size": 8}
+"""Runs at N in [1, 2]."""
+
+
+class FakeRay:
+    """The launcher as the scheduler calls it, without Ray: an attempt launched is "running" until the
+    test sets another status; a stop asked now leaves it running (its ranks mid-step), a stop asked at
+    the next checkpoint (a growth) stops it."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.attempts: dict[tuple[int, int], str] = {}
+        self.launched: list[tuple[int, int, int]] = []  # (job, attempt, N) in order
+
+    def launch(self, job: Job) -> None:
+        self.attempts[(job.id, job.attempt)] = "running"
+        self.launched.append((job.id, job.attempt, job.world_size))
+
+    def poll_many(self, attempts: list) -> dict[tuple[int, int], dict[str, Any]]:
+        return {(job_id, attempt): self._state(job_id, attempt) for job_id, attempt, _, _ in attempts}
+
+    def poll(self, job_id: int, attempt: int, **_: Any) -> dict[str, Any]:
+        return self._state(job_id, attempt)
+
+    def _state(self, job_id: int, attempt: int) -> dict[str, Any]:
+        status = self.attempts.get((job_id, attempt), "lost")
+        error = RankError(exception="SupervisorLost", message="gone") if status in ("lost", "failed") else None
+        return {"status": status, "metrics": [], "nodes": ["node-0"], "error": error, "logs": [], "log_dropped": (0, 0)}
+
+    def request_stop(self, job_id: int, attempt: int, *, now: bool = False) -> bool:
+        if not now:  # a growth: it stops at its next checkpoint, here at once
+            self.attempts[(job_id, attempt)] = "stopped"
+        return (job_id, attempt) in self.attempts
+
+    def cancel(self, job_id: int, attempt: int) -> None:
+        self.attempts[(job_id, attempt)] = "stopped"
+
+    def release(self, job_id: int, attempt: int) -> None:
+        self.attempts.pop((job_id, attempt), None)
+
+    def exists(self, job_id: int, attempt: int) -> bool:
+        return (job_id, attempt) in self.attempts
+
+    def supervisors(self) -> list[tuple[int, int]]:
+        return list(self.attempts)
+
+    def sweep(self, attempts: set) -> int:
+        return 0
+
+    def retire(self, job: Job) -> None:
+        pass
+
+    def gpus_free_to(self, job_id: int, attempt: int) -> int | None:
+        return None
+
+    def resume_step(self, job: Job) -> int:
+        return 0
+
+    def checkpointed_metrics(self, job: Job, *, after_step: int) -> list:
+        return []
+
+    def discard_stored_metrics(self, job: Job, *, through_step: int) -> None:
+        pass
+
+    def checkpoint_dir(self, job: Job) -> Path:
+        return Path("/nonexistent")
+
+
+def scheduler(db: Database, ray: FakeRay, *, total_gpus: int) -> Scheduler:
+    """The service's scheduler on `db`, as `zero1 serve` builds one at start (recover() not yet called)."""
+    return Scheduler(db=db, launcher=ray, total_gpus=lambda: total_gpus, interval_s=3600, grow_interval_s=0)
+
+
+def queue_job(db: Database, *, owner: str, **overrides) -> int:
+    """A queued job of `owner`, stored as POST /v1/jobs stores it; its id."""
+    spec = JobSpec.model_validate(job_body(**overrides))
+    plan = admission.admit(spec, cluster=CLUSTER, overhead_bytes=GB)
+    with db.session() as session:
+        job, _ = jobs.submit_job(
+            session, spec=spec, plan=plan, idempotency_key=None, owner=owner, priority=spec.priority or 50
+        )
+        return job.id
+
+
+def job_row(db: Database, job_id: int) -> Job:
+    with db.session() as session:
+        return session.get(Job, job_id)
+
+
+def reasons(db: Database, job_id: int) -> list[str]:
+    with db.session() as session:
+        return list(session.scalars(select(JobEvent.reason).where(JobEvent.job_id == job_id).order_by(JobEvent.id)))
+
+
+def ticks(sched: Scheduler, count: int = 2) -> None:
+    for _ in range(count):
+        sched.tick()
+
+
+# --------------------------------------------------------------------------- quotas hold for every N
+
+
+@pytest.fixture
+def quota_one(tmp_path) -> Settings:
+    """Every owner may hold 1 GPU, and nobody borrows past it (the issue's ZERO1_GPU_QUOTAS=*=1)."""
+    return make_settings(tmp_path, gpu_quotas="*=1", quota_borrowing=False, preempt_min_runtime_s=0)
+
+
+def test_an_elastic_job_relaunched_after_a_restart_stays_within_its_quota_and_the_in_quota_job_runs(
+    database, quota_one
+):
+    alice = queue_job(database, owner="alice", steps=100_000, **ELASTIC)
+    before = scheduler(database, FakeRay(quota_one), total_gpus=2)
+    ticks(before)
+    assert (job_row(database, alice).status, job_row(database, alice).world_size) == ("running", 1)
+    ray = FakeRay(quota_one)  # the embedded Ray stopped with the service: no supervisor survived
+    after = scheduler(database, ray, total_gpus=2)
+    after.recover()
+    assert job_row(database, alice).world_size == 1, reasons(database, alice)
+    assert not any("resized" in reason for reason in reasons(database, alice))
+    bob = queue_job(database, owner="bob", num_gpus=1, steps=100_000)
+    ticks(after)
+    assert job_row(database, bob).status == "running", after.queue_reasons().of(bob)
+    assert sorted(n for _, _, n in ray.launched) == [1, 1]
+
+
+def test_a_retry_of_an_elastic_job_stays_within_its_quota(database, quota_one):
+    alice = queue_job(database, owner="alice", steps=100_000, max_retries=2, **ELASTIC)
+    ray = FakeRay(quota_one)
+    sched = scheduler(database, ray, total_gpus=2)
+    ticks(sched)
+    ray.attempts[(alice, 0)] = "failed"  # a rank died: the retry picks its N again
+    ticks(sched)
+    job = job_row(database, alice)
+    assert (job.attempt, job.num_retries, job.world_size) == (1, 1, 1), reasons(database, alice)
+    assert ray.launched == [(alice, 0, 1), (alice, 1, 1)]
+
+
+def test_a_growth_stays_within_its_quota(database, tmp_path):
+    settings = make_settings(tmp_path, gpu_quotas="*=2", quota_borrowing=False)
+    body = {**ELASTIC, "num_gpus": 4, "global_batch_size": 16}  # N in [1, 2, 4]
+    queue_job(database, owner="bob", num_gpus=2, steps=100_000)
+    alice = queue_job(database, owner="alice", steps=100_000, checkpoint_every=10, **body)
+    ray = FakeRay(settings)
+    sched = scheduler(database, ray, total_gpus=6)
+    ticks(sched)  # bob's job takes 2, alice's elastic starts at her quota's 2 of the 4 free
+    assert job_row(database, alice).world_size == 2
+    with database.session() as session:  # as if she had started at 1 (the GPUs were taken then)
+        session.get(Job, alice).world_size = 1
+    ticks(sched, 3)  # grows at its next checkpoint: to 2, her quota, never to the 4 that are free
+    job = job_row(database, alice)
+    assert (job.status, job.attempt, job.world_size) == ("running", 1, 2), reasons(database, alice)
+
+
+def test_a_relaunch_past_a_quota_lowered_since_goes_back_to_the_queue(database, tmp_path, quota_one):
+    generous = make_settings(tmp_path, gpu_quotas="*=2", quota_borrowing=False)
+    alice = queue_job(database, owner="alice", num_gpus=2, steps=100_000)
+    ticks(scheduler(database, FakeRay(generous), total_gpus=2))
+    after = scheduler(database, FakeRay(quota_one), total_gpus=2)  # restarted with *=1
+    after.recover()
+    job = job_row(database, alice)
+    assert job.status == "queued", reasons(database, alice)
+    assert reasons(database, alice)[-1].endswith(
+        "past its owner's GPU quota: no checkpoint yet: it starts again from step 0"
+    )
+
+
+# --------------------------------------------------------------------------- stops survive a restart
+
+
+@pytest.fixture
+def preempting(tmp_path) -> Settings:
+    return make_settings(tmp_path, preempt_min_runtime_s=0, preempt_grace_s=3600)
+
+
+@pytest.mark.parametrize("supervisor", ["lost with the embedded Ray", "survived on a cluster"])
+def test_a_restart_mid_preemption_sends_the_victim_back_to_the_queue(database, preempting, supervisor):
+    victim = queue_job(database, owner="alice", num_gpus=2, steps=100_000, priority=10)
+    ray = FakeRay(preempting)
+    before = scheduler(database, ray, total_gpus=2)
+    ticks(before)
+    urgent = queue_job(database, owner="bob", num_gpus=2, steps=100_000, priority=90)
+    ticks(before)  # the victim is asked to stop; its ranks are mid-step when the service stops
+    assert job_row(database, victim).stop["preempt"]["by"] == urgent
+    if supervisor == "lost with the embedded Ray":
+        ray = FakeRay(preempting)
+    after = scheduler(database, ray, total_gpus=2)
+    after.recover()
+    if supervisor == "survived on a cluster":
+        ray.attempts[(victim, 0)] = "stopped"  # the ranks stop at their step, as asked before the restart
+    ticks(after)
+    job = job_row(database, victim)
+    assert (job.status, job.stop) == ("queued", None), reasons(database, victim)
+    assert reasons(database, victim)[-1].startswith(f"preempted by job {urgent} (priority 90): ")
+    ticks(after)
+    assert job_row(database, urgent).status == "running", after.queue_reasons().of(urgent)
+    assert [(job_id, n) for job_id, _, n in ray.launched if job_id == victim] == (
+        [(victim, 2)] if supervisor == "survived on a cluster" else []
+    )
+
+
+def test_a_restart_mid_suspend_suspends_the_job(database, preempting):
+    job_id = queue_job(database, owner="alice", num_gpus=2, steps=100_000)
+    ray = FakeRay(preempting)
+    before = scheduler(database, ray, total_gpus=2)
+    ticks(before)
+    with database.session() as session:
+        jobs.flag_active(session, session.get(Job, job_id), "suspend_requested")
+    ticks(before)
+    after = scheduler(database, FakeRay(preempting), total_gpus=2)
+    after.recover()
+    assert job_row(database, job_id).status == "suspended", reasons(database, job_id)
