@@ -201,7 +201,7 @@ def main() -> None:
     with searchable_interpreter() as granted:
         if granted:
             print(f"(o+x granted on {', '.join(map(str, granted))} for the ZERO1_RUN_AS column)", file=sys.stderr)
-        columns["this tree, ZERO1_RUN_AS"] = measure(ROOT, jobs=args.jobs, ZERO1_RUN_AS="*=65534:65534")
+        columns["this tree, ZERO1_RUN_AS"] = measure(ROOT, jobs=args.jobs, ZERO1_RUN_AS="*=65534-65534")
     print(
         f"examples/tiny-gpt.json (2 ranks, 300 steps); median (min-max) of {args.jobs} jobs each, after one warm-up\n"
     )

@@ -2,9 +2,9 @@
 torch (the workers do). Its packages, each opened by what it holds and what it may import:
 
     main, runtime        the FastAPI app, and what it runs while it is up
-    settings, auth,      every ZERO1_* setting; who is calling; the bound on guessing tokens;
-    lockout, errors,     the errors every layer raises, rendered as JSON; the Prometheus metrics
-    telemetry
+    settings, run_as,    every ZERO1_* setting, and ZERO1_RUN_AS read; who is calling; the bound on
+    auth, lockout,       guessing tokens; the errors every layer raises, rendered as JSON; the
+    errors, telemetry    Prometheus metrics
     api/                 the REST routes, their dependencies and limits
     dashboard/           the live pages, rendered on the server
     cli/                 the `zero1` command

@@ -24,7 +24,7 @@ from service.runtime import Runtime
 from service.scheduling.gauges import JobGauges
 from service.settings import Settings, get_settings
 from service.telemetry import RequestTimer, Telemetry
-from workers.runtime.sandbox import RunAs, check_runnable
+from workers.runtime.sandbox import check_runnable
 
 _PUBLIC_PATHS = ("/healthz",)
 log = logging.getLogger(__name__)
@@ -39,9 +39,10 @@ def create_app(settings: Settings | None = None, *, tokens: TokenTable | None = 
     """
     settings = settings or get_settings()
     tokens = load_tokens(settings) if tokens is None else tokens
-    for uid, gid in sorted(set(settings.run_as.values())):  # each mapped uid can run a child: else say why now
-        check_runnable(RunAs(uid, gid))
-    if len(tokens.users) > 1 and not settings.run_as:
+    if settings.run_as is not None:  # each named uid, and the range's first, can run a child: else say why now
+        for identity in settings.run_as.checked_at_start():
+            check_runnable(identity)
+    if len(tokens.users) > 1 and settings.run_as is None:
         log.warning(
             "%d users have tokens and ZERO1_RUN_AS is unset: every user's python model runs as this service's "
             "user and can read what it reads (docs/security.md, Trust model)",

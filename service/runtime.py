@@ -18,6 +18,7 @@ from service.settings import Settings
 from service.store.code_bundles import code_store
 from service.store.db import Database, upgrade
 from service.store.housekeeping import Housekeeper
+from service.store.owner_uids import OwnerUids
 from service.telemetry import Telemetry
 from service.tracking.exporter import Exporter
 
@@ -30,19 +31,21 @@ class Runtime:
         self.db = Database(settings.database_url)
         self.cluster = RayCluster(settings)
         self.code = code_store(settings.checkpoint_uri, settings.shared_dir)
-        self.launcher = RayLauncher(settings, code_uri=self.code.uri)
+        self.owner_uids = OwnerUids(self.db, table=settings.run_as)
+        """An owner -> the uid its children run under (ZERO1_RUN_AS), allocated from the range on first use."""
+        self.launcher = RayLauncher(settings, code_uri=self.code.uri, run_as=self.owner_uids)
         self.housekeeper = Housekeeper(db=self.db, settings=settings, cache_dir=dataset_cache_dir(settings.shared_dir))
         self.task_slots = Slots(task_limits(settings))
         """Traces and dataset checks in flight (ZERO1_MAX_TASKS, ZERO1_MAX_TASKS_PER_USER)."""
         self.log_followers = Slots(follower_limits(settings))
         """Open log streams (ZERO1_MAX_LOG_FOLLOWERS, ZERO1_MAX_LOG_FOLLOWERS_PER_USER)."""
         self.tracer = Tracer(
-            timeout_s=settings.plan_timeout_s, code_uri=self.code.uri, slots=self.task_slots, run_as=settings.run_as_of
+            timeout_s=settings.plan_timeout_s, code_uri=self.code.uri, slots=self.task_slots, run_as=self.owner_uids
         )
         self.datasets = DatasetChecker(
             timeout_s=settings.data_timeout_s,
             slots=self.task_slots,
-            run_as=settings.run_as_of,
+            run_as=self.owner_uids,
             token_cache=str(dataset_cache_dir(settings.shared_dir) / "tokens"),
             token_store=token_store_of(settings.checkpoint_uri),
         )

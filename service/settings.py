@@ -1,6 +1,6 @@
 """Settings: every ZERO1_* environment variable, read in one place.
 
-May import: workers.runtime.sandbox, workers.training.storage.
+May import: service.run_as, workers.training.storage.
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import re
 from functools import lru_cache
 from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
+from pydantic import Field, InstanceOf, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from workers.runtime.sandbox import RunAs
+from service.run_as import RunAsTable, parse_run_as
 from workers.training.storage import is_remote, parse_uri
 
 PLACEHOLDER = re.compile(r"change[-_]?me", re.IGNORECASE)
@@ -25,6 +25,26 @@ PLACEHOLDER_RULE = (
 
 def is_placeholder(secret: str) -> bool:
     return PLACEHOLDER.search(secret) is not None
+
+
+def located(uri: str) -> str:
+    """A directory or s3://bucket/prefix as the service reaches it: a directory resolved (symlinks followed)."""
+    scheme, where = parse_uri(uri)
+    return where if scheme == "file" else f"{scheme}://{where}"
+
+
+def overlap(first: str, second: str) -> bool:
+    """Whether two storage locations (directories, s3://bucket/prefix) are the same or one holds the other."""
+    one, other = located(first).rstrip("/"), located(second).rstrip("/")
+    return one == other or one.startswith(other + "/") or other.startswith(one + "/")
+
+
+def sqlite_file(url: str) -> str | None:
+    """The file a sqlite:/// URL names; None for another database or an in-memory one."""
+    if not url.startswith("sqlite") or "///" not in url:
+        return None
+    database = url.split("///", 1)[1]
+    return database if database and database != ":memory:" else None
 
 
 class Settings(BaseSettings):
@@ -191,11 +211,14 @@ class Settings(BaseSettings):
     max_log_followers_per_user: int = Field(8, ge=1, le=100_000)
     """Log streams one user (everyone when auth is off) may have open at once; one more is answered
     429 with Retry-After."""
-    run_as: Annotated[dict[str, tuple[int, int]], NoDecode] = {}
+    run_as: Annotated[InstanceOf[RunAsTable] | None, NoDecode] = None
     """uid:gid each owner's job children run under (its ranks' training, its plans' traces, its
-    data's tokenizing), comma-separated `owner=uid:gid`, `*` for every other owner (e.g.
-    `team-a=2001:2001,*=65534:65534`); no supplementary groups. Unset: they run as the service's
-    user (one user on a laptop; docs/security.md, Trust model). Needs a service and Ray running as root."""
+    data's tokenizing), comma-separated `owner=uid:gid`, and `*=LO-HI`, a range from which every other
+    owner gets a uid of its own (gid the same number), allocated on its first use and kept in the
+    database (e.g. `team-a=2001:2001,*=30000-39999`); no supplementary groups. A uid named for two
+    owners, a range holding a named uid or 0, and `*=uid:gid` (every other owner under one uid) are
+    refused. Unset: they run as the service's user (one user on a laptop; docs/security.md, Trust
+    model). Needs a service and Ray running as root."""
     auth_max_failures: int = Field(10, ge=1, le=1_000_000)
     """Wrong tokens one client (an IPv4 address, an IPv6 /64) may send within ZERO1_AUTH_FAILURE_WINDOW_S,
     by the Authorization header, the dashboard's cookie or its login form together; past it every token
@@ -252,6 +275,27 @@ class Settings(BaseSettings):
                 raise ValueError(f"{name}: {exc}") from None
         return value
 
+    @model_validator(mode="after")
+    def _roots_outside_storage(self) -> Settings:
+        """No data or model root overlaps what the service keeps (checkpoints, final weights, code
+        bundles, the token cache, a SQLite database): a job's data is read by the trusted side and
+        staged for its child, which would then read other jobs' files."""
+        kept = [("ZERO1_CHECKPOINT_URI", self.checkpoint_uri)]
+        if is_remote(self.checkpoint_uri):
+            kept.append(("ZERO1_LOCAL_DIR", self.local_dir))
+        if (database := sqlite_file(self.database_url)) is not None:
+            kept.append(("ZERO1_DATABASE_URL", database))
+        for name, roots in (("ZERO1_DATA_ROOTS", self.data_roots), ("ZERO1_MODEL_ROOTS", self.model_roots)):
+            for root in roots:
+                for kept_name, where in kept:
+                    if overlap(root, where):
+                        raise ValueError(
+                            f"{name}: the root {located(root)} overlaps {kept_name}, {located(where)}: a job "
+                            "reading under the root would be given the service's files there (other jobs' "
+                            "checkpoints, weights and code, its database): keep the two apart"
+                        )
+        return self
+
     @property
     def shared_dir(self) -> str:
         """The directory that holds the token cache (and code bundles, beside directory checkpoints):
@@ -261,30 +305,8 @@ class Settings(BaseSettings):
     @field_validator("run_as", mode="before")
     @classmethod
     def _parse_run_as(cls, value: object) -> object:
-        """'a=1:2,*=3:4' -> {"a": (1, 2), "*": (3, 4)}, each entry named in its error."""
-        if not isinstance(value, str):
-            return value
-        mapping: dict[str, tuple[int, int]] = {}
-        for entry in (part.strip() for part in value.split(",")):
-            if not entry:
-                continue
-            owner, _, ids = entry.partition("=")
-            uid, _, gid = ids.partition(":")
-            if not owner.strip() or not uid.isdigit() or not gid.isdigit():
-                raise ValueError(f"ZERO1_RUN_AS: entry {entry!r} is not owner=uid:gid (e.g. team-a=2001:2001)")
-            if int(uid) == 0 or int(gid) == 0:
-                raise ValueError(f"ZERO1_RUN_AS: entry {entry!r} maps to root (uid or gid 0): that isolates nothing")
-            mapping[owner.strip()] = (int(uid), int(gid))
-        if mapping and "*" not in mapping:
-            raise ValueError("ZERO1_RUN_AS needs a '*=uid:gid' entry: the uid of every owner it does not name")
-        return mapping
-
-    def run_as_of(self, owner: str | None) -> RunAs | None:
-        """The uid and gid `owner`'s children run under: its entry, else `*`'s; None where
-        ZERO1_RUN_AS is unset (they run as the service's user)."""
-        if not self.run_as:
-            return None
-        return RunAs(*self.run_as.get(owner or "", self.run_as["*"]))
+        """'a=2001:2001,*=30000-39999' -> its RunAsTable (service/run_as.py), each refusal naming its entry."""
+        return parse_run_as(value) if isinstance(value, str) else value
 
     @field_validator("priority_limits", "gpu_quotas", mode="before")
     @classmethod

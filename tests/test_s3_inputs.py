@@ -208,7 +208,7 @@ def s3_data_app(ray_cluster, tree, s3_uri, tmp_path):
     root, _ = tree
     settings = make_settings(
         tmp_path,
-        checkpoint_uri=s3_uri,
+        checkpoint_uri=f"{s3_uri}/checkpoints",  # beside the data root, never holding it (refused at start)
         local_dir=str(tmp_path / "local"),
         data_roots=[str(tmp_path / "mine"), root],
         model_roots=[root],
@@ -279,7 +279,9 @@ def test_an_hf_job_fine_tunes_a_model_directory_in_the_bucket(ray_cluster, s3_se
     saved.save_pretrained(tmp_path / "pretrained")
     root = f"{s3_uri}/models"
     _upload(tmp_path / "pretrained", f"{root}/pretrained")
-    settings = make_settings(tmp_path, checkpoint_uri=s3_uri, local_dir=str(tmp_path / "local"), model_roots=[root])
+    settings = make_settings(
+        tmp_path, checkpoint_uri=f"{s3_uri}/checkpoints", local_dir=str(tmp_path / "local"), model_roots=[root]
+    )
     with serve(settings) as client:
         outside = helpers.job_body(model={"kind": "hf", "path": f"{s3_uri}/pretrained"}, seq_len=16)
         r = client.post("/v1/jobs", params={"dry_run": True}, json=outside)

@@ -82,10 +82,17 @@ def remove_placement_groups(namespace: str, *, keep=lambda job_id, attempt: Fals
 class RayLauncher:
     """Starts, polls, cancels and releases job supervisors, one per (job, attempt)."""
 
-    def __init__(self, settings: Settings, *, code_uri: Callable[[str], str] | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        code_uri: Callable[[str], str] | None = None,
+        run_as: Callable[[str | None], RunAs | None] = lambda owner: None,
+    ) -> None:
         self.settings = settings
         self.code_uri = code_uri
         """A code bundle's digest -> the URI its ranks unpack as their working_dir (a python model's)."""
+        self.run_as = run_as
         self._supervisors: dict[tuple[int, int], Any] = {}
         self._storage_problems: dict[str, str] = {}
         self._storage_checked_at = -math.inf
@@ -105,8 +112,8 @@ class RayLauncher:
 
     def prepare_job_dir(self, job: Job) -> tuple[str | None, RunAs | None]:
         """The job's directory, made before its ranks start (None on an object store: each rank's
-        parent makes a scratch home on its node), and the uid its children run under."""
-        run_as, directory = self.settings.run_as_of(job.owner), self.checkpoint_uri(job)
+        parent makes a scratch home on its node), and the uid its children run under (its owner's: run_as)."""
+        run_as, directory = self.run_as(job.owner), self.checkpoint_uri(job)
         if is_remote(directory):
             return None, run_as
         prepare_job_dir(Path(directory), run_as=run_as, database_url=self.settings.database_url)
@@ -390,11 +397,4 @@ def _unknown() -> dict[str, Any]:
 
 
 def _lost(message: str) -> dict[str, Any]:
-    return {
-        "status": "lost",
-        "metrics": [],
-        "nodes": [],
-        "error": RankError(exception="SupervisorLost", message=message),
-        "logs": [],
-        "log_dropped": (0, 0),
-    }
+    return {**_unknown(), "status": "lost", "error": RankError(exception="SupervisorLost", message=message)}

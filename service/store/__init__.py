@@ -1,6 +1,7 @@
 """What the control plane keeps: the database (engine, tables, metric rows, log lines, artifacts,
 code uploads) and the files on the checkpoint storage it owns (code bundles, job directories, the
-dataset token cache), with the housekeeping that bounds them.
+dataset token cache), with the housekeeping that bounds them; and the uid each owner's children run
+under (ZERO1_RUN_AS), allocated once and kept.
 
-May import: service.settings, service.errors, service.auth, service.schemas, workers.
+May import: service.settings, service.run_as, service.errors, service.auth, service.schemas, workers.
 """
