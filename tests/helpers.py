@@ -177,6 +177,14 @@ def zip_of(files: dict[str, bytes], *, compression: int = zipfile.ZIP_DEFLATED) 
     return buffer.getvalue()
 
 
+def stored_bundle(path: Path, files: dict[str, bytes]) -> str:
+    """A zip of `files` laid out as the code store keeps a bundle (every entry under bundle/), written
+    to `path`: its file:// URI, as a rank's actor or a task is given one. Unchecked: a test may store
+    what an upload would refuse, as a bundle stored before a rule would be."""
+    path.write_bytes(zip_of({f"bundle/{name}": data for name, data in files.items()}))
+    return path.as_uri()
+
+
 def symlink_zip(name: str, target: str) -> bytes:
     """A zip whose one entry is a symlink `name` -> `target`, as `zip --symlinks` stores one."""
     info = zipfile.ZipInfo(name)

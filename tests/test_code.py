@@ -105,6 +105,36 @@ REFUSED = {
 }
 
 
+SHADOWING = {
+    "sitecustomize.py": "would run as the start-up hook 'sitecustomize'",
+    "usercustomize.py": "would run as the start-up hook 'usercustomize'",
+    "x.pth": "is a start-up hook (a .pth file)",
+    "json/__init__.py": "would shadow the standard library's module 'json'",
+    "os.py": "would shadow the standard library's module 'os'",
+    "_thread.cpython-311-x86_64-linux-gnu.so": "would shadow the standard library's module '_thread'",
+    "torch/nn/functional.py": "would shadow the module 'torch' of the installed distribution 'torch'",
+    "numpy.py": "would shadow the module 'numpy' of the installed distribution 'numpy'",
+    "ray/__init__.pyc": "would shadow the module 'ray' of the installed distribution 'ray'",
+    "service.py": "would shadow zero1's own package 'service'",
+}
+"""Top-level names that would shadow a module the interpreter, zero1 or its dependencies import."""
+
+
+@pytest.mark.parametrize(("entry", "why"), SHADOWING.items(), ids=SHADOWING.keys())
+def test_a_bundle_that_would_shadow_a_module_is_a_422_naming_the_entry(open_app, entry, why):
+    before = stored(open_app)
+    body = upload(open_app, zip_of({"mymodel.py": b"def build(**args): ...\n", entry: b"x = 1\n"}), status=422)
+    assert body["error"] == "invalid_code" and body["message"].startswith(f"body: entry {entry!r} {why}"), body
+    assert body["detail"][0]["entry"] == entry
+    assert stored(open_app) == before
+
+
+def test_modules_of_a_bundle_that_shadow_nothing_are_accepted(open_app):
+    """Ordinary modules, data files named like a module (token.txt), and any name below the top."""
+    files = {"mymodel.py": b"", "token.txt": b"", "json": b"", "pkg/os.py": b"", "pkg/torch/__init__.py": b""}
+    assert upload(open_app, zip_of(files))["files"] == len(files)
+
+
 @pytest.mark.parametrize(("data", "why"), REFUSED.values(), ids=REFUSED.keys())
 def test_a_refused_bundle_is_a_422_that_stores_nothing(open_app, data, why):
     before = stored(open_app)
@@ -223,19 +253,25 @@ def test_the_store_is_code_under_the_checkpoint_uri(open_app):
     assert path.is_file() and runtime.code.uri(code) == path.as_uri() == f"file://{path}"
 
 
-def test_a_ray_task_runs_in_the_stored_bundle(open_app):
-    """The contract the workers rely on: the store's URI as a runtime_env working_dir puts the user's
-    files at the root of the task's working directory, importable."""
-    data = zip_of({"ranked/": b"", "ranked/__init__.py": b"", "ranked/net.py": b"WIDTH = 7\n", "notes.txt": b"hi"})
-    code = upload(open_app, data)["code"]
+LOOK = b"import os, sys\nWIDTH = 7\n\n\ndef look(_):\n    return sorted(os.listdir('.')), WIDTH, sys.path[0]\n"
+
+
+def test_a_child_runs_in_its_copy_of_the_stored_bundle_and_its_parent_does_not(open_app):
+    """The contract the workers rely on: a task given the store's URI unpacks the user's files at the
+    root of its child's working directory, first on the child's sys.path and on no one else's."""
+    data = zip_of({"ranked/": b"", "ranked/__init__.py": b"", "ranked/net.py": LOOK, "notes.txt": b"hi"})
+    uri = open_app.app.state.runtime.code.uri(upload(open_app, data)["code"])
 
     @ray.remote(num_cpus=0)
-    def look() -> tuple[list[str], int]:
+    def parent(uri: str) -> tuple[list, list[str], str]:
         import os
+        import sys
 
-        from ranked.net import WIDTH
+        from workers.runtime.sandbox import call_in_child
 
-        return sorted(os.listdir(".")), WIDTH
+        return call_in_child("ranked.net:look", None, timeout_s=120, bundle=uri), sys.path, os.getcwd()
 
-    uri = open_app.app.state.runtime.code.uri(code)
-    assert ray.get(look.options(runtime_env={"working_dir": uri}).remote(), timeout=120) == (["notes.txt", "ranked"], 7)
+    (listed, width, path0), paths, cwd = ray.get(parent.remote(uri), timeout=120)
+    assert (listed, width) == (["notes.txt", "ranked"], 7)
+    assert path0.endswith("/working_dir_files/code")
+    assert path0 not in paths and cwd != path0 and not Path(path0).exists()  # removed once the child is done

@@ -32,7 +32,7 @@ from workers.data.digests import DigestError, directory_digest, tokenizer_digest
 
 from conftest import make_settings, serve
 from figures import record
-from helpers import TINY, wait_for, zip_of
+from helpers import TINY, stored_bundle, wait_for, zip_of
 
 ROOT = Path(__file__).resolve().parents[1]
 ALICE, BOB = (f"{user}-{secrets.token_urlsafe(24)}" for user in ("alice", "bob"))
@@ -144,15 +144,13 @@ def echo(request):
     return request
 
 
-def test_a_working_dir_ray_cannot_set_up_is_a_422_naming_code(ray_cluster, tmp_path):
-    """A zip whose file `x` and directory `x/` share a path: Ray fails to unpack it (RuntimeEnvSetupError)."""
-    clash = tmp_path / "clash.zip"
-    clash.write_bytes(zip_of({"bundle/x": b"", "bundle/x/y.py": b""}))
+def test_a_bundle_the_task_cannot_unpack_is_a_422_naming_code(ray_cluster, tmp_path):
+    """A stored zip whose file `x` and directory `x/` share a path: the task cannot unpack it for its child."""
     options = {
         "timeout_s": 60,
         "timed_out": lambda: ServiceError("timed out", status_code=422),
         "failed": lambda exc: ServiceError(str(exc), status_code=422),
-        "runtime_env": {"working_dir": clash.as_uri()},
+        "code": stored_bundle(tmp_path / "clash.zip", {"x": b"", "x/y.py": b""}),
     }
     with pytest.raises(ServiceError) as blocking:
         run_task(json.dumps, [1], **options)
@@ -160,9 +158,9 @@ def test_a_working_dir_ray_cannot_set_up_is_a_422_naming_code(ray_cluster, tmp_p
         anyio.run(lambda: run_task_async(json.dumps, [2], **options))
     for raised in (blocking.value, awaited.value):
         assert raised.status_code == 422 and raised.extra["detail"][0]["field"] == "code", raised.message
-        assert raised.message.startswith("code: the code bundle could not be set up as the task's working directory")
+        assert raised.message.startswith("code: the code bundle could not be unpacked for its child")
         assert "File exists" in raised.message
-    record("a bundle Ray cannot unpack (item 5)", tried=1, refused=1)
+    record("a bundle the task cannot unpack (item 5)", tried=1, refused=1)
 
 
 def test_a_task_asked_of_a_ray_that_is_not_connected_is_a_503_with_retry_after(ray_cluster):
@@ -193,15 +191,13 @@ CLUSTER_FAULTS = [
     ray.exceptions.ActorDiedError(),
     ray.exceptions.TaskUnschedulableError("no node has the resources"),
     ray.exceptions.LocalRayletDiedError(),
-    ray.exceptions.RuntimeEnvSetupError("pip failed"),  # with no bundle of the request's: the cluster's
+    ray.exceptions.RuntimeEnvSetupError("pip failed"),  # no task has a runtime_env of the request's: the cluster's
 ]
 
 
 @pytest.mark.parametrize("exc", CLUSTER_FAULTS, ids=lambda e: type(e).__name__)
 def test_the_clusters_faults_are_503s_with_retry_after(exc):
-    answer = task_error(
-        exc, failed=lambda e: pytest.fail(f"blamed the input for {e!r}"), blame="model", runtime_env=None
-    )
+    answer = task_error(exc, failed=lambda e: pytest.fail(f"blamed the input for {e!r}"), blame="model")
     assert answer.status_code == 503 and answer.headers == {"Retry-After": "10"}
     assert answer.message.startswith(f"the Ray cluster could not run the task ({type(exc).__name__}: ")
 
@@ -217,14 +213,14 @@ def test_the_clusters_faults_are_503s_with_retry_after(exc):
     ],
 )
 def test_a_crash_of_the_tasks_process_is_the_inputs_422(exc, says):
-    answer = task_error(exc, failed=lambda e: pytest.fail(repr(e)), blame="data", runtime_env=None)
+    answer = task_error(exc, failed=lambda e: pytest.fail(repr(e)), blame="data")
     assert answer.status_code == 422 and answer.extra["detail"][0]["field"] == "data"
     assert answer.message.startswith(f"data: {says}")
 
 
 def test_an_error_that_is_no_rays_is_not_hidden():
     with pytest.raises(KeyError):
-        task_error(KeyError("a bug"), failed=ServiceError, blame="model", runtime_env=None)
+        task_error(KeyError("a bug"), failed=ServiceError, blame="model")
 
 
 # --------------------------------------------------------------------------- item 6: slots

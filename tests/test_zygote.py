@@ -25,6 +25,8 @@ import pytest
 from workers.runtime import zygote
 from workers.runtime.sandbox import Child, ChildExited, ChildSpec, RunAs, call_in_child, child_environment
 
+from helpers import stored_bundle
+
 NOBODY = RunAs(65534, 65534)
 
 PROBE = """
@@ -48,10 +50,8 @@ def who(_):
 
 @pytest.fixture(scope="module")
 def bundle(searchable, tmp_path_factory) -> str:
-    directory = tmp_path_factory.mktemp("zygote-bundle")
-    (directory / "probe.py").write_text(PROBE)
-    directory.chmod(0o755)
-    return str(directory)
+    """The stored probe bundle's URI: each child gets its own copy, unpacked by its parent."""
+    return stored_bundle(tmp_path_factory.mktemp("zygote-bundle") / "probe.zip", {"probe.py": PROBE.encode()})
 
 
 def _zygote_pids() -> list[int]:
@@ -108,18 +108,15 @@ def test_with_the_zygote_off_a_fresh_interpreter_sees_the_same_but_its_parent(bu
     ],
 )
 def test_how_a_forked_child_ended_is_reported_as_popen_reports_it(bundle, tmp_path, body, expected):
-    module = tmp_path / "ends"
-    module.mkdir()
-    (module / "ends.py").write_text(f"import os\n\n\ndef now(_):\n    {body}\n")
-    module.chmod(0o755)
+    module = stored_bundle(tmp_path / "ends.zip", {"ends.py": f"import os\n\n\ndef now(_):\n    {body}\n".encode()})
     with pytest.raises(ChildExited) as ended:
-        call_in_child("ends:now", None, timeout_s=120, run_as=NOBODY, bundle=str(module))
+        call_in_child("ends:now", None, timeout_s=120, run_as=NOBODY, bundle=module)
     assert str(ended.value) == expected
 
 
 def test_a_child_killed_by_its_parent_is_reported_killed_and_its_session_gone(bundle, tmp_path):
     home = tmp_path / "home"
-    child = Child("call", ChildSpec(home=str(home), cwd=bundle, run_as=NOBODY))
+    child = Child("call", ChildSpec(home=str(home), code_uri=bundle, run_as=NOBODY))
     try:
         assert isinstance(child.process, zygote.ZygoteProcess)
         assert child.process.poll() is None
@@ -229,7 +226,7 @@ def test_a_request_the_zygote_cannot_read_is_answered_and_it_goes_on(bundle):
 
 
 def test_a_zygote_killed_under_its_children_loses_only_their_exit_status_and_is_replaced(bundle, tmp_path):
-    child = Child("call", ChildSpec(home=str(tmp_path / "home"), cwd=bundle, run_as=NOBODY))
+    child = Child("call", ChildSpec(home=str(tmp_path / "home"), code_uri=bundle, run_as=NOBODY))
     try:
         assert isinstance(child.process, zygote.ZygoteProcess)
         zygote_pid = int(Path(f"/proc/{child.process.pid}/stat").read_text().rsplit(")", 1)[1].split()[1])

@@ -29,7 +29,7 @@ def cmd_db(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from service.auth import check_bind, load_tokens
-    from service.planning.cluster import check_ray_auth_token
+    from service.planning.cluster import check_ray_auth_token, private_ray_temp_dir
     from service.store.db import check_url
 
     settings = get_settings()
@@ -39,6 +39,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         check_bind(host, tokens=tokens)
         check_ray_auth_token(os.environ)
         check_url(settings.database_url)
+        if settings.ray_address is None:  # the embedded Ray's files under a parent no job's uid can enter
+            private_ray_temp_dir(os.environ)
     except ValueError as error:
         print(f"zero1 serve: {error}", file=sys.stderr)
         return 2

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import stat
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Mapping, MutableMapping
@@ -19,6 +21,12 @@ from workers.runtime.sandbox import is_secret_name
 log = logging.getLogger(__name__)
 
 CAPACITY_TTL_S = 0.5
+KEPT_PREFIXES = ("RAY_", "AWS_")
+"""Variables named like secrets that the embedded Ray keeps: its own token, the object store's credentials."""
+SOCKET_PATH_MAX_BYTES = 107
+"""The longest path of a unix socket (Linux's sun_path less its NUL)."""
+_LONGEST_SOCKET = "/ray/session_2026-12-05_08-02-07_123456_4194304/sockets/plasma_store"
+"""The longest path Ray makes below its temporary directory's parent: its session's object store socket."""
 _PROBED: dict[str, int | None] = {}  # GCS address -> GPU memory bytes (None: logical GPUs)
 
 
@@ -99,6 +107,7 @@ class RayCluster:
 
         ray.init(
             address="local",  # a new instance of our own, never another Ray running on this machine
+            _temp_dir=str(private_ray_temp_dir(os.environ)),
             num_gpus=num_gpus,
             num_cpus=max(os.cpu_count() or 1, num_gpus + 1),
             namespace=self.settings.ray_namespace,
@@ -161,14 +170,52 @@ class RayCluster:
 def without_service_secrets(environ: MutableMapping[str, str]) -> Iterator[None]:
     """`environ` without the service's settings and secrets (ZERO1_*, anything named like a token,
     password or key, the database's) while an embedded Ray starts: its GCS, raylet and every worker
-    it forks inherit what is left. Ray's own variables stay (RAY_AUTH_TOKEN among them: Ray needs it)."""
+    it forks inherit what is left. Ray's own variables stay (RAY_AUTH_TOKEN among them: Ray needs it),
+    and so does the object store's AWS_*: a rank's actor and a task store and fetch a job's files
+    with them, on one machine as on a cluster's nodes (their children never get them)."""
     removed = {
-        name: environ.pop(name) for name in list(environ) if not name.startswith("RAY_") and is_secret_name(name)
+        name: environ.pop(name) for name in list(environ) if not name.startswith(KEPT_PREFIXES) and is_secret_name(name)
     }
     try:
         yield
     finally:
         environ.update(removed)
+
+
+def private_ray_temp_dir(environ: Mapping[str, str]) -> Path:
+    """The embedded Ray's temporary directory: ray/ in zero1-ray-<uid> of RAY_TMPDIR (else of the
+    temporary directory), that parent made 0700 here if there is none. Ray makes its own temporary
+    directory, and the working directories in it, mode 0777: only a parent that no other uid can enter
+    keeps a job's code (ZERO1_RUN_AS) out of Ray's sockets, logs and files. ValueError naming the
+    parent unless it is a directory (not a link) of this uid, mode 0700, short enough for Ray's sockets."""
+    parent = Path(environ.get("RAY_TMPDIR") or tempfile.gettempdir()) / f"zero1-ray-{os.geteuid()}"
+    num_bytes = len(os.fsencode(parent))
+    if num_bytes + len(_LONGEST_SOCKET) > SOCKET_PATH_MAX_BYTES:
+        raise ValueError(
+            f"Ray's temporary directory's parent {parent} is too long for Ray's socket paths: {num_bytes} + "
+            f"{len(_LONGEST_SOCKET)} bytes > {SOCKET_PATH_MAX_BYTES}; set RAY_TMPDIR to a shorter directory"
+        )
+    try:
+        os.mkdir(parent, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as error:
+        raise ValueError(f"Ray's temporary directory's parent {parent} cannot be made: {error.strerror}") from None
+    _check_private(parent)
+    return parent / "ray"
+
+
+def _check_private(directory: Path) -> None:
+    """ValueError, naming `directory` and what it is, unless it is a directory of this uid, mode 0700."""
+    found, uid = os.lstat(directory), os.geteuid()
+    mode = stat.S_IMODE(found.st_mode)
+    if not stat.S_ISDIR(found.st_mode) or found.st_uid != uid or mode & 0o077:
+        kind = "a directory" if stat.S_ISDIR(found.st_mode) else "not a directory"
+        raise ValueError(
+            f"Ray's temporary directory's parent {directory} must be a directory of uid {uid} with mode 0700, so "
+            f"that no job's uid reaches Ray's files, but it is {kind} of uid {found.st_uid} with mode {mode:04o}: "
+            "remove it (zero1 makes it) or chmod 0700 it"
+        )
 
 
 def private_ray_token(environ: Mapping[str, str]) -> None:

@@ -4,8 +4,8 @@ to run it: within a time limit, stopped past it, and every way it can fail answe
 503, never a 500.
 
 Whose fault a failure is decides its answer. The input's — the function raised, the user's code
-crashed or ran its worker out of memory, the user's code bundle could not be set up as the task's
-working directory — is a 422 naming the request field to blame. The cluster's — Ray unreachable, a
+crashed or ran its worker out of memory, the user's code bundle could not be fetched or unpacked for
+the task's child — is a 422 naming the request field to blame. The cluster's — Ray unreachable, a
 node or object lost, any other Ray error — is a 503 with Retry-After: the same request may succeed
 later. `run_task_async` awaits the task without holding a thread (a route's way); `run_task` blocks
 (the CLI's, and code that runs in a worker thread anyway).
@@ -20,14 +20,14 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from service.errors import ServiceError
-from workers.runtime.isolated import IsolatedCall, run_isolated, run_isolated_in_bundle
+from workers.runtime.isolated import IsolatedCall, run_isolated
 from workers.runtime.sandbox import RunAs
+from workers.training.bundles import BundleError
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _REMOTE: Any = None
-_REMOTE_IN_BUNDLE: Any = None
 CHILD_GRACE_S = 5.0
 """How much longer than its caller waits a task's child may run before the task kills it."""
 RETRY_AFTER_S = 10
@@ -42,25 +42,25 @@ def run_task(
     timeout_s: float,
     timed_out: Callable[[], ServiceError],
     failed: Callable[[BaseException], ServiceError],
-    runtime_env: dict[str, Any] | None = None,
+    code: str | None = None,
     blame: str = "body",
     isolation: Isolation | None = None,
 ) -> T:
     """fn(request) as a Ray task within timeout_s, waited for in this thread. Past the limit the task
     is cancelled and timed_out() raised; fn's own exception becomes failed(cause); a crash of its
-    process is a 422 naming `blame` (the request field whose code or data ran), a bundle Ray could
-    not set up a 422 naming `code`, any other Ray error a 503. `runtime_env` (a code bundle's
-    working_dir) runs it in a worker of that environment."""
+    process is a 422 naming `blame` (the request field whose code or data ran), a bundle that cannot
+    be unpacked a 422 naming `code`, any other Ray error a 503. `code` (a code bundle's stored URI)
+    is unpacked by the task for its child alone, never put on the task's own import path."""
     import ray
 
-    ref = _submit(_call(fn, request, timeout_s, runtime_env, blame, isolation), runtime_env=runtime_env)
+    ref = _submit(_call(fn, request, timeout_s, code, blame, isolation))
     try:
         return ray.get(ref, timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
         ray.cancel(ref, force=True)
         raise timed_out() from None
     except Exception as exc:  # noqa: BLE001  (every Ray error is answered; task_error re-raises the rest)
-        raise task_error(exc, failed=failed, blame=blame, runtime_env=runtime_env) from None
+        raise task_error(exc, failed=failed, blame=blame) from None
 
 
 async def run_task_async(
@@ -70,7 +70,7 @@ async def run_task_async(
     timeout_s: float,
     timed_out: Callable[[], ServiceError],
     failed: Callable[[BaseException], ServiceError],
-    runtime_env: dict[str, Any] | None = None,
+    code: str | None = None,
     blame: str = "body",
     isolation: Isolation | None = None,
 ) -> T:
@@ -78,7 +78,7 @@ async def run_task_async(
     cancelled meanwhile (its client gone) cancels the task too."""
     import ray
 
-    ref = _submit(_call(fn, request, timeout_s, runtime_env, blame, isolation), runtime_env=runtime_env)
+    ref = _submit(_call(fn, request, timeout_s, code, blame, isolation))
     try:
         return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout_s)
     except TimeoutError:
@@ -88,7 +88,7 @@ async def run_task_async(
         ray.cancel(ref, force=True)
         raise
     except Exception as exc:  # noqa: BLE001  (every Ray error is answered; task_error re-raises the rest)
-        raise task_error(exc, failed=failed, blame=blame, runtime_env=runtime_env) from None
+        raise task_error(exc, failed=failed, blame=blame) from None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -113,7 +113,7 @@ def _call(
     fn: Callable[[Any], Any],
     request: Any,
     timeout_s: float,
-    runtime_env: dict[str, Any] | None,
+    code: str | None,
     blame: str,
     isolation: Isolation | None,
 ) -> IsolatedCall:
@@ -127,31 +127,26 @@ def _call(
         blame=blame,
         timeout_s=timeout_s + CHILD_GRACE_S,
         run_as=isolation.run_as,
-        bundle=runtime_env is not None,
+        bundle=code,
         token_cache=isolation.token_cache,
         token_store=isolation.token_store,
         child=isolation.child,
     )
 
 
-def _submit(call: IsolatedCall, *, runtime_env: dict[str, Any] | None):
+def _submit(call: IsolatedCall):
     """The task's ObjectRef. num_cpus=0: such a task takes seconds and must not queue behind training
     ranks holding the CPUs (the callers bound how many run at once); no retries: a failure is the
     input's, or the cluster's to report. A 503 when this process is not connected to Ray (ray.remote
     would start a Ray of its own here)."""
     import ray
 
-    global _REMOTE, _REMOTE_IN_BUNDLE
+    global _REMOTE
     if not ray.is_initialized():
         raise cluster_unavailable("Ray is not connected")
     if _REMOTE is None:  # made once; ray.remote needs Ray imported, which the API does lazily
         _REMOTE = ray.remote(num_cpus=0, max_retries=0)(run_isolated)
-        # a bundle's worker is not reused: Ray may reclaim the unpacked bundle, its working directory,
-        # once no job holds it, and a reused worker's next task would find it gone
-        _REMOTE_IN_BUNDLE = ray.remote(num_cpus=0, max_retries=0, max_calls=1)(run_isolated_in_bundle)
     try:
-        if runtime_env:
-            return _REMOTE_IN_BUNDLE.options(runtime_env=runtime_env).remote(call)
         return _REMOTE.remote(call)
     except (ray.exceptions.RayError, ConnectionError) as exc:
         raise cluster_unavailable(f"the task could not be submitted: {_first_line(exc)}") from None
@@ -162,21 +157,18 @@ def task_error(
     *,
     failed: Callable[[BaseException], ServiceError],
     blame: str,
-    runtime_env: dict[str, Any] | None,
 ) -> ServiceError:
     """The answer to a task that did not return: a ServiceError, or `exc` itself re-raised when it is no
     Ray error (a bug here is not to be hidden as a 503)."""
     import ray
 
     errors = ray.exceptions
+    if isinstance(exc, errors.RayTaskError) and isinstance(exc.cause, BundleError):
+        return input_fault("code", str(exc.cause))
     if isinstance(exc, errors.RayTaskError):
         return failed(exc.cause if exc.cause is not None else exc)
     if isinstance(exc, errors.UnserializableException | errors.UserCodeException):
         return failed(exc)
-    if isinstance(exc, errors.RuntimeEnvSetupError) and runtime_env:
-        return input_fault(
-            "code", f"the code bundle could not be set up as the task's working directory: {_last_line(exc)}"
-        )
     if isinstance(exc, errors.OutOfMemoryError):
         return input_fault(blame, f"the task's process was killed for using too much memory: {_first_line(exc)}")
     if isinstance(exc, errors.WorkerCrashedError):
@@ -210,9 +202,3 @@ def cluster_unavailable(why: str) -> ServiceError:
 def _first_line(exc: BaseException) -> str:
     lines = [line for line in str(exc).strip().splitlines() if line.strip()]
     return (lines[0] if lines else type(exc).__name__)[:_MAX_DETAIL_CHARS]
-
-
-def _last_line(exc: BaseException) -> str:
-    """A runtime_env failure's text is Ray's traceback: its last line says what failed."""
-    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
-    return (lines[-1].strip() if lines else type(exc).__name__)[:_MAX_DETAIL_CHARS]

@@ -5,8 +5,8 @@ Ray task (num_cpus=0: a trace takes a second or so and must not queue behind the
 ranks holding the CPUs) does it within ZERO1_PLAN_TIMEOUT_S. What a trace depends on — the
 model (a python model's code bundle digest with it, an hf directory's content digest with its
 path), precision, micro-batch, sequence length and checkpointing — is hashed into a digest; an
-identical request answers from the cache without asking Ray. A python model's trace runs with its
-bundle as the task's working_dir.
+identical request answers from the cache without asking Ray. A python model's trace runs in a child
+of the task that imports from the bundle, which the task unpacks for it alone.
 
 A route awaits a trace (`Tracer.trace_async`) without holding a thread, in one of the slots that
 bound the traces running at once (ZERO1_MAX_TASKS, ZERO1_MAX_TASKS_PER_USER), then hands the
@@ -124,7 +124,7 @@ def _run_hf_trace(request: TraceRequest) -> TracedStep:
 
 
 def _run_python_trace(request: TraceRequest) -> TracedStep:
-    """A python model's trace, in a worker whose working directory is the job's code bundle."""
+    """A python model's trace, in a child whose working directory is its copy of the job's code bundle."""
     from workers.models.builtin import DTYPES
     from workers.models.usercode import trace_python
 
@@ -183,7 +183,7 @@ class Tracer:
         self.in_process = in_process
         """Trace in this process (the CLI, which may import torch), not in a Ray task."""
         self.code_uri = code_uri
-        """A code bundle's digest -> the URI Ray unpacks as a trace task's working_dir (a python model's)."""
+        """A code bundle's digest -> the stored zip's URI, which a trace's task unpacks for its child."""
         self.slots = slots
         """The bound on traces running at once (shared with dataset checks); None: unbounded (the CLI)."""
         self.run_as = run_as
@@ -235,19 +235,18 @@ class Tracer:
         return run_task(run_trace, request, **self._task_options(request, user=None))
 
     def _task_options(self, request: TraceRequest, *, user: str | None) -> dict[str, Any]:
-        """run_task's options for this request: a python model's bundle as the working_dir; a crash of
-        the task's process blamed on the model's code (entrypoint) or its config or directory."""
+        """run_task's options for this request: a python model's stored bundle, for the task's child; a
+        crash of the task's process blamed on the model's code (entrypoint) or its config or directory."""
         code = request.model.get("code")
-        runtime_env = None
         if code is not None:
             assert self.code_uri is not None, "tracing a python model needs the code store"
-            runtime_env = {"working_dir": self.code_uri(code)}
+            code = self.code_uri(code)
         blame = {"python": "model.entrypoint", "hf": "model.path" if request.model.get("path") else "model.config"}
         return {
             "timeout_s": self.timeout_s,
             "timed_out": self._timed_out,
             "failed": _trace_failed,
-            "runtime_env": runtime_env,
+            "code": code,
             "blame": blame.get(request.model["kind"], "model"),
             "isolation": Isolation(
                 result=TracedStep, run_as=self.run_as(user), child=request.model["kind"] in ("hf", "python")

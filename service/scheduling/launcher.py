@@ -91,7 +91,7 @@ class RayLauncher:
     ) -> None:
         self.settings = settings
         self.code_uri = code_uri
-        """A code bundle's digest -> the URI its ranks unpack as their working_dir (a python model's)."""
+        """A code bundle's digest -> the stored zip's URI, which each rank's actor unpacks for its child."""
         self.run_as = run_as
         self._supervisors: dict[tuple[int, int], Any] = {}
         self._storage_problems: dict[str, str] = {}
@@ -199,7 +199,7 @@ class RayLauncher:
             cpus_per_worker=self.settings.cpus_per_worker,
             timeout_s=self.settings.placement_timeout_s,
             rendezvous_timeout_s=self.settings.rendezvous_timeout_s,
-            working_dir=self._working_dir(job.spec.get("code")),
+            code_uri=self._code_uri(job.spec.get("code")),
             name=placement_group_name(self.settings.ray_namespace, job.id, job.attempt),
             log_max_bytes=self.settings.log_max_bytes,
             home=job_dir,
@@ -215,7 +215,7 @@ class RayLauncher:
         supervisor.start.remote()  # never raises: a start that fails is a "failed" status with its cause
         self._supervisors[(job.id, job.attempt)] = supervisor
 
-    def _working_dir(self, code: str | None) -> str | None:
+    def _code_uri(self, code: str | None) -> str | None:
         if code is None:
             return None
         assert self.code_uri is not None, "a job with a code bundle needs the code store"

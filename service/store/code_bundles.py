@@ -1,18 +1,24 @@
-"""Code bundles: a user's zip, checked and stored content-addressed for Ray's `working_dir`.
+"""Code bundles: a user's zip, checked and stored content-addressed for the jobs' children.
 
 The standard library alone (and ServiceError): the API checks a bundle's entries without
-importing, let alone running, what is in it. User code runs only on the workers, where Ray
-unpacks the stored zip and puts it first on sys.path.
+importing, let alone running, what is in it. User code runs only in a child on the workers, whose
+trusted parent unpacks the stored zip for it (workers/training/bundles.py) and puts it first on the
+child's sys.path, never its own. As defence in depth a bundle may not name a top-level module that
+could shadow one: a start-up hook, the standard library's, an installed distribution's, zero1's.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
+import importlib.machinery
+import importlib.metadata
 import io
 import os
 import re
 import stat
+import sys
 import tempfile
 import zipfile
 import zlib
@@ -29,8 +35,12 @@ MAX_ENTRIES = 10_000
 MAX_UNCOMPRESSED_BYTES = 1 << 30
 RESERVED_NAMES = frozenset({"workers", "service", "zero1_migrations"})
 """zero1's own top-level packages, which a bundle placed first on sys.path would shadow."""
+STARTUP_HOOKS = frozenset({"sitecustomize", "usercustomize"})
+"""Modules the interpreter imports as it starts, from anywhere on sys.path (as it reads a .pth file)."""
+MODULE_SUFFIXES = (*importlib.machinery.all_suffixes(), ".pyw")
+"""A file is a module when its name ends so: name.py, name.pyc, name.so, name.cpython-311-….so."""
 TOP_LEVEL_DIR = "bundle"
-"""Every entry of a stored zip is under it: Ray strips a remote package's single top-level directory."""
+"""Every entry of a stored zip is under it; the workers unpack what is below it (workers/training/bundles.py)."""
 DIGEST = re.compile(r"sha256:([0-9a-f]{64})")
 
 _CHUNK_BYTES = 1 << 20
@@ -133,7 +143,7 @@ def _check_names(infos: list[zipfile.ZipInfo], *, max_entries: int) -> dict[str,
 
 def _check_no_file_is_a_directory(entries: dict[str, zipfile.ZipInfo]) -> None:
     """A 422 naming both entries when a file's path is a directory of another entry (`x` and `x/y.py`):
-    unpacked, one of them cannot exist, and Ray's unzip fails only when a job or plan uses the bundle."""
+    unpacked, one of them cannot exist, and the unpacking fails only when a job or plan uses the bundle."""
     for name, info in sorted(entries.items()):
         parts = name.split("/")
         for depth in range(1, len(parts)):
@@ -151,7 +161,7 @@ def _check_entry(info: zipfile.ZipInfo) -> str | None:
     raw = info.filename
     if raw.startswith(("/", "\\")) or _DRIVE.match(raw):
         raise invalid_code(f"entry {raw!r} is an absolute path", entry=raw)
-    if "\\" in raw:  # Ray's unzip skips such a name without a word
+    if "\\" in raw:  # an unzip may skip such a name without a word
         raise invalid_code(f"entry {raw!r} has a backslash: a zip separates a path's parts with '/'", entry=raw)
     parts = [part for part in raw.split("/") if part not in ("", ".")]
     if ".." in parts:
@@ -160,12 +170,8 @@ def _check_entry(info: zipfile.ZipInfo) -> str | None:
         raise invalid_code(f"entry {raw!r} is a symlink", entry=raw)
     if not parts:
         return None
-    package = parts[0] if len(parts) > 1 or info.is_dir() else parts[0].partition(".")[0]  # workers/ or workers.py
-    if package in RESERVED_NAMES:
-        raise invalid_code(
-            f"entry {raw!r} would shadow zero1's own package {package!r} (a bundle is first on sys.path): rename it",
-            entry=raw,
-        )
+    if (shadowed := _shadowed(parts, is_dir=info.is_dir())) is not None:
+        raise invalid_code(f"entry {raw!r} {shadowed}, first on its code's sys.path: rename it", entry=raw)
     if not info.is_dir() and info.flag_bits & 0x1:
         raise invalid_code(f"entry {raw!r} is encrypted", entry=raw)
     if not info.is_dir() and info.compress_type not in _METHODS:
@@ -174,6 +180,32 @@ def _check_entry(info: zipfile.ZipInfo) -> str | None:
             entry=raw,
         )
     return "/".join(parts)
+
+
+def _shadowed(parts: list[str], *, is_dir: bool) -> str | None:
+    """What a top-level module or package of the bundle (name.py, name.*.so, name/, a .pth) would
+    shadow, in words; None for an entry that shadows nothing."""
+    if len(parts) == 1 and not is_dir:
+        if parts[0].endswith(".pth"):
+            return "is a start-up hook (a .pth file)"
+        if not parts[0].endswith(MODULE_SUFFIXES):
+            return None  # a data file: nothing imports it
+    name = parts[0].partition(".")[0]
+    if name in RESERVED_NAMES:
+        return f"would shadow zero1's own package {name!r}"
+    if name in STARTUP_HOOKS:
+        return f"would run as the start-up hook {name!r}"
+    if name in sys.stdlib_module_names:
+        return f"would shadow the standard library's module {name!r}"
+    if distributions := _installed_modules().get(name):
+        return f"would shadow the module {name!r} of the installed distribution {distributions[0]!r}"
+    return None
+
+
+@functools.cache
+def _installed_modules() -> dict[str, list[str]]:
+    """Top-level module -> the installed distributions that provide it (read once: the image's own)."""
+    return importlib.metadata.packages_distributions()
 
 
 def _copy_entry(
@@ -240,9 +272,8 @@ def code_dir(shared_dir: str) -> Path:
 
 
 class BundleStore:
-    """Bundles named by the digest of the bytes uploaded, each re-packed under bundle/ so that Ray,
-    which strips a remote zip's single top-level directory, unpacks the user's files at the root of
-    the job's working_dir. put() checks and packs one; a subclass says where it is kept."""
+    """Bundles named by the digest of the bytes uploaded, each re-packed under bundle/ from the checked
+    entries. put() checks and packs one; a subclass says where it is kept."""
 
     root: Path | str
     """Where the bundles are, as errors name it."""
@@ -251,7 +282,7 @@ class BundleStore:
         self.max_entries, self.max_uncompressed_bytes = max_entries, max_uncompressed_bytes
 
     def uri(self, digest: str) -> str:
-        """The stored zip as a runtime_env working_dir."""
+        """The stored zip's URI, which a rank's actor or a trace's task unpacks for its child."""
         raise NotImplementedError
 
     def exists(self, digest: str) -> bool:
@@ -313,16 +344,14 @@ class CodeStore(BundleStore):
 
     def _staging(self) -> Path:
         self.root.mkdir(parents=True, exist_ok=True)
-        # searchable, not listable: Ray's user opens a bundle by its digest, and a job's code
-        # under another uid (ZERO1_RUN_AS) finds no other user's bundle to read
+        # searchable, not listable: a worker opens a bundle by its digest; no job's code can list them
         os.chmod(self.root, 0o711)
         return self.root
 
 
 class ObjectCodeStore(BundleStore):
     """Bundles as objects <prefix>/code/<64 hex>.zip on an object store (ZERO1_CHECKPOINT_URI=s3://…),
-    packed in a local temporary directory first. Ray's nodes fetch a job's bundle themselves (a
-    runtime_env working_dir of s3://…, with their own credentials and smart_open)."""
+    packed in a local temporary directory first; a rank's actor or a task fetches one with its own credentials."""
 
     def __init__(self, store: ObjectStore, **limits: int) -> None:
         super().__init__(**limits)

@@ -11,7 +11,6 @@ kills every rank and frees the group.
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
 import tempfile
 import threading
@@ -60,9 +59,9 @@ class Placement:
     rendezvous_timeout_s: float = 120.0
     """How long the placed ranks may take to start (their processes, imports) and report their address."""
     process_group_timeout_s: float = 300.0
-    working_dir: str | None = None
-    """A code bundle's URI (file://...zip) Ray unpacks on each rank's node as its working directory
-    (a python model's); None: the ranks run zero1's code only."""
+    code_uri: str | None = None
+    """A python model's code bundle as stored (file://….zip, s3://….zip), unpacked by each rank's actor
+    for its child alone, never a Ray working_dir (workers/training/bundles.py); None: no bundle."""
     name: str = ""
     """The placement group's name: the control plane finds a group by it and removes one its
     attempt no longer owns (service.scheduling.launcher.placement_group_name)."""
@@ -93,16 +92,22 @@ class TrainWorker:
     relays for it. It holds its rank and its child, nothing else; it never loads torch."""
 
     def __init__(
-        self, rank: int, world_size: int, *, home: str | None = None, run_as: RunAs | None = None, bundle: bool = False
+        self,
+        rank: int,
+        world_size: int,
+        *,
+        home: str | None = None,
+        run_as: RunAs | None = None,
+        code_uri: str | None = None,
     ) -> None:
-        """`home`: the job's directory (None: a scratch one); `bundle`: this worker's working
-        directory is the job's code bundle, which the child then runs in and imports from."""
+        """`home`: the job's directory (None: a scratch one); `code_uri`: the job's code bundle as
+        stored, which this process unpacks for the child to run in and import from."""
         self.rank, self.world_size = rank, world_size
         self.raylet_gone = parent_gone()
         self.address = ray.util.get_node_ip_address()
         self.scratch = home is None  # removed after the run: checkpoints on an object store, or a test's
         self.home, self.run_as = home or tempfile.mkdtemp(prefix=f"zero1-rank{rank}-"), run_as
-        spec = ChildSpec(home=self.home, cwd=os.getcwd() if bundle else None, run_as=run_as)
+        spec = ChildSpec(home=self.home, code_uri=code_uri, run_as=run_as)
         # started now: forked with torch loaded, or importing it while the job's other ranks are placed
         self.process = RankProcess(rank=rank, world_size=world_size, address=self.address, spec=spec)
 
@@ -266,8 +271,7 @@ class JobSupervisor:
                     num_gpus=1,
                     num_cpus=p.cpus_per_worker,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
-                    **({"runtime_env": {"working_dir": p.working_dir}} if p.working_dir else {}),
-                ).remote(rank, p.num_workers, home=p.home, run_as=p.run_as, bundle=p.working_dir is not None)
+                ).remote(rank, p.num_workers, home=p.home, run_as=p.run_as, code_uri=p.code_uri)
                 for rank in range(p.num_workers)
             ]
         try:

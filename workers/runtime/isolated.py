@@ -48,8 +48,9 @@ class IsolatedCall:
     """The request's field a crash of the child is blamed on (model.entrypoint, data...)."""
     timeout_s: float
     run_as: RunAs | None = None
-    bundle: bool = False
-    """The task's working directory is a code bundle: the child works in its own copy."""
+    bundle: str | None = None
+    """A code bundle as stored (file://….zip, s3://….zip): this task unpacks it for the child, its
+    working directory and import path; never the task's own (workers/training/bundles.py)."""
     token_cache: str | None = None
     """The dataset cache's tokens/ directory: a token file the child made in its spill directory is
     moved there, and the result's token_file names it there."""
@@ -102,7 +103,7 @@ def _run_child(call: IsolatedCall, argument: Any) -> Any:
             argument,
             timeout_s=call.timeout_s,
             run_as=call.run_as,
-            bundle=os.getcwd() if call.bundle else None,
+            bundle=call.bundle,
             keep=keep,
         )
     except ChildError as exc:
@@ -119,12 +120,6 @@ def _run_child(call: IsolatedCall, argument: Any) -> Any:
             token_file = str(Path(call.token_cache) / name)  # the child found it in the cache
         result = dataclasses.replace(result, token_file=token_file)
     return result
-
-
-def run_isolated_in_bundle(call: IsolatedCall) -> Any:
-    """run_isolated as the task of a worker whose working directory is a code bundle (a function of
-    its own: Ray runs it in a worker used for one call only, service/planning/tasks.py)."""
-    return run_isolated(call)
 
 
 def checked(result_type: type, answer: Any) -> Any:

@@ -12,7 +12,8 @@ never inherited whole; nothing named like a secret passes. With `run_as` it runs
 and gid, with no supplementary groups. A lifeline pipe ends it when its parent goes, however the
 parent dies (SIGKILL of a cancelled rank included). A child is forked from the node's zygote, torch
 already loaded (workers/runtime/zygote.py), or started as a fresh interpreter where there is none.
-This room imports the standard library only.
+This room imports the standard library only, and workers.training.bundles when a child has a code
+bundle to unpack.
 """
 
 from __future__ import annotations
@@ -85,9 +86,10 @@ class ChildSpec:
 
     home: str
     """Its HOME and the root of its TMPDIR: the job's own directory (or a scratch one of a task's)."""
-    cwd: str | None = None
-    """A code bundle's directory (the parent's working directory, where Ray unpacked it), copied
-    for the child as its working directory (copy_bundle); None: the child works in home."""
+    code_uri: str | None = None
+    """The job's code bundle as stored (file://….zip, s3://….zip): this process unpacks it into a
+    private directory given to the child, its working directory and PYTHONPATH, and no one else's
+    import path (workers/training/bundles.py); None: the child works in home."""
     run_as: RunAs | None = None
 
 
@@ -127,22 +129,14 @@ def prepare_home(spec: ChildSpec) -> None:
         os.chmod(path, 0o700, follow_symlinks=False)  # a link here is an error (Linux has no lchmod)
 
 
-def copy_bundle(source: str, run_as: RunAs | None) -> str:
-    """The child's own copy of its code bundle (its working directory): made in a fresh directory
-    of this process's (mkdtemp, 0700) that no child could have planted anything in, then given to
-    the child's uid, the top last. The bundle Ray unpacked lies in Ray's session directory, which is
-    not the job's to read. Named .../working_dir_files/code/ as Ray's are, so that tracebacks name
-    a bundle's files relative to it (workers.records)."""
-    staging = tempfile.mkdtemp(prefix="zero1-code-")
-    code = os.path.join(staging, "working_dir_files", "code")
-    shutil.copytree(source, code, symlinks=True)
-    for directory, dirnames, filenames in os.walk(code, topdown=False):
-        for name in dirnames + filenames:
-            _own(os.path.join(directory, name), run_as)
-        _own(directory, run_as)
-    _own(os.path.dirname(code), run_as)
-    _own(staging, run_as)
-    return code
+def stage_code(code_uri: str, run_as: RunAs | None) -> str:
+    """The child's own copy of its code bundle (its working directory), unpacked by this process
+    from the stored zip into a fresh directory that no child could have planted anything in, then
+    given to the child's uid, the top last. Never a Ray working_dir: a bundle on this process's
+    sys.path would run as this process's uid."""
+    from workers.training.bundles import unpack_bundle  # the store's client, for a bundle on a bucket
+
+    return unpack_bundle(code_uri, owner=None if run_as is None else (run_as.uid, run_as.gid))
 
 
 def _own(path: str, run_as: RunAs | None) -> None:
@@ -171,7 +165,7 @@ class Child:
 
     def __init__(self, mode: str, spec: ChildSpec, *, environ: Mapping[str, str] | None = None) -> None:
         prepare_home(spec)
-        code = self._staged = copy_bundle(spec.cwd, spec.run_as) if spec.cwd else None
+        code = self._staged = stage_code(spec.code_uri, spec.run_as) if spec.code_uri else None
         staging = os.path.dirname(os.path.dirname(code)) if code else "-"  # the child removes it if orphaned
         parent_end, child_end = socket.socketpair()
         lifeline_read, self._lifeline = os.pipe()
@@ -290,16 +284,17 @@ def call_in_child(
     bundle: str | None = None,
     keep: Callable[[str], None] | None = None,
 ) -> Any:
-    """`function` ("module:name") applied to `argument` in a child with a scratch home and `bundle`
-    as its code: its JSON result. keep(home) takes what the parent keeps of the home once the child
-    answered, before the home is removed. The child's exception comes back as ChildError (an
+    """`function` ("module:name") applied to `argument` in a child with a scratch home and the code
+    bundle stored at `bundle` (its URI) as its code: its JSON result. keep(home) takes what the
+    parent keeps of the home once the child answered, before the home is removed. A bundle that
+    cannot be unpacked raises workers.training.bundles.BundleError. The child's exception comes back as ChildError (an
     InvalidModelError's field kept); past timeout_s the child is killed and TimeoutError raised; a
     child that dies raises ChildExited."""
     import time
 
     home = tempfile.mkdtemp(prefix="zero1-task-")
     try:
-        child = Child("call", ChildSpec(home=home, cwd=bundle, run_as=run_as))
+        child = Child("call", ChildSpec(home=home, code_uri=bundle, run_as=run_as))
     except BaseException:
         shutil.rmtree(home, ignore_errors=True)
         raise
