@@ -32,9 +32,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from service.planning.cluster import check_ray_auth_token, private_ray_temp_dir
     from service.store.db import check_url
 
-    settings = get_settings()
-    host = args.host or settings.host
-    try:  # before anything starts: a bad token entry, an open bind or a placeholder is a message, not a traceback
+    try:  # before anything starts: a bad setting or token entry, an open bind or a placeholder is a message
+        settings = get_settings()
+        host = args.host or settings.host
         tokens = load_tokens(settings)
         check_bind(host, tokens=tokens)
         check_ray_auth_token(os.environ)
@@ -42,7 +42,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if settings.ray_address is None:  # the embedded Ray's files under a parent no job's uid can enter
             private_ray_temp_dir(os.environ)
     except ValueError as error:
-        print(f"zero1 serve: {error}", file=sys.stderr)
+        print(f"zero1 serve: {one_line(error)}", file=sys.stderr)
         return 2
 
     import uvicorn
@@ -57,14 +57,34 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if settings.access_log == "changes":
         log_config.setdefault("filters", {})["changes"] = {"()": ChangesOnly}
         log_config["handlers"]["access"]["filters"] = ["changes"]
+    try:  # ZERO1_RUN_AS: a uid that cannot run this Python is one line naming the directory that blocks it
+        app = create_app(settings, tokens=tokens)
+    except ValueError as error:
+        print(f"zero1 serve: {one_line(error)}", file=sys.stderr)
+        return 2
     uvicorn.run(
-        create_app(settings, tokens=tokens),
+        app,
         host=host,
         port=args.port or settings.port,
         access_log=settings.access_log != "off",
         log_config=log_config,
     )
     return 0
+
+
+def one_line(error: ValueError) -> str:
+    """The error as one line: a refused ZERO1_* variable by its own message (pydantic's ValidationError
+    spreads each over three lines, with a link), anything else as it is."""
+    from pydantic import ValidationError
+
+    if not isinstance(error, ValidationError):
+        return " ".join(str(error).split())
+    said = []
+    for problem in error.errors():
+        name = f"ZERO1_{str(problem['loc'][0]).upper()}" if problem.get("loc") else ""
+        message = str(problem.get("msg", "invalid")).removeprefix("Value error, ")
+        said.append(message if not name or message.startswith(name) else f"{name}: {message}")
+    return "; ".join(said)
 
 
 class ChangesOnly(logging.Filter):

@@ -316,11 +316,12 @@ def call_in_child(
 
 
 def check_runnable(run_as: RunAs) -> None:
-    """ValueError, saying what to change, unless a child under `run_as` can start this Python, import
-    zero1 (every directory above the interpreter and the installed code must be searchable by that
-    uid, the files readable) and reach the temporary directory, where its scratch home, its copy of a
-    code bundle and the inputs staged for it are made (a child enters its working directory before
-    it drops root, so a temporary directory it cannot search fails only on its first absolute path)."""
+    """ValueError of one line, naming what to change, unless a child under `run_as` can start this
+    Python, import zero1 (every directory on the way to the interpreter, the standard library and the
+    installed code, links' targets included, must be searchable by that uid, the files readable) and
+    reach the temporary directory, where its scratch home, its copy of a code bundle and the inputs
+    staged for it are made (a child enters its working directory before it drops root, so a temporary
+    directory it cannot search fails only on its first absolute path)."""
     scratch = tempfile.gettempdir()
     probe = "import os, sys, workers.runtime.child; sys.exit(0 if os.access(sys.argv[1], os.X_OK) else 3)"
     try:
@@ -336,19 +337,33 @@ def check_runnable(run_as: RunAs) -> None:
             timeout=60,
         )
     except PermissionError:
-        raise ValueError(
-            f"ZERO1_RUN_AS: uid {run_as.uid} cannot run {sys.executable}: every directory above it (and "
-            "above zero1's installation) must be searchable by that uid (chmod o+x)"
-        ) from None
-    if done.returncode == 3:
+        done = None
+    if done is not None and done.returncode == 3:
         raise ValueError(
             f"ZERO1_RUN_AS: uid {run_as.uid} cannot reach the temporary directory {scratch}, where its children's "
             "scratch and staged inputs are made: it and every directory above it must be searchable by that "
             "uid (chmod o+x), or set TMPDIR to one that is"
         )
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or [""])[-1]
-        raise ValueError(f"ZERO1_RUN_AS: uid {run_as.uid} runs Python but cannot import zero1: {last}")
+    if done is None or done.returncode != 0:
+        said = " ".join((done.stderr.strip().splitlines() or [""])[-1].split()) if done is not None else ""
+        fallback = f"cannot run {sys.executable}" if done is None else f"runs Python but cannot import zero1: {said}"
+        raise ValueError(f"ZERO1_RUN_AS: uid {run_as.uid} {_what_blocks(run_as) or fallback}")
+
+
+def _what_blocks(run_as: RunAs) -> str | None:
+    """The first directory (or file) that stops `run_as` on its way to the interpreter, the standard
+    library, zero1's code or the installed packages, and how to fix it; None where the modes allow all."""
+    import sysconfig
+
+    from workers.reach import blocked_at
+
+    code = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # above workers/
+    readable = os.R_OK | os.X_OK
+    wanted = [(sys.executable, os.X_OK), (os.path.dirname(os.__file__), readable), (code, readable)]
+    for path, access in [*wanted, (sysconfig.get_paths()["purelib"], readable)]:
+        if (why := blocked_at(path, uid=run_as.uid, gid=run_as.gid, access=access)) is not None:
+            return f"{why}: make each directory on the way searchable by it (chmod o+x) or use a Python it can reach"
+    return None
 
 
 class ChildError(RuntimeError):
