@@ -3,8 +3,8 @@ database, and served only as recorded.
 
 The job's own code wrote final/, and it may have planted anything there: a link to the database, a
 FIFO, a hard link, a manifest that lies. So every file the service reads back is opened by a chain
-of O_NOFOLLOW opens from the job's directory down (no link anywhere below it), must be a regular
-file with one link, and is hashed by the service itself; the manifest's sizes and digests are
+of O_NOFOLLOW opens from the checkpoint root down (workers/training/confined.py: no link anywhere
+below it, even one swapped in while it is walked), must be a regular file with one link, and is hashed by the service itself; the manifest's sizes and digests are
 claims checked against what it read. A download opens the file the same way and hashes all of it
 as it streams, holding its last piece back until the digest and size match the record: a file
 changed after it was recorded is cut off, never served whole.
@@ -14,13 +14,11 @@ Imports the models and errors only: the jobs module, the scheduler and the route
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import logging
 import os
 import re
-import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +30,7 @@ from sqlalchemy.orm import Session
 from service.errors import ServiceError
 from service.store.db import Database
 from service.store.tables import Artifact, Job, utcnow
+from workers.training import confined
 from workers.training.storage import ObjectStore
 
 JobDir = Path | ObjectStore
@@ -47,9 +46,6 @@ MAX_ARTIFACTS = 1000
 """Files one manifest may list; the rest are refused (each costs a read of the whole file)."""
 _CHUNK_BYTES = 1 << 20
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # NONBLOCK: a planted FIFO never blocks
-_ERRNO_WHY = {errno.ELOOP: "is a symbolic link", errno.ENOTDIR: "is not a directory", errno.ENOENT: "does not exist"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,34 +65,19 @@ class Refused(Exception):
 
 
 def open_final_file(job_dir: Path, name: str) -> int:
-    """A read-only descriptor of `job_dir`/final/`name`, opened with no link followed below the
-    checkpoint root (the service's own); Refused unless it is a regular file with one link (a
-    hard link could be another file of the service's)."""
+    """A read-only descriptor of `job_dir`/final/`name`, walked to from the checkpoint root (the
+    service's own) with no link followed on the way (workers/training/confined.py); Refused unless it
+    is a regular file with one link (a hard link could be another file of the service's)."""
     try:
-        fd = os.open(job_dir.parent, _DIR_FLAGS & ~os.O_NOFOLLOW)
-    except OSError as error:  # the checkpoint storage itself is gone or unreadable: the job's files with it
+        job = confined.open_dir(job_dir.parent, job_dir.name)
+    except OSError as error:  # the storage unreadable, or the job's directory not one: its files with it
         raise Refused(f"{job_dir.name} cannot be reached: {error.strerror or error}") from None
     try:
-        for part, shown, flags in (
-            (job_dir.name, job_dir.name, _DIR_FLAGS),
-            (FINAL, f"{FINAL}/", _DIR_FLAGS),
-            (name, f"{FINAL}/{name}", _FILE_FLAGS),
-        ):
-            try:
-                child = os.open(part, flags, dir_fd=fd)
-            except OSError as error:
-                raise Refused(f"{shown} {_why(error, part, dir_fd=fd)}") from None
-            os.close(fd)
-            fd = child
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise Refused(f"{FINAL}/{name} is not a regular file")
-        if info.st_nlink != 1:
-            raise Refused(f"{FINAL}/{name} has {info.st_nlink} hard links")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+        return confined.open_descriptor(job, f"{FINAL}/{name}")
+    except OSError as error:
+        raise Refused(error.strerror or str(error)) from None
+    finally:
+        os.close(job)
 
 
 def _open_final(job_dir: JobDir, name: str) -> BinaryIO:
@@ -118,19 +99,9 @@ def _size(file: BinaryIO) -> int:
 
 def _final_exists(job_dir: JobDir) -> bool:
     if isinstance(job_dir, Path):
+        # only whether to report a refusal: a link on the way counts as there (read_final refuses it)
         return (job_dir / FINAL).exists() or (job_dir / FINAL).is_symlink()
     return job_dir.exists(FINAL)
-
-
-def _why(error: OSError, name: str, *, dir_fd: int) -> str:
-    """Why `name` could not be opened; a link opened as a directory fails with ENOTDIR, and is named a link."""
-    if error.errno == errno.ENOTDIR:
-        try:
-            if stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
-                return _ERRNO_WHY[errno.ELOOP]
-        except OSError:
-            pass
-    return _ERRNO_WHY.get(error.errno, error.strerror or str(error))
 
 
 def read_final(job_dir: JobDir) -> tuple[list[FinalFile], list[str]]:

@@ -1,7 +1,10 @@
 """A job's checkpoints as the service serves them for download: the complete ones its storage
 (a directory or an object store) holds now, their files, and one file's bytes. What it reads was
-written by the job's code: only regular files in real step directories, opened without following
-a link (workers/training/checkpoints.py and storage.py)."""
+written by the job's code, which may swap any directory on the way for a link at any moment: only
+regular files with one link in real step directories, each walked to from the job's directory
+with no link followed anywhere on the way (workers/training/storage.py's DirectoryStore, through
+workers/training/confined.py), so a listing and the open that follows it never land in another
+job's directory."""
 
 from __future__ import annotations
 

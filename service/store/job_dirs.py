@@ -11,10 +11,10 @@ directory is made: workers/runtime/spool.py).
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 from workers.runtime.sandbox import RunAs
+from workers.training import confined
 from workers.training.checkpoints import FINAL, discard_stored_metrics, prune_checkpoints
 from workers.training.storage import DirectoryStore, Store
 
@@ -66,25 +66,25 @@ def retire_job_dir(store: Store, *, keep: int) -> None:
 
 def remove_scratch(directory: Path) -> None:
     """Delete what a finished job's children left beside its checkpoints and final model (their
-    TMPDIR, their code copy, anything written to HOME); links are removed, never followed."""
-    for child in directory.iterdir():
-        if child.name != FINAL and not child.name.startswith("step-"):
-            _remove(child)
+    TMPDIR, their code copy, anything written to HOME); links are removed, never followed, and
+    nothing is reached through one (workers/training/confined.py)."""
+    for name in _entries(directory):
+        if name != FINAL and not name.startswith("step-"):
+            confined.remove_tree(directory, name)
 
 
 def remove_except(directory: Path, *, keep_name: str) -> None:
     """Delete everything in directory but its entry keep_name; the directory too when that is absent."""
     if not directory.exists():
         return
-    for child in directory.iterdir():
-        if child.name != keep_name:
-            _remove(child)
-    if not any(directory.iterdir()):
+    for name in _entries(directory):
+        if name != keep_name:
+            confined.remove_tree(directory, name)
+    if not _entries(directory):
         directory.rmdir()
 
 
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
+def _entries(directory: Path) -> list[str]:
+    """Every name in the directory, links included (list_dir leaves them out: they are deleted too)."""
+    with confined.opened_dir(directory) as fd:
+        return sorted(os.listdir(fd))

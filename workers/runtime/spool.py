@@ -17,9 +17,11 @@ file of that step is stored (each rank stores its rows after its shard): a check
 once all of it does. Then rank 0's parent prunes to keep_last. The child learns that its files are
 stored when they vanish from its spool. Rank 0's final/ is stored after the run, its manifest last.
 
-Nothing the child names is trusted: a name must be one of its own rank's checkpoint files, and it
-is opened without following a link (the child owns the spool and could plant one at the
-service's files), as a regular file.
+Nothing the child names is trusted: a name must be one of its own rank's checkpoint files. The
+child owns its home and may swap anything in it for a link, at any moment: every path the parent
+opens, creates or deletes there is walked from a descriptor of the home taken before the child ran,
+no link followed on the way (workers/training/confined.py); a file it reads is a regular file with
+one link, and one it fetches into is reopened only if it is still the file it made.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ import logging
 import os
 import queue
 import re
-import shutil
 import stat
 import threading
 import time
@@ -37,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from workers.runtime.sandbox import RunAs
+from workers.training import confined
 from workers.training.checkpoints import COMPLETE, FINAL, MANIFEST, latest_checkpoint, prune_checkpoints
 from workers.training.storage import Store
 
@@ -46,8 +48,8 @@ SPOOL = "checkpoints"
 """The child's checkpoint directory, in its home."""
 PEER_TIMEOUT_S = 600.0
 """How long rank 0's parent waits for the other ranks' files of a checkpoint before the attempt fails."""
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+FETCHED = "fetched"
+"""The directory of the home where the parent puts what the child asked to fetch."""
 _MAX_MARKER_BYTES = 1 << 20
 
 
@@ -61,9 +63,12 @@ class Spool:
     def __init__(self, store: Store, *, home: str, rank: int, world_size: int, keep_last: int, run_as: RunAs | None):
         self.store, self.home, self.rank, self.world_size = store, Path(home), rank, world_size
         self.dir = self.home / SPOOL
+        # held from now on: the child, which owns its home, could later put a link at its path
+        self.home.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._home = os.open(self.home, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self.keep_last, self.run_as = keep_last, run_as
         self.bytes_fetched = self.range_requests = 0
-        self._fetched: dict[str, Path] = {}
+        self._fetched: dict[str, tuple[str, int]] = {}  # name -> (its file in fetched/, that file's inode)
         self._saves: queue.Queue[tuple[int, list[str]] | None] = queue.Queue()
         self._unstored = 0  # saves announced and not yet stored (or failed)
         self._stored = threading.Condition()
@@ -85,10 +90,10 @@ class Spool:
         """The local file holding `ranges` of the stored `name` (a checkpoint's shard)."""
         if not re.fullmatch(r"step-\d{9}/rank-\d{5}-of-\d{5}\.safetensors", name):
             raise SpoolError(f"not a shard of a checkpoint: {name!r}")
-        path = self._fetched.get(name)
-        if path is None:
-            path = self._fetched[name] = self._sparse_file(name)
-        descriptor = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        if name not in self._fetched:
+            self._fetched[name] = self._sparse_file(name)
+        local, inode = self._fetched[name]
+        descriptor = self._reopen(local, inode=inode)
         try:
             for start, end in ranges:
                 if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end):
@@ -99,27 +104,39 @@ class Spool:
                 self.range_requests += 1
         finally:
             os.close(descriptor)
-        return str(path)
+        return str(self.home / local)
 
-    def _sparse_file(self, name: str) -> Path:
-        """A new file of the object's size in the child's home, made without following a link
-        (O_EXCL on a fresh name) and given to the child's uid: the child reads it."""
+    def _sparse_file(self, name: str) -> tuple[str, int]:
+        """A new file of the object's size in the child's home, fetched/<n>-<name> (relative to the
+        home) and its inode: fetched/ opened from the home's descriptor without following a link and
+        the file made in it with dir_fd and O_EXCL (workers/training/confined.py), then both given to
+        the child's uid: the child reads it."""
         size = self.store.size(name)
-        fetched = self.home / "fetched"
-        fetched.mkdir(mode=0o700, exist_ok=True)
-        if fetched.is_symlink():
-            raise SpoolError("the spool's fetched/ is a link")
-        path = fetched / f"{len(self._fetched):04d}-{name.replace('/', '-')}"
-        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        local = f"{FETCHED}/{len(self._fetched):04d}-{name.replace('/', '-')}"
         try:
-            os.ftruncate(descriptor, size)
-            if self.run_as is not None:
-                os.fchown(descriptor, self.run_as.uid, self.run_as.gid)
-        finally:
+            with confined.opened_dir(self._home, FETCHED, create_mode=0o700) as fetched:
+                descriptor = confined.create_file(fetched, local.split("/")[1], mode=0o600)
+                try:
+                    os.ftruncate(descriptor, size)
+                    if self.run_as is not None:
+                        os.fchown(descriptor, self.run_as.uid, self.run_as.gid)
+                        os.fchown(fetched, self.run_as.uid, self.run_as.gid)
+                    return local, os.fstat(descriptor).st_ino
+                finally:
+                    os.close(descriptor)
+        except OSError as exc:
+            raise SpoolError(f"the spool's {local} cannot be made: {exc.strerror or exc}") from None
+
+    def _reopen(self, local: str, *, inode: int) -> int:
+        """The fetched file open to write, reached as it was made; SpoolError when it is not that file."""
+        try:
+            descriptor = confined.open_descriptor(self._home, local, flags=os.O_WRONLY)
+        except OSError as exc:
+            raise SpoolError(f"the spool's {local} cannot be opened: {exc.strerror or exc}") from None
+        if os.fstat(descriptor).st_ino != inode:
             os.close(descriptor)
-        if self.run_as is not None:
-            os.chown(fetched, self.run_as.uid, self.run_as.gid, follow_symlinks=False)
-        return path
+            raise SpoolError(f"the spool's {local} is not the file its parent made")
+        return descriptor
 
     # ---------------------------------------------------------------- saves, while the run goes on
 
@@ -143,6 +160,12 @@ class Spool:
             raise SpoolError(f"storing rank {self.rank}'s checkpoint failed: {self.error}") from self.error
 
     def _store_saves(self) -> None:
+        try:
+            self._store_each()
+        finally:
+            os.close(self._home)  # close() ended the queue: nothing reads the home after
+
+    def _store_each(self) -> None:
         while (item := self._saves.get()) is not None:
             step, names = item
             try:
@@ -162,9 +185,9 @@ class Spool:
             self._check_marker(step, name)
         with self._open_spooled(name) as file:
             self.store.put_file(file, name)
-        os.unlink(self.dir / name)  # the child learns it is stored
+        confined.unlink(self._home, f"{SPOOL}/{name}")  # the child learns it is stored
         if name.endswith(COMPLETE):
-            shutil.rmtree(self.dir / name.split("/")[0], ignore_errors=True)
+            confined.remove_tree(self._home, f"{SPOOL}/{name.split('/')[0]}")
             if self.keep_last:
                 prune_checkpoints(self.store, keep_last=self.keep_last)
 
@@ -187,37 +210,21 @@ class Spool:
             raise SpoolError(f"rank 0's marker of step {step} does not name step {step} of {self.world_size} ranks")
 
     def _open_spooled(self, name: str) -> Any:
-        """The spooled file, opened by a chain of opens that follows no link, as a regular file."""
-        parts = name.split("/")
-        parent = self._open_spooled_dir(*parts[:-1])
+        """The spooled file, walked to from the home's descriptor without following a link, as a
+        regular file with one link (workers/training/confined.py)."""
         try:
-            descriptor = os.open(parts[-1], _FILE_FLAGS, dir_fd=parent)
-        finally:
-            os.close(parent)
-        file = os.fdopen(descriptor, "rb")
-        info = os.fstat(file.fileno())
-        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
-            file.close()
-            raise SpoolError(f"{name} is not a plain file of the spool's")
-        return file
-
-    def _open_spooled_dir(self, *parts: str) -> int:
-        descriptor = os.open(self.dir, _DIR_FLAGS)
-        for part in parts:
-            try:
-                nested = os.open(part, _DIR_FLAGS, dir_fd=descriptor)
-            finally:
-                os.close(descriptor)
-            descriptor = nested
-        return descriptor
+            return confined.open_file(self._home, f"{SPOOL}/{name}")
+        except OSError as exc:
+            raise SpoolError(f"{name} is not a plain file of the spool's: {exc.strerror or exc}") from None
 
     # ---------------------------------------------------------------- after the run
 
     def store_final(self) -> None:
         """Rank 0: the run's final/ (its files, then manifest.json), when the child wrote one."""
-        if self.rank != 0 or not (self.dir / FINAL).is_dir() or (self.dir / FINAL).is_symlink():
+        found = confined.entry_stat(self._home, f"{SPOOL}/{FINAL}")
+        if self.rank != 0 or found is None or not stat.S_ISDIR(found.st_mode):
             return
-        names = sorted(entry.name for entry in (self.dir / FINAL).iterdir() if entry.name != MANIFEST)
+        names = [name for name in confined.list_dir(self._home, f"{SPOOL}/{FINAL}") if name != MANIFEST]
         self.store.remove_tree(FINAL)  # an earlier attempt's, if any: the manifest goes first
         for name in [*names, MANIFEST]:
             with self._open_spooled(f"{FINAL}/{name}") as file:

@@ -247,9 +247,10 @@ def _resumes(config: Any) -> bool:
 
 
 def fetch_weights(init: InitSpec, *, into: str, chunk_bytes: int = _HASH_BYTES) -> InitSpec:
-    """The source job's final/model.safetensors copied into `into`, hashed as it is copied (no link
-    followed in a directory: DirectoryStore.open); FieldError("init_from.job") when it cannot be read or
-    is not the size and sha256 recorded, and no copy is left."""
+    """The source job's final/model.safetensors copied into `into`, hashed as it is copied (in a
+    directory, no link followed anywhere below the source job's: DirectoryStore.open);
+    FieldError("init_from.job") when it cannot be read or is not the size and sha256 recorded, and no
+    copy is left."""
     name, local = f"{FINAL}/model.safetensors", os.path.join(into, "model.safetensors")
     os.makedirs(into, exist_ok=True)
     digest, size = hashlib.sha256(), 0

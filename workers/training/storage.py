@@ -10,14 +10,17 @@ A URI that is neither a path nor s3:// is refused (parse_uri): `gs://b/p` or `ht
 for a relative directory would put a job's checkpoints in `./gs:/b/p`, where no one looks.
 
 Names inside a store are relative and '/'-separated (`step-000000099/complete.json`). A directory
-store never follows a link that a job's code may have planted: it reads with O_NOFOLLOW, lists no
-link, and reads only regular files. Standard library only, and fsspec where a store is remote: the
-control plane imports this without torch.
+store never follows a link that a job's code may have planted, on the way or at the end, even one
+swapped in while it reads: every name is walked from the root's descriptor (workers/training/confined.py),
+no link is listed, and only regular files with one link are read. Standard library only, and
+fsspec where a store is remote: the control plane imports this without torch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import io
 import os
 import shutil
 import stat
@@ -26,12 +29,13 @@ from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 
+from workers.training import confined
+
 SCHEMES = ("s3",)
 """The object stores a URI may name, beside a path (or file://)."""
 _COPY_BYTES = 8 << 20
 _PART_BYTES = 64 << 20
 """An object store upload's part: a 750 MB shard goes in 12 parts."""
-_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # NONBLOCK: a planted FIFO never blocks
 
 
 def parse_uri(uri: str) -> tuple[str, str]:
@@ -154,38 +158,40 @@ class Store:
 
 
 class DirectoryStore(Store):
-    """A directory on a filesystem (shared by every node on a cluster). Reads follow no link."""
+    """A directory on a filesystem (shared by every node on a cluster). Every name is reached by
+    workers/training/confined.py's walk from the root: no link is followed anywhere below it, reads
+    take regular files with one link, files are created O_EXCL with dir_fd. The root is trusted: the
+    checkpoint storage's root, which no job can write, or a directory below it (child)."""
 
     local = True
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, base: Path | None = None) -> None:
         self.root = Path(root)
         self.uri = str(self.root)
+        self._base = self.root if base is None else Path(base)
+        relative = "." if base is None else str(self.root.relative_to(self._base))
+        self._prefix = "" if relative == "." else relative
 
     def path(self, name: str = "") -> Path:
         name = _check_name(name)
         return self.root / name if name else self.root
 
+    def _name(self, name: str) -> str:
+        """`name` relative to the trusted base the walks start from."""
+        name = _check_name(name)
+        return "/".join(part for part in (self._prefix, name) if part)
+
     def child(self, name: str) -> DirectoryStore:
-        return DirectoryStore(self.path(name))
+        return DirectoryStore(self.path(name), base=self._base)
 
     def list(self, name: str = "") -> list[str]:
         try:
-            entries = list(self.path(name).iterdir())
+            return confined.list_dir(self._base, self._name(name))
         except OSError:
             return []
-        return sorted(entry.name for entry in entries if not entry.is_symlink())
 
     def open(self, name: str) -> Any:
-        path = self.path(name)
-        if path.parent.is_symlink():
-            raise OSError(f"{path.parent.name} is a symbolic link")
-        descriptor = os.open(path, _READ_FLAGS)
-        file = os.fdopen(descriptor, "rb")
-        if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
-            file.close()
-            raise OSError(f"{name} is not a regular file")
-        return file
+        return confined.open_file(self._base, self._name(name))
 
     def read(self, name: str, *, limit: int | None = None) -> bytes:
         with self.open(name) as file:
@@ -197,51 +203,53 @@ class DirectoryStore(Store):
             return file.read(max(0, end - start))
 
     def write(self, name: str, data: bytes) -> None:
-        path = self.path(name)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-        with open(tmp, "wb") as file:
-            file.write(data)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(tmp, path)
+        self.put_file(io.BytesIO(data), name)
 
     def put_file(self, local: Path | BinaryIO, name: str) -> None:
-        path = self.path(name)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-        with _opened(local) as source, open(tmp, "wb") as out:
-            shutil.copyfileobj(source, out, _COPY_BYTES)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
+        name = self._name(name)
+        parent, _, last = name.rpartition("/")
+        tmp = "/".join(part for part in (parent, f".{last}.tmp-{uuid.uuid4().hex[:8]}") if part)
+        self._base.mkdir(parents=True, exist_ok=True)  # the caller's own path, as before
+        descriptor = confined.create_file(self._base, tmp, mode=0o666, parents_mode=0o777)
+        try:
+            with _opened(local) as source, os.fdopen(descriptor, "wb") as out:
+                shutil.copyfileobj(source, out, _COPY_BYTES)
+                out.flush()
+                os.fsync(out.fileno())
+            confined.replace(self._base, tmp, name)
+        except BaseException:
+            confined.unlink(self._base, tmp)
+            raise
 
     def size(self, name: str) -> int:
-        return os.stat(self.path(name), follow_symlinks=False).st_size
+        info = confined.entry_stat(self._base, self._name(name))
+        if info is None:
+            raise FileNotFoundError(errno.ENOENT, f"{name} does not exist")
+        return info.st_size
 
     def exists(self, name: str) -> bool:
-        return os.path.lexists(self.path(name))
+        return confined.entry_stat(self._base, self._name(name)) is not None
 
     def is_file(self, name: str) -> bool:
-        path = self.path(name)
-        return path.is_file() and not path.is_symlink()
+        info = confined.entry_stat(self._base, self._name(name))
+        return info is not None and stat.S_ISREG(info.st_mode)
 
     def is_dir(self, name: str) -> bool:
-        path = self.path(name)
-        return path.is_dir() and not path.is_symlink()
+        info = confined.entry_stat(self._base, self._name(name))
+        return info is not None and stat.S_ISDIR(info.st_mode)
 
     def remove(self, name: str) -> None:
-        self.path(name).unlink(missing_ok=True)
+        confined.unlink(self._base, self._name(name))
 
     def remove_tree(self, name: str = "") -> None:
-        path = self.path(name)
-        if path.is_symlink() or path.is_file():
-            path.unlink(missing_ok=True)
-        else:
-            shutil.rmtree(path, ignore_errors=True)
+        name = self._name(name)
+        if name:
+            confined.remove_tree(self._base, name)
+        else:  # the base itself, the caller's own path: rmtree is descriptor-based below it
+            shutil.rmtree(self._base, ignore_errors=True)
 
     def rename(self, src: str, dst: str) -> None:
-        os.replace(self.path(src), self.path(dst))
+        confined.replace(self._base, self._name(src), self._name(dst))
 
 
 class ObjectStore(Store):
