@@ -162,12 +162,15 @@ class Settings(BaseSettings):
     data_roots: Annotated[list[str], NoDecode] = ["data"]
     """Directories a `text` or `dataset` job's data.path (and tokenizer) must resolve into (symlinks followed),
     comma-separated or a JSON list; relative ones are under the service's working
-    directory. An s3://bucket/prefix root holds a `dataset` job's data on an object store."""
+    directory. An s3://bucket/prefix root holds a `dataset` job's data on an object store. A root that
+    holds or lies in ZERO1_CHECKPOINT_URI (ZERO1_LOCAL_DIR beside an object store) or the SQLite
+    database is refused at start."""
     model_roots: Annotated[list[str], NoDecode] = ["models"]
     """Directories an `hf` model's path (a save_pretrained directory) must resolve into (symlinks
     followed), comma-separated or a JSON list; relative ones are under the service's working
     directory. An s3://bucket/prefix root holds models on an object store. Nothing is downloaded from
-    the hub: a hub id is refused."""
+    the hub: a hub id is refused. Refused at start where it overlaps the checkpoint storage, as
+    ZERO1_DATA_ROOTS."""
     max_request_bytes: int = Field(1 << 20, ge=1024, le=1 << 30)
     """Largest request body the API reads, in bytes; larger ones get 413. A code bundle has its own
     limit, ZERO1_MAX_CODE_BYTES."""

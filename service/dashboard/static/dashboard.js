@@ -85,9 +85,14 @@
   const queueText = (job) => (job.queue_position ? `#${job.queue_position}` : "—");
 
   // printable.escape keeping line breaks and tabs, as the server's pages write user text: a control
-  // character of a name, a log line or a reason (a user's, or their code's) is shown as its escape
-  const visible = (text) => String(text).replace(/[\x00-\x08\x0b-\x1f\x7f-\x9f]/g, (c) =>
-    (c === "\r" ? "\\r" : `\\x${c.charCodeAt(0).toString(16).padStart(2, "0")}`));
+  // or format character (a bidi override, U+FEFF) of a name, a log line or a reason (a user's, or
+  // their code's) is shown as its escape, written as Python writes it
+  const hex = (n, width) => n.toString(16).padStart(width, "0");
+  const visible = (text) => String(text).replace(/[\x00-\x08\x0b-\x1f\x7f-\x9f\p{Cf}]/gu, (c) => {
+    const n = c.codePointAt(0);
+    if (c === "\r") return "\\r";
+    return n <= 0xff ? `\\x${hex(n, 2)}` : n <= 0xffff ? `\\u${hex(n, 4)}` : `\\U${hex(n, 8)}`;
+  });
 
   function setText(el, text) {
     const shown = visible(text);
