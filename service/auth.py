@@ -5,7 +5,8 @@ anything, which is safe only on loopback (`zero1 serve` refuses any other addres
 tokens, a request names its user by `Authorization: Bearer <token>`, or by the dashboard's
 `zero1_token` cookie; a mutating request authenticated by the cookie must also send
 `X-Zero1-CSRF: 1`, a header no cross-site form can set. Every wrong token counts against its
-client in the app's one lockout (service/lockout.py), as a wrong one at /login does.
+client in the app's one lockout (service/lockout.py), as a wrong one at /login does; a locked-out
+client's valid token passes only if it already succeeded from that address.
 
 May import: service.settings, service.errors, service.lockout.
 """
@@ -182,6 +183,11 @@ def credentials(request: Request) -> tuple[str | None, bool]:
     return (cookie, True) if cookie else (None, False)
 
 
+def credential(token: str) -> bytes:
+    """What the lockout remembers of a token that succeeded from an address: its digest, never the token."""
+    return hashlib.sha256(token.encode()).digest()
+
+
 def lockout_of(settings: Settings) -> LoginLockout:
     """The app's lockout: ZERO1_AUTH_MAX_FAILURES wrong tokens within ZERO1_AUTH_FAILURE_WINDOW_S."""
     return LoginLockout(max_failures=settings.auth_max_failures, window_s=settings.auth_failure_window_s)
@@ -203,7 +209,9 @@ class Authenticator:
     """Decides, for every request, who calls and whether they may; the routes' dependencies ask it.
 
     `lockout` counts the wrong tokens of each client, by header or cookie; a client past its bound gets a
-    429 before its token is looked up, a valid one included: else a guesser would go on at full speed."""
+    429 before its token is looked up, a valid one included (else a guesser would go on at full speed),
+    but for a token that already succeeded from that address (its user is not locked out by another's
+    guessing behind the same address)."""
 
     def __init__(self, tokens: TokenTable, *, public_read: bool, lockout: LoginLockout | None = None):
         self.tokens, self.public_read = tokens, public_read
@@ -216,7 +224,7 @@ class Authenticator:
                 "this endpoint needs an API token: send Authorization: Bearer <token> (or log in at /login)"
             )
         client = client_key(request.client.host if request.client else None)
-        if (wait_s := self.lockout.retry_after_s(client)) > 0:
+        if (wait_s := self.lockout.retry_after_s(client, credential=credential(token))) > 0:
             raise locked_out(self.lockout, wait_s=wait_s)
         principal = self.tokens.lookup(token)
         if principal is None:
@@ -224,6 +232,7 @@ class Authenticator:
             raise _unauthorized(
                 "the API token is not valid: send Authorization: Bearer <token> with a configured token"
             )
+        self.lockout.record_success(client, credential(token))
         return principal, from_cookie
 
     def reader(self, request: Request) -> Principal:

@@ -5,6 +5,7 @@ May import: service.run_as, workers.training.storage.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
 from functools import lru_cache
@@ -225,9 +226,14 @@ class Settings(BaseSettings):
     auth_max_failures: int = Field(10, ge=1, le=1_000_000)
     """Wrong tokens one client (an IPv4 address, an IPv6 /64) may send within ZERO1_AUTH_FAILURE_WINDOW_S,
     by the Authorization header, the dashboard's cookie or its login form together; past it every token
-    it sends, a valid one too, is answered 429 with Retry-After until its oldest failure is that old."""
+    it sends is answered 429 with Retry-After until its oldest failure is that old, a valid one too unless
+    it succeeded from that address within the last day (its user is not locked out by another's guesses)."""
     auth_failure_window_s: float = Field(60.0, gt=0, le=86_400)
     """The window, in seconds, within which ZERO1_AUTH_MAX_FAILURES wrong tokens lock a client out."""
+    trusted_proxies: Annotated[list[str], NoDecode] = []
+    """Addresses or networks of the reverse proxies in front of the service, comma-separated (e.g.
+    `172.18.0.1,10.0.0.0/8`): only from them are X-Forwarded-For and X-Forwarded-Proto believed, and
+    the address a request's lockout counts is the one the proxy saw. Unset: none, not even loopback."""
     public_url: str | None = None
     """The address users reach this service at (e.g. https://zero1.example.com), for the links it
     gives out (an MLflow run's zero1.url tag); unset: http://<ZERO1_HOST>:<ZERO1_PORT>."""
@@ -342,7 +348,18 @@ class Settings(BaseSettings):
         """The GPUs `owner`'s running jobs may hold together: its entry, else `*`'s; None: no quota."""
         return self.gpu_quotas.get(owner or "", self.gpu_quotas.get("*"))
 
-    @field_validator("data_roots", "model_roots", mode="before")
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _check_proxies(cls, value: list[str]) -> list[str]:
+        """Each an IP address or network: `*` (every client a proxy) is refused, as is a name."""
+        for entry in value:
+            try:
+                ipaddress.ip_network(entry, strict=False)
+            except ValueError:
+                raise ValueError(f"ZERO1_TRUSTED_PROXIES: {entry!r} is not an IP address or network") from None
+        return value
+
+    @field_validator("data_roots", "model_roots", "trusted_proxies", mode="before")
     @classmethod
     def _split_roots(cls, value: object) -> object:
         """'a,b' or '["a", "b"]' -> ["a", "b"] (an environment variable is one string)."""

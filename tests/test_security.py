@@ -439,8 +439,9 @@ def test_login_refuses_a_wrong_token_and_redirects_only_within_the_site(secured)
 
 
 def test_login_locks_a_client_out_after_10_wrong_tokens_within_a_minute(secured):
-    """A locked-out client gets 429 even with a valid token (else guessing would go on at full speed),
-    until its oldest failure is WINDOW_S old; other addresses are not locked out."""
+    """A locked-out client gets 429 even with a valid token it never used from there (else guessing
+    would go on at full speed), until its oldest failure is WINDOW_S old; other addresses are not
+    locked out."""
     now_s = [1000.0]
     saved, secured.app.state.login_lockout = secured.app.state.login_lockout, LoginLockout(clock=lambda: now_s[0])
     try:

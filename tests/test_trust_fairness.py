@@ -15,12 +15,19 @@ Packages: service.scheduling, service.auth, service.lockout, service.cli.
 
 from __future__ import annotations
 
+import subprocess
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+from served import ALICE, BOB, ROOT, TOKENS, Served
 from sqlalchemy import select
 
+from service.auth import credential
+from service.lockout import KNOWN_S, MAX_FAILURES, LoginLockout
 from service.planning.cluster import ClusterCapacity
 from service.scheduling import admission, jobs
 from service.scheduling.scheduler import Scheduler
@@ -32,7 +39,7 @@ from workers.memory.model import GB
 from workers.records import RankError
 
 from conftest import make_settings
-from helpers import job_body
+from helpers import TERMINAL, job_body, wait_for
 
 CLUSTER = ClusterCapacity(num_gpus=4, num_gpus_free=4, gpu_memory_bytes=80 * GB, simulated=True)
 ELASTIC = {"num_gpus": 2, "min_gpus": 1, "micro_batch_size": 2, "global_batch_size": 8}
@@ -247,3 +254,131 @@ def test_a_restart_mid_suspend_suspends_the_job(database, preempting):
     after = scheduler(database, FakeRay(preempting), total_gpus=2)
     after.recover()
     assert job_row(database, job_id).status == "suspended", reasons(database, job_id)
+
+
+# --------------------------------------------------------------------------- the lockout's address
+
+
+def test_a_locked_address_refuses_a_token_it_has_not_seen_succeed_there_and_admits_one_it_has():
+    """The lockout alone: a guesser behind an address locks out the tokens never used from it (a
+    guess that happens to be valid included: no oracle), never a user already working there; each
+    address apart."""
+    now_s = [1000.0]
+    lockout = LoginLockout(max_failures=3, window_s=60, clock=lambda: now_s[0])
+    working, fresh = credential("bob's token"), credential("alice's token")
+    lockout.record_success("192.0.2.1", working)
+    for _ in range(3):
+        lockout.record_failure("192.0.2.1")
+    assert lockout.retry_after_s("192.0.2.1") == 60
+    assert lockout.retry_after_s("192.0.2.1", credential=fresh) == 60
+    assert lockout.retry_after_s("192.0.2.1", credential=working) == 0
+    assert lockout.retry_after_s("192.0.2.2", credential=fresh) == 0  # another address: its own count
+    assert lockout.retry_after_s("192.0.2.2") == 0
+    now_s[0] += KNOWN_S  # a day without success from there: it is a stranger again
+    for _ in range(3):
+        lockout.record_failure("192.0.2.1")
+    assert lockout.retry_after_s("192.0.2.1", credential=working) == 60
+
+
+RUN_AS = "alice=2001:2001,bob=2002:2002,*=30000-30009"
+QUOTA_ONE = {"ZERO1_RUN_AS": RUN_AS, "ZERO1_GPU_QUOTAS": "*=1", "ZERO1_QUOTA_BORROWING": "false"}
+
+
+class Restartable:
+    """The served service of this module, stopped and started again on its state by the restart test."""
+
+    def __init__(self, state: Path) -> None:
+        self.state = state
+        self.service = Served(state, **QUOTA_ONE)
+
+    def restart(self, **env: str) -> Served:
+        self.service.stop()
+        self.service = Served(self.state, **QUOTA_ONE, **env)
+        return self.service
+
+
+@pytest.fixture(scope="module")
+def served(searchable) -> Iterator[Restartable]:
+    """`zero1 serve` with ZERO1_RUN_AS, every owner's quota 1 GPU of 2 and no borrowing; each user has
+    used its token once from loopback (they work there), as a deployment's users have."""
+    state = Path(tempfile.mkdtemp(prefix="zero1-fairness-"))
+    holder = Restartable(state)
+    try:
+        for token in TOKENS.values():
+            assert holder.service.request("GET", "/v1/jobs", token).status_code == 200
+        yield holder
+    finally:
+        holder.service.stop()
+        subprocess.run(["rm", "-rf", str(state)], check=False)
+
+
+def _as(service: Served, token: str, *, forwarded_for: str | None = None) -> int:
+    """GET /v1/jobs with `token` (and an X-Forwarded-For naming `forwarded_for`): the status."""
+    headers = {"Authorization": f"Bearer {token}"}
+    if forwarded_for is not None:
+        headers["X-Forwarded-For"] = forwarded_for
+    return httpx.get(service.base + "/v1/jobs", headers=headers, timeout=30).status_code
+
+
+def test_x_forwarded_for_from_loopback_is_not_believed_and_a_guesser_locks_no_working_user_out(served):
+    """The issue's attack on `zero1 serve`, no ZERO1_TRUSTED_PROXIES: 40 wrong tokens each naming
+    another address in X-Forwarded-For are counted against the connection's address (10 x 401, then
+    429); 10 more naming bob's address (as if his proxy had sent them) do not lock bob out there; and
+    the guesser, behind the same address as every user, locks out none of those already working."""
+    service = served.service
+    wrong = [f"guess-{n:02d}-{'x' * 24}" for n in range(40)]
+    rotating = [_as(service, token, forwarded_for=f"203.0.113.{n}") for n, token in enumerate(wrong)]
+    assert rotating == [401] * MAX_FAILURES + [429] * (40 - MAX_FAILURES)
+    assert {_as(service, token, forwarded_for="198.51.100.20") for token in wrong[:10]} == {429}
+    assert _as(service, BOB, forwarded_for="198.51.100.20") == 200
+    assert _as(service, ALICE) == 200 and _as(service, ROOT) == 200
+    assert _as(service, wrong[0]) == 429  # and the guessing is still bounded
+
+
+def _job(service: Served, job_id: int, token: str) -> dict:
+    return service.request("GET", f"/v1/jobs/{job_id}", token).json()
+
+
+def _wait_job(service: Served, job_id: int, token: str, predicate, what: str) -> dict:
+    return wait_for(lambda: _job(service, job_id, token), predicate, what=what, timeout_s=240)
+
+
+def test_after_a_restart_an_elastic_job_comes_back_within_its_quota_and_the_in_quota_job_runs(served):
+    """The issue's run: ZERO1_GPU_QUOTAS=*=1, borrowing off, 2 GPUs; alice's elastic job (N in 1..2)
+    runs at 1; the service restarts (its embedded Ray with it); her job comes back at 1, not
+    `resized 1 -> 2`, and bob's 1-GPU job, within his quota, runs beside it."""
+    service = served.service
+    body = job_body(name="elastic", steps=1_000_000, **ELASTIC)
+    alice = service.request("POST", "/v1/jobs", ALICE, json=body).json()["id"]
+    running = _wait_job(service, alice, ALICE, lambda j: j["status"] in ("running", *TERMINAL), "alice's job running")
+    assert (running["status"], running["world_size"]) == ("running", 1)
+    service = served.restart(ZERO1_TRUSTED_PROXIES="127.0.0.1")  # the proxy test below uses the header
+    back = _wait_job(
+        service, alice, ALICE, lambda j: j["status"] in ("running", *TERMINAL) and j["attempt"] == 1, "the relaunch"
+    )
+    assert (back["status"], back["world_size"]) == ("running", 1)
+    events = service.request("GET", f"/v1/jobs/{alice}/events", ALICE).json()["data"]
+    assert not any("resized" in event["reason"] for event in events), events
+    bob = service.request("POST", "/v1/jobs", BOB, json=job_body(name="in quota", num_gpus=1, steps=1_000_000))
+    bob_id = bob.json()["id"]
+    try:
+        ran = _wait_job(service, bob_id, BOB, lambda j: j["status"] in ("running", *TERMINAL), "bob's job running")
+        assert ran["status"] == "running", ran
+    finally:
+        for job_id, token in ((alice, ALICE), (bob_id, BOB)):
+            service.request("POST", f"/v1/jobs/{job_id}/cancel", token)
+        for job_id, token in ((alice, ALICE), (bob_id, BOB)):
+            service.wait(job_id, token)
+
+
+def test_with_trusted_proxies_the_header_names_the_client(served):
+    """ZERO1_TRUSTED_PROXIES=127.0.0.1 (the restart above): X-Forwarded-For from loopback is the
+    client. 10 wrong tokens from 198.51.100.7 lock that address out (bob's valid token too: he never
+    used it from there, and the address is the real client's), and no other."""
+    service = served.service
+    wrong = [f"guess-{n:02d}-{'y' * 24}" for n in range(MAX_FAILURES)]
+    assert [_as(service, token, forwarded_for="198.51.100.7") for token in wrong] == [401] * MAX_FAILURES
+    assert _as(service, wrong[0], forwarded_for="198.51.100.7") == 429
+    assert _as(service, BOB, forwarded_for="198.51.100.7") == 429
+    assert _as(service, wrong[0], forwarded_for="198.51.100.8") == 401
+    assert _as(service, BOB, forwarded_for="198.51.100.8") == 200

@@ -68,6 +68,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         port=args.port or settings.port,
         access_log=settings.access_log != "off",
         log_config=log_config,
+        # X-Forwarded-* only from ZERO1_TRUSTED_PROXIES (uvicorn's default trusts loopback's)
+        proxy_headers=bool(settings.trusted_proxies),
+        forwarded_allow_ips=settings.trusted_proxies or None,
     )
     return 0
 

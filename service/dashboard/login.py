@@ -14,7 +14,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 
 from service.api.deps import AuthenticatorDep
-from service.auth import TOKEN_COOKIE, Principal
+from service.auth import TOKEN_COOKIE, Principal, credential
 from service.dashboard.routes import templates
 from service.errors import ServiceError
 from service.lockout import LoginLockout, client_key
@@ -97,18 +97,20 @@ async def login(request: Request, authenticator: AuthenticatorDep, lockout: Lock
     """Check the token; set it as an HttpOnly, SameSite=Strict cookie and go where the user was going.
 
     A client with too many recent failures gets a 429 without its token being checked, a valid one
-    included: else a guesser would go on at full speed, only reading the answers later."""
+    included (else a guesser would go on at full speed, only reading the answers later), but for a
+    token that already succeeded from that address (service/lockout.py)."""
     form = parse_qs((await request.body())[:MAX_FORM_BYTES].decode(errors="replace"))
     token, next_path = form.get("token", [""])[0].strip(), _local(form.get("next", ["/"])[0])
     if not authenticator.tokens.enabled:
         return RedirectResponse(next_path, status_code=303)
     client = client_key(request.client.host if request.client else None)
-    if (wait_s := lockout.retry_after_s(client)) > 0:
+    if (wait_s := lockout.retry_after_s(client, credential=credential(token))) > 0:
         return _locked_out(request, next_path=next_path, lockout=lockout, wait_s=wait_s)
     principal = authenticator.tokens.lookup(token) if token else None
     if principal is None:  # the form is drawn again empty: the token typed is never echoed
         lockout.record_failure(client)
         return _form(request, next_path=next_path, error="That token is not valid.", status_code=401)
+    lockout.record_success(client, credential(token))
     response = RedirectResponse(next_path, status_code=303)
     response.set_cookie(
         TOKEN_COOKIE, token, httponly=True, samesite="strict", secure=request.url.scheme == "https", path="/"
