@@ -118,7 +118,8 @@ def test_user_code_is_imported_by_the_trace_and_the_ranks_never_by_the_api_proce
 import os
 from pathlib import Path
 
-Path({str(markers)!r}, str(os.getpid())).touch()  # which process imported this module
+# which process imported this module: its pid as /proc names it (a child's getpid() is its PID namespace's)
+Path({str(markers)!r}, os.readlink("/proc/self")).touch()
 
 from tinylm.model import build  # noqa: E402
 """,

@@ -33,6 +33,11 @@ PROBE = """
 import os, sys
 
 
+def parent():
+    # as /proc sees it: in a PID namespace of its own, getppid() is the namespace's init, pid 1
+    return int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[1])
+
+
 def who(_):
     return {
         "ids": [os.getresuid(), os.getresgid(), os.getgroups()],
@@ -40,7 +45,7 @@ def who(_):
         "env": dict(os.environ),
         "fds": sorted(int(fd) for fd in os.listdir("/proc/self/fd")),
         "leads_session": os.getsid(0) == os.getpid(),
-        "parent": open(f"/proc/{os.getppid()}/cmdline").read().split("\\0")[:4],
+        "parent": open(f"/proc/{parent()}/cmdline").read().split("\\0")[:4],
         "torch_loaded_before_me": "torch" in sys.modules,
         "path0": sys.path[0],
         "tmp": __import__("tempfile").gettempdir(),
@@ -203,7 +208,9 @@ def test_a_zygote_that_cannot_load_torch_says_why_and_the_child_starts_without_i
     broken.mkdir()
     monkeypatch.setattr(zygote, "_start", _start_with(broken))
     with pytest.raises(zygote.Unavailable, match="did not start at .*: ImportError: this torch is broken on purpose"):
-        zygote.spawn("call", "-", env={}, cwd="/", uid=None, gid=None, connection_fd=0, lifeline_fd=0)
+        zygote.spawn(
+            "call", "-", env={}, cwd="/", uid=None, gid=None, connection_fd=0, lifeline_fd=0, out_fd=1, err_fd=2
+        )
 
 
 def _start_with(site: Path):

@@ -10,6 +10,8 @@ each opened by what it holds and what it may import, from the bottom up:
     models/              the built-in GPT and MLP, Hugging Face models, a user's code, the tracer
     training/            one rank's loop, its checkpoints' layout, the final model
     runtime/             the processes on top: Ray actors, the untrusted child a rank trains in, tasks
+    containment          the keeper between a parent and its child: a PID namespace or a subreaper, so
+                         that every process a child starts ends with it (standard library only)
 
 This package imports nothing eagerly (`workers.memory` loads without torch); `from workers import
 ZeRO1AdamW` loads torch then.

@@ -1,13 +1,15 @@
 """A rank's output, kept: its stdout, stderr and Python logging, line by line, shipped in batches
-to its job's supervisor, and still written where they went before (the Ray worker's log files).
+to its job's supervisor; and a child's descriptors 1 and 2, pipes its parent reads (ChildOutput),
+never the Ray worker's log files.
 
 Lines are numbered in the order they are written (OutputLine.n). A batch is sent only once the
 one before it has been delivered, so the supervisor receives a rank's lines in order. What waits
 to be sent is bounded: past `max_bytes` the oldest waiting lines are dropped, and a marker line
 in their place says how many.
 
-Python-level capture: what a C extension writes to file descriptors 1 and 2 itself stays only in
-Ray's worker log files.
+In a rank's child, OutputCapture takes what Python writes (echo off: it is not written to the
+pipes too); what is written below Python (a C extension, the interpreter before the capture
+starts) goes down the pipes, and the parent hands it on into the job's log as well.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import os
+import select
 import sys
 import threading
 import time
@@ -40,8 +44,10 @@ Delivered = Callable[[Any, float | None], bool]
 class OutputCapture:
     """Captures a rank's output between __enter__ and __exit__ (or close())."""
 
-    def __init__(self, *, rank: int, send: Send, delivered: Delivered, max_bytes: int) -> None:
-        self.rank, self.max_bytes = rank, max_bytes
+    def __init__(self, *, rank: int, send: Send, delivered: Delivered, max_bytes: int, echo: bool = True) -> None:
+        """echo: each line is also written on to the stream it replaced (off in a rank's child,
+        whose stdout and stderr its parent reads into the same log)."""
+        self.rank, self.max_bytes, self.echo = rank, max_bytes, echo
         self._send, self._delivered = send, delivered
         self._lock = threading.Lock()  # the waiting lines and the line count
         self._ship_lock = threading.Lock()  # one sender at a time: batches go out in order
@@ -203,6 +209,99 @@ class HeldLines:
         return [self._lines[i] for i in range(min(len(self._lines), self.POLL_LINES))]
 
 
+class ChildOutput:
+    """A child's stdout and stderr as pipes this process reads (never this process's own descriptors:
+    a Ray worker's log files, whose path a child would learn and whose markers Ray parses): the
+    write ends go to the child as its descriptors 1 and 2, and a thread hands each whole line, cut
+    at MAX_LINE_CHARS, to on_output(stream, line)."""
+
+    def __init__(self, on_output: Callable[[str, str], None]) -> None:
+        self._on_output = on_output
+        self._names: dict[int, str] = {}
+        self._partial: dict[int, bytes] = {}
+        self._ended: set[int] = set()
+        ends = []
+        for name in ("stdout", "stderr"):
+            read, write = os.pipe()
+            os.set_blocking(read, False)
+            self._names[read], self._partial[read] = name, b""
+            ends.append(write)
+        self.write_ends: tuple[int, ...] = tuple(ends)
+        self._lock = threading.Lock()
+        self._reader = threading.Thread(target=self._read_loop, daemon=True, name="zero1-child-output")
+
+    def started(self) -> None:
+        """The child has the write ends (or did not start): this process's are closed, and it reads."""
+        for fd in self.write_ends:
+            os.close(fd)
+        self.write_ends = ()
+        self._reader.start()
+
+    def drain(self) -> None:
+        """Take every line the child has written so far (what it wrote before its last message is
+        in the pipes by the time the message arrives)."""
+        with self._lock:
+            for fd in self._names:
+                while fd not in self._ended and self._take(fd):
+                    pass
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Wait (at most timeout_s) for the pipes' ends: once every process of the child has ended."""
+        if self._reader.is_alive():
+            self._reader.join(timeout_s)
+
+    def _read_loop(self) -> None:
+        while self._names:
+            ready = select.select(list(self._names), [], [], 1.0)[0]
+            with self._lock:
+                for fd in ready:
+                    if fd not in self._ended:
+                        self._take(fd)
+                for fd in [fd for fd in self._ended if fd in self._names]:
+                    os.close(fd)
+                    del self._names[fd]
+
+    def _take(self, fd: int) -> bool:
+        """One read of `fd`, its whole lines handed on; whether there may be more to read now."""
+        try:
+            data = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            return False
+        text = self._partial[fd] + data
+        lines = text.split(b"\n")
+        self._partial[fd] = b"" if not data else lines.pop()
+        if not data:
+            self._ended.add(fd)
+        for line in lines if data or text else []:
+            self._hand_on(self._names[fd], line)
+        if len(self._partial[fd]) > 4 * MAX_LINE_CHARS:  # a line without an end: handed on in pieces
+            self._hand_on(self._names[fd], self._partial[fd])
+            self._partial[fd] = b""
+        return bool(data)
+
+    def _hand_on(self, stream: str, line: bytes) -> None:
+        text = line.decode(errors="replace")
+        text = text.rsplit("\r", 1)[-1]  # a carriage return starts the line again, as on a terminal
+        for start in range(0, max(len(text), 1), MAX_LINE_CHARS):
+            self._on_output(stream, text[start : start + MAX_LINE_CHARS])
+
+
+class LoggedOutput:
+    """A child's output where no job takes it (a plan's trace, a dataset check): logged by `logger`,
+    each line quoted after a prefix, so that no line of the child's begins a line of this process's
+    log (a Ray worker's, whose markers Ray parses); the first MAX_LOGGED_BYTES of it."""
+
+    MAX_LOGGED_BYTES = 1 << 20
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.logger, self.total_bytes = logger, 0
+
+    def __call__(self, stream: str, line: str) -> None:
+        self.total_bytes += len(line) + 1
+        if self.total_bytes <= self.MAX_LOGGED_BYTES:
+            self.logger.info("child's %s: %r", stream, line)
+
+
 class _LineStream(io.TextIOBase):
     """sys.stdout or sys.stderr: each write goes on to the stream it replaced, and each whole
     line into the capture. A carriage return starts the line again, as on a terminal."""
@@ -213,7 +312,8 @@ class _LineStream(io.TextIOBase):
         self._lock = threading.Lock()
 
     def write(self, text: str) -> int:
-        self.inner.write(text)
+        if self.capture.echo or self.capture.writing():
+            self.inner.write(text)
         if self.capture.writing():
             return len(text)
         with self._lock:
@@ -264,7 +364,8 @@ class _LogHandler(logging.Handler):
             return
         try:
             text = self.format(record)
-            self.stderr.write(text + "\n")
+            if self.capture.echo:
+                self.stderr.write(text + "\n")
             for line in text.split("\n"):
                 self.capture.add("log", line)
         except Exception:  # noqa: BLE001 - logging's contract: a handler reports its own errors

@@ -50,6 +50,7 @@ def run_rank(link: ParentLink) -> None:
         send=lambda lines: link.send({"t": "logs", "lines": [dataclasses.asdict(line) for line in lines]}),
         delivered=lambda handle, timeout_s: True,  # a send returns once the socket has the batch
         max_bytes=start["log_max_bytes"],
+        echo=False,  # the parent reads this process's stdout and stderr too: a line once, not twice
     )
     with capture:
         try:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -70,12 +72,44 @@ class MetricsSink:
         self.rows = []
 
 
+class PipedLines:
+    """What a rank's child writes to its stdout and stderr below Python's capture (a C extension,
+    the interpreter before the capture starts), read from its pipes by the parent: held until the
+    relay hands them on, at most MAX_BYTES (past it the oldest are dropped, and counted)."""
+
+    MAX_BYTES = 4 << 20
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lines: deque[tuple[float, str, str]] = deque()
+        self._bytes = 0
+        self.dropped = (0, 0)
+
+    def __call__(self, stream: str, line: str) -> None:
+        with self._lock:
+            self._lines.append((time.time(), stream, line))
+            self._bytes += len(line) + 1
+            while self._bytes > self.MAX_BYTES and len(self._lines) > 1:
+                oldest = self._lines.popleft()[2]
+                self._bytes -= len(oldest) + 1
+                self.dropped = (self.dropped[0] + 1, self.dropped[1] + len(oldest) + 1)
+
+    def take(self) -> tuple[list[tuple[float, str, str]], tuple[int, int]]:
+        with self._lock:
+            lines, dropped = list(self._lines), self.dropped
+            self._lines, self._bytes, self.dropped = deque(), 0, (0, 0)
+        return lines, dropped
+
+
 class RankProcess:
-    """One rank's child, from the actor's start to the end of its run."""
+    """One rank's child, from the actor's start to the end of its run. The parent numbers the rank's
+    log lines (the child's captured lines and what it wrote to its pipes), in the order it hands them on."""
 
     def __init__(self, *, rank: int, world_size: int, address: str, spec: ChildSpec) -> None:
         self.rank, self.world_size = rank, world_size
-        self.child = Child("rank", spec)
+        self._piped, self._count = PipedLines(), 0
+        self.child = Child("rank", spec, on_output=self._piped)
+        self._piped("log", f"INFO zero1: rank {rank}'s child runs in {self.child.containment}")
         self.child.send({"rank": rank, "world_size": world_size, "address": address})
 
     def store_port(self, timeout_s: float) -> int:
@@ -101,6 +135,7 @@ class RankProcess:
         self.child.send(start)
         try:
             while True:
+                self._hand_on_piped(send_logs)
                 if parent_gone():  # this node's Ray is gone: stop the child, and go
                     self.child.kill()
                     os._exit(1)
@@ -115,6 +150,7 @@ class RankProcess:
                 elif kind == "row":
                     sink(self._row(message))
                 elif kind == "logs":
+                    self._hand_on_piped(send_logs)
                     send_logs(self._lines(message))
                 elif kind == "stop?" and self.rank == 0:  # the others learn rank 0's answer from it
                     step, checkpointed = _int(message, "step"), _bool(message, "checkpointed")
@@ -129,6 +165,8 @@ class RankProcess:
                 else:
                     self._unexpected(message)
         finally:
+            self.child.output.drain()  # what it wrote before its last word (or its death) is in the pipes
+            self._hand_on_piped(send_logs)
             sink.flush()
 
     def close(self) -> None:
@@ -196,6 +234,31 @@ class RankProcess:
             raise RankFailed(error) from None
         return MetricRow.from_json({**row, "rank": self.rank})
 
+    def _hand_on_piped(self, send_logs: Callable[[list[OutputLine]], None]) -> None:
+        piped, (dropped, size) = self._piped.take()
+        lines = [
+            OutputLine(rank=self.rank, n=self._next(), time=at, stream=stream, line=line) for at, stream, line in piped
+        ]
+        if dropped:
+            text = f"[zero1] {dropped:,} lines ({size:,} bytes) of rank {self.rank}'s stdout and stderr were dropped"
+            lines.insert(
+                0,
+                OutputLine(
+                    rank=self.rank,
+                    n=self._next(),
+                    time=time.time(),
+                    stream="marker",
+                    line=text,
+                    dropped=(dropped, size),
+                ),
+            )
+        if lines:
+            send_logs(lines)
+
+    def _next(self) -> int:
+        self._count += 1
+        return self._count - 1
+
     def _lines(self, message: dict[str, Any]) -> list[OutputLine]:
         lines = message.get("lines")
         if not isinstance(lines, list):
@@ -208,7 +271,7 @@ class RankProcess:
         counts = tuple(int(v) for v in dropped[:2]) if isinstance(dropped, list) and len(dropped) == 2 else (0, 0)
         return OutputLine(
             rank=self.rank,
-            n=_int(line, "n"),
+            n=self._next(),
             time=_float(line, "time"),
             stream=stream,
             line=str(line.get("line", ""))[:MAX_LINE_CHARS],

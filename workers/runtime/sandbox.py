@@ -11,7 +11,9 @@ The child's environment is built from an allowlist (PATH, locale, thread and CUD
 never inherited whole; nothing named like a secret passes. With `run_as` it runs under that uid
 and gid, with no supplementary groups. A lifeline pipe ends it when its parent goes, however the
 parent dies (SIGKILL of a cancelled rank included). A child is forked from the node's zygote, torch
-already loaded (workers/runtime/zygote.py), or started as a fresh interpreter where there is none.
+already loaded (workers/runtime/zygote.py), or started as a fresh interpreter where there is none;
+either way under a keeper (workers/containment.py) that ends every process the child started when
+it ends (its own PID namespace, or a subreaper). Its stdout and stderr are pipes the parent reads.
 This room imports the standard library only, and workers.training.bundles when a child has a code
 bundle to unpack.
 """
@@ -35,7 +37,9 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from workers import containment
 from workers.runtime import zygote
+from workers.runtime.capture import ChildOutput, LoggedOutput
 
 MAX_MESSAGE_BYTES = 64 << 20
 """The largest message a child may send; past it the child is treated as broken."""
@@ -163,7 +167,16 @@ def exit_reason(returncode: int | None) -> str:
 class Child:
     """A running child: its process, the parent's end of the socket, and the lifeline's write end."""
 
-    def __init__(self, mode: str, spec: ChildSpec, *, environ: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        mode: str,
+        spec: ChildSpec,
+        *,
+        environ: Mapping[str, str] | None = None,
+        on_output: Callable[[str, str], None] | None = None,
+    ) -> None:
+        """`on_output(stream, line)`: each line the child writes to its stdout or stderr (from a
+        thread of this process's); by default logged here, each line after a prefix."""
         prepare_home(spec)
         code = self._staged = stage_code(spec.code_uri, spec.run_as) if spec.code_uri else None
         staging = os.path.dirname(os.path.dirname(code)) if code else "-"  # the child removes it if orphaned
@@ -171,58 +184,41 @@ class Child:
         lifeline_read, self._lifeline = os.pipe()
         cwd = code or spec.home
         env = child_environment(os.environ if environ is None else environ, home=spec.home, pythonpath=code)
-        identity: dict[str, Any] = {}
-        if spec.run_as is not None:
-            identity = {"user": spec.run_as.uid, "group": spec.run_as.gid, "extra_groups": []}
+        self.output = ChildOutput(on_output or LoggedOutput(logging.getLogger(__name__)))  # pipes this process reads
         try:
-            self.process = self._fork(mode, staging, env, cwd, spec.run_as, child_end.fileno(), lifeline_read)
-            if self.process is None:
-                self.process = subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "workers.runtime.child",
-                        mode,
-                        str(child_end.fileno()),
-                        str(lifeline_read),
-                        staging,
-                    ],
-                    env=env,
-                    cwd=cwd,
-                    stdin=subprocess.DEVNULL,
-                    pass_fds=(child_end.fileno(), lifeline_read),
-                    start_new_session=True,
-                    **identity,
+            command = [sys.executable, "-m", "workers.runtime.child", mode, str(child_end.fileno()), str(lifeline_read)]
+            self.process = self._fork(command[3:] + [staging], env, cwd, spec.run_as)
+            if self.process is None:  # a fresh interpreter, under a keeper of its own (workers/containment.py)
+                identity = (spec.run_as.uid, spec.run_as.gid) if spec.run_as else None
+                self.process = containment.start_fresh(
+                    command + [staging], env=env, cwd=cwd, identity=identity, stdio=self.output.write_ends
                 )
         finally:
             child_end.close()
             os.close(lifeline_read)
+            self.output.started()
+        self.containment = self.process.containment
+        logging.getLogger(__name__).info("child %d (%s) runs in %s", self.process.pid, mode, self.containment)
         self.conn = Connection(parent_end.detach())
 
-    @staticmethod
-    def _fork(
-        mode: str,
-        staging: str,
-        env: dict[str, str],
-        cwd: str,
-        run_as: RunAs | None,
-        connection_fd: int,
-        lifeline_fd: int,
-    ) -> Any:
+    def _fork(self, argv: list[str], env: dict[str, str], cwd: str, run_as: RunAs | None) -> Any:
         """The child forked from this node's zygote (torch already loaded: workers/runtime/zygote.py);
         None where there is no zygote to fork from, and the child starts as a fresh interpreter."""
         if os.environ.get("ZERO1_ZYGOTE", "on") == "off":
             return None
+        out_fd, err_fd = self.output.write_ends
         try:
             return zygote.spawn(
-                mode,
-                staging,
+                argv[0],
+                argv[3],
                 env=env,
                 cwd=cwd,
                 uid=run_as.uid if run_as else None,
                 gid=run_as.gid if run_as else None,
-                connection_fd=connection_fd,
-                lifeline_fd=lifeline_fd,
+                connection_fd=int(argv[1]),
+                lifeline_fd=int(argv[2]),
+                out_fd=out_fd,
+                err_fd=err_fd,
             )
         except zygote.Unavailable as exc:
             logging.getLogger(__name__).warning("starting a child without the zygote: %s", exc)
@@ -258,18 +254,21 @@ class Child:
         return exit_reason(code)
 
     def kill(self) -> None:
+        """End the child and every process it started: its keeper (workers/containment.py) kills
+        them all, then itself, by SIGKILL."""
         if self.process.poll() is None:
             with contextlib.suppress(ProcessLookupError):  # a zygote's child may end before it says so
-                os.killpg(self.process.pid, signal.SIGKILL)
+                os.kill(self.process.pid, signal.SIGTERM)
 
     def close(self) -> None:
-        """Hang up: the child's lifeline breaks and it exits, if it has not."""
+        """Hang up: the child's lifeline breaks and it exits, if it has not, and all it started with it."""
         self.conn.close()
         if self._lifeline >= 0:
             os.close(self._lifeline)
             self._lifeline = -1
         self.kill()
         self.process.wait()
+        self.output.close()
         if self._staged is not None:  # the bundle's copy: made by this process, removed without following links
             shutil.rmtree(os.path.dirname(os.path.dirname(self._staged)), ignore_errors=True)
             self._staged = None

@@ -7,15 +7,19 @@ secret (its environment is a child's allowlist) and never imports Ray. Only its 
 (SO_PEERCRED), through a socket in a 0700 directory of that uid's. A forked child keeps only the
 descriptors it was sent (its socket, lifeline, stdout and stderr), leaves the zygote's session,
 drops to its uid and gid with no supplementary groups before it enters its working directory,
-and takes the environment and sys.path a fresh child would have. What the zygote's memory holds
-when it forks is torch and zero1's code, the same for every job (the requests carry no secret).
+and takes the environment and sys.path a fresh child would have. The zygote forks before it reads
+anything of a request: the forked keeper (workers/containment.py) reads its own, so what the
+zygote's memory holds when it forks is torch and zero1's code, the same for every job, and no
+child finds another job's paths or run id in its memory. The keeper forks the child in its own
+PID namespace (or as a subreaper where the kernel refuses one), so that a job's processes end
+with its child, and ends as the child ended.
 
 The conversation, one SOCK_SEQPACKET connection per child:
 
     parent: {"mode", "staging", "env", "cwd", "uid", "gid"} with the child's socket, lifeline,
-            stdout and stderr as SCM_RIGHTS
-    zygote: {"pid": N}                once forked, or {"error": why}
-    zygote: {"returncode": R}         once the child ended (negative: the signal that killed it)
+            stdout and stderr (pipes its parent reads) as SCM_RIGHTS
+    keeper: {"pid": N, "containment": how}   once forked, or {"error": why}
+    zygote: {"returncode": R}                once the keeper ended (as the child did; negative: a signal)
 
 The zygote exits when the process it watches (the raylet of the Ray worker that started it, or
 that process itself outside Ray) is gone. Where none can be started or reached, spawn raises
@@ -42,6 +46,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from workers import containment
+
 PRELOAD = ("torch", "workers.training.loop", "workers.runtime.child", "workers.runtime.rank_child")
 """What the zygote imports once, for every child it forks (none of them touches CUDA on import)."""
 PER_CHILD = frozenset({"HOME", "TMPDIR", "PYTHONPATH", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"})
@@ -63,8 +69,10 @@ class Unavailable(RuntimeError):
 class ZygoteProcess:
     """A child the zygote forked, as much of subprocess.Popen as sandbox.Child uses."""
 
-    def __init__(self, connection: socket.socket, pid: int) -> None:
+    def __init__(self, connection: socket.socket, pid: int, containment: str) -> None:
         self.pid = pid
+        """The keeper's (workers/containment.py): SIGTERM to it ends the child and all it started."""
+        self.containment = containment
         self.returncode: int | None = None
         self._connection: socket.socket | None = connection
 
@@ -110,9 +118,12 @@ def spawn(
     gid: int | None,
     connection_fd: int,
     lifeline_fd: int,
+    out_fd: int,
+    err_fd: int,
 ) -> ZygoteProcess:
     """Fork `python -m workers.runtime.child MODE <connection> <lifeline> STAGING` from this node's
-    zygote (started here if there is none), as `uid`:`gid`, in `cwd`, with `env`."""
+    zygote (started here if there is none), as `uid`:`gid`, in `cwd`, with `env`, its stdout and
+    stderr `out_fd` and `err_fd`, contained by a keeper (workers/containment.py)."""
     base_env = {name: value for name, value in env.items() if name not in PER_CHILD}
     try:
         path, watched = _socket_path(base_env)
@@ -122,7 +133,7 @@ def spawn(
     request = {"mode": mode, "staging": staging, "env": dict(env), "cwd": cwd, "uid": uid, "gid": gid}
     try:
         connection.settimeout(ANSWER_TIMEOUT_S)  # a zygote that hangs is not waited for
-        socket.send_fds(connection, [json.dumps(request).encode()], [connection_fd, lifeline_fd, 1, 2])
+        socket.send_fds(connection, [json.dumps(request).encode()], [connection_fd, lifeline_fd, out_fd, err_fd])
         answer = json.loads(connection.recv(65536) or b"{}")
         connection.settimeout(None)
     except (OSError, ValueError) as exc:
@@ -131,7 +142,7 @@ def spawn(
     if "pid" not in answer:
         connection.close()
         raise Unavailable(f"the zygote at {path} could not fork: {answer.get('error', 'it hung up')}")
-    return ZygoteProcess(connection, int(answer["pid"]))
+    return ZygoteProcess(connection, int(answer["pid"]), str(answer.get("containment")))
 
 
 def _socket_path(base_env: Mapping[str, str]) -> tuple[str, int]:
@@ -264,36 +275,52 @@ def _serve(path: str, watched: int, ready: int) -> None:
 
 
 def _accept(listener: socket.socket, children: dict[int, socket.socket]) -> None:
-    """Fork the child one connection asks for, answering its pid; a request that is not one is answered why."""
+    """Fork a keeper for one connection from this uid, before anything of its request is read: the
+    keeper reads it, so this process's memory, which every later child is forked from, never holds
+    a job's request (its paths, its run id). A caller of another uid is answered why, not forked for."""
     connection, _ = listener.accept()
-    fds: list[int] = []
     try:
-        connection.settimeout(10)
         _, uid, _ = struct.unpack("3i", connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
         if uid != os.getuid():
             raise PermissionError(f"uid {uid} may not start children here")
+        pid = os.fork()
+        if pid == 0:
+            _keeper(connection)  # never returns
+        children[pid] = connection
+    except Exception as exc:  # noqa: BLE001 - a refused caller is answered and closed; the zygote goes on
+        with contextlib.suppress(OSError):
+            connection.send(json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode())
+        connection.close()
+
+
+def _keeper(connection: socket.socket) -> None:
+    """The forked keeper (workers/containment.py): reads its own request, forks the child contained
+    (its own PID namespace, or a subreaper), answers the keeper's pid and the containment, and ends
+    as the child ends; the zygote reports that end."""
+    fds: list[int] = []
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for fd in [int(name) for name in os.listdir("/proc/self/fd")]:  # the listener, other callers' sockets
+            if fd not in (0, 1, 2, connection.fileno()):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        os.setsid()  # the parent's SIGTERM reaches the keeper alone, which ends the child's tree
+        connection.settimeout(10)
         data, fds, _, _ = socket.recv_fds(connection, 1 << 20, 4)
         request = json.loads(data)
         if len(fds) != 4:
             raise ValueError(f"{len(fds)} descriptors sent, 4 needed")
-        led_read, led_write = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.close(led_read)
-            _become(request, fds, led_write)  # never returns
-        os.close(led_write)
-        children[pid] = connection
-        # answered once the child leads its own session: the parent kills it by its process group
-        select.select([led_read], [], [], 10)
-        os.close(led_read)
-        connection.send(json.dumps({"pid": pid}).encode())
-    except Exception as exc:  # noqa: BLE001 - a bad request is answered and closed; the zygote goes on
+    except Exception as exc:  # noqa: BLE001 - a request that is not one is answered why
         with contextlib.suppress(OSError):
             connection.send(json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode())
+        os._exit(1)
+
+    def started(how: str) -> None:
+        connection.send(json.dumps({"pid": os.getpid(), "containment": how}).encode())
         connection.close()
-    finally:
-        for fd in fds:
-            os.close(fd)
+
+    containment.keep(lambda: _become(request, fds), lifeline_fd=fds[1], started=started, inherited=fds[:1] + fds[2:])
 
 
 def _reap(children: dict[int, socket.socket]) -> None:
@@ -311,15 +338,12 @@ def _reap(children: dict[int, socket.socket]) -> None:
             connection.close()
 
 
-def _become(request: dict[str, Any], fds: list[int], led: int) -> None:
+def _become(request: dict[str, Any], fds: list[int]) -> None:
     """The forked child: a fresh child's session, descriptors, identity, directory, environment
-    and import path, then workers.runtime.child's main. `led` is closed once it leads its session."""
+    and import path, then workers.runtime.child's main."""
     code = 1
     try:
-        signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         os.setsid()
-        os.close(led)
         connection_fd, lifeline_fd, out_fd, err_fd = fds
         os.dup2(out_fd, 1)
         os.dup2(err_fd, 2)

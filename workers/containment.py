@@ -1,0 +1,243 @@
+"""A job's processes end with it: the small trusted process (the keeper) between a rank's parent and
+its untrusted child, as Kubernetes gives each pod its own PID namespace.
+
+Where the kernel allows it (unshare(CLONE_NEWPID) needs CAP_SYS_ADMIN), the keeper forks an init,
+pid 1 of a new PID namespace, and the init forks the child. When the child ends the init exits, and
+the kernel kills every other process of the namespace: a daemon that double-forked and called
+setsid to leave the child's session included. Where unshare is refused, the keeper is a child
+subreaper (PR_SET_CHILD_SUBREAPER): every orphan of the child's tree is reparented to it, and it
+SIGKILLs all of its descendants when the child ends.
+
+The keeper runs as the service's uid; only the child drops to the job's. It ends as the child
+ended (its exit code, or killed by the same signal), so whoever waits for the keeper (the zygote,
+or Popen) learns what a wait for the child would have said. SIGTERM to the keeper (the parent's
+kill) ends the whole tree at once; the lifeline's end (the parent gone) ends it LIFELINE_GRACE_S
+later, once the child has had the time to exit on its own. Either way the keeper ends last,
+killed by SIGKILL.
+
+`python -I -m workers.containment UID GID REPORT_FD LIFELINE_FD COMMAND...` keeps a fresh interpreter
+(the child starts COMMAND as UID:GID, "-" for this process's own); the zygote calls keep() itself.
+
+May import: the standard library only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import resource
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, NoReturn
+
+CLONE_NEWPID = 0x20000000
+PR_SET_CHILD_SUBREAPER = 36
+NAMESPACE = "its own PID namespace"
+SUBREAPER = "a subreaper that kills what it leaves behind (no PID namespace here: {why})"
+LIFELINE_GRACE_S = 5.0
+"""How long the child has to exit on its own once its parent is gone, before its tree is killed."""
+
+
+def keep(
+    start: Callable[[], None], *, lifeline_fd: int, started: Callable[[str], None], inherited: Iterable[int]
+) -> NoReturn:
+    """Run start() (which never returns: it becomes the child) in a forked process contained as
+    this module says, and end as it ends. started(containment) is called once the child is forked;
+    `inherited` are descriptors only the child needs, closed here once it has them."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    wake_read, wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.set_wakeup_fd(wake_write)
+    for number in (signal.SIGCHLD, signal.SIGTERM):
+        signal.signal(number, lambda *_: None)
+    containment, status_read, status_write = NAMESPACE, -1, -1
+    if libc.unshare(CLONE_NEWPID) == 0:
+        status_read, status_write = os.pipe()
+    else:
+        containment = SUBREAPER.format(why=os.strerror(ctypes.get_errno()))
+    pid = os.fork()
+    if pid == 0:
+        signal.set_wakeup_fd(-1)
+        for number in (signal.SIGCHLD, signal.SIGTERM):
+            signal.signal(number, signal.SIG_DFL)
+        _init(start, status_write) if status_write >= 0 else _run(start)
+    for fd in (*inherited, status_write):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    started(containment)
+    code = _wait(pid, lifeline_fd=lifeline_fd, wake=wake_read)
+    if code is not None and status_read >= 0:  # the init says how the child ended, unless it was killed itself
+        told = os.read(status_read, 4)
+        code = int.from_bytes(told, "little") if len(told) == 4 else code
+    _kill_descendants()
+    _end_as(-signal.SIGKILL if code is None else os.waitstatus_to_exitcode(code))
+
+
+def _init(start: Callable[[], None], status_write: int) -> NoReturn:
+    """Pid 1 of the namespace: forks the child, reaps what is orphaned to it, and when the child
+    ends tells the keeper how and exits, which ends every process left in the namespace."""
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # pid 1 ignores what it has no handler for
+        pid = os.fork()
+        if pid == 0:
+            os.close(status_write)
+            _run(start)
+        for fd in _open_fds():
+            if fd != status_write:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        while True:
+            ended, status = os.waitpid(-1, 0)
+            if ended == pid:
+                os.write(status_write, status.to_bytes(4, "little"))
+                break
+    finally:
+        os._exit(0)
+
+
+def _run(start: Callable[[], None]) -> NoReturn:
+    try:
+        start()
+    finally:
+        os._exit(1)
+
+
+def _wait(pid: int, *, lifeline_fd: int, wake: int) -> int | None:
+    """The wait status of `pid` (this process's child), reaping the orphans that end meanwhile; None
+    once this process was told to kill (SIGTERM) or the lifeline broke and the grace ran out."""
+    deadline = None
+    watched = [wake, lifeline_fd]
+    while True:
+        if (status := _reap(pid)) is not None:
+            return status
+        if deadline is not None and time.monotonic() >= deadline:
+            return None
+        readable = select.select(watched, [], [], 0.5)[0]
+        if wake in readable:
+            with contextlib.suppress(BlockingIOError):
+                if signal.SIGTERM in os.read(wake, 64):
+                    return None
+        if lifeline_fd in readable and not os.read(lifeline_fd, 1):
+            watched.remove(lifeline_fd)
+            deadline = time.monotonic() + LIFELINE_GRACE_S
+
+
+def _reap(pid: int) -> int | None:
+    """The wait status of `pid` if it has ended; the other children that have are reaped."""
+    while True:
+        ended, status = os.waitpid(-1, os.WNOHANG)
+        if ended == pid:
+            return status
+        if ended == 0:
+            return None
+
+
+def _kill_descendants() -> None:
+    """SIGKILL every process below this one (orphans of the child's tree are this subreaper's
+    children), again until none is left, reaping them."""
+    me = os.getpid()
+    while True:
+        parents: dict[int, int] = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{entry}/stat", "rb") as stat:
+                    parents[int(entry)] = int(stat.read().rsplit(b")", 1)[1].split()[1])
+        below = [pid for pid in parents if _descends(pid, me, parents)]
+        for pid in below:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
+        if not below:
+            return
+        time.sleep(0.01)
+
+
+def _descends(pid: int, ancestor: int, parents: dict[int, int]) -> bool:
+    seen = 0
+    while pid in parents and seen < 4096:
+        pid, seen = parents[pid], seen + 1
+        if pid == ancestor:
+            return True
+    return False
+
+
+def _end_as(code: int) -> NoReturn:
+    """Exit with `code`, or (negative) be killed by that signal, as the child was."""
+    if code < 0:
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        with contextlib.suppress(OSError, ValueError):
+            signal.signal(-code, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [-code])
+        os.kill(os.getpid(), -code)
+    os._exit(code if code >= 0 else 128 - code)
+
+
+def _open_fds() -> list[int]:
+    return [int(name) for name in os.listdir("/proc/self/fd")]
+
+
+# --------------------------------------------------------------------------- a fresh interpreter's keeper
+
+
+def _exec(command: list[str], *, uid: int | None, gid: int | None) -> None:
+    """The child of a fresh interpreter: its own session, the job's identity (after entering its
+    working directory, the keeper's, as Popen does), then COMMAND with the keeper's environment."""
+    os.setsid()
+    if uid is not None and gid is not None:
+        os.setgroups([])
+        os.setresgid(gid, gid, gid)
+        os.setresuid(uid, uid, uid)
+    os.execve(command[0], command, dict(os.environ))
+
+
+def start_fresh(
+    command: list[str], *, env: dict[str, str], cwd: str, identity: tuple[int, int] | None, stdio: tuple[int, int]
+) -> subprocess.Popen:
+    """COMMAND (`python -m workers.runtime.child MODE CONN LIFELINE STAGING`) as a fresh interpreter
+    under a keeper of its own: `python -I`, this process's uid, so nothing of the bundle it starts in
+    is on its path; the keeper's Popen, its `containment` set once the keeper has forked the child."""
+    report_read, report_write = os.pipe()
+    uid, gid = (str(identity[0]), str(identity[1])) if identity else ("-", "-")
+    connection_fd, lifeline_fd = int(command[4]), int(command[5])
+    keeper = [sys.executable, "-I", "-m", "workers.containment", uid, gid, str(report_write), str(lifeline_fd)]
+    try:
+        process: Any = subprocess.Popen(
+            keeper + command,
+            env=env,
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=stdio[0],
+            stderr=stdio[1],
+            pass_fds=(connection_fd, lifeline_fd, report_write),
+            start_new_session=True,
+        )
+    finally:
+        os.close(report_write)
+    with os.fdopen(report_read, "rb") as report:
+        said = report.read().decode(errors="replace") if select.select([report], [], [], 60)[0] else ""
+    process.containment = said or "no known containment (its keeper said nothing)"
+    return process
+
+
+def main(argv: list[str]) -> NoReturn:
+    uid, gid, report, lifeline, command = argv[0], argv[1], int(argv[2]), int(argv[3]), argv[4:]
+    identity = (None, None) if uid == "-" else (int(uid), int(gid))
+
+    os.set_inheritable(report, False)  # the keeper's to write, never the child's
+
+    def started(containment: str) -> None:
+        os.write(report, containment.encode())
+        os.close(report)
+
+    keep(lambda: _exec(command, uid=identity[0], gid=identity[1]), lifeline_fd=lifeline, started=started, inherited=())
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
