@@ -28,7 +28,7 @@ from typing import Any
 
 from workers.config import DatasetSpec, InvalidModelError
 from workers.runtime.sandbox import ChildError, ChildExited, RunAs, call_in_child
-from workers.training import staging
+from workers.training import confined, staging
 
 SPILL_DIR = "tmp/zero1-cache"
 """Where, under a child's home, it writes the dataset cache entry it cannot write in the shared cache
@@ -95,7 +95,7 @@ def _run_child(call: IsolatedCall, argument: Any) -> Any:
 
     def keep(home: str) -> None:
         if call.token_cache is not None:
-            kept.update(_adopt(Path(home, SPILL_DIR, "tokens"), Path(call.token_cache)))
+            kept.update(_adopt(Path(home), Path(call.token_cache)))
 
     try:
         answer = call_in_child(
@@ -159,23 +159,30 @@ def _conforms(value: Any, hint: Any) -> bool:
     return False
 
 
-def _adopt(spill: Path, cache: Path) -> dict[str, str]:
-    """Move the child's cache entries (regular files with a cache entry's name) into the cache,
-    token files before their sidecars (a sidecar says its token file is whole); name -> new path."""
-    if not spill.is_dir():
+def _adopt(home: Path, cache: Path) -> dict[str, str]:
+    """Copy the child's cache entries (regular files with one link and a cache entry's name) into the
+    cache, token files before their sidecars (a sidecar says its token file is whole); name -> new
+    path. The child owns its home and may swap anything in it meanwhile: each is walked to from the
+    directory above the home, no link followed (workers/training/confined.py)."""
+    spill = f"{home.name}/{SPILL_DIR}/tokens"
+    try:
+        names = confined.list_dir(home.parent, spill)
+    except OSError:  # none made, or not a directory
         return {}
     moved = {}
     cache.mkdir(parents=True, exist_ok=True)
-    entries = sorted((p for p in spill.iterdir() if _CACHE_NAME.fullmatch(p.name)), key=lambda p: p.suffix != ".bin")
-    for entry in entries:
-        if entry.is_symlink() or not entry.is_file():
-            continue
-        target = cache / entry.name
-        temporary = cache / f".{entry.name}.{os.getpid()}.adopt"
-        shutil.copyfile(entry, temporary, follow_symlinks=False)  # owned by this side, its mode
-        os.chmod(temporary, 0o644)
-        os.replace(temporary, target)
-        moved[entry.name] = str(target)
+    for name in sorted(filter(_CACHE_NAME.fullmatch, names), key=lambda n: not n.endswith(".bin")):
+        try:
+            source = confined.open_file(home.parent, f"{spill}/{name}")
+        except OSError:
+            continue  # a link, a FIFO, a hard link: not adopted
+        temporary = f".{name}.{os.getpid()}.adopt"
+        confined.unlink(cache, temporary)
+        with source, os.fdopen(confined.create_file(cache, temporary, mode=0o644), "wb") as out:
+            shutil.copyfileobj(source, out)
+            os.fchmod(out.fileno(), 0o644)  # owned by this side, readable by every child, whatever the umask
+        os.replace(cache / temporary, cache / name)
+        moved[name] = str(cache / name)
     return moved
 
 
