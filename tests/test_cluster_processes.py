@@ -316,7 +316,7 @@ def test_a_job_spread_over_two_ray_nodes_trains_with_postgresql_and_shared_check
         assert watched.stdout.rstrip().endswith("succeeded")
 
         # a model of the user's own code, its bundle uploaded by the CLI, its ranks on both nodes:
-        # each node unpacks the bundle from the shared checkpoint storage (Ray's file:// working_dir)
+        # each rank's actor unpacks the bundle from the shared checkpoint storage (file://) for its child
         byo = _read_json(BYO_EXAMPLE / "job.json")
         python_job = tmp_path / "byo.json"
         python_job.write_text(

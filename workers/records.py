@@ -138,7 +138,7 @@ class RankError:
 TRACEBACK_LINES = 12
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _BUNDLE_DIR = re.compile(r"[^\s\"']*/working_dir_files/[^/]+/")
-"""Where Ray unpacks a code bundle on a node: a user's file is named relative to its bundle."""
+"""Where a child's code bundle is unpacked (workers/training/bundles.py): a user's file is named relative to it."""
 
 
 def _traceback_tail(exc: BaseException) -> tuple[str, ...]:

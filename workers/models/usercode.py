@@ -1,8 +1,8 @@
 """Models of the user's own code (the python kind): an entrypoint imported from the job's code
 bundle, built for a rank or traced for a plan.
 
-The bundle is the process's working directory and the first entry of sys.path: Ray unpacks it
-there for a rank or a trace's task (runtime_env working_dir), and nowhere else; the API process
+The bundle is the process's working directory and the first entry of sys.path: the child's parent
+(a rank's actor, a trace's task) unpacks it there (workers/training/bundles.py), and nowhere else; the API process
 never imports this room. Every failure of the user's code (an import error, an exception in the
 function, a wrong return type, a module that cannot be built on the meta device, a forward that
 fails on fake tensors) is an InvalidModelError that quotes the exception and the user's own
