@@ -242,7 +242,8 @@ class Settings(BaseSettings):
     the service in the background (docs/api.md, MLflow; needs the extra zero1[mlflow], which the
     image installs). Unset: none."""
     mlflow_experiment: str = Field("zero1", min_length=1, max_length=500)
-    """The MLflow experiment the jobs' runs go to (created when missing)."""
+    """The prefix of the MLflow experiments the jobs' runs go to, one per owner: `<prefix>/<owner>`
+    (`zero1/(anonymous)` for jobs without one), each created when missing."""
     mlflow_interval_s: float = Field(1.0, gt=0, le=3600)
     """How often the MLflow exporter looks for new metric rows and status changes."""
     mlflow_max_backoff_s: float = Field(30.0, gt=0, le=86_400)

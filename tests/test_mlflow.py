@@ -2,14 +2,17 @@
 subprocess on loopback with its own SQLite store and artifacts directory): its rows' points at their
 steps, its spec as params, its status, final/'s files; with the server stopped mid-job the job
 succeeds and the run catches up once the server is back; a batch sent again after a crash is stored
-once; the job's API detail and page link the run.
+once; the job's API detail and page link the run. The tracking URI carries the service's credentials
+(user:password@): no URL shown (the API, the job page) nor line logged holds them; each owner's runs
+go to an experiment of its own.
 
-Packages: service.tracking, service.store, service.api, service.dashboard, service.settings.
+Packages: service.tracking, service.store, service.api, service.dashboard, service.settings, service.scheduling.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import subprocess
@@ -21,11 +24,17 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.store.db import Database
-from service.store.tables import MlflowRun
+from service.planning.cluster import ClusterCapacity
+from service.scheduling import admission
+from service.scheduling.jobs import submit_job
+from service.schemas.requests import JobSpec
+from service.store.db import Database, upgrade
+from service.store.tables import Job, MlflowRun
 from service.tracking import runs
 from service.tracking.exporter import Exporter
 from service.tracking.mlflow_client import MissingPackage, Mlflow
+from service.tracking.uris import scrubbed
+from workers.memory.model import GB
 
 from conftest import make_settings, serve
 from helpers import TERMINAL, free_port, job_body, wait_for, wait_job
@@ -33,6 +42,10 @@ from helpers import TERMINAL, free_port, job_body, wait_for, wait_job
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # nothing leaves the machine
 MLFLOW = str(Path(sys.executable).with_name("mlflow"))
 EXPERIMENT = "zero1-tests"
+ANONYMOUS_EXPERIMENT = f"{EXPERIMENT}/{runs.ANONYMOUS}"
+"""Where the tracked app's jobs go: auth is off, so they have no owner."""
+PASSWORD = "pa55-w0rd-of-the-service"
+CLUSTER = ClusterCapacity(num_gpus=4, num_gpus_free=4, gpu_memory_bytes=80 * GB, simulated=True)
 STEPS_DOWN = 200
 """Enough that the job is still running when it is suspended, after its first 5 steps."""
 
@@ -44,6 +57,9 @@ class MlflowServer:
     def __init__(self, root: Path) -> None:
         self.root, self.port = root, free_port()
         self.uri = f"http://127.0.0.1:{self.port}"
+        self.secret_uri = f"http://zero1-service:{PASSWORD}@127.0.0.1:{self.port}"
+        """The URI with credentials, as a deployment behind MLflow's basic auth sets it (this server
+        checks none, and MLflow's client sends them)."""
         self.process: subprocess.Popen | None = None
 
     def start(self) -> float:
@@ -103,7 +119,7 @@ def tracked(ray_cluster, mlflow_server, tmp_path_factory):
     """The app exporting to the server: a short interval and backoff, so that tests wait little."""
     settings = make_settings(
         tmp_path_factory.mktemp("tracked"),
-        mlflow_tracking_uri=mlflow_server.uri,
+        mlflow_tracking_uri=mlflow_server.secret_uri,
         mlflow_experiment=EXPERIMENT,
         mlflow_interval_s=0.2,
         mlflow_max_backoff_s=2,
@@ -119,10 +135,10 @@ def mlflow_client(server: MlflowServer):
     return MlflowClient(tracking_uri=server.uri)
 
 
-def the_run(server: MlflowServer, job_id: int):
-    """The job's run, found by its tag; None before it exists (or while the server is down)."""
+def the_run(server: MlflowServer, job_id: int, *, experiment: str = ANONYMOUS_EXPERIMENT):
+    """The job's run, found by its tag in `experiment`; None before it exists (or while the server is down)."""
     client = mlflow_client(server)
-    experiment = client.get_experiment_by_name(EXPERIMENT)
+    experiment = client.get_experiment_by_name(experiment)
     if experiment is None:
         return None
     found = client.search_runs([experiment.experiment_id], filter_string=f"tags.`zero1.job_id` = '{job_id}'")
@@ -184,9 +200,11 @@ def test_a_jobs_run_holds_its_rows_params_status_and_final_files(tracked, mlflow
     assert detail["url"] == f"{mlflow_server.uri}/#/experiments/{run.info.experiment_id}/runs/{run_id}"
     page = client.get(f"/jobs/{job['id']}")
     assert page.status_code == 200 and f'href="{detail["url"]}"' in page.text
+    shown = client.get(f"/v1/jobs/{job['id']}").text + page.text + client.get("/v1/jobs").text
+    assert PASSWORD not in shown and "zero1-service" not in shown
 
 
-def test_with_mlflow_down_mid_job_the_job_succeeds_and_the_run_catches_up(tracked, mlflow_server):
+def test_with_mlflow_down_mid_job_the_job_succeeds_and_the_run_catches_up(tracked, mlflow_server, caplog):
     """Suspending the job is the gate: it stops at a known step with its points in MLflow; the
     server stops; the job resumes and succeeds with MLflow down; the server starts again on the same
     port and store, and the run catches up within a minute."""
@@ -207,6 +225,7 @@ def test_with_mlflow_down_mid_job_the_job_succeeds_and_the_run_catches_up(tracke
         what="the suspended job's run",
         interval_s=0.5,
     )
+    caplog.set_level(logging.INFO)
     mlflow_server.stop()
     stopped_at = time.monotonic()
     assert client.post(f"/v1/jobs/{job_id}/resume").status_code == 202
@@ -228,6 +247,9 @@ def test_with_mlflow_down_mid_job_the_job_succeeds_and_the_run_catches_up(tracke
     catch_up_s = time.monotonic() - back_at
     rows = rows_of(client, job_id)
     assert len(rows) == STEPS_DOWN and run.info.status == "FINISHED"
+    down = [r.getMessage() for r in caplog.records if r.name.startswith("service.tracking")]
+    assert any(f"127.0.0.1:{mlflow_server.port}" in line for line in down), down  # MLflow's errors name the URL
+    assert PASSWORD not in caplog.text and "zero1-service@" not in caplog.text
     assert history(mlflow_server, run.info.run_id, "loss") == [(r["step"], r["loss"]) for r in rows]
     print(
         f"\nmlflow down for {job_s:.1f} s (resume to success); exported through step {behind['exported_step']} "
@@ -262,6 +284,35 @@ def test_a_batch_sent_again_after_a_crash_is_stored_once(tracked, mlflow_server)
     assert history(mlflow_server, run_id, "loss") == [(r["step"], r["loss"]) for r in rows]
 
 
+def test_each_owners_runs_go_to_an_experiment_of_their_own_linked_without_the_credentials(mlflow_server, tmp_path):
+    """Two owners' jobs: alice's run in zero1-owners/alice, bob's in zero1-owners/bob (the server's
+    per-experiment permissions can then keep each to those allowed); the link the API shows of each
+    holds no credential."""
+    settings = make_settings(tmp_path, mlflow_tracking_uri=mlflow_server.secret_uri, mlflow_experiment="zero1-owners")
+    upgrade(settings.database_url)
+    database = Database(settings.database_url)
+    spec = JobSpec.model_validate(job_body(name="owned"))
+    plan = admission.admit(spec, cluster=CLUSTER, overhead_bytes=GB)
+    try:
+        with database.session() as session:
+            owned = {
+                owner: submit_job(session, spec=spec, plan=plan, idempotency_key=None, owner=owner)[0].id
+                for owner in ("alice", "bob")
+            }
+        Exporter(db=database, settings=settings, job_dir=lambda job: Path("/nonexistent")).run_once()
+        with database.session() as session:
+            links = {owner: runs.run_link(session, session.get(Job, i), settings) for owner, i in owned.items()}
+    finally:
+        database.dispose()
+    for owner, job_id in owned.items():
+        other = "bob" if owner == "alice" else "alice"
+        run = the_run(mlflow_server, job_id, experiment=f"zero1-owners/{owner}")
+        assert run is not None and run.data.tags["zero1.owner"] == owner
+        assert the_run(mlflow_server, job_id, experiment=f"zero1-owners/{other}") is None
+        assert links[owner].url == f"{mlflow_server.uri}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
+    assert links["alice"].experiment_id != links["bob"].experiment_id
+
+
 def test_the_uri_without_the_client_package_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "mlflow", None)  # as if it were not installed
     with pytest.raises(MissingPackage, match=r"pip install 'zero1\[mlflow\]'"):
@@ -277,3 +328,10 @@ def test_a_spec_flattens_to_params():
         "optimizer.betas": "[0.9, 0.95]",
     }
     assert runs.run_url("databricks", experiment_id="1", run_id="r") is None
+    assert runs.run_url("https://u:p%40ss@mlflow.example:5000/", experiment_id="1", run_id="r") == (
+        "https://mlflow.example:5000/#/experiments/1/runs/r"
+    )
+    said = "API request to https://u:p%40ss@mlflow.example:5000/api failed: p@ss"
+    assert scrubbed(said, uri="https://u:p%40ss@mlflow.example:5000/") == (
+        "API request to https://mlflow.example:5000/api failed: ***"
+    )

@@ -7,6 +7,9 @@ holds up the scheduler's writes, so it never slows a job, nor fails one. While M
 answer, it waits, doubling from ZERO1_MLFLOW_INTERVAL_S to ZERO1_MLFLOW_MAX_BACKOFF_S, and then
 catches up: the rows are in the database meanwhile. A request MLflow refuses (a 4xx) backs off that
 job alone, and its cursor says why.
+
+Each owner's runs go to an experiment of its own (runs.experiment_name). What it logs or stores of an
+MLflow error has the tracking URI's credentials cut out (service/tracking/uris.py).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from service.store.db import Database
 from service.store.tables import Job, Metric, MlflowRun
 from service.tracking import runs
 from service.tracking.mlflow_client import MAX_METRICS_PER_BATCH, Mlflow, is_unreachable
+from service.tracking.uris import scrubbed
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +57,7 @@ class Exporter:
         self.db, self.settings, self.job_dir = db, settings, job_dir
         self.mlflow = mlflow or Mlflow(settings.mlflow_tracking_uri)
         self.backoff_s = settings.mlflow_interval_s
-        self._experiment_id: str | None = None
+        self._experiments: dict[str, str] = {}  # name -> id, as found or made
         self._job_retry_at: dict[int, tuple[float, float]] = {}  # a job MLflow refused: when next, and its wait
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -73,7 +77,7 @@ class Exporter:
             try:
                 more = self.run_once()
             except Unreachable as error:
-                log.warning("mlflow: %s; trying again in %.3g s", error, self.backoff_s)
+                log.warning("mlflow: %s; trying again in %.3g s", self._said(error), self.backoff_s)
                 delay, self.backoff_s = self.backoff_s, min(2 * self.backoff_s, self.settings.mlflow_max_backoff_s)
                 continue
             except Exception:  # the database, most likely: the scheduler's problem too; try again
@@ -86,11 +90,6 @@ class Exporter:
 
     def run_once(self) -> bool:
         """One pass over the jobs not fully exported, active ones first; whether work is left."""
-        try:
-            if self._experiment_id is None:
-                self._experiment_id = self.mlflow.experiment_id(self.settings.mlflow_experiment)
-        except Exception as error:
-            raise Unreachable(f"no experiment {self.settings.mlflow_experiment!r}: {error}") from error
         more = False
         for job, cursor in self._pending():
             if self._stop.is_set():
@@ -101,16 +100,32 @@ class Exporter:
             try:
                 more |= self._export(job, cursor)
                 self._job_retry_at.pop(job.id, None)
+            except Unreachable:
+                raise
             except Exception as error:
-                self._note(job.id, f"{type(error).__name__}: {error}"[:2000])
+                self._note(job.id, f"{type(error).__name__}: {self._said(error)}"[:2000])
                 if is_unreachable(error):
-                    raise Unreachable(f"job {job.id}: {error}") from error
+                    raise Unreachable(f"job {job.id}: {self._said(error)}") from error
                 wait = (
                     min(2 * retry[1], self.settings.mlflow_max_backoff_s) if retry else self.settings.mlflow_interval_s
                 )
                 self._job_retry_at[job.id] = (time.monotonic() + wait, wait)
-                log.warning("mlflow: job %s refused (%s); trying it again in %.3g s", job.id, error, wait)
+                log.warning("mlflow: job %s refused (%s); trying it again in %.3g s", job.id, self._said(error), wait)
         return more
+
+    def _said(self, error: BaseException) -> str:
+        """The error's message as it may be logged or stored: no credential of the tracking URI."""
+        return scrubbed(str(error), uri=self.settings.mlflow_tracking_uri)
+
+    def _experiment(self, owner: str | None) -> str:
+        """The id of `owner`'s experiment (runs.experiment_name), found or made once."""
+        name = runs.experiment_name(owner, self.settings)
+        if name not in self._experiments:
+            try:
+                self._experiments[name] = self.mlflow.experiment_id(name)
+            except Exception as error:
+                raise Unreachable(f"no experiment {name!r}: {self._said(error)}") from error
+        return self._experiments[name]
 
     def _pending(self) -> list[tuple[Job, MlflowRun]]:
         """The jobs whose runs are not done, each with its cursor (made here for a job without one)."""
@@ -134,15 +149,16 @@ class Exporter:
     def _export(self, job: Job, cursor: MlflowRun) -> bool:
         """Bring the job's run up to the database; whether more is left after this job's slice."""
         if cursor.run_id is None:
+            experiment_id = self._experiment(job.owner)
             cursor.run_id = self.mlflow.find_or_create_run(
-                self._experiment_id,
+                experiment_id,
                 key=runs.job_key(job),
                 name=job.name,
                 start_time_ms=_ms(job.created_at),
                 tags=runs.run_tags(job, self.settings),
                 params=runs.flat_params(job.spec),
             )
-            self._save(job.id, experiment_id=self._experiment_id, run_id=cursor.run_id, status=job.status)
+            self._save(job.id, experiment_id=experiment_id, run_id=cursor.run_id, status=job.status)
         elif cursor.status != job.status:
             self.mlflow.set_tags(cursor.run_id, {"zero1.status": job.status})
             self._save(job.id, status=job.status)

@@ -1,6 +1,7 @@
 """What a job's MLflow run holds: its spec as flattened params, its tags, one metric row's points,
-the run status of a job status, and the link the API and the job page show. Plain values only: the
-MLflow client module turns them into MLflow's entities."""
+the run status of a job status, the experiment it goes to (its owner's), and the link the API and the
+job page show (without the tracking URI's credentials). Plain values only: the MLflow client module
+turns them into MLflow's entities."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from sqlalchemy.orm import Session
 from service.schemas.responses import MlflowRunPublic
 from service.settings import Settings
 from service.store.tables import Job, Metric, MlflowRun
+from service.tracking.uris import public_uri
 
 MAX_PARAM_CHARS = 6000
 """MLflow's bound on a param's value; a longer one is cut, with a mark, rather than refused."""
@@ -19,6 +21,9 @@ METRICS = ("loss", "eval_loss", "lr", "tokens_per_s", "step_time_s", "grad_norm"
 """The row's columns sent as metrics of the same name, each at the row's step (a null one is left out);
 mem_peak_bytes is sent as the largest rank's."""
 POINTS_PER_ROW = len(METRICS) + 1
+ANONYMOUS = "(anonymous)"
+"""The experiment name's owner part for a job without an owner (auth off): no user is named so (a user
+name starts with a letter or digit)."""
 RUN_STATUS = {"succeeded": "FINISHED", "failed": "FAILED", "cancelled": "KILLED"}
 """A terminal job status and its run's status; the exact status is the zero1.status tag."""
 
@@ -35,6 +40,12 @@ def flat_params(spec: dict[str, Any], prefix: str = "") -> dict[str, str]:
             text = str(value)
             params[name] = text if len(text) <= MAX_PARAM_CHARS else text[: MAX_PARAM_CHARS - 3] + "..."
     return params
+
+
+def experiment_name(owner: str | None, settings: Settings) -> str:
+    """The experiment a job's run goes to: one per owner (`zero1/alice`), so that the tracking server's
+    permissions (MLflow's per-experiment READ) can keep each owner's runs to those allowed."""
+    return f"{settings.mlflow_experiment}/{owner or ANONYMOUS}"
 
 
 def job_key(job: Job) -> str:
@@ -69,10 +80,11 @@ def row_points(row: Metric) -> dict[str, float]:
 
 
 def run_url(tracking_uri: str, *, experiment_id: str, run_id: str) -> str | None:
-    """The run's page on an MLflow server's UI; None for a tracking URI that is not a server's address."""
+    """The run's page on an MLflow server's UI (the URI's credentials left out); None for a tracking URI
+    that is not a server's address."""
     if not tracking_uri.startswith(("http://", "https://")):
         return None
-    return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+    return f"{public_uri(tracking_uri).rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
 
 
 def run_link(session: Session, job: Job, settings: Settings) -> MlflowRunPublic | None:
