@@ -329,11 +329,13 @@ def token_store(checkpoint_uri: str) -> str:
 def hand_over(directory: str, *, owner: tuple[int, int] | None) -> None:
     """A staged copy made the child's: everything under `directory` (a mkdtemp, 0700) given to the
     (uid, gid) its child runs as, and to no one else: another user's job on the node cannot read
-    it. None: the child runs as this process's user, who owns it already."""
+    it. None: the child runs as this process's user, who owns it already. Bottom-up, the top last:
+    until then only this process can enter it, so no process of that uid (another job of the same
+    owner's) can swap a directory below for a link while the walk descends (it would chown through it)."""
     if owner is None:
         return
     uid, gid = owner
-    for path, _, names in os.walk(directory):
+    for path, _, names in os.walk(directory, topdown=False):
         os.chown(path, uid, gid, follow_symlinks=False)
         for name in names:
             os.chown(os.path.join(path, name), uid, gid, follow_symlinks=False)
