@@ -4,8 +4,9 @@ database, and served only as recorded.
 The job's own code wrote final/, and it may have planted anything there: a link to the database, a
 FIFO, a hard link, a manifest that lies. So every file the service reads back is opened by a chain
 of O_NOFOLLOW opens from the checkpoint root down (workers/training/confined.py: no link anywhere
-below it, even one swapped in while it is walked), must be a regular file with one link, and is hashed by the service itself; the manifest's sizes and digests are
-claims checked against what it read. A download opens the file the same way and hashes all of it
+below it, even one swapped in while it is walked), must be a regular file with one link, and is
+hashed by the service itself; the manifest's sizes and digests are claims checked against what it
+read. A download opens the file the same way and hashes all of it
 as it streams, holding its last piece back until the digest and size match the record: a file
 changed after it was recorded is cut off, never served whole.
 
