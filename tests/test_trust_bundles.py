@@ -193,6 +193,30 @@ def test_a_bundles_startup_hook_never_runs_on_the_trusted_side_and_its_job_train
     record("a bundle's sitecustomize.py on the trusted side (issue 40, item 1)", tried=3, refused=3, jobs_lost=0)
 
 
+def test_a_stored_bundle_that_cannot_be_unpacked_is_a_422_naming_code_or_fails_the_attempt(served, world):
+    """Trained while whole (its trace cached by its digest), then damaged in the store: a new plan's
+    task refuses to unpack it (a 422 naming `code`), and so does each rank's actor of the same job
+    again (the job fails saying so), as Ray's working_dir setup did."""
+    code = post_code(served, zip_of({**model_files(world), "padding.txt": secrets.token_bytes(16)})).json()["code"]
+    model = {"kind": "python", "entrypoint": "mymodel:build", "args": {}}
+    body = {**job_body(name="damaged", model=model, seq_len=8, code=code, steps=2), "data": {"kind": "synthetic"}}
+    first = served.request("POST", "/v1/jobs", ALICE, json=body).json()["id"]
+    assert served.wait(first, ALICE)["status"] == "succeeded"
+    damaged = zip_of({"bundle/mymodel.py": b"", "bundle/../escape.py": b""})
+    open_store(join_uri(served.env["ZERO1_CHECKPOINT_URI"], "code")).write(
+        f"{code.removeprefix('sha256:')}.zip", damaged
+    )
+    why = "the code bundle could not be unpacked for its child: entry 'bundle/../escape.py' is not a plain path"
+
+    plan = served.request("POST", "/v1/plan", ALICE, json={"model": model, "code": code, "seq_len": 16})
+    assert plan.status_code == 422 and plan.json()["detail"][0]["field"] == "code", plan.text
+    assert why in plan.json()["message"]
+    r = served.request("POST", "/v1/jobs", ALICE, json=body)
+    assert r.status_code == 201, r.text
+    job = served.wait(r.json()["id"], ALICE)
+    assert job["status"] == "failed" and why in json.dumps(job["error"]), job["error"]
+
+
 def test_the_hook_of_that_bundle_runs_wherever_it_is_on_the_path(world, tmp_path):
     """The control of the test above: the marker is written by any interpreter that has the hook on
     its path, so no marker of uid 0 there means no trusted process had it."""

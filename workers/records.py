@@ -109,7 +109,8 @@ class RankError:
             message=lines[0] if lines else type(error).__name__,
             rank=rank,
             node_id=node_id,
-            traceback=_traceback_tail(exc) if error is not exc else (),
+            # an actor that failed to start (a rank's, unpacking its bundle) ends Ray's text with its traceback
+            traceback=_traceback_tail(exc) if error is not exc or getattr(exc, "actor_init_failed", False) else (),
         )
 
     def to_json(self) -> dict[str, Any]:
