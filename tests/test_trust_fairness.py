@@ -2,7 +2,8 @@
 scheduler picks (a start, a retry, a relaunch after a restart, a growth); a stop (a preemption, a
 suspend) asked before a restart is carried out after it, never a relaunch at full size; the lockout
 believes X-Forwarded-For only from ZERO1_TRUSTED_PROXIES and never refuses a valid token it has seen
-from that address.
+from that address; MLflow's credentials in the tracking URI are never shown nor logged, and each
+owner's runs go to an experiment of their own.
 
 The scheduler's tests drive the real Scheduler and its database through a restart (a second
 Scheduler on the same database, as `zero1 serve` starting again builds one) with a fast lane of fakes
@@ -10,7 +11,7 @@ for Ray (FakeRay: each launched attempt "runs" until the test says otherwise). T
 against a real `zero1 serve` with ZERO1_RUN_AS (tests/served.py), stopped and started again on the same
 state for the restart.
 
-Packages: service.scheduling, service.auth, service.lockout, service.cli.
+Packages: service.scheduling, service.auth, service.lockout, service.cli, service.tracking.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import httpx
 import pytest
 from served import ALICE, BOB, ROOT, TOKENS, Served
 from sqlalchemy import select
+from test_mlflow import PASSWORD, MlflowServer, the_run
 
 from service.auth import credential
 from service.lockout import KNOWN_S, MAX_FAILURES, LoginLockout
@@ -281,28 +283,49 @@ def test_a_locked_address_refuses_a_token_it_has_not_seen_succeed_there_and_admi
 
 
 RUN_AS = "alice=2001:2001,bob=2002:2002,*=30000-30009"
-QUOTA_ONE = {"ZERO1_RUN_AS": RUN_AS, "ZERO1_GPU_QUOTAS": "*=1", "ZERO1_QUOTA_BORROWING": "false"}
+TWO = {"alice": "bob", "bob": "alice"}
+"""Two owners, each with the other."""
 
 
 class Restartable:
     """The served service of this module, stopped and started again on its state by the restart test."""
 
-    def __init__(self, state: Path) -> None:
-        self.state = state
-        self.service = Served(state, **QUOTA_ONE)
+    def __init__(self, state: Path, **env: str) -> None:
+        self.state, self.env = state, env
+        self.service = Served(state, **env)
 
     def restart(self, **env: str) -> Served:
         self.service.stop()
-        self.service = Served(self.state, **QUOTA_ONE, **env)
+        self.service = Served(self.state, **self.env, **env)
         return self.service
 
 
 @pytest.fixture(scope="module")
-def served(searchable) -> Iterator[Restartable]:
-    """`zero1 serve` with ZERO1_RUN_AS, every owner's quota 1 GPU of 2 and no borrowing; each user has
-    used its token once from loopback (they work there), as a deployment's users have."""
+def mlflow_server(tmp_path_factory) -> Iterator[MlflowServer]:
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow"))
+    server.start()
+    try:
+        yield server
+    finally:
+        if server.process is not None and server.process.poll() is None:
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def served(searchable, mlflow_server) -> Iterator[Restartable]:
+    """`zero1 serve` with ZERO1_RUN_AS, every owner's quota 1 GPU of 2 and no borrowing, exporting to
+    MLflow through a URI with the service's credentials; each user has used its token once from
+    loopback (they work there), as a deployment's users have."""
     state = Path(tempfile.mkdtemp(prefix="zero1-fairness-"))
-    holder = Restartable(state)
+    holder = Restartable(
+        state,
+        ZERO1_RUN_AS=RUN_AS,
+        ZERO1_GPU_QUOTAS="*=1",
+        ZERO1_QUOTA_BORROWING="false",
+        ZERO1_MLFLOW_TRACKING_URI=mlflow_server.secret_uri,
+        ZERO1_MLFLOW_INTERVAL_S="0.2",
+        ZERO1_MLFLOW_MAX_BACKOFF_S="1",
+    )
     try:
         for token in TOKENS.values():
             assert holder.service.request("GET", "/v1/jobs", token).status_code == 200
@@ -382,3 +405,37 @@ def test_with_trusted_proxies_the_header_names_the_client(served):
     assert _as(service, BOB, forwarded_for="198.51.100.7") == 429
     assert _as(service, wrong[0], forwarded_for="198.51.100.8") == 401
     assert _as(service, BOB, forwarded_for="198.51.100.8") == 200
+
+
+def test_mlflow_credentials_are_never_shown_nor_logged_and_each_owner_has_an_experiment(served, mlflow_server):
+    """The issue's MLflow run, on `zero1 serve` whose tracking URI holds the service's credentials:
+    alice's and bob's jobs link their runs (API, job page) without them, go to zero1/alice and
+    zero1/bob, and the service's log, with MLflow down (its errors name the URL), never holds them."""
+    service = served.service
+    body = job_body(name="tracked", num_gpus=1, steps=3)
+    owned = {owner: service.request("POST", "/v1/jobs", TOKENS[owner], json=body).json()["id"] for owner in TWO}
+    for owner, job_id in owned.items():
+        assert service.wait(job_id, TOKENS[owner])["status"] == "succeeded"
+    for owner, job_id in owned.items():
+        token = TOKENS[owner]
+        linked = wait_for(lambda: _job(service, job_id, token), lambda j: j["mlflow"], what=f"{owner}'s run")
+        url = linked["mlflow"]["url"]
+        detail = service.request("GET", f"/v1/jobs/{job_id}", token).text
+        page = service.request("GET", f"/jobs/{job_id}", token).text
+        assert url.startswith(f"{mlflow_server.uri}/#/experiments/") and url in page
+        assert PASSWORD not in detail + page
+        run = the_run(mlflow_server, job_id, experiment=f"zero1/{owner}")
+        assert run is not None and run.info.run_id == linked["mlflow"]["run_id"]
+        assert the_run(mlflow_server, job_id, experiment=f"zero1/{TWO[owner]}") is None
+    mlflow_server.stop()
+    waiting = service.request("POST", "/v1/jobs", ALICE, json=job_body(name="mlflow down", num_gpus=1, steps=3)).json()
+    try:
+        wait_for(
+            lambda: service.log.read_text(errors="replace"),
+            lambda log: f"127.0.0.1:{mlflow_server.port}/api" in log,  # an MLflow error, with the URL it called
+            what="the exporter's warning with MLflow down",
+            timeout_s=60,
+        )
+        assert PASSWORD not in service.log.read_text(errors="replace")
+    finally:
+        service.wait(waiting["id"], ALICE)

@@ -341,7 +341,7 @@ class Scheduler:
         self, session: Session, job: Job, *, stop: Stop | None = None, cause: str, how: str | None = None
     ) -> Settled | None:
         """The attempt is over: as `stop` asked (queued, smaller, suspended), else relaunched for `cause`."""
-        tail = f"; {cause}" if stop is not None else ""
+        tail = f"; {cause}" if stop is not None and how is not None else ""  # killed, or lost to a restart
         if job.suspend_requested or (stop is not None and stop.kind == "suspend"):  # a suspend wins
             self.telemetry.preempted(how or "suspended")
             return self._wait_again(session, job, "suspended", cause="suspended by request", tail=tail)

@@ -50,6 +50,9 @@ class Mlflow:
         # a call for minutes against a server that is down; the exporter backs off itself.
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", HTTP_TIMEOUT_S)
+        # MLflow prints each terminated run's link to stdout (the service's log), made from the
+        # tracking URI with its credentials: never (service/tracking/uris.py)
+        os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
         from mlflow import MlflowClient
 
         self.client = MlflowClient(tracking_uri=tracking_uri)
