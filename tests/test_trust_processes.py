@@ -57,21 +57,19 @@ def scan(pattern):
     return sorted(found)
 
 
-def daemon(reports):
-    """A daemon that leaves: double fork, setsid, every descriptor closed; its pid (as /proc names
-    it, outside any PID namespace of its own) written to `reports`."""
+def daemon(where):
+    """A daemon that leaves: double fork, setsid, every descriptor closed, then a sleeper whose
+    command line holds the token (how the node finds it); returns once the sleeper has started."""
+    reports, token = where
     if os.fork() == 0:
         os.setsid()
         if os.fork() == 0:
-            pid = os.readlink("/proc/self")
             os.closerange(0, 1 << 16)
-            with open(os.path.join(reports, "daemon-" + pid), "w") as out:
-                out.write(pid)
-            while True:
-                time.sleep(1)
+            sleeper = "import sys, time\\nopen(sys.argv[1], 'w').close()\\nwhile True: time.sleep(1)"
+            os.execv(sys.executable, [sys.executable, "-c", sleeper, os.path.join(reports, "daemon-" + token)])
         os._exit(0)
     os.wait()
-    while not any(name.startswith("daemon-") for name in os.listdir(reports)):
+    while not os.path.exists(os.path.join(reports, "daemon-" + token)):
         time.sleep(0.01)
     return "left a daemon"
 
@@ -114,16 +112,22 @@ def reports() -> Iterator[Path]:
         subprocess.run(["rm", "-rf", str(directory)], check=False)
 
 
-def _running(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
+def _daemons(token: str) -> list[int]:
+    """The node's running processes whose command line holds `token` (as the node's /proc sees them)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            running = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+            if entry.name.isdigit() and running and token.encode() in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
 
 
-def _daemons(reports: Path) -> list[int]:
-    return [int(path.read_text()) for path in reports.glob("daemon-*") if path.read_text()]
+def _wait_gone(reports: Path, token: str) -> None:
+    assert (reports / f"daemon-{token}").exists()  # it started
+    wait_for(lambda: _daemons(token), lambda running: running == [], what="the daemon to end", timeout_s=5)
 
 
 # --------------------------------------------------------------------------- finding 4: the zygote's memory
@@ -153,10 +157,10 @@ def test_a_child_finds_nothing_of_another_jobs_request_in_its_memory(traps, monk
 @pytest.mark.parametrize("zygote", ["on", "off"])
 def test_a_double_forked_daemon_ends_with_its_child(traps, reports, monkeypatch, zygote):
     monkeypatch.setenv("ZERO1_ZYGOTE", zygote)
-    said = call_in_child("traps:daemon", str(reports), timeout_s=120, run_as=RunAs(2001, 2001), bundle=traps)
+    token = secrets.token_hex(16)
+    said = call_in_child("traps:daemon", [str(reports), token], timeout_s=120, run_as=RunAs(2001, 2001), bundle=traps)
     assert said == "left a daemon"
-    (pid,) = _daemons(reports)
-    wait_for(lambda: _running(pid), lambda running: not running, what=f"the daemon {pid} to end", timeout_s=5)
+    _wait_gone(reports, token)
 
 
 KEEPER_AS_NOBODY = """
@@ -164,7 +168,7 @@ import json, sys
 from workers.runtime.sandbox import Child, ChildSpec
 
 child = Child("call", ChildSpec(home=sys.argv[1], code_uri=sys.argv[2]))
-child.send(("traps:daemon", sys.argv[3]))
+child.send(("traps:daemon", sys.argv[3:5]))
 answer = child.receive(120)
 child.close()
 print(json.dumps({"answer": answer, "containment": child.containment}))
@@ -174,11 +178,11 @@ print(json.dumps({"answer": answer, "containment": child.containment}))
 @pytest.mark.parametrize("zygote", ["on", "off"])
 def test_where_no_pid_namespace_may_be_made_the_subreaper_ends_the_daemon(traps, reports, zygote):
     # a service that is not root (no ZERO1_RUN_AS) may not unshare: its keeper is a subreaper instead
-    home = Path(tempfile.mkdtemp(prefix="zero1-nobody-"))
+    home, token = Path(tempfile.mkdtemp(prefix="zero1-nobody-")), secrets.token_hex(16)
     os.chown(home, 65534, 65534)
     env = {**os.environ, "ZERO1_ZYGOTE": zygote, "TMPDIR": str(home)}
     done = subprocess.run(
-        [sys.executable, "-c", KEEPER_AS_NOBODY, str(home / "child"), traps, str(reports)],
+        [sys.executable, "-c", KEEPER_AS_NOBODY, str(home / "child"), traps, str(reports), token],
         user=65534, group=65534, extra_groups=[], cwd="/", env=env, capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     subprocess.run(["rm", "-rf", str(home)], check=False)
@@ -186,8 +190,7 @@ def test_where_no_pid_namespace_may_be_made_the_subreaper_ends_the_daemon(traps,
     said = json.loads(done.stdout.splitlines()[-1])
     assert said["answer"] == {"result": "left a daemon"}
     assert said["containment"].startswith("a subreaper"), said["containment"]
-    (pid,) = _daemons(reports)
-    wait_for(lambda: _running(pid), lambda running: not running, what=f"the daemon {pid} to end", timeout_s=5)
+    _wait_gone(reports, token)
 
 
 # --------------------------------------------------------------------------- finding 11: stdout and stderr
@@ -242,7 +245,7 @@ class Trap(nn.Module):
             with open(os.path.join(self.args["reports"], f"outputs-{rank}.json"), "w") as out:
                 json.dump(seen, out)
             if rank == 0:
-                traps.daemon(self.args["reports"])
+                traps.daemon([self.args["reports"], self.args["token"]])
         logits = self.head(self.embed(input_ids))
         return nn.functional.cross_entropy(logits.reshape(-1, 64), labels.reshape(-1))
 
@@ -281,8 +284,7 @@ def test_a_jobs_daemon_ends_with_it_and_its_output_reaches_its_log_not_rays(serv
     assert r.status_code == 201, r.text
     job = served.wait(r.json()["id"], ALICE)
     assert job["status"] == "succeeded", job["error"]
-    (pid,) = _daemons(reports)
-    wait_for(lambda: _running(pid), lambda running: not running, what=f"the daemon {pid} to end", timeout_s=5)
+    _wait_gone(reports, token)
 
     for rank in (0, 1):  # its stdout and stderr: pipes, not the files of Ray's session it would learn
         seen = json.loads((reports / f"outputs-{rank}.json").read_text())

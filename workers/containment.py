@@ -4,7 +4,8 @@ its untrusted child, as Kubernetes gives each pod its own PID namespace.
 Where the kernel allows it (unshare(CLONE_NEWPID) needs CAP_SYS_ADMIN), the keeper forks an init,
 pid 1 of a new PID namespace, and the init forks the child. When the child ends the init exits, and
 the kernel kills every other process of the namespace: a daemon that double-forked and called
-setsid to leave the child's session included. Where unshare is refused, the keeper is a child
+setsid to leave the child's session included. The init mounts the namespace's own /proc, so the
+child sees no other job's processes. Where unshare is refused, the keeper is a child
 subreaper (PR_SET_CHILD_SUBREAPER): every orphan of the child's tree is reparented to it, and it
 SIGKILLs all of its descendants when the child ends.
 
@@ -36,6 +37,8 @@ from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
 CLONE_NEWPID = 0x20000000
+CLONE_NEWNS = 0x00020000
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x8, 0x4000, 0x40000
 PR_SET_CHILD_SUBREAPER = 36
 NAMESPACE = "its own PID namespace"
 SUBREAPER = "a subreaper that kills what it leaves behind (no PID namespace here: {why})"
@@ -83,6 +86,7 @@ def _init(start: Callable[[], None], status_write: int) -> NoReturn:
     ends tells the keeper how and exits, which ends every process left in the namespace."""
     try:
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # pid 1 ignores what it has no handler for
+        _private_proc()
         pid = os.fork()
         if pid == 0:
             os.close(status_write)
@@ -98,6 +102,16 @@ def _init(start: Callable[[], None], status_write: int) -> NoReturn:
                 break
     finally:
         os._exit(0)
+
+
+def _private_proc() -> None:
+    """A /proc of the namespace's own (in a mount namespace of the init's, private so that nothing
+    propagates back), as a container has: the child sees its own processes and no other job's (their
+    command lines name their paths), and its pids are the ones /proc names. Best effort: where the
+    mount is refused, the child sees the node's /proc, as before."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(CLONE_NEWNS) == 0 and libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) == 0:
+        libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
 
 
 def _run(start: Callable[[], None]) -> NoReturn:
