@@ -12,6 +12,7 @@ import itertools
 import json
 import math
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ from workers.config import TrainConfig
 from workers.models.builtin import build_model
 from workers.records import MetricRow
 from workers.runtime.actors import JobSupervisor, Placement, _StopAsker
-from workers.runtime.ranks import MetricsSink, RankFailed, RankProcess
+from workers.runtime.ranks import MetricsSink, PipedLines, RankFailed, RankProcess
 from workers.training.checkpoints import checkpointed_metrics, latest_checkpoint
 from workers.training.loop import train
 from workers.training.reader import read_shard
@@ -210,6 +211,7 @@ class _Child:
 
     def __init__(self, *messages: dict) -> None:
         self.messages, self.sent, self.killed = list(messages), [], False
+        self.output = types.SimpleNamespace(drain=lambda: None)  # its stdout and stderr: nothing written there
 
     def receive(self, timeout_s: float) -> dict:
         return self.messages.pop(0)
@@ -224,6 +226,7 @@ class _Child:
 def _relay(rank: int, child: _Child, asked: list) -> None:
     process = RankProcess.__new__(RankProcess)  # the child's words without starting one
     process.rank, process.world_size, process.child = rank, 2, child
+    process._piped, process._count = PipedLines(), 0
     process.run(
         {},
         sink=MetricsSink(send=lambda rows: None, flush=lambda rows: None),
