@@ -252,7 +252,8 @@ def test_a_dataset_jobs_data_come_from_the_bucket_and_its_ranks_fetch_only_the_t
     assert r.status_code == 201, r.text
     mark = s3_server.mark()  # the submit's check read the data; the ranks start after this
     token_uri = r.json()["spec"]["data"]["token_uri"]
-    assert token_uri != planted and token_uri.startswith(staging.token_store(root.rsplit("/", 1)[0]) + "/")
+    checkpoints = root.rsplit("/", 1)[0] + "/checkpoints"  # s3_data_app's ZERO1_CHECKPOINT_URI
+    assert token_uri != planted and token_uri.startswith(staging.token_store(checkpoints) + "/")
     job = helpers.wait_job(client, r.json()["id"], lambda j: j["status"] in helpers.TERMINAL)
     assert job["status"] == "succeeded", job["error"]
     rows = client.get(f"/v1/jobs/{job['id']}/metrics").json()["data"]
