@@ -72,13 +72,22 @@ def keep(
     for fd in (*inherited, status_write):
         with contextlib.suppress(OSError):
             os.close(fd)
-    started(containment)
-    code = _wait(pid, lifeline_fd=lifeline_fd, wake=wake_read)
-    if code is not None and status_read >= 0:  # the init says how the child ended, unless it was killed itself
-        told = os.read(status_read, 4)
-        code = int.from_bytes(told, "little") if len(told) == 4 else code
-    _kill_descendants()
-    _end_as(-signal.SIGKILL if code is None else os.waitstatus_to_exitcode(code))
+    status = None  # the child's wait status; None: killed
+    try:
+        with contextlib.suppress(OSError):  # a parent gone before it heard: the lifeline says so
+            started(containment)
+        status = _wait(pid, lifeline_fd=lifeline_fd, wake=wake_read)
+        if status is not None and status_read >= 0:  # the init says how the child ended, unless it was killed
+            told = os.read(status_read, 4)
+            status = int.from_bytes(told, "little") if len(told) == 4 else status
+    finally:
+        if status_read >= 0:  # the namespace ends with its init: already, unless it was not reaped (a kill)
+            if status is None:
+                os.kill(pid, signal.SIGKILL)  # not reaped: its pid is still its own
+                os.waitpid(pid, 0)
+        else:
+            _kill_descendants()
+        _end_as(-signal.SIGKILL if status is None else os.waitstatus_to_exitcode(status))
 
 
 def _init(start: Callable[[], None], status_write: int) -> NoReturn:
@@ -153,18 +162,20 @@ def _reap(pid: int) -> int | None:
 
 def _kill_descendants() -> None:
     """SIGKILL every process below this one (orphans of the child's tree are this subreaper's
-    children), again until none is left, reaping them."""
+    children), again until none is left, reaping them. Each is signalled through a pidfd opened
+    before its ancestry is read again, so that a pid freed and reused meanwhile is never signalled."""
     me = os.getpid()
     while True:
-        parents: dict[int, int] = {}
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{entry}/stat", "rb") as stat:
-                    parents[int(entry)] = int(stat.read().rsplit(b")", 1)[1].split()[1])
-        below = [pid for pid in parents if _descends(pid, me, parents)]
+        parents = _parents()
+        below = [pid for pid in parents if _descends(pid, me, parents.get)]
         for pid in below:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(OSError):
+                handle = os.pidfd_open(pid)
+                try:
+                    if _descends(pid, me, _parent):
+                        signal.pidfd_send_signal(handle, signal.SIGKILL)
+                finally:
+                    os.close(handle)
         with contextlib.suppress(ChildProcessError):
             while os.waitpid(-1, os.WNOHANG)[0]:
                 pass
@@ -173,12 +184,31 @@ def _kill_descendants() -> None:
         time.sleep(0.01)
 
 
-def _descends(pid: int, ancestor: int, parents: dict[int, int]) -> bool:
-    seen = 0
-    while pid in parents and seen < 4096:
-        pid, seen = parents[pid], seen + 1
-        if pid == ancestor:
+def _parents() -> dict[int, int]:
+    """Every process's parent, as /proc says now."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (parent := _parent(int(entry))) is not None:
+            parents[int(entry)] = parent
+    return parents
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return int(stat.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _descends(pid: int, ancestor: int, parent_of: Callable[[int], int | None]) -> bool:
+    for _ in range(4096):
+        parent = parent_of(pid)
+        if parent is None or parent <= 1:
+            return False
+        if parent == ancestor:
             return True
+        pid = parent
     return False
 
 

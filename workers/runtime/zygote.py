@@ -285,7 +285,10 @@ def _accept(listener: socket.socket, children: dict[int, socket.socket]) -> None
             raise PermissionError(f"uid {uid} may not start children here")
         pid = os.fork()
         if pid == 0:
-            _keeper(connection)  # never returns
+            try:
+                _keeper(connection)  # never returns
+            finally:
+                os._exit(1)  # nor, whatever happens, goes back to the zygote's loop
         children[pid] = connection
     except Exception as exc:  # noqa: BLE001 - a refused caller is answered and closed; the zygote goes on
         with contextlib.suppress(OSError):
