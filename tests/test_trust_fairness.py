@@ -325,6 +325,8 @@ def served(searchable, mlflow_server) -> Iterator[Restartable]:
         ZERO1_MLFLOW_TRACKING_URI=mlflow_server.secret_uri,
         ZERO1_MLFLOW_INTERVAL_S="0.2",
         ZERO1_MLFLOW_MAX_BACKOFF_S="1",
+        ZERO1_PREEMPT_MIN_RUNTIME_S="0",  # a victim may be preempted as soon as it trains
+        ZERO1_PREEMPT_GRACE_S="600",  # and is not killed before the restart
     )
     try:
         for token in TOKENS.values():
@@ -439,3 +441,82 @@ def test_mlflow_credentials_are_never_shown_nor_logged_and_each_owner_has_an_exp
         assert PASSWORD not in service.log.read_text(errors="replace")
     finally:
         service.wait(waiting["id"], ALICE)
+
+
+GATED = """
+import os
+import time
+
+import torch
+from torch import nn
+
+
+class Gated(nn.Module):
+    \"\"\"Waits in forward while the gate file names fewer calls than it has made: held mid-step.\"\"\"
+
+    def __init__(self, gate):
+        super().__init__()
+        self.gate, self.calls = gate, 0
+        self.embed = nn.Embedding(64, 16)
+        self.head = nn.Linear(16, 64)
+
+    def forward(self, input_ids, labels):
+        if not isinstance(input_ids, torch._subclasses.FakeTensor):  # not at plan time
+            self.calls += 1
+            while os.path.exists(self.gate) and self.calls > int(open(self.gate).read() or 0):
+                time.sleep(0.02)
+        logits = self.head(self.embed(input_ids))
+        return nn.functional.cross_entropy(logits.reshape(-1, 64), labels.reshape(-1))
+
+
+def build(gate):
+    return Gated(gate)
+"""
+
+
+def test_a_restart_mid_preemption_on_zero1_serve_sends_the_victim_back_to_the_queue(served, tmp_path):
+    """alice's job (priority 10) is held mid-step when root's priority-90 job asks it to stop; the
+    service restarts before it could: the victim goes back to the queue, as asked before the restart
+    (not relaunched at its full N), and root's job runs."""
+    service = served.service
+    gates = Path(tempfile.mkdtemp(prefix="zero1-gate-"))
+    gates.chmod(0o755)  # the victim's uid reads the gate
+    gate = gates / "calls"
+    gate.write_text("1")  # its first step trains; its second waits in forward
+    gate.chmod(0o644)
+    bundle = tmp_path / "gated"
+    bundle.mkdir()
+    (bundle / "gated.py").write_text(GATED)
+    code = service.upload(bundle, ALICE)
+    model = {"kind": "python", "entrypoint": "gated:build", "args": {"gate": str(gate)}}
+    body = job_body(name="victim", num_gpus=1, steps=1_000_000, priority=10, model=model, seq_len=8, code=code)
+    victim = service.request("POST", "/v1/jobs", ALICE, json=body | {"data": {"kind": "synthetic"}}).json()["id"]
+    filler = service.request("POST", "/v1/jobs", BOB, json=job_body(name="filler", num_gpus=1, steps=1_000_000))
+    started = {victim: ALICE, filler.json()["id"]: BOB}
+    try:
+        _wait_job(service, victim, ALICE, lambda j: j["status"] in TERMINAL or j["step"] is not None, "held")
+        urgent = service.request(
+            "POST", "/v1/jobs", ROOT, json=job_body(name="urgent", num_gpus=1, steps=3, priority=90)
+        )
+        urgent_id = urgent.json()["id"]
+        started[urgent_id] = ROOT
+        wait_for(
+            lambda: service.request("GET", "/v1/queue", ROOT).json()["data"],
+            lambda queue: any(e["reason"].startswith(f"preempting job {victim} ") for e in queue),
+            what="the stop asked of the victim",
+        )
+        service = served.restart(ZERO1_TRUSTED_PROXIES="127.0.0.1")
+        back = _wait_job(service, victim, ALICE, lambda j: j["attempt"] >= 1 or j["status"] in TERMINAL, "after")
+        assert back["status"] == "queued", back
+        events = service.request("GET", f"/v1/jobs/{victim}/events", ALICE).json()["data"]
+        assert events[-1]["reason"].startswith(f"preempted by job {urgent_id} (priority 90): "), events[-1]
+        assert "the service restarted" in events[-1]["reason"]
+        ran = _wait_job(service, urgent_id, ROOT, lambda j: j["status"] in ("running", *TERMINAL), "urgent running")
+        assert ran["status"] in ("running", "succeeded"), ran
+    finally:
+        gate.unlink()
+        for job_id, token in started.items():
+            served.service.request("POST", f"/v1/jobs/{job_id}/cancel", token)
+        for job_id, token in started.items():
+            served.service.wait(job_id, token)
+        subprocess.run(["rm", "-rf", str(gates)], check=False)
