@@ -193,6 +193,28 @@ def test_where_no_pid_namespace_may_be_made_the_subreaper_ends_the_daemon(traps,
     _wait_gone(reports, token)
 
 
+PARENT_KILLED = """
+import json, os, sys
+from workers.runtime.sandbox import Child, ChildSpec, RunAs
+
+child = Child("call", ChildSpec(home=sys.argv[1], code_uri=sys.argv[2], run_as=RunAs(2001, 2001)))
+child.send(("traps:daemon", sys.argv[3:5]))
+print(json.dumps(child.receive(120)), flush=True)
+os.kill(os.getpid(), 9)  # as a cancelled rank's actor is killed: no close, no kill of its child
+"""
+
+
+@pytest.mark.parametrize("zygote", ["on", "off"])
+def test_a_daemon_ends_when_its_childs_parent_is_killed(traps, reports, zygote):
+    home, token = Path(tempfile.mkdtemp(prefix="zero1-killed-")), secrets.token_hex(16)
+    env = {**os.environ, "ZERO1_ZYGOTE": zygote}
+    argv = [sys.executable, "-c", PARENT_KILLED, str(home / "child"), traps, str(reports), token]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=180)
+    subprocess.run(["rm", "-rf", str(home)], check=False)
+    assert done.returncode == -9 and json.loads(done.stdout) == {"result": "left a daemon"}, done.stderr
+    _wait_gone(reports, token)
+
+
 # --------------------------------------------------------------------------- finding 11: stdout and stderr
 
 
