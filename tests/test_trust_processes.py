@@ -25,6 +25,7 @@ import pytest
 from served import ALICE, Served
 
 from workers import containment
+from workers.runtime.ranks import PipedLines, RankProcess
 from workers.runtime.sandbox import Child, ChildSpec, RunAs, call_in_child
 
 from helpers import job_body, wait_for
@@ -236,6 +237,20 @@ def test_a_childs_stdout_and_stderr_are_pipes_its_parent_reads(traps, monkeypatc
         subprocess.run(["rm", "-rf", str(home)], check=False)
     assert [target.startswith("pipe:[") for target in answer["result"]] == [True, True], answer
     assert ("stdout", ":actor_name:Imitated") in lines and ("stderr", ":actor_name:Imitated on stderr") in lines
+
+
+def test_what_a_child_floods_its_pipes_with_is_bounded_in_its_parent_and_the_drop_marked(monkeypatch):
+    monkeypatch.setattr(PipedLines, "MAX_BYTES", 100)
+    process = RankProcess.__new__(RankProcess)  # the parent's side alone: no child started
+    process.rank, process._piped, process._count = 1, PipedLines(), 5  # 5 lines handed on before
+    for i in range(50):
+        process._piped("stdout", f"line {i:03}")
+    sent: list = []
+    process._hand_on_piped(sent.extend)
+    marker, kept = sent[0], sent[1:]
+    assert (marker.stream, marker.dropped[0]) == ("marker", 50 - len(kept)) and 0 < len(kept) < 50
+    assert [line.n for line in sent] == list(range(5, 5 + len(sent)))  # numbered by the parent, in order
+    assert [line.line for line in kept] == [f"line {i:03}" for i in range(50 - len(kept), 50)]
 
 
 # --------------------------------------------------------------------------- a real zero1 serve with ZERO1_RUN_AS

@@ -52,24 +52,12 @@ def keep(
     """Run start() (which never returns: it becomes the child) in a forked process contained as
     this module says, and end as it ends. started(containment) is called once the child is forked;
     `inherited` are descriptors only the child needs, closed here once it has them."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     wake_read, wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-    signal.set_wakeup_fd(wake_write)
+    signal.set_wakeup_fd(wake_write)  # SIGCHLD and SIGTERM wake the wait below
     for number in (signal.SIGCHLD, signal.SIGTERM):
         signal.signal(number, lambda *_: None)
-    containment, status_read, status_write = NAMESPACE, -1, -1
-    if libc.unshare(CLONE_NEWPID) == 0:
-        status_read, status_write = os.pipe()
-    else:
-        containment = SUBREAPER.format(why=os.strerror(ctypes.get_errno()))
-    pid = os.fork()
-    if pid == 0:
-        signal.set_wakeup_fd(-1)
-        for number in (signal.SIGCHLD, signal.SIGTERM):
-            signal.signal(number, signal.SIG_DFL)
-        _init(start, status_write) if status_write >= 0 else _run(start)
-    for fd in (*inherited, status_write):
+    pid, status_read, containment = _fork(start)
+    for fd in inherited:
         with contextlib.suppress(OSError):
             os.close(fd)
     status = None  # the child's wait status; None: killed
@@ -81,13 +69,33 @@ def keep(
             told = os.read(status_read, 4)
             status = int.from_bytes(told, "little") if len(told) == 4 else status
     finally:
-        if status_read >= 0:  # the namespace ends with its init: already, unless it was not reaped (a kill)
-            if status is None:
-                os.kill(pid, signal.SIGKILL)  # not reaped: its pid is still its own
-                os.waitpid(pid, 0)
-        else:
+        if status_read < 0:
             _kill_descendants()
+        elif status is None:  # the namespace ends with its init, here not reaped yet: its pid is still its own
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
         _end_as(-signal.SIGKILL if status is None else os.waitstatus_to_exitcode(status))
+
+
+def _fork(start: Callable[[], None]) -> tuple[int, int, str]:
+    """The child forked, contained: (the pid of this process's child, the read end of the pipe its
+    init tells the child's end on (-1: no namespace), the containment in words)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    containment, status_read, status_write = NAMESPACE, -1, -1
+    if libc.unshare(CLONE_NEWPID) == 0:  # this process's next child is pid 1 of a new namespace
+        status_read, status_write = os.pipe()
+    else:
+        containment = SUBREAPER.format(why=os.strerror(ctypes.get_errno()))
+    pid = os.fork()
+    if pid == 0:
+        signal.set_wakeup_fd(-1)
+        for number in (signal.SIGCHLD, signal.SIGTERM):
+            signal.signal(number, signal.SIG_DFL)
+        _init(start, status_write) if status_write >= 0 else _run(start)
+    if status_write >= 0:
+        os.close(status_write)
+    return pid, status_read, containment
 
 
 def _init(start: Callable[[], None], status_write: int) -> NoReturn:

@@ -235,23 +235,16 @@ class RankProcess:
         return MetricRow.from_json({**row, "rank": self.rank})
 
     def _hand_on_piped(self, send_logs: Callable[[list[OutputLine]], None]) -> None:
+        """What the child wrote to its pipes since the last call, numbered after the lines before it;
+        a marker first, in the place of what was dropped, if anything was."""
         piped, (dropped, size) = self._piped.take()
-        lines = [
-            OutputLine(rank=self.rank, n=self._next(), time=at, stream=stream, line=line) for at, stream, line in piped
-        ]
+        lines = []
         if dropped:
             text = f"[zero1] {dropped:,} lines ({size:,} bytes) of rank {self.rank}'s stdout and stderr were dropped"
-            lines.insert(
-                0,
-                OutputLine(
-                    rank=self.rank,
-                    n=self._next(),
-                    time=time.time(),
-                    stream="marker",
-                    line=text,
-                    dropped=(dropped, size),
-                ),
-            )
+            marker = {"stream": "marker", "line": text, "dropped": (dropped, size)}
+            lines.append(OutputLine(rank=self.rank, n=self._next(), time=time.time(), **marker))
+        for at, stream, line in piped:
+            lines.append(OutputLine(rank=self.rank, n=self._next(), time=at, stream=stream, line=line))
         if lines:
             send_logs(lines)
 
