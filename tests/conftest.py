@@ -7,6 +7,7 @@ import os
 import secrets
 import shutil
 import stat
+import subprocess
 import sys
 import tempfile
 import time
@@ -274,3 +275,15 @@ def searchable() -> Iterator[None]:
     finally:
         for directory, mode in modes.items():
             os.chmod(directory, stat.S_IMODE(mode))
+
+
+@pytest.fixture
+def reports() -> Iterator[Path]:
+    """A directory every uid may write its report in (sticky: none replaces another's), for the
+    probes of the trust tests, whose code runs under their owners' uids."""
+    directory = Path(tempfile.mkdtemp(prefix="zero1-reports-"))
+    os.chmod(directory, 0o1777)
+    try:
+        yield directory
+    finally:
+        subprocess.run(["rm", "-rf", str(directory)], check=False)

@@ -11,6 +11,9 @@ import secrets
 import signal
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -87,3 +90,15 @@ class Served:
     def stop(self) -> None:
         self.process.send_signal(signal.SIGTERM)
         self.process.wait(timeout=120)
+
+
+@contextmanager
+def running(prefix: str, **env: str) -> Iterator[Served]:
+    """A Served in a new state directory (named `prefix`…), stopped and removed after."""
+    state = Path(tempfile.mkdtemp(prefix=prefix))
+    service = Served(state, **env)
+    try:
+        yield service
+    finally:
+        service.stop()
+        subprocess.run(["rm", "-rf", str(state)], check=False)

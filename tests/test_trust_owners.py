@@ -121,17 +121,6 @@ def probe(tmp_path_factory) -> Path:
     return bundle
 
 
-@pytest.fixture
-def reports() -> Iterator[Path]:
-    """A directory every uid may write its report in (sticky: none replaces another's)."""
-    directory = Path(tempfile.mkdtemp(prefix="zero1-owner-reports-"))
-    os.chmod(directory, 0o1777)
-    try:
-        yield directory
-    finally:
-        subprocess.run(["rm", "-rf", str(directory)], check=False)
-
-
 def _job_dir(served: Served, job_id: int) -> Path:
     (directory,) = served.checkpoints.glob(f"job-{job_id}-*")
     return directory

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from served import ALICE, BOB, Served
+from served import ALICE, BOB, Served, running
 
 from service.errors import ServiceError
 from service.store.checkpoint_files import open_checkpoint_file
@@ -120,13 +120,8 @@ def _owned_by(path: Path, uid: tuple[int, int]) -> None:
 
 @pytest.fixture(scope="module")
 def served(searchable) -> Iterator[Served]:
-    state = Path(tempfile.mkdtemp(prefix="zero1-races-"))
-    service = Served(state, ZERO1_RUN_AS=RUN_AS)
-    try:
+    with running("zero1-races-", ZERO1_RUN_AS=RUN_AS) as service:
         yield service
-    finally:
-        service.stop()
-        subprocess.run(["rm", "-rf", str(state)], check=False)
 
 
 @pytest.fixture(scope="module")

@@ -17,14 +17,13 @@ import json
 import os
 import signal
 import stat
-import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from served import ALICE, BOB, ROOT, Served
+from served import ALICE, BOB, ROOT, Served, running
 
 from service.scheduling.launcher import supervisor_name
 from workers.runtime.sandbox import RunAs, check_runnable, child_environment, exit_reason
@@ -129,13 +128,8 @@ def leaky(**args):
 def served(searchable, s3_server) -> Iterator[Served]:
     """The service with the S3 credentials in its environment (s3_server sets them), as a deployment
     on S3 has them: its ranks' parents hold them, their children must not."""
-    state = Path(tempfile.mkdtemp(prefix="zero1-trust-"))
-    service = Served(state, ZERO1_RUN_AS=RUN_AS)
-    try:
+    with running("zero1-trust-", ZERO1_RUN_AS=RUN_AS) as service:
         yield service
-    finally:
-        service.stop()
-        subprocess.run(["rm", "-rf", str(state)], check=False)
 
 
 @pytest.fixture(scope="module")
@@ -143,17 +137,6 @@ def probe(tmp_path_factory) -> Path:
     bundle = tmp_path_factory.mktemp("probe-bundle")
     (bundle / "probe.py").write_text(PROBE)
     return bundle
-
-
-@pytest.fixture
-def reports() -> Iterator[Path]:
-    """A directory every uid may write its report in (sticky: none replaces another's)."""
-    directory = Path(tempfile.mkdtemp(prefix="zero1-reports-"))
-    os.chmod(directory, 0o1777)
-    try:
-        yield directory
-    finally:
-        subprocess.run(["rm", "-rf", str(directory)], check=False)
 
 
 def probe_model(served: Served, reports: Path, *, other_job_dir: Path, try_ray: bool = False) -> dict:
