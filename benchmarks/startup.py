@@ -58,7 +58,7 @@ def serve(tree: Path, scratch: Path, **env: str) -> Iterator[httpx.Client]:
         "ZERO1_SCHEDULER_INTERVAL_S": "0.05",
         "ZERO1_CPUS_PER_WORKER": "0.5",
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-        "RAY_TMPDIR": tempfile.mkdtemp(prefix="zero1-bench-ray-"),
+        "RAY_TMPDIR": tempfile.mkdtemp(prefix="z1b-"),
         **env,
     }
     log = open(scratch / "serve.log", "wb")  # noqa: SIM115 - open for the server's life
