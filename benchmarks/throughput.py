@@ -14,8 +14,9 @@ evaluation off and one checkpoint at the end.
   torch.optim.AdamW (foreach), timed per step the same way.
 
 With `--before REF`, zero1 also runs the tree of git ref REF (checked out with `git worktree`, run
-with this venv: benchmarks/startup.py's way), one job after the other in the same run: a change's
-cost in throughput, side by side.
+with this venv: benchmarks/startup.py's way) in the same run, two jobs of each tree in the order
+before, this, this, before (a job's few seconds of training overlap the last server's Ray winding
+down: the order cancels it), their steps pooled: a change's cost in throughput, side by side.
 
 Prints one table, medians over the steps after the first 10 (warm-up), and the ratio.
 """
@@ -77,7 +78,11 @@ def zero1_rates(*, steps: int, scratch: Path, tree: Path = ROOT) -> tuple[list[f
     }
     zero1 = str(Path(sys.executable).with_name("zero1"))
     server = subprocess.Popen(
-        [zero1, "serve", "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        [zero1, "serve", "--port", str(port)],
+        cwd=tree,  # Ray's workers import from the driver's working directory: the tree's code
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
@@ -166,6 +171,21 @@ def ddp_rates(*, steps: int, cache_dir: str, scratch: Path) -> list[float]:
     return json.loads(out.read_text())
 
 
+def _side_by_side(before: Path, *, steps: int, scratch: Path) -> tuple[list[float], list[float], str]:
+    """(the earlier tree's rates, this tree's, this tree's token cache): two jobs of each, in the order
+    before, this, this, before, so that neither tree always runs while the last server's Ray winds
+    down; each tree's rates after warm-up pooled."""
+    rates: dict[str, list[float]] = {"before": [], "this": []}
+    cache_dir = ""
+    for round_, name in enumerate(("before", "this", "this", "before")):
+        found, cache = zero1_rates(
+            steps=steps, scratch=scratch / f"{name}-{round_}", tree=before if name == "before" else ROOT
+        )
+        rates[name] += found[WARMUP_STEPS:]
+        cache_dir = cache if name == "this" else cache_dir
+    return [0.0] * WARMUP_STEPS + rates["before"], [0.0] * WARMUP_STEPS + rates["this"], cache_dir
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=150)
@@ -178,9 +198,10 @@ def main() -> None:
             from startup import worktree  # benchmarks/ is this script's directory, first on sys.path
 
             with worktree(args.before) as before:
-                earlier, _ = zero1_rates(steps=args.steps, scratch=scratch / "before", tree=before)
+                earlier, ours, cache_dir = _side_by_side(before, steps=args.steps, scratch=scratch)
             rows.append((f"zero1 before ({args.before})", earlier))
-        ours, cache_dir = zero1_rates(steps=args.steps, scratch=scratch / "this")
+        else:
+            ours, cache_dir = zero1_rates(steps=args.steps, scratch=scratch / "this")
         theirs = ddp_rates(steps=args.steps, cache_dir=cache_dir, scratch=scratch)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
