@@ -287,3 +287,17 @@ def reports() -> Iterator[Path]:
         yield directory
     finally:
         subprocess.run(["rm", "-rf", str(directory)], check=False)
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """A real `mlflow server` (tests/test_mlflow.py's MlflowServer) for the module's exports."""
+    from test_mlflow import MlflowServer
+
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow"))
+    server.start()
+    try:
+        yield server
+    finally:
+        if server.process is not None and server.process.poll() is None:
+            server.stop()

@@ -27,10 +27,10 @@ ALICE, BOB, ROOT = (f"{user}-{secrets.token_urlsafe(24)}" for user in ("alice", 
 TOKENS = {"alice": ALICE, "bob": BOB, "root": ROOT}
 
 
-def _gcs_address(server_pid: int) -> str:
-    """The address of the GCS the service's embedded Ray started: its session directory is named
-    after the process that started it, and holds the port."""
-    found = list(Path(os.environ["RAY_TMPDIR"]).glob(f"**/session_*_{server_pid}/gcs_server_port_*"))
+def _gcs_address(server_pid: int, *, ray_tmpdir: str) -> str:
+    """The address of the GCS the service's embedded Ray started: its session directory (under
+    `ray_tmpdir`) is named after the process that started it, and holds the port."""
+    found = list(Path(ray_tmpdir).glob(f"**/session_*_{server_pid}/gcs_server_port_*"))
     assert len(found) == 1, found
     return f"127.0.0.1:{int(found[0].read_text().strip())}"
 
@@ -61,7 +61,7 @@ class Served:
                 [ZERO1, "serve", "--port", str(self.port)], env=self.env, stdout=log, stderr=subprocess.STDOUT
             )
         wait_healthy(self.base, server=self.process)
-        self.gcs = _gcs_address(self.process.pid)
+        self.gcs = _gcs_address(self.process.pid, ray_tmpdir=self.env["RAY_TMPDIR"])
 
     def request(self, method: str, path: str, token: str, **kwargs) -> httpx.Response:
         return httpx.request(

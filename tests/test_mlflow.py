@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -101,17 +100,6 @@ class MlflowServer:
         with contextlib.suppress(ProcessLookupError):  # a child still bound: end the whole group
             os.killpg(self.process.pid, signal.SIGKILL)
         return False
-
-
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory) -> Iterator[MlflowServer]:
-    server = MlflowServer(tmp_path_factory.mktemp("mlflow"))
-    server.start()
-    try:
-        yield server
-    finally:
-        if server.process is not None and server.process.poll() is None:
-            server.stop()
 
 
 @pytest.fixture(scope="module")

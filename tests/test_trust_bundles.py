@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from served import ALICE, ZERO1, Served
+from served import ALICE, ZERO1, Served, running
 
 from service.planning.cluster import private_ray_temp_dir, without_service_secrets
 from service.store.code_bundles import CodeStore, ObjectCodeStore
@@ -131,20 +131,14 @@ def world() -> Iterator[dict[str, Path]]:
 
 
 @pytest.fixture(scope="module")
-def served(searchable, s3_server, world) -> Iterator[Served]:
+def served(searchable, s3_server, world, tmp_path_factory) -> Iterator[Served]:
     """`zero1 serve` with ZERO1_RUN_AS, checkpoints and code on S3 (the AWS_* variables are in its
     environment: s3_server set them), and its embedded Ray's files under a world-writable RAY_TMPDIR."""
-    state = Path(tempfile.mkdtemp(prefix="zero1-bundles-"))
     uri = s3_server.uri(f"trust-bundles-{secrets.token_hex(4)}")
-    env = {"ZERO1_RUN_AS": RUN_AS, "ZERO1_CHECKPOINT_URI": uri, "ZERO1_LOCAL_DIR": str(state / "local")}
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("RAY_TMPDIR", str(world["ray"]))  # the service's, and where Served finds its Ray
-        service = Served(state, **env)
-    try:
+    local = tmp_path_factory.mktemp("bundles-local")
+    env = {"ZERO1_RUN_AS": RUN_AS, "ZERO1_CHECKPOINT_URI": uri, "ZERO1_LOCAL_DIR": str(local)}
+    with running("zero1-bundles-", RAY_TMPDIR=str(world["ray"]), **env) as service:
         yield service
-    finally:
-        service.stop()
-        subprocess.run(["rm", "-rf", str(state)], check=False)
 
 
 def model_files(world: dict[str, Path]) -> dict[str, bytes]:

@@ -26,7 +26,7 @@ import httpx
 import pytest
 from served import ALICE, BOB, ROOT, TOKENS, Served
 from sqlalchemy import select
-from test_mlflow import PASSWORD, MlflowServer, the_run
+from test_mlflow import PASSWORD, the_run
 
 from service.auth import credential
 from service.lockout import KNOWN_S, MAX_FAILURES, LoginLockout
@@ -298,17 +298,6 @@ class Restartable:
         self.service.stop()
         self.service = Served(self.state, **self.env, **env)
         return self.service
-
-
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory) -> Iterator[MlflowServer]:
-    server = MlflowServer(tmp_path_factory.mktemp("mlflow"))
-    server.start()
-    try:
-        yield server
-    finally:
-        if server.process is not None and server.process.poll() is None:
-            server.stop()
 
 
 @pytest.fixture(scope="module")
