@@ -49,7 +49,7 @@ def run(steps: int, every: int, root: Path) -> dict[str, Any]:
     from fastapi.testclient import TestClient
 
     from service.main import create_app
-    from service.scheduling.launcher import supervisor_name
+    from service.scheduling.ray_launcher import supervisor_name
     from service.settings import Settings
 
     settings = Settings(

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import httpx
 
-from service.planning.cluster import simulated_capacity
+from service.planning.capacity import simulated_capacity
 from service.planning.plans import make_plan, plan_public
 from service.schemas.requests import PlanRequest
 from service.settings import Settings

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/scheduling.py   # --jobs 500 --seed 29 --load 0.9 --queued 10000
 
 Replays one workload through the real scheduler (service.scheduling.scheduler.Scheduler, its
-database on SQLite, its policy in service/scheduling/queue.py) twice, once under
+database on SQLite, its policy in service/scheduling/queue_policy.py) twice, once under
 ZERO1_QUEUE_POLICY=fifo and once under priority, with a simulated launcher and clock in place
 of Ray: no job trains, each attempt's progress is a function of the simulated time.
 
@@ -50,7 +50,7 @@ from typing import Any
 
 from sqlalchemy import func, insert, select
 
-from service.planning.cluster import ClusterCapacity
+from service.planning.capacity import ClusterCapacity
 from service.scheduling import admission, jobs
 from service.scheduling.scheduler import Scheduler
 from service.schemas.requests import JobSpec
@@ -249,7 +249,7 @@ class Attempt:
 
 
 class SimLauncher:
-    """The launcher interface the scheduler calls (service.scheduling.launcher.RayLauncher's), on a
+    """The launcher interface the scheduler calls (service.scheduling.ray_launcher.RayLauncher's), on a
     simulated cluster of `total_gpus`: each attempt progresses by the clock, no process runs."""
 
     def __init__(self, settings: Settings, *, clock: SimClock, total_gpus: int) -> None:

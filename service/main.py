@@ -1,6 +1,6 @@
 """The FastAPI application.
 
-May import: service.settings, service.errors, service.auth, service.telemetry, service.runtime,
+May import: service.settings, service.errors, service.auth, service.telemetry, service.app_state,
 service.scheduling, service.api, service.dashboard, workers.runtime.sandbox.
 """
 
@@ -17,10 +17,10 @@ from fastapi.staticfiles import StaticFiles
 from service import dashboard
 from service.api import root, v1
 from service.api.limits import BodyLimit, BodySizeLimit
+from service.app_state import AppState
 from service.auth import Authenticator, TokenTable, load_tokens, lockout_of
 from service.dashboard.login import install_login, require_page_reader
 from service.errors import install_error_handlers
-from service.runtime import Runtime
 from service.scheduling.gauges import JobGauges
 from service.settings import Settings, get_settings
 from service.telemetry import RequestTimer, Telemetry
@@ -52,7 +52,7 @@ def create_app(settings: Settings | None = None, *, tokens: TokenTable | None = 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        runtime = Runtime(settings, telemetry=telemetry)
+        runtime = AppState(settings, telemetry=telemetry)
         runtime.start()
         app.state.runtime = runtime
         telemetry.register(JobGauges(runtime.db, total_gpus=lambda: runtime.cluster.capacity().num_gpus))

@@ -5,7 +5,7 @@ One uid per owner, as Determined links each user to a uid: two owners under one 
 job directories, checkpoints and final weights, so a uid named for two owners, a range holding a named
 uid, and the old `*=uid:gid` (every unmapped owner under that one uid) are refused at start.
 
-May import: workers.runtime.sandbox.
+May import: workers.records.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from workers.runtime.sandbox import RunAs
+from workers.records import RunAs
 
 MAX_UID = 2**31 - 1
 """The highest uid a range may hold: the owner_uids column is a 32-bit signed integer."""

@@ -1,6 +1,6 @@
 """Settings: every ZERO1_* environment variable, read in one place.
 
-May import: service.run_as, workers.training.storage.
+May import: service.run_as, workers.uris.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pydantic import Field, InstanceOf, SecretStr, ValidationInfo, field_validat
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from service.run_as import RunAsTable, parse_run_as
-from workers.training.storage import is_remote, parse_uri
+from workers.uris import is_remote, parse_uri
 
 PLACEHOLDER = re.compile(r"change[-_]?me", re.IGNORECASE)
 """The mark of .env.example's values: a secret that has it is known to everyone who read the example."""

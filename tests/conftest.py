@@ -99,7 +99,7 @@ def end_supervisors(namespace: str) -> None:
     groups are removed once the namespace's actors are gone, so none is created after the pass."""
     import ray
 
-    from service.scheduling.launcher import remove_placement_groups
+    from service.scheduling.ray_launcher import remove_placement_groups
 
     named = lambda: [e for e in ray.util.list_named_actors(all_namespaces=True) if e["namespace"] == namespace]
     for entry in named():

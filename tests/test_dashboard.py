@@ -32,7 +32,7 @@ from playwright.sync_api import Browser, Page, expect, sync_playwright
 from service.dashboard import charts
 from service.dashboard.format import duration, human_bytes, significant
 from service.dashboard.routes import LOG_KEEP, LOG_LINES, TABLE_LIMIT, _number, table_order
-from service.planning.cluster import ClusterCapacity
+from service.planning.capacity import ClusterCapacity
 from service.scheduling.admission import admit
 from service.scheduling.jobs import submit_job, transition
 from service.schemas.requests import JobSpec

@@ -12,7 +12,7 @@ import pytest
 import ray
 import torch
 
-from service.scheduling.launcher import supervisor_name
+from service.scheduling.ray_launcher import supervisor_name
 
 from conftest import make_settings, serve
 from helpers import FAST, TERMINAL, job_body, job_checkpoint_dir, wait_for

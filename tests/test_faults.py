@@ -27,7 +27,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, text
 
 from service.main import create_app
-from service.scheduling.launcher import supervisor_name
+from service.scheduling.ray_launcher import supervisor_name
 from workers.training.reader import read_shard
 
 from conftest import make_settings

@@ -65,7 +65,7 @@ def test_the_api_process_does_not_import_torch():
 
 
 def test_the_embedded_cluster_counts_gpus_without_torch(tmp_path, monkeypatch):
-    from service.planning.cluster import _cuda_device_count
+    from service.planning.capacity import _cuda_device_count
 
     driver = tmp_path / "gpus"
     assert _cuda_device_count(str(driver)) == 0  # no driver: logical GPUs instead
@@ -108,7 +108,7 @@ def test_a_rank_trains_the_built_in_models_without_loading_torch_dynamo(tmp_path
 _PARENT = r"""
 import sys
 # a rank's parent, a task's: Ray, never torch
-import workers.runtime.actors, workers.runtime.ranks, workers.runtime.isolated
+import workers.runtime.actors, workers.runtime.rank_parent, workers.runtime.isolated
 print(sorted(m for m in sys.modules if m.partition(".")[0] in ("torch", "transformers")))
 """
 

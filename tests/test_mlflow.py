@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.planning.cluster import ClusterCapacity
+from service.planning.capacity import ClusterCapacity
 from service.scheduling import admission
 from service.scheduling.jobs import submit_job
 from service.schemas.requests import JobSpec

@@ -1,4 +1,4 @@
-"""The queue's policy on snapshots (service/scheduling/queue.py): order by priority then submission,
+"""The queue's policy on snapshots (service/scheduling/queue_policy.py): order by priority then submission,
 backfill, quotas with borrowing, and which jobs a waiting one preempts (shrinks first, then whole
 jobs; borrowed first, then the lowest priority, then the most recently started; never a young one).
 
@@ -9,7 +9,7 @@ Packages: service.scheduling.
 
 from __future__ import annotations
 
-from service.scheduling.queue import Holding, Preempt, Start, Waiting, decide, decide_fifo
+from service.scheduling.queue_policy import Holding, Preempt, Start, Waiting, decide, decide_fifo
 
 
 def waiting(job_id: int, priority: int, *sizes: int, owner: str | None = None) -> Waiting:

@@ -334,9 +334,8 @@ def test_a_check_as_another_uid_reads_the_staged_copy_and_its_token_file_goes_to
     """The task's side stages the data where a child under its owner's uid (ZERO1_RUN_AS) can read
     them, and the child, holding no credentials, tokenizes them; the task stores the token file."""
     from service.planning.dataset_checks import DatasetRequest
-    from workers.records import DatasetSummary
+    from workers.records import DatasetSummary, RunAs
     from workers.runtime.isolated import IsolatedCall, run_isolated
-    from workers.runtime.sandbox import RunAs
 
     root, local = tree
     cache = tmp_path / "cache"  # the service's: the child spills its token file, the task moves it here

@@ -19,9 +19,9 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from service.main import create_app
-from service.planning.cluster import ClusterCapacity
+from service.planning.capacity import ClusterCapacity
 from service.scheduling import admission, jobs
-from service.scheduling.launcher import RayLauncher, checkpoint_dirname, supervisor_name
+from service.scheduling.ray_launcher import RayLauncher, checkpoint_dirname, supervisor_name
 from service.scheduling.scheduler import Scheduler
 from service.schemas.requests import JobSpec
 from service.store.db import Database, upgrade
@@ -150,7 +150,7 @@ def test_the_scheduler_frees_a_placement_group_its_killed_supervisor_left(ray_cl
     of this deployment that is not active) and frees its GPUs."""
     from ray.util.placement_group import placement_group
 
-    from service.scheduling.launcher import placement_group_name
+    from service.scheduling.ray_launcher import placement_group_name
 
     settings = make_settings(tmp_path, placement_sweep_interval_s=0.5)  # the default 10 s, here waited
     name = placement_group_name(settings.ray_namespace, 999, 0)
@@ -171,12 +171,12 @@ def test_releasing_an_ended_attempt_frees_its_group_quietly_and_a_sweep_warns(ra
 
     from ray.util.placement_group import placement_group
 
-    from service.scheduling.launcher import placement_group_name
+    from service.scheduling.ray_launcher import placement_group_name
 
     launcher = RayLauncher(make_settings(tmp_path))
     namespace = launcher.settings.ray_namespace
     table = lambda name: [e["state"] for e in ray.util.placement_group_table().values() if e["name"] == name]
-    caplog.set_level(logging.DEBUG, logger="service.scheduling.launcher")
+    caplog.set_level(logging.DEBUG, logger="service.scheduling.ray_launcher")
     for job_id, end in ((997, lambda: launcher.release(997, 0)), (998, lambda: launcher.sweep(set()))):
         group = placement_group([{"GPU": 1, "CPU": 0.5}], name=placement_group_name(namespace, job_id, 0))
         ray.get(group.ready(), timeout=30)

@@ -27,7 +27,7 @@ from service.cli import main
 from service.errors import ServiceError
 from service.lockout import MAX_FAILURES, WINDOW_S, LoginLockout, client_key
 from service.main import create_app
-from service.planning.cluster import ClusterCapacity, RayCluster
+from service.planning.capacity import ClusterCapacity, RayCluster
 from service.scheduling.admission import admit
 from service.scheduling.jobs import job_public, submit_job
 from service.schemas.requests import JobSpec

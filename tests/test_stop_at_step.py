@@ -26,7 +26,7 @@ from workers.config import TrainConfig
 from workers.models.builtin import build_model
 from workers.records import MetricRow
 from workers.runtime.actors import JobSupervisor, Placement, _StopAsker
-from workers.runtime.ranks import MetricsSink, PipedLines, RankFailed, RankProcess
+from workers.runtime.rank_parent import MetricsSink, PipedLines, RankFailed, RankProcess
 from workers.training.checkpoints import checkpointed_metrics, latest_checkpoint
 from workers.training.loop import train
 from workers.training.reader import read_shard

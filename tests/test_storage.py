@@ -21,7 +21,8 @@ from workers.training.checkpoints import (
     latest_checkpoint,
     prune_checkpoints,
 )
-from workers.training.storage import DirectoryStore, ObjectStore, Store, is_remote, join_uri, open_store, parse_uri
+from workers.training.storage import DirectoryStore, ObjectStore, Store, open_store
+from workers.uris import is_remote, join_uri, parse_uri
 
 
 @pytest.mark.parametrize(

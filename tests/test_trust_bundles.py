@@ -28,11 +28,12 @@ import httpx
 import pytest
 from served import ALICE, ZERO1, Served, running
 
-from service.planning.cluster import private_ray_temp_dir, without_service_secrets
+from service.planning.capacity import private_ray_temp_dir, without_service_secrets
 from service.store.code_bundles import CodeStore, ObjectCodeStore
 from workers.training.bundles import BundleError, unpack_bundle
 from workers.training.checkpoints import latest_checkpoint
-from workers.training.storage import join_uri, open_store
+from workers.training.storage import open_store
+from workers.uris import join_uri
 
 from figures import record
 from helpers import free_port, job_body, stored_bundle, symlink_zip, zip_of

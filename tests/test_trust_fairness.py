@@ -30,7 +30,7 @@ from test_mlflow import PASSWORD, the_run
 
 from service.auth import credential
 from service.lockout import KNOWN_S, MAX_FAILURES, LoginLockout
-from service.planning.cluster import ClusterCapacity
+from service.planning.capacity import ClusterCapacity
 from service.scheduling import admission, jobs
 from service.scheduling.scheduler import Scheduler
 from service.schemas.requests import JobSpec

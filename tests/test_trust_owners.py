@@ -35,7 +35,8 @@ from service.schemas.printable import CONTROL, MULTILINE, escape
 from service.settings import Settings
 from service.store.db import Database, upgrade
 from service.store.owner_uids import OwnerUids, UidRangeFull
-from workers.runtime.sandbox import RunAs, check_runnable
+from workers.records import RunAs
+from workers.runtime.sandbox import check_runnable
 
 from figures import record
 from helpers import job_body

@@ -25,8 +25,9 @@ import pytest
 from served import ALICE, Served, running
 
 from workers import containment
-from workers.runtime.ranks import PipedLines, RankProcess
-from workers.runtime.sandbox import Child, ChildSpec, RunAs, call_in_child
+from workers.records import RunAs
+from workers.runtime.rank_parent import PipedLines, RankProcess
+from workers.runtime.sandbox import Child, ChildSpec, call_in_child
 
 from helpers import job_body, wait_for
 
@@ -185,7 +186,8 @@ def test_where_no_pid_namespace_may_be_made_the_subreaper_ends_the_daemon(traps,
 
 PARENT_KILLED = """
 import json, os, sys
-from workers.runtime.sandbox import Child, ChildSpec, RunAs
+from workers.runtime.sandbox import Child, ChildSpec
+from workers.records import RunAs
 
 child = Child("call", ChildSpec(home=sys.argv[1], code_uri=sys.argv[2], run_as=RunAs(2001, 2001)))
 child.send(("traps:daemon", sys.argv[3:5]))

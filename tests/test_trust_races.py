@@ -31,7 +31,7 @@ from served import ALICE, BOB, Served, running
 from service.errors import ServiceError
 from service.store.checkpoint_files import open_checkpoint_file
 from workers.config import FieldError, InitSpec
-from workers.runtime.sandbox import RunAs
+from workers.records import RunAs
 from workers.runtime.spool import Spool, SpoolError
 from workers.training import confined, staging
 from workers.training.storage import DirectoryStore

@@ -25,8 +25,9 @@ from pathlib import Path
 import pytest
 from served import ALICE, BOB, ROOT, Served, running
 
-from service.scheduling.launcher import supervisor_name
-from workers.runtime.sandbox import RunAs, check_runnable, child_environment, exit_reason
+from service.scheduling.ray_launcher import supervisor_name
+from workers.records import RunAs
+from workers.runtime.sandbox import check_runnable, child_environment, exit_reason
 from zero1.bundle import zip_directory
 
 from conftest import unsearchable_dirs

@@ -293,7 +293,7 @@ def test_a_placement_group_no_attempt_owns_is_removed_and_one_an_active_attempt_
     active attempts and of other namespaces."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from service.scheduling.launcher import placement_group_name, remove_placement_groups
+    from service.scheduling.ray_launcher import placement_group_name, remove_placement_groups
 
     orphan = placement_group([{"GPU": 1, "CPU": 0.5}], name=placement_group_name("sweep-ns", 7, 0))
     active = placement_group([{"GPU": 1, "CPU": 0.5}], name=placement_group_name("sweep-ns", 8, 2))
@@ -361,7 +361,7 @@ def test_a_group_removed_while_it_is_placed_gives_every_gpu_back(ray_cluster):
     groups over both nodes give all 4 back; one that cannot be placed (5 GPUs) waits SETTLE_S."""
     from ray.util.placement_group import placement_group
 
-    from workers.runtime.cluster import SETTLE_S, remove_group
+    from workers.runtime.cluster_tasks import SETTLE_S, remove_group
 
     for delay_s in (0.0, 0.001, 0.003, 0.01, 0.0, 0.002):
         group = placement_group([{"GPU": 1, "CPU": 0.5}] * 4, strategy="SPREAD")

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import pytest
 
+from workers.records import RunAs
 from workers.runtime import zygote
-from workers.runtime.sandbox import Child, ChildExited, ChildSpec, RunAs, call_in_child, child_environment
+from workers.runtime.sandbox import Child, ChildExited, ChildSpec, call_in_child, child_environment
 
 from helpers import stored_bundle
 

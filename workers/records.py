@@ -202,3 +202,11 @@ class DatasetSummary:
     tokenized: bool
     token_file: str | None = None
     """The cache entry's token file (None without a cache): the service marks it used and trims the cache."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunAs:
+    """The uid and gid a job's children run under (ZERO1_RUN_AS); None where they run as the service."""
+
+    uid: int
+    gid: int

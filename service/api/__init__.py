@@ -3,7 +3,7 @@
 Every /v1 route and /metrics is a read that needs a token while auth is on (unless
 ZERO1_PUBLIC_READ); the routes that change something ask for a writer too. /healthz stays open.
 
-May import: service.settings, service.errors, service.auth, service.telemetry, service.runtime,
+May import: service.settings, service.errors, service.auth, service.telemetry, service.app_state,
 service.schemas, service.store, service.planning, service.scheduling, service.tracking, workers.memory.
 """
 

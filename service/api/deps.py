@@ -10,29 +10,29 @@ from fastapi import Depends, Path, Request, Response
 from pydantic import BaseModel
 from sqlalchemy.orm import Session
 
+from service.app_state import AppState
 from service.auth import Authenticator, Principal
-from service.planning.cluster import ClusterCapacity
+from service.planning.capacity import ClusterCapacity
 from service.planning.traces import Tracer
-from service.runtime import Runtime
 from service.schemas.responses import ErrorPublic
 from service.settings import Settings
 
 
-def get_runtime(request: Request) -> Runtime:
+def get_app_state(request: Request) -> AppState:
     return request.app.state.runtime
 
 
-RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
+AppStateDep = Annotated[AppState, Depends(get_app_state)]
 
 
-def get_settings(runtime: RuntimeDep) -> Settings:
+def get_settings(runtime: AppStateDep) -> Settings:
     return runtime.settings
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 
 
-def get_session(runtime: RuntimeDep) -> Iterator[Session]:
+def get_session(runtime: AppStateDep) -> Iterator[Session]:
     """The request's session: its one commit point, before the response is sent."""
     with runtime.db.session() as session:
         yield session
@@ -41,7 +41,7 @@ def get_session(runtime: RuntimeDep) -> Iterator[Session]:
 SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 
 
-def get_cluster(runtime: RuntimeDep) -> ClusterCapacity:
+def get_cluster(runtime: AppStateDep) -> ClusterCapacity:
     """The GPUs plans and admission are checked against."""
     return runtime.cluster.capacity()
 
@@ -49,7 +49,7 @@ def get_cluster(runtime: RuntimeDep) -> ClusterCapacity:
 ClusterDep = Annotated[ClusterCapacity, Depends(get_cluster)]
 
 
-def get_tracer(runtime: RuntimeDep) -> Tracer:
+def get_tracer(runtime: AppStateDep) -> Tracer:
     """Where traced plans are made (a Ray task) and remembered."""
     return runtime.tracer
 

@@ -18,8 +18,8 @@ from typing import TypeVar
 
 from starlette.concurrency import run_in_threadpool
 
+from service.app_state import AppState
 from service.auth import Principal
-from service.runtime import Runtime
 from service.store.code_uploads import require_bundle
 
 T = TypeVar("T")
@@ -34,7 +34,7 @@ async def in_file_thread(fn: Callable[..., T], /, *args, **kwargs) -> T:
     return await asyncio.get_running_loop().run_in_executor(_FILES, functools.partial(fn, *args, **kwargs))
 
 
-async def require_code(runtime: Runtime, digest: str, *, principal: Principal) -> None:
+async def require_code(runtime: AppState, digest: str, *, principal: Principal) -> None:
     """service.store.code_uploads.require_bundle (422 unknown, 403 someone else's) in a session of its own."""
 
     def check() -> None:

@@ -113,7 +113,7 @@ def format_recommendations(body: dict) -> str:
 
 def _recommend(args: argparse.Namespace) -> int:
     from service.errors import ServiceError, describe_validation_errors
-    from service.planning.cluster import simulated_capacity
+    from service.planning.capacity import simulated_capacity
     from service.planning.recommendations import cost_model_of, recommend_public
     from service.schemas.requests import RecommendRequest
 
@@ -143,7 +143,7 @@ def _recommend(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from service.errors import ServiceError, describe_validation_errors
-    from service.planning.cluster import simulated_capacity
+    from service.planning.capacity import simulated_capacity
     from service.planning.plans import make_plan, plan_public
     from service.planning.traces import Tracer
     from service.schemas.requests import PlanRequest

@@ -29,7 +29,7 @@ def cmd_db(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from service.auth import check_bind, load_tokens
-    from service.planning.cluster import check_ray_auth_token, private_ray_temp_dir
+    from service.planning.capacity import check_ray_auth_token, private_ray_temp_dir
     from service.store.db import check_url
 
     try:  # before anything starts: a bad setting or token entry, an open bind or a placeholder is a message

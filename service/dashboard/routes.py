@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service.api.deps import ClusterDep, ReaderDep, RuntimeDep, SessionDep, SettingsDep
+from service.api.deps import AppStateDep, ClusterDep, ReaderDep, SessionDep, SettingsDep
 from service.auth import Principal
 from service.dashboard import charts
 from service.dashboard.format import FILTERS, elapsed_s
@@ -30,7 +30,7 @@ from service.errors import ServiceError, describe_validation_errors
 from service.planning.plans import make_plan, plan_public
 from service.planning.recommendations import cost_model_of, recommend_public
 from service.scheduling import controls, jobs
-from service.scheduling.launcher import RayLauncher
+from service.scheduling.ray_launcher import RayLauncher
 from service.schemas.fields import JobStatus, resolved_roots, too_many_digits
 from service.schemas.printable import MULTILINE, escape
 from service.schemas.requests import PlanRequest, RecommendRequest
@@ -127,7 +127,7 @@ def jobs_page(
     session: SessionDep,
     cluster: ClusterDep,
     principal: ReaderDep,
-    runtime: RuntimeDep,
+    runtime: AppStateDep,
     settings: SettingsDep,
     status: str | None = None,
 ):
@@ -176,7 +176,12 @@ def page_job_id(text: str) -> int | None:
 
 @router.get("/jobs/{job_id}", response_class=HTMLResponse)
 def job_page(
-    request: Request, job_id: str, session: SessionDep, principal: ReaderDep, settings: SettingsDep, runtime: RuntimeDep
+    request: Request,
+    job_id: str,
+    session: SessionDep,
+    principal: ReaderDep,
+    settings: SettingsDep,
+    runtime: AppStateDep,
 ):
     """Progress and training curves, the newest log lines, the memory panel, the events, the checkpoints and
     artifacts, and the spec of one job: its owner's and admins' only; to others the not-found page, as

@@ -16,14 +16,13 @@ import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from service.concurrency import Slots
 from service.errors import ServiceError
-from service.planning.slots import Slots
 from service.planning.tasks import Isolation, run_task, run_task_async
 from workers.config import DatasetSpec
-from workers.records import DatasetSummary
-from workers.runtime.sandbox import RunAs
+from workers.records import DatasetSummary, RunAs
 from workers.training.staging import token_store
-from workers.training.storage import is_remote
+from workers.uris import is_remote
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from service.errors import ServiceError
-from service.planning.cluster import ClusterCapacity
+from service.planning.capacity import ClusterCapacity
 from service.planning.traces import KnownTrace, Tracer, TraceRequest, Traces
 from service.schemas.model_specs import PythonModelSpec, TracedModelSpec
 from service.schemas.requests import PlanRequest

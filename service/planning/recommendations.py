@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from service.errors import ServiceError
 from service.planning import configurations
-from service.planning.cluster import ClusterCapacity
+from service.planning.capacity import ClusterCapacity
 from service.planning.plans import make_plan, plan_public, workload_for
 from service.schemas.model_specs import GPTModelSpec
 from service.schemas.requests import MAX_MICRO_BATCH_SIZE, PlanRequest, RecommendRequest

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from service.errors import ServiceError
+from workers.records import RunAs
 from workers.runtime.isolated import IsolatedCall, run_isolated
-from workers.runtime.sandbox import RunAs
 from workers.training.bundles import BundleError
 
 log = logging.getLogger(__name__)

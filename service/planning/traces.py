@@ -24,11 +24,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from service.concurrency import Slots
 from service.errors import ServiceError
-from service.planning.slots import Slots
 from service.planning.tasks import Isolation, run_task, run_task_async
 from workers.config import InvalidModelError
-from workers.runtime.sandbox import RunAs
+from workers.records import RunAs
 
 CACHE_ENTRIES = 1024
 """Traces the service remembers, least recently used dropped first (each is a few integers)."""

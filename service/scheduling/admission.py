@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from service.errors import ServiceError, storage_unreachable
-from service.planning.cluster import ClusterCapacity
+from service.planning.capacity import ClusterCapacity
 from service.planning.dataset_checks import DatasetChecker, DatasetRequest, invalid_data
 from service.planning.plans import make_plan, model_shape, plan_public, trace_first, workload_for
 from service.planning.traces import Tracer, Traces

@@ -1,4 +1,4 @@
-"""Between the database and the queue's policy (service/scheduling/queue.py): the snapshot a tick
+"""Between the database and the queue's policy (service/scheduling/queue_policy.py): the snapshot a tick
 decides on, a start committed, and the stops the scheduler has asked for and waits on.
 
 A stop is a preemption (the victim goes back to the queue, or shrinks) or a suspend: the victim's
@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 
 from service.scheduling.elastic import growable
 from service.scheduling.jobs import job_world_sizes, queue_order, stored_step, transition
-from service.scheduling.queue import Holding, Preempt, Start, Waiting, decide, decide_fifo
+from service.scheduling.queue_policy import Holding, Preempt, Start, Waiting, decide, decide_fifo
 from service.schemas.fields import ACTIVE
 from service.schemas.requests import world_sizes
 from service.store.db import Database
@@ -29,7 +29,7 @@ from service.store.tables import Job
 from service.telemetry import Telemetry
 
 if TYPE_CHECKING:
-    from service.scheduling.launcher import RayLauncher
+    from service.scheduling.ray_launcher import RayLauncher
 
 log = logging.getLogger(__name__)
 

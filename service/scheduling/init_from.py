@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from service.auth import Principal
 from service.errors import ServiceError
 from service.scheduling.jobs import can_see
-from service.scheduling.launcher import RayLauncher
+from service.scheduling.ray_launcher import RayLauncher
 from service.schemas.model_specs import GPTModelSpec, MLPModelSpec
 from service.schemas.requests import JobSpec
 from service.store.artifacts import recorded_artifacts

@@ -28,7 +28,7 @@ from service.store.tables import Job, JobEvent, Metric, utcnow
 from workers.records import finite_or_none
 
 if TYPE_CHECKING:
-    from service.scheduling.launcher import RayLauncher
+    from service.scheduling.ray_launcher import RayLauncher
 
 _TRANSITIONS = {
     "queued": {"starting", "cancelled", "suspended"},

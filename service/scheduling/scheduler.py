@@ -4,7 +4,7 @@ metrics ingestion.
 One thread ticks every ZERO1_SCHEDULER_INTERVAL_S. A tick asks every active job's supervisor
 for its news at once (Ray, outside any transaction), then settles each job in a transaction of
 its own: its new metric rows and its transition. An error while settling one job fails that
-job alone; the others and the queue go on. Then the queue's policy (service/scheduling/queue.py)
+job alone; the others and the queue go on. Then the queue's policy (service/scheduling/queue_policy.py)
 starts queued jobs by priority, then submission, with backfill and quotas, and asks lower jobs to
 stop for the first that cannot start (preemption: they checkpoint at their next step and return
 to the queue, or shrink). Running jobs never hold more GPUs than exist.
@@ -28,7 +28,7 @@ from sqlalchemy.orm import Session
 from service.scheduling import elastic
 from service.scheduling.dispatch import Dispatcher, Reasons, Settled, Stop, resume_point
 from service.scheduling.jobs import poll_acks, running_reason, still_active, transition
-from service.scheduling.launcher import RayLauncher
+from service.scheduling.ray_launcher import RayLauncher
 from service.schemas.fields import ACTIVE
 from service.store.artifacts import record_final
 from service.store.db import Database

@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import IO
 
 from service.errors import ServiceError
-from workers.training.storage import ObjectStore, is_remote, join_uri, open_store
+from workers.training.storage import ObjectStore, open_store
+from workers.uris import is_remote, join_uri
 
 MAX_ENTRIES = 10_000
 MAX_UNCOMPRESSED_BYTES = 1 << 30

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from workers.runtime.sandbox import RunAs
+from workers.records import RunAs
 from workers.training import confined
 from workers.training.checkpoints import FINAL, discard_stored_metrics, prune_checkpoints
 from workers.training.storage import DirectoryStore, Store

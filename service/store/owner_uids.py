@@ -20,7 +20,7 @@ from service.errors import ServiceError
 from service.run_as import RunAsTable
 from service.store.db import Database
 from service.store.tables import OwnerUid
-from workers.runtime.sandbox import RunAs
+from workers.records import RunAs
 
 log = logging.getLogger(__name__)
 

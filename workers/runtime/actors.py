@@ -24,15 +24,16 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from workers.config import TrainConfig
-from workers.records import MetricRow, OutputLine, RankError, TrainResult
+from workers.records import MetricRow, OutputLine, RankError, RunAs, TrainResult
 from workers.runtime.capture import HeldLines
-from workers.runtime.cluster import remove_group
-from workers.runtime.ranks import MetricsSink, RankProcess
+from workers.runtime.cluster_tasks import remove_group
+from workers.runtime.rank_parent import MetricsSink, RankProcess
 from workers.runtime.rendezvous import parent_gone
-from workers.runtime.sandbox import ChildSpec, RunAs
+from workers.runtime.sandbox import ChildSpec
 from workers.runtime.spool import Spool
 from workers.training import staging
-from workers.training.storage import is_remote, open_store
+from workers.training.storage import open_store
+from workers.uris import is_remote
 
 Strategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 StopMode = Literal["checkpoint", "step"]
@@ -64,7 +65,7 @@ class Placement:
     for its child alone, never a Ray working_dir (workers/training/bundles.py); None: no bundle."""
     name: str = ""
     """The placement group's name: the control plane finds a group by it and removes one its
-    attempt no longer owns (service.scheduling.launcher.placement_group_name)."""
+    attempt no longer owns (service.scheduling.ray_launcher.placement_group_name)."""
     log_max_bytes: int = 16 << 20
     """The most bytes of log lines a rank, and the supervisor, hold before they are stored
     (ZERO1_LOG_MAX_BYTES): past it the oldest are dropped, with a count."""
@@ -88,7 +89,7 @@ class Placement:
 
 @ray.remote
 class TrainWorker:
-    """One rank's parent: it starts the child that trains (workers/runtime/ranks.py) as it starts, and
+    """One rank's parent: it starts the child that trains (workers/runtime/rank_parent.py) as it starts, and
     relays for it. It holds its rank and its child, nothing else; it never loads torch."""
 
     def __init__(

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from workers.config import DatasetSpec, InvalidModelError
-from workers.runtime.sandbox import ChildError, ChildExited, RunAs, call_in_child
+from workers.records import RunAs
+from workers.runtime.sandbox import ChildError, ChildExited, call_in_child
 from workers.training import confined, staging
 
 SPILL_DIR = "tmp/zero1-cache"

@@ -1,4 +1,4 @@
-"""One rank's training, in the child a rank's actor starts (workers/runtime/ranks.py is the parent's side).
+"""One rank's training, in the child a rank's actor starts (workers/runtime/rank_parent.py is the parent's side).
 
 The conversation, parent -> child pickled, child -> parent JSON:
 

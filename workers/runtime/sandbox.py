@@ -38,6 +38,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from workers import containment
+from workers.records import RunAs
 from workers.runtime import zygote
 from workers.runtime.capture import ChildOutput, LoggedOutput
 
@@ -74,14 +75,6 @@ SECRET_NAME = re.compile(r"(^|_)(TOKEN|SECRET|PASSWORD|PASSWD|PASS|CREDENTIALS?|
 """A name that may hold a secret: never passed, whatever the lists above say."""
 NEVER_PREFIXES = ("ZERO1_", "RAY_", "AWS_", "PG", "MLFLOW_")
 """Families that hold the service's settings and credentials: never passed."""
-
-
-@dataclass(frozen=True, slots=True)
-class RunAs:
-    """The uid and gid a job's children run under (ZERO1_RUN_AS); None where they run as the service."""
-
-    uid: int
-    gid: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -2,7 +2,7 @@
 child, which runs the user's code, never holds a credential (issue 20's rule).
 
 The child trains as if its checkpoint directory were local: it is a spool in the child's home on
-this node (`<home>/checkpoints`). Its conversation with the parent (workers/runtime/ranks.py relays
+this node (`<home>/checkpoints`). Its conversation with the parent (workers/runtime/rank_parent.py relays
 it; child -> parent JSON, parent -> child pickled):
 
     child:  {"t": "latest"}                                   parent: {"latest": [step, world_size] | None}
@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from workers.runtime.sandbox import RunAs
+from workers.records import RunAs
 from workers.training import confined
 from workers.training.checkpoints import COMPLETE, FINAL, MANIFEST, latest_checkpoint, prune_checkpoints
 from workers.training.storage import Store

@@ -5,6 +5,6 @@ the one walk by which a trusted process opens any path inside a job's storage or
 a dataset's objects on a store staged for a child to read (staging), a job's code bundle unpacked for
 its child alone (bundles), and another job's final weights loaded to start from (init_weights).
 
-May import: workers.config, workers.limits, workers.records, workers.memory, workers.zero, workers.models,
+May import: workers.config, workers.limits, workers.records, workers.uris, workers.memory, workers.zero, workers.models,
 workers.data.
 """

@@ -45,7 +45,8 @@ from workers.data.datafiles import EXTENSIONS, MAX_CANDIDATES, MAX_FILES, TOKENI
 from workers.data.digests import MAX_FILES as MAX_MODEL_FILES
 from workers.data.digests import digest_of
 from workers.training.checkpoints import FINAL, latest_checkpoint
-from workers.training.storage import filesystem, is_remote, join_uri, open_store, parse_uri
+from workers.training.storage import filesystem, open_store
+from workers.uris import is_remote, join_uri, parse_uri
 
 _MAGIC = re.compile(r"[*?[]")
 _TOKEN_NAME = re.compile(r"[0-9a-f]{16,128}\.bin")

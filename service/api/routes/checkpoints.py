@@ -11,7 +11,7 @@ from fastapi import APIRouter, Path, Response
 from fastapi.responses import StreamingResponse
 
 from service.api import downloads
-from service.api.deps import JobId, ReaderDep, RuntimeDep, SessionDep, errors, json_response
+from service.api.deps import AppStateDep, JobId, ReaderDep, SessionDep, errors, json_response
 from service.errors import ServiceError
 from service.scheduling import jobs
 from service.schemas.responses import CheckpointFilePublic, CheckpointPublic, CheckpointsPublic
@@ -25,7 +25,7 @@ MAX_STEP = 10**9 - 1
 
 
 @router.get("/{job_id}/checkpoints", response_model=CheckpointsPublic, responses=ERRORS)
-def job_checkpoints(job_id: JobId, session: SessionDep, principal: ReaderDep, runtime: RuntimeDep) -> Response:
+def job_checkpoints(job_id: JobId, session: SessionDep, principal: ReaderDep, runtime: AppStateDep) -> Response:
     """The job's complete checkpoints on its storage now, oldest first, each with its files and their
     bytes (a pruned one is gone; a running job's newest may not be complete yet)."""
     job = jobs.get_visible_job(session, job_id, principal=principal)
@@ -48,7 +48,7 @@ def job_checkpoint_file(
     name: downloads.FileName,
     session: SessionDep,
     principal: ReaderDep,
-    runtime: RuntimeDep,
+    runtime: AppStateDep,
     range_header: downloads.RangeHeader = None,
 ) -> Response:
     """One file of a complete checkpoint, as the listing names it: a rank's shard or `complete.json`

@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Request, Response
 from starlette.concurrency import run_in_threadpool
 
-from service.api.deps import PrincipalDep, ReaderDep, RuntimeDep, SessionDep, SettingsDep, errors, json_response
+from service.api.deps import AppStateDep, PrincipalDep, ReaderDep, SessionDep, SettingsDep, errors, json_response
 from service.errors import ServiceError
 from service.schemas.responses import CodeBundleDetailPublic, CodeBundlePublic, ErrorPublic
 from service.store import code_uploads
@@ -48,7 +48,7 @@ async def _read_body(request: Request) -> bytes:
     openapi_extra={"requestBody": _ZIP_BODY},
 )
 async def upload_code(
-    request: Request, session: SessionDep, principal: PrincipalDep, runtime: RuntimeDep, settings: SettingsDep
+    request: Request, session: SessionDep, principal: PrincipalDep, runtime: AppStateDep, settings: SettingsDep
 ) -> Response:
     """Check a zip of Python code and store it; a job names it by the `code` answered. 201 when the bytes
     are new to the store, 200 when it held them already (this uploader is recorded either way). 413 when

@@ -6,14 +6,14 @@ from importlib.metadata import version
 
 from fastapi import APIRouter, Response
 
-from service.api.deps import RuntimeDep
+from service.api.deps import AppStateDep
 from service.schemas.responses import HealthPublic
 
 router = APIRouter(tags=["health"])
 
 
 @router.get("/healthz", response_model=HealthPublic, responses={503: {"model": HealthPublic}})
-def healthz(runtime: RuntimeDep) -> Response:
+def healthz(runtime: AppStateDep) -> Response:
     """200 while the scheduler completes ticks; 503 "degraded" when it has not for ZERO1_SCHEDULER_STALE_S
     (a database it cannot reach, a tick stuck): the API answers, but no job moves."""
     age_s = runtime.scheduler.tick_age_s()

@@ -16,11 +16,11 @@ from starlette.concurrency import run_in_threadpool
 from service.api import downloads, offload
 from service.api.deps import (
     MAX_ID,
+    AppStateDep,
     ClusterDep,
     JobId,
     PrincipalDep,
     ReaderDep,
-    RuntimeDep,
     SessionDep,
     SettingsDep,
     errors,
@@ -30,7 +30,7 @@ from service.auth import Principal, check_can_steer
 from service.planning.hf_paths import check_model_path
 from service.scheduling import admission, controls, jobs
 from service.scheduling.init_from import resolve_init_from
-from service.scheduling.launcher import dataset_cache_dir
+from service.scheduling.ray_launcher import dataset_cache_dir
 from service.schemas.fields import JobStatus
 from service.schemas.requests import JobSpec
 from service.schemas.responses import (
@@ -75,7 +75,7 @@ async def submit_job(
     cluster: ClusterDep,
     settings: SettingsDep,
     principal: PrincipalDep,
-    runtime: RuntimeDep,
+    runtime: AppStateDep,
     dry_run: bool = False,
     idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
 ) -> Response:
@@ -220,7 +220,7 @@ def job_logs(
     request: Request,
     session: SessionDep,
     principal: ReaderDep,
-    runtime: RuntimeDep,
+    runtime: AppStateDep,
     rank: Annotated[int | None, Query(ge=0, le=_MAX_STEP, description="Only this rank's lines")] = None,
     attempt: Annotated[int | None, Query(ge=0, le=_MAX_STEP, description="Only this attempt's lines")] = None,
     after: Annotated[int, Query(ge=0, le=MAX_ID, description="`next` of the previous page, or a line's seq")] = 0,
@@ -301,7 +301,7 @@ def job_events(job_id: JobId, session: SessionDep, principal: ReaderDep) -> Resp
 
 
 @router.get("/{job_id}/artifacts", response_model=ArtifactsPublic, responses=ERRORS)
-def job_artifacts(job_id: JobId, session: SessionDep, principal: ReaderDep, runtime: RuntimeDep) -> Response:
+def job_artifacts(job_id: JobId, session: SessionDep, principal: ReaderDep, runtime: AppStateDep) -> Response:
     """The files of a succeeded job's final model as the service recorded them when it succeeded (their
     bytes and the sha256 it computed); 409 while it has not succeeded. Its owner's and admins' only (a
     404 to others, as for metrics)."""
@@ -321,7 +321,7 @@ def job_artifact(
     name: downloads.FileName,
     session: SessionDep,
     principal: ReaderDep,
-    runtime: RuntimeDep,
+    runtime: AppStateDep,
     range_header: downloads.RangeHeader = None,
 ) -> Response:
     """One recorded artifact's bytes, streamed and hashed as they go: a file changed since it was recorded

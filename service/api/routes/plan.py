@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from service.api.deps import ClusterDep, ReaderDep, RuntimeDep, SettingsDep, TracerDep
+from service.api.deps import AppStateDep, ClusterDep, ReaderDep, SettingsDep, TracerDep
 from service.api.offload import in_file_thread, require_code
 from service.planning.hf_paths import check_model_path
 from service.planning.plans import make_plan, model_shape, plan_public, trace_first
@@ -27,7 +27,7 @@ async def plan(
     settings: SettingsDep,
     tracer: TracerDep,
     principal: ReaderDep,
-    runtime: RuntimeDep,
+    runtime: AppStateDep,
 ) -> PlanPublic:
     """Per-GPU bytes of a model on N GPUs at a ZeRO stage, whether it fits, and the smallest N that does.
     A model planned by its trace waits for it holding no request thread and no database connection; a

@@ -8,7 +8,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Response
 
-from service.api.deps import JobId, PrincipalDep, ReaderDep, RuntimeDep, SessionDep, SettingsDep, errors, json_response
+from service.api.deps import AppStateDep, JobId, PrincipalDep, ReaderDep, SessionDep, SettingsDep, errors, json_response
 from service.auth import check_can_steer
 from service.scheduling import controls, jobs
 from service.schemas.requests import PriorityPatch
@@ -22,7 +22,7 @@ _ERRORS = errors(401, 403, 404, 409, 422)
 def queue(
     session: SessionDep,
     settings: SettingsDep,
-    runtime: RuntimeDep,
+    runtime: AppStateDep,
     _: ReaderDep,
     limit: Annotated[int, Query(ge=1, le=1000)] = 500,
 ) -> Response:

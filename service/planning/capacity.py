@@ -119,7 +119,7 @@ class RayCluster:
         """Real GPUs: ask one worker for its device's memory, once. Logical GPUs: the setting."""
         import ray
 
-        from workers.runtime.cluster import probe_gpu_memory_bytes
+        from workers.runtime.cluster_tasks import probe_gpu_memory_bytes
 
         cluster_id = ray.get_runtime_context().gcs_address
         if cluster_id not in _PROBED:  # once per cluster and process

@@ -1,18 +1,18 @@
-"""What the service runs while it is up: database, Ray cluster, launcher, scheduler and code store.
+"""The app's state: what the service runs while it is up: database, Ray cluster, launcher, scheduler and code store.
 
-May import: service.settings, service.telemetry, service.store, service.planning, service.scheduling,
-service.tracking.
+May import: service.settings, service.telemetry, service.concurrency, service.store, service.planning,
+service.scheduling, service.tracking.
 """
 
 from __future__ import annotations
 
 import logging
 
-from service.planning.cluster import RayCluster
+from service.concurrency import Slots, follower_limits, task_limits
+from service.planning.capacity import RayCluster
 from service.planning.dataset_checks import DatasetChecker, token_store_of
-from service.planning.slots import Slots, follower_limits, task_limits
 from service.planning.traces import Tracer
-from service.scheduling.launcher import RayLauncher, dataset_cache_dir
+from service.scheduling.ray_launcher import RayLauncher, dataset_cache_dir
 from service.scheduling.scheduler import Scheduler
 from service.settings import Settings
 from service.store.code_bundles import code_store
@@ -25,7 +25,7 @@ from service.tracking.exporter import Exporter
 log = logging.getLogger(__name__)
 
 
-class Runtime:
+class AppState:
     def __init__(self, settings: Settings, *, telemetry: Telemetry | None = None) -> None:
         self.settings = settings
         self.db = Database(settings.database_url)

@@ -15,9 +15,9 @@ from service.schemas.responses import PlanPublic
 from service.settings import Settings
 from service.store.job_dirs import prepare_job_dir, retire_job_dir
 from service.store.tables import Job
-from workers.records import MetricRow, RankError
-from workers.runtime.sandbox import RunAs
-from workers.training.storage import DirectoryStore, ObjectStore, Store, is_remote, join_uri, open_store
+from workers.records import MetricRow, RankError, RunAs
+from workers.training.storage import DirectoryStore, ObjectStore, Store, open_store
+from workers.uris import is_remote, join_uri
 
 LogAcks = dict[int, int]
 """Rank -> the n of its last log line stored (service.store.log_lines.log_acks)."""
@@ -64,7 +64,7 @@ def remove_placement_groups(namespace: str, *, keep=lambda job_id, attempt: Fals
     from ray._raylet import PlacementGroupID
     from ray.util.placement_group import PlacementGroup
 
-    from workers.runtime.cluster import remove_group
+    from workers.runtime.cluster_tasks import remove_group
 
     removed = 0
     for group_id, entry in ray.util.placement_group_table().items():
@@ -133,7 +133,7 @@ class RayLauncher:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from workers.runtime.cluster import probe_writable
+        from workers.runtime.cluster_tasks import probe_writable
 
         if time.monotonic() - self._storage_checked_at < _STORAGE_TTL_S:
             return self._storage_problems

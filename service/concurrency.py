@@ -6,6 +6,8 @@ follower holds its connection until the job ends; without a bound, one user coul
 as their client can open, taking the cluster's CPUs or the server's connections from everyone.
 A call past the bound is not queued: it is answered at once with the numbers and Retry-After,
 so that no request waits on the server for a slot.
+
+May import: service.errors, service.settings.
 """
 
 from __future__ import annotations
