@@ -12,6 +12,7 @@ import ast
 import io
 import re
 import tokenize
+import warnings
 from functools import cache
 from pathlib import Path
 
@@ -149,14 +150,23 @@ def test_no_module_imports_another_in_a_circle():
     assert circles == []
 
 
-def test_no_folder_holds_more_than_a_dozen_modules_nor_a_module_more_than_400_lines():
+def test_folder_and_module_sizes_guide_and_never_grow_past_half_again():
+    """Past a dozen modules a folder, or 400 lines a module, the test warns: split by responsibility
+    when the next change lands there, never by packing lines. Past half again (18, 600) it fails."""
     folders: dict[Path, int] = {}
     for path in modules().values():
         if path.name != "__init__.py":
             folders[path.parent] = folders.get(path.parent, 0) + 1
-    assert {str(f.relative_to(ROOT)): n for f, n in folders.items() if n > MAX_MODULES_PER_FOLDER} == {}
+    folders_over = {str(f.relative_to(ROOT)): n for f, n in folders.items() if n > MAX_MODULES_PER_FOLDER}
     lines = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in modules().values()}
-    assert {p: n for p, n in lines.items() if n > MAX_LINES_PER_MODULE} == {}
+    modules_over = {p: n for p, n in lines.items() if n > MAX_LINES_PER_MODULE}
+    for name, count in {**folders_over, **modules_over}.items():
+        warnings.warn(
+            f"{name}: {count}, past the guide of {MAX_MODULES_PER_FOLDER} modules / {MAX_LINES_PER_MODULE} lines",
+            stacklevel=1,
+        )
+    assert {f: n for f, n in folders_over.items() if n > MAX_MODULES_PER_FOLDER * 3 // 2} == {}
+    assert {p: n for p, n in modules_over.items() if n > MAX_LINES_PER_MODULE * 3 // 2} == {}
 
 
 _CITED_PATH = re.compile(r"(?<![\w./-])((?:service|workers)/[\w/]+\.py)\b")
@@ -180,6 +190,7 @@ def _resolves(cited: str) -> bool:
 
 def _cited_files() -> list[Path]:
     files = [ROOT / "README.md", ROOT / "Dockerfile", ROOT / "pyproject.toml", *(ROOT / "docs").glob("*.md")]
+    files += [p for p in (ROOT / "CONTRIBUTING.md",) if p.is_file()]
     for folder in ("service", "workers", "tests", "benchmarks", "migrations", "examples"):
         files += [p for p in (ROOT / folder).rglob("*.py") if "__pycache__" not in p.parts]
     return files
@@ -201,6 +212,24 @@ def test_every_module_the_code_and_docs_cite_exists():
                 missing.add(f"{path.relative_to(ROOT)}: {cited}")
         for cited in _CITED_NAME.findall(text):
             if not _resolves(cited):
+                missing.add(f"{path.relative_to(ROOT)}: {cited}")
+    assert sorted(missing) == []
+
+
+_CITED_DOC = re.compile(r"(?<![\w/.-])((?:\.{1,2}/)*(?:[\w-]+/)*[\w-]+\.md)\b")
+"""A document a text names: docs/api.md, or one beside the citing file (optimizer.md)."""
+
+
+def test_no_text_cites_a_document_outside_the_repository():
+    """The project stands on its own: every Markdown document a doc, docstring or comment names is a
+    file of the repository (beside the citing file, or from the root or docs/), none outside it."""
+    missing = set()
+    for path in _cited_files():
+        text = path.read_text()
+        missing |= {f"{path.relative_to(ROOT)}: {m}" for m in re.findall(r"\.\./shared/[\w./-]+", text)}
+        for cited in _CITED_DOC.findall(text):
+            candidates = (path.parent / cited, ROOT / cited, ROOT / "docs" / cited)
+            if not any(c.resolve().is_relative_to(ROOT) and c.is_file() for c in candidates):
                 missing.add(f"{path.relative_to(ROOT)}: {cited}")
     assert sorted(missing) == []
 

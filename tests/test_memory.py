@@ -1,4 +1,4 @@
-"""The ZeRO memory model against the seed's math and DESIGN.md's tables.
+"""The ZeRO memory model against docs/memory-model.md's formulas and tables.
 
 Packages: workers.memory.
 """

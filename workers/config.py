@@ -58,7 +58,7 @@ DATASET_FORMATS = ("jsonl", "parquet", "csv", "text")
 class DatasetSpec:
     """Local files read with `datasets`, tokenized once (cached as a token file on the checkpoint
     storage), packed into seq_len + 1 blocks joined by the EOS token, in a seeded order that does
-    not depend on the world size (DESIGN.md v2, "Data kind dataset")."""
+    not depend on the world size (docs/api.md, "Bring a dataset")."""
 
     format: str
     """jsonl, parquet, csv or text."""

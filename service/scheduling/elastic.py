@@ -1,4 +1,4 @@
-"""Elastic jobs: the N a job runs at, chosen at each start, retry and growth (DESIGN.md, v2).
+"""Elastic jobs: the N a job runs at, chosen at each start, retry and growth (docs/api.md, "Elastic jobs").
 
 A job with min_gpus < num_gpus runs at any allowed N (schemas.world_sizes): the scheduler starts
 it at the largest that is free once its fewest are; a retry after a failure resumes at the largest

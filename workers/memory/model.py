@@ -1,7 +1,7 @@
 """The ZeRO memory model: per-GPU bytes of a data-parallel training job.
 
 Ψ parameters on N data-parallel ranks; p bytes per model parameter, g per
-gradient, K optimizer bytes per parameter (../shared/seed/zero-stage-1-math.txt):
+gradient, K optimizer bytes per parameter (docs/memory-model.md):
 
     stage 0 (DDP)     (p + g + K)·Ψ
     stage 1 (ZeRO-1)  (p + g)·Ψ + K·Ψ/N        fp16 AdamW: 4Ψ + 12Ψ/N

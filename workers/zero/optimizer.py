@@ -1,6 +1,6 @@
 """ZeRO1AdamW: mixed-precision AdamW whose fp32 state is sharded over the data-parallel ranks.
 
-The four beats of ZeRO Stage 1 (../shared/seed/zero-stage-1-math.txt), after
+The four beats of ZeRO Stage 1 (docs/optimizer.md; the bytes in docs/memory-model.md), after
 every rank's backward has produced FULL gradients of its micro-batch:
 
 1. reduce:  average the gradients; rank r keeps its own shard of them
