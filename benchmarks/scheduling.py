@@ -272,9 +272,6 @@ class SimLauncher:
 
     # what the scheduler calls
 
-    def checkpoint_dir(self, job: Job) -> Path:
-        return Path(self.settings.checkpoint_uri) / f"job-{job.id}"  # never written: record_final finds no final/
-
     def launch(self, job: Job) -> None:
         key, now = (job.id, job.attempt), self.clock()
         if key in self.attempts:
@@ -338,18 +335,6 @@ class SimLauncher:
             self.restart_gpu_s += (min(now, found.running_at) - found.launched_at) * found.n
         self.num_actions += 1
 
-    def resume_step(self, job: Job) -> int:
-        return int(self.saved_s.get(job.id, 0.0))
-
-    def checkpointed_metrics(self, job: Job, *, after_step: int) -> list:
-        return []
-
-    def discard_stored_metrics(self, job: Job, *, through_step: int) -> None:
-        pass
-
-    def retire(self, job: Job) -> None:
-        self.retired.add(job.id)
-
     def gpus_free_to(self, job_id: int, attempt: int) -> int | None:
         return None
 
@@ -362,9 +347,6 @@ class SimLauncher:
     def exists(self, job_id: int, attempt: int) -> bool:
         found = self.attempts.get((job_id, attempt))
         return found is not None and found.released_at is None
-
-    def storage_problems(self) -> dict[str, str]:
-        return {}
 
     # the replay's side
 
@@ -424,6 +406,30 @@ class Replay:
     problems: list[str] = field(default_factory=list)
 
 
+class SimStorage:
+    """The job storage the scheduler asks (service.store.job_storage.JobStorage's interface), on the
+    simulated cluster: nothing is written; a relaunch resumes at the progress its latest checkpoint
+    holds, and a finished job is counted as retired."""
+
+    def __init__(self, cluster: SimLauncher) -> None:
+        self.cluster = cluster
+
+    def checkpoint_dir(self, job: Job) -> Path:
+        return Path(self.cluster.settings.checkpoint_uri) / f"job-{job.id}"  # never written: no final/ found
+
+    def resume_step(self, job: Job) -> int:
+        return int(self.cluster.saved_s.get(job.id, 0.0))
+
+    def checkpointed_metrics(self, job: Job, *, after_step: int) -> list:
+        return []
+
+    def discard_stored_metrics(self, job: Job, *, through_step: int) -> None:
+        pass
+
+    def retire(self, job: Job) -> None:
+        self.cluster.retired.add(job.id)
+
+
 def simulated(root: Path, *, policy: str) -> tuple[Database, SimLauncher, Scheduler, SimClock]:
     """A scheduler on a fresh SQLite database and the simulated cluster, under `policy`."""
     root.mkdir(parents=True)
@@ -442,6 +448,7 @@ def simulated(root: Path, *, policy: str) -> tuple[Database, SimLauncher, Schedu
     scheduler = Scheduler(
         db=db,
         launcher=launcher,
+        storage=SimStorage(launcher),
         total_gpus=lambda: TOTAL_GPUS,
         interval_s=settings.scheduler_interval_s,
         start_timeout_s=settings.start_timeout_s,

@@ -1,4 +1,5 @@
-"""The app's state: what the service runs while it is up: database, Ray cluster, launcher, scheduler and code store.
+"""The app's state: what the service runs while it is up: database, Ray cluster, job storage, launcher,
+scheduler and code store.
 
 May import: service.settings, service.telemetry, service.concurrency, service.store, service.planning,
 service.scheduling, service.tracking.
@@ -12,12 +13,13 @@ from service.concurrency import Slots, follower_limits, task_limits
 from service.planning.capacity import RayCluster
 from service.planning.dataset_checks import DatasetChecker, token_store_of
 from service.planning.traces import Tracer
-from service.scheduling.ray_launcher import RayLauncher, dataset_cache_dir
+from service.scheduling.ray_launcher import RayLauncher
 from service.scheduling.scheduler import Scheduler
 from service.settings import Settings
 from service.store.code_bundles import code_store
 from service.store.db import Database, upgrade
 from service.store.housekeeping import Housekeeper
+from service.store.job_storage import JobStorage
 from service.store.owner_uids import OwnerUids
 from service.telemetry import Telemetry
 from service.tracking.exporter import Exporter
@@ -33,8 +35,10 @@ class AppState:
         self.code = code_store(settings.checkpoint_uri, settings.shared_dir)
         self.owner_uids = OwnerUids(self.db, table=settings.run_as)
         """An owner -> the uid its children run under (ZERO1_RUN_AS), allocated from the range on first use."""
-        self.launcher = RayLauncher(settings, code_uri=self.code.uri, run_as=self.owner_uids)
-        self.housekeeper = Housekeeper(db=self.db, settings=settings, cache_dir=dataset_cache_dir(settings.shared_dir))
+        self.storage = JobStorage(settings, run_as=self.owner_uids)
+        """Where each job's files live and what they hold: the launcher, scheduler, exporter and routes ask it."""
+        self.launcher = RayLauncher(settings, storage=self.storage, code_uri=self.code.uri)
+        self.housekeeper = Housekeeper(db=self.db, settings=settings, cache_dir=self.storage.dataset_cache_dir)
         self.task_slots = Slots(task_limits(settings))
         """Traces and dataset checks in flight (ZERO1_MAX_TASKS, ZERO1_MAX_TASKS_PER_USER)."""
         self.log_followers = Slots(follower_limits(settings))
@@ -46,12 +50,13 @@ class AppState:
             timeout_s=settings.data_timeout_s,
             slots=self.task_slots,
             run_as=self.owner_uids,
-            token_cache=str(dataset_cache_dir(settings.shared_dir) / "tokens"),
+            token_cache=str(self.storage.dataset_cache_dir / "tokens"),
             token_store=token_store_of(settings.checkpoint_uri),
         )
         self.scheduler = Scheduler(
             db=self.db,
             launcher=self.launcher,
+            storage=self.storage,
             total_gpus=lambda: self.cluster.capacity().num_gpus,
             interval_s=settings.scheduler_interval_s,
             start_timeout_s=settings.start_timeout_s,
@@ -62,7 +67,7 @@ class AppState:
         self.exporter = (
             None
             if settings.mlflow_tracking_uri is None
-            else Exporter(db=self.db, settings=settings, job_dir=self.launcher.checkpoint_dir)
+            else Exporter(db=self.db, settings=settings, storage=self.storage)
         )
         """Each job's MLflow run, exported in the background (ZERO1_MLFLOW_TRACKING_URI); None when unset."""
 

@@ -19,7 +19,7 @@ from typing import TypeVar
 import httpx
 from sqlalchemy import create_engine, text
 
-from service.scheduling.ray_launcher import checkpoint_dirname
+from service.store.job_storage import checkpoint_dirname
 
 T = TypeVar("T")
 

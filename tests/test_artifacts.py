@@ -297,7 +297,7 @@ def _checkpoint_root(client, job_id: int) -> Path:
 
     runtime = client.app.state.runtime
     with runtime.db.session() as session:
-        return runtime.launcher.checkpoint_dir(session.get(Job, job_id))
+        return runtime.storage.checkpoint_dir(session.get(Job, job_id))
 
 
 def test_artifacts_list_the_model_and_spec_with_their_sha256_and_hold_the_final_weights(client, succeeded):

@@ -44,7 +44,7 @@ def checkpoint_root(client: TestClient, job_id: int) -> Path:
 
     runtime = client.app.state.runtime
     with runtime.db.session() as session:
-        return runtime.launcher.checkpoint_dir(session.get(Job, job_id))
+        return runtime.storage.checkpoint_dir(session.get(Job, job_id))
 
 
 def master_weights(root: Path, *, step: int, world_size: int) -> dict[str, torch.Tensor]:

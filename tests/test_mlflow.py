@@ -28,6 +28,7 @@ from service.scheduling import admission
 from service.scheduling.jobs import submit_job
 from service.schemas.requests import JobSpec
 from service.store.db import Database, upgrade
+from service.store.job_storage import JobStorage
 from service.store.tables import Job, MlflowRun
 from service.tracking import runs
 from service.tracking.exporter import Exporter
@@ -262,7 +263,7 @@ def test_a_batch_sent_again_after_a_crash_is_stored_once(tracked, mlflow_server)
         with database.session() as session:  # as if that batch's cursor move had never been committed
             cursor = session.get(MlflowRun, job_id)
             cursor.step, cursor.batch_time_ms, cursor.done = first_step - 1, last_batch, False
-        exporter = Exporter(db=database, settings=settings, job_dir=lambda job: Path("/nonexistent"))
+        exporter = Exporter(db=database, settings=settings, storage=JobStorage(settings))
         assert exporter.run_once() is False
         with database.session() as session:
             assert (session.get(MlflowRun, job_id).step, session.get(MlflowRun, job_id).done) == (7, True)
@@ -287,7 +288,7 @@ def test_each_owners_runs_go_to_an_experiment_of_their_own_linked_without_the_cr
                 owner: submit_job(session, spec=spec, plan=plan, idempotency_key=None, owner=owner)[0].id
                 for owner in ("alice", "bob")
             }
-        Exporter(db=database, settings=settings, job_dir=lambda job: Path("/nonexistent")).run_once()
+        Exporter(db=database, settings=settings, storage=JobStorage(settings)).run_once()
         with database.session() as session:
             links = {owner: runs.run_link(session, session.get(Job, i), settings) for owner, i in owned.items()}
     finally:

@@ -21,10 +21,11 @@ from sqlalchemy import select
 from service.main import create_app
 from service.planning.capacity import ClusterCapacity
 from service.scheduling import admission, jobs
-from service.scheduling.ray_launcher import RayLauncher, checkpoint_dirname, supervisor_name
+from service.scheduling.ray_launcher import RayLauncher, supervisor_name
 from service.scheduling.scheduler import Scheduler
 from service.schemas.requests import JobSpec
 from service.store.db import Database, upgrade
+from service.store.job_storage import JobStorage, checkpoint_dirname
 from service.store.tables import Job, JobEvent
 from workers.memory.model import GB
 
@@ -173,7 +174,8 @@ def test_releasing_an_ended_attempt_frees_its_group_quietly_and_a_sweep_warns(ra
 
     from service.scheduling.ray_launcher import placement_group_name
 
-    launcher = RayLauncher(make_settings(tmp_path))
+    settings = make_settings(tmp_path)
+    launcher = RayLauncher(settings, storage=JobStorage(settings))
     namespace = launcher.settings.ray_namespace
     table = lambda name: [e["state"] for e in ray.util.placement_group_table().values() if e["name"] == name]
     caplog.set_level(logging.DEBUG, logger="service.scheduling.ray_launcher")
@@ -194,17 +196,17 @@ def test_one_jobs_error_fails_it_alone_and_the_others_and_the_queue_go_on(app):
     the cause; a job running beside it and one queued behind both finish."""
     client, settings = app
     runtime = client.app.state.runtime
-    read = runtime.launcher.checkpointed_metrics
+    read = runtime.storage.checkpointed_metrics
     victim = client.post("/v1/jobs", json=job_body(steps=100_000, checkpoint_every=5, max_retries=2)).json()["id"]
     other = client.post("/v1/jobs", json=job_body(steps=60)).json()["id"]
     queued = client.post("/v1/jobs", json=job_body(steps=3)).json()["id"]
 
     def storage_fails_for_victim(job: Job, *, after_step: int):
         if job.id == victim:
-            raise OSError(5, "Input/output error", str(runtime.launcher.checkpoint_dir(job)))
+            raise OSError(5, "Input/output error", str(runtime.storage.checkpoint_dir(job)))
         return read(job, after_step=after_step)
 
-    runtime.launcher.checkpointed_metrics = storage_fails_for_victim
+    runtime.storage.checkpointed_metrics = storage_fails_for_victim
     try:
         wait_for(lambda: _job(client, victim), lambda j: (j["step"] or 0) >= 5, what="the victim training")
         supervisor = ray.get_actor(supervisor_name(victim, 0), namespace=settings.ray_namespace)
@@ -215,7 +217,7 @@ def test_one_jobs_error_fails_it_alone_and_the_others_and_the_queue_go_on(app):
             for j in (other, queued)
         }
     finally:
-        runtime.launcher.checkpointed_metrics = read
+        runtime.storage.checkpointed_metrics = read
     assert failed["status"] == "failed" and failed["error"]["exception"] == "OSError", failed
     assert "Input/output error" in failed["error"]["message"]
     assert [e["status"] for e in ends.values()] == ["succeeded", "succeeded"]
@@ -292,9 +294,11 @@ def bare(ray_cluster, tmp_path) -> Iterator[tuple[Scheduler, Database, object, F
     settings = make_settings(tmp_path, ray_rpc_timeout_s=0.5)
     upgrade(settings.database_url)
     db, clock = Database(settings.database_url), FakeClock()
+    storage = JobStorage(settings)
     scheduler = Scheduler(
         db=db,
-        launcher=RayLauncher(settings),
+        launcher=RayLauncher(settings, storage=storage),
+        storage=storage,
         total_gpus=lambda: 0,
         interval_s=1,
         start_timeout_s=settings.start_timeout_s,
@@ -432,5 +436,5 @@ def test_a_finished_job_keeps_no_checkpoint_but_its_final_model_with_keep_finish
         job_id = client.post("/v1/jobs", json=job_body(steps=6, checkpoint_every=2)).json()["id"]
         wait_for(lambda: _job(client, job_id), lambda j: j["status"] == "succeeded", what="the job")
         with client.app.state.runtime.db.session() as session:
-            directory = client.app.state.runtime.launcher.checkpoint_dir(session.get(Job, job_id))
+            directory = client.app.state.runtime.storage.checkpoint_dir(session.get(Job, job_id))
     assert isinstance(directory, Path) and [p.name for p in directory.iterdir()] == ["final"]

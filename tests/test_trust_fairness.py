@@ -36,6 +36,7 @@ from service.scheduling.scheduler import Scheduler
 from service.schemas.requests import JobSpec
 from service.settings import Settings
 from service.store.db import Database
+from service.store.job_storage import JobStorage
 from service.store.tables import Job, JobEvent
 from workers.memory.model import GB
 from workers.records import RankError
@@ -93,28 +94,18 @@ class FakeRay:
     def sweep(self, attempts: set) -> int:
         return 0
 
-    def retire(self, job: Job) -> None:
-        pass
-
     def gpus_free_to(self, job_id: int, attempt: int) -> int | None:
         return None
 
-    def resume_step(self, job: Job) -> int:
-        return 0
-
-    def checkpointed_metrics(self, job: Job, *, after_step: int) -> list:
-        return []
-
-    def discard_stored_metrics(self, job: Job, *, through_step: int) -> None:
-        pass
-
-    def checkpoint_dir(self, job: Job) -> Path:
-        return Path("/nonexistent")
-
 
 def scheduler(db: Database, ray: FakeRay, *, total_gpus: int) -> Scheduler:
-    """The service's scheduler on `db`, as `zero1 serve` builds one at start (recover() not yet called)."""
-    return Scheduler(db=db, launcher=ray, total_gpus=lambda: total_gpus, interval_s=3600, grow_interval_s=0)
+    """The service's scheduler on `db`, as `zero1 serve` builds one at start (recover() not yet called),
+    its jobs' files on the real storage of `ray`'s settings (a tmp dir: no checkpoint in it, so a
+    relaunch resumes at step 0)."""
+    storage = JobStorage(ray.settings)
+    return Scheduler(
+        db=db, launcher=ray, storage=storage, total_gpus=lambda: total_gpus, interval_s=3600, grow_interval_s=0
+    )
 
 
 def queue_job(db: Database, *, owner: str, **overrides) -> int:

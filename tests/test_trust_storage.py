@@ -122,7 +122,7 @@ def succeeded(secured):
     assert job["status"] == "succeeded", job
     runtime = _runtime(secured)
     with runtime.db.session() as session:
-        return job, runtime.launcher.checkpoint_dir(session.get(Job, job["id"]))
+        return job, runtime.storage.checkpoint_dir(session.get(Job, job["id"]))
 
 
 def _rows(client: TestClient, job_id: int) -> dict[str, tuple[int, str]]:

@@ -16,6 +16,7 @@ from service.planning.capacity import ClusterCapacity
 from service.planning.traces import Tracer
 from service.schemas.responses import ErrorPublic
 from service.settings import Settings
+from service.store.job_storage import JobStorage
 
 
 def get_app_state(request: Request) -> AppState:
@@ -55,6 +56,14 @@ def get_tracer(runtime: AppStateDep) -> Tracer:
 
 
 TracerDep = Annotated[Tracer, Depends(get_tracer)]
+
+
+def get_storage(runtime: AppStateDep) -> JobStorage:
+    """Where each job's files live: its checkpoints, its final model, the dataset token cache."""
+    return runtime.storage
+
+
+JobStorageDep = Annotated[JobStorage, Depends(get_storage)]
 
 
 def get_authenticator(request: Request) -> Authenticator:

@@ -30,12 +30,12 @@ from service.errors import ServiceError, describe_validation_errors
 from service.planning.plans import make_plan, plan_public
 from service.planning.recommendations import cost_model_of, recommend_public
 from service.scheduling import controls, jobs
-from service.scheduling.ray_launcher import RayLauncher
 from service.schemas.fields import JobStatus, resolved_roots, too_many_digits
 from service.schemas.printable import MULTILINE, escape
 from service.schemas.requests import PlanRequest, RecommendRequest
 from service.schemas.responses import JobPublic
 from service.store.checkpoint_files import stored_checkpoints
+from service.store.job_storage import JobStorage
 from service.store.log_lines import read_logs
 from service.store.tables import Job, LogLine
 from service.tracking.runs import run_link
@@ -237,29 +237,29 @@ def job_page(
         "planned_bytes": (public.latest or {}).get("mem_planned_bytes"),
         "spec_json": json.dumps(public.spec, indent=2),
         "checkpoints": checkpointed,
-        "checkpoint_files": checkpoint_files(job, launcher=runtime.launcher),
-        "artifacts": job_artifacts(session, job, launcher=runtime.launcher),
+        "checkpoint_files": checkpoint_files(job, storage=runtime.storage),
+        "artifacts": job_artifacts(session, job, storage=runtime.storage),
     }
     return templates.TemplateResponse(request, "job.html", context)
 
 
-def checkpoint_files(job: Job, *, launcher: RayLauncher) -> dict[int, list[dict]]:
+def checkpoint_files(job: Job, *, storage: JobStorage) -> dict[int, list[dict]]:
     """The files of the job's complete checkpoints by step, as GET /v1/jobs/{id}/checkpoints lists
     them; none when its storage cannot be read (the API says why)."""
     try:
-        found = stored_checkpoints(launcher.job_store(job))
+        found = stored_checkpoints(storage.job_store(job))
     except ServiceError:
         return {}
     return {step: [{"name": name, "bytes": size} for name, size in files] for step, files in found}
 
 
-def job_artifacts(session: Session, job: Job, *, launcher: RayLauncher) -> list[dict] | None:
+def job_artifacts(session: Session, job: Job, *, storage: JobStorage) -> list[dict] | None:
     """The succeeded job's final/ files as GET /v1/jobs/{id}/artifacts lists them; None before it has succeeded
     (the listing's 409) or when its storage cannot be read (the API says why)."""
     if job.status != "succeeded":
         return None
     try:
-        _, files = jobs.job_artifacts(session, job, launcher=launcher)
+        _, files = jobs.job_artifacts(session, job, storage=storage)
     except ServiceError:
         return None
     return [{"name": f.name, "bytes": f.bytes, "sha256": f.sha256} for f in files]

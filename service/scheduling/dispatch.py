@@ -24,6 +24,7 @@ from service.scheduling.queue_policy import Holding, Preempt, Start, Waiting, de
 from service.schemas.fields import ACTIVE
 from service.schemas.requests import world_sizes
 from service.store.db import Database
+from service.store.job_storage import JobStorage
 from service.store.metric_rows import store_metrics, supersede_after
 from service.store.tables import Job
 from service.telemetry import Telemetry
@@ -107,13 +108,13 @@ class Settled:
     """The attempt ended and the job waits (queued or suspended): release its supervisor."""
 
 
-def resume_point(session: Session, job: Job, *, launcher: RayLauncher) -> tuple[int, str]:
+def resume_point(session: Session, job: Job, *, storage: JobStorage) -> tuple[int, str]:
     """The step the job's next attempt starts at (after its latest complete checkpoint) and where
     that is, in words; the rows up to it stored, those past it superseded."""
-    resume = launcher.resume_step(job)
+    resume = storage.resume_step(job)
     # rows up to the checkpoint that never reached the database (Ray stopped with the service)
     # were saved with the checkpoint: store them, or the surviving curve would have a gap
-    saved = launcher.checkpointed_metrics(job, after_step=stored_step(job))
+    saved = storage.checkpointed_metrics(job, after_step=stored_step(job))
     store_metrics(session, job, [row for row in saved if row.step < resume])
     supersede_after(session, job, resume_step=resume)
     return resume, (f"checkpoint step {resume - 1}" if resume else "the start (no checkpoint yet)")

@@ -21,11 +21,11 @@ from pydantic import ValidationError
 from service.auth import Principal
 from service.errors import ServiceError
 from service.scheduling.jobs import can_see
-from service.scheduling.ray_launcher import RayLauncher
 from service.schemas.model_specs import GPTModelSpec, MLPModelSpec
 from service.schemas.requests import JobSpec
 from service.store.artifacts import recorded_artifacts
 from service.store.db import Database
+from service.store.job_storage import JobStorage
 from service.store.tables import Job
 from workers.memory.specs import first_mismatch
 
@@ -33,7 +33,7 @@ FIELD = "init_from.job"
 WEIGHTS = "model.safetensors"
 
 
-def resolve_init_from(db: Database, spec: JobSpec, *, principal: Principal, launcher: RayLauncher) -> JobSpec:
+def resolve_init_from(db: Database, spec: JobSpec, *, principal: Principal, storage: JobStorage) -> JobSpec:
     """The spec with init_from's uri, sha256 and bytes filled in from the source job; a 422 naming
     init_from.job when it cannot be started from. A spec without init_from as it is. For a worker
     thread: it may read and record the source's final/ (in a transaction of its own)."""
@@ -48,13 +48,13 @@ def resolve_init_from(db: Database, spec: JobSpec, *, principal: Principal, laun
             raise invalid_init_from(
                 f"job {job_id} is {source.status}: a job starts from a succeeded job's final/ weights"
             )
-        files = recorded_artifacts(session, source, job_dir=launcher.checkpoint_dir(source))
+        files = recorded_artifacts(session, source, job_dir=storage.checkpoint_dir(source))
         weights = next((f for f in files if f.name == WEIGHTS), None)
         if weights is None:
             held = ", ".join(f.name for f in files) or "nothing"
             raise invalid_init_from(f"job {job_id} has no final/{WEIGHTS} recorded (its final/ holds {held})")
         _check_shapes(spec, source)
-        resolved = {"uri": launcher.checkpoint_uri(source), "sha256": weights.sha256, "bytes": weights.bytes}
+        resolved = {"uri": storage.checkpoint_uri(source), "sha256": weights.sha256, "bytes": weights.bytes}
     return spec.model_copy(update={"init_from": spec.init_from.model_copy(update=resolved)})
 
 

@@ -28,7 +28,7 @@ from service.store.tables import Job, JobEvent, Metric, utcnow
 from workers.records import finite_or_none
 
 if TYPE_CHECKING:
-    from service.scheduling.ray_launcher import RayLauncher
+    from service.store.job_storage import JobStorage
 
 _TRANSITIONS = {
     "queued": {"starting", "cancelled", "suspended"},
@@ -329,7 +329,7 @@ def job_metrics(
     return data, (rows[-1].step if more else None)
 
 
-def job_artifacts(session: Session, job: Job, *, launcher: RayLauncher) -> tuple[Path, list[FinalFile]]:
+def job_artifacts(session: Session, job: Job, *, storage: JobStorage) -> tuple[Path, list[FinalFile]]:
     """The job's directory and the artifacts the service recorded of a succeeded job (none when it
     wrote none, or its storage lost them); 409 for any other status."""
     if job.status != "succeeded":
@@ -338,14 +338,14 @@ def job_artifacts(session: Session, job: Job, *, launcher: RayLauncher) -> tuple
             status_code=409,
             error="conflict",
         )
-    job_dir = launcher.checkpoint_dir(job)
+    job_dir = storage.checkpoint_dir(job)
     return job_dir, recorded_artifacts(session, job, job_dir=job_dir)
 
 
-def artifact_file(session: Session, job: Job, name: str, *, launcher: RayLauncher) -> tuple[Path, FinalFile]:
+def artifact_file(session: Session, job: Job, name: str, *, storage: JobStorage) -> tuple[Path, FinalFile]:
     """The job's directory and one recorded artifact, still a regular file of its recorded size (a
     409 otherwise); any name not recorded (a path with a separator or .. included) is a 404."""
-    job_dir, files = job_artifacts(session, job, launcher=launcher)
+    job_dir, files = job_artifacts(session, job, storage=storage)
     found = next((entry for entry in files if entry.name == name), None)
     if found is None:
         raise ServiceError(f"job {job.id} has no artifact {name!r}", status_code=404, error="not_found")

@@ -1,40 +1,25 @@
-"""Dispatch to Ray: each job runs under a JobSupervisor, a named detached actor."""
+"""Dispatch to Ray: each job runs under a JobSupervisor, a named detached actor. This module only talks
+to Ray (supervisors, placement groups, free GPUs); where a job's files live and what they hold is
+service/store/job_storage.py's, which it is given."""
 
 from __future__ import annotations
 
 import logging
-import math
 import re
-import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from service.schemas.requests import JobSpec
 from service.schemas.responses import PlanPublic
 from service.settings import Settings
-from service.store.job_dirs import prepare_job_dir, retire_job_dir
+from service.store.job_storage import JobStorage
 from service.store.tables import Job
-from workers.records import MetricRow, RankError, RunAs
-from workers.training.storage import DirectoryStore, ObjectStore, Store, open_store
-from workers.uris import is_remote, join_uri
+from workers.records import RankError
 
 LogAcks = dict[int, int]
 """Rank -> the n of its last log line stored (service.store.log_lines.log_acks)."""
 
 log = logging.getLogger(__name__)
-_STORAGE_TTL_S = 60.0
-
-
-def checkpoint_dirname(job_id: int, run_id: str | None) -> str:
-    """job-<id>-<run_id>; job-<id> for a job stored before run ids existed."""
-    return f"job-{job_id}" if run_id is None else f"job-{job_id}-{run_id}"
-
-
-def dataset_cache_dir(shared_dir: str) -> Path:
-    """Where `dataset` jobs' token files are cached: datasets/ in Settings.shared_dir (beside the jobs'
-    directories when the checkpoints are in a directory), which every rank reads."""
-    return Path(shared_dir).resolve() / "datasets"
 
 
 def supervisor_name(job_id: int, attempt: int = 0) -> str:
@@ -86,111 +71,29 @@ class RayLauncher:
         self,
         settings: Settings,
         *,
+        storage: JobStorage,
         code_uri: Callable[[str], str] | None = None,
-        run_as: Callable[[str | None], RunAs | None] = lambda owner: None,
     ) -> None:
         self.settings = settings
+        self.storage = storage
+        """Where each job's directory is made and its checkpoints go, and the uid its children run under."""
         self.code_uri = code_uri
         """A code bundle's digest -> the stored zip's URI, which each rank's actor unpacks for its child."""
-        self.run_as = run_as
         self._supervisors: dict[tuple[int, int], Any] = {}
-        self._storage_problems: dict[str, str] = {}
-        self._storage_checked_at = -math.inf
-
-    def checkpoint_uri(self, job: Job) -> str:
-        """The job's own place on the storage: job-<id>-<run_id>, which no later job can be given
-        (ids repeat after a database restore; run ids do not). A path, or s3://…"""
-        return join_uri(self.settings.checkpoint_uri, checkpoint_dirname(job.id, job.run_id))
-
-    def job_store(self, job: Job) -> Store:
-        """The job's checkpoints and final model, wherever they live."""
-        return open_store(self.checkpoint_uri(job))
-
-    def checkpoint_dir(self, job: Job) -> Path | ObjectStore:
-        """Where the job's final/ is read: its directory, or its prefix on the object store."""
-        return store.root if isinstance(store := self.job_store(job), DirectoryStore) else store
-
-    def prepare_job_dir(self, job: Job) -> tuple[str | None, RunAs | None]:
-        """The job's directory, made before its ranks start (None on an object store: each rank's
-        parent makes a scratch home on its node), and the uid its children run under (its owner's: run_as)."""
-        run_as, directory = self.run_as(job.owner), self.checkpoint_uri(job)
-        if is_remote(directory):
-            return None, run_as
-        prepare_job_dir(Path(directory), run_as=run_as, database_url=self.settings.database_url)
-        return directory, run_as
-
-    def resume_step(self, job: Job) -> int:
-        """The step a relaunch starts at: after the latest complete checkpoint, else 0."""
-        from workers.training.checkpoints import latest_checkpoint
-
-        found = latest_checkpoint(self.job_store(job))
-        return 0 if found is None else found[0] + 1
-
-    def storage_problems(self) -> dict[str, str]:
-        """Node id -> why that GPU node cannot write under ZERO1_CHECKPOINT_URI (empty when every
-        one can), asked of the nodes themselves: on a cluster the path must be shared storage.
-        Cached for a minute: a submit does not wait on Ray for it each time."""
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        from workers.runtime.cluster_tasks import probe_writable
-
-        if time.monotonic() - self._storage_checked_at < _STORAGE_TTL_S:
-            return self._storage_problems
-        path = join_uri(self.settings.checkpoint_uri)
-        nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU", 0) > 0]
-        refs = [
-            probe_writable.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(path)
-            for node in nodes
-        ]
-        try:
-            answers = ray.get(refs, timeout=self.settings.ray_rpc_timeout_s)
-        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as exc:
-            # not known either way: admit, and let a job that cannot checkpoint fail with the cause
-            log.warning("could not probe the checkpoint storage: %s: %s", type(exc).__name__, exc)
-            return {}
-        self._storage_problems = {node: why for node, why in zip(nodes, answers, strict=True) if why}
-        self._storage_checked_at = time.monotonic()
-        return self._storage_problems
-
-    def checkpointed_metrics(self, job: Job, *, after_step: int) -> list[MetricRow]:
-        """Rows saved with the job's checkpoints after `after_step` (see workers.training.checkpoints)."""
-        from workers.training.checkpoints import checkpointed_metrics
-
-        return checkpointed_metrics(self.job_store(job), after_step=after_step)
-
-    def discard_stored_metrics(self, job: Job, *, through_step: int) -> None:
-        """Delete the job's pruned checkpoints whose rows are stored (see workers.training.checkpoints); a
-        failure to delete is logged, not raised: it costs disk, not data."""
-        from workers.training.checkpoints import discard_stored_metrics
-
-        try:
-            discard_stored_metrics(self.job_store(job), through_step=through_step)
-        except OSError as exc:
-            log.warning("job %s: could not delete stored rows' checkpoint files: %s", job.id, exc)
-
-    def retire(self, job: Job) -> None:
-        """A finished job (its rows stored) keeps its newest ZERO1_CHECKPOINT_KEEP_FINISHED complete
-        checkpoints, its final model (final/) and nothing else; with 0 every checkpoint goes. Logged,
-        not raised, on failure."""
-        try:
-            retire_job_dir(self.job_store(job), keep=self.settings.checkpoint_keep_finished)
-        except OSError as exc:
-            log.warning("job %s: could not prune the finished job's checkpoints: %s", job.id, exc)
 
     def launch(self, job: Job) -> None:
         """Start the job's current attempt; an attempt already started is adopted, not started
         twice. The supervisor places the ranks in the background; poll() reports how it went."""
         from workers.runtime.actors import JobSupervisor, Placement
 
-        job_dir, run_as = self.prepare_job_dir(job)
+        job_dir, run_as = self.storage.prepare_job_dir(job)
         config = JobSpec.model_validate(job.spec).to_config(
-            checkpoint_dir=self.checkpoint_uri(job),
+            checkpoint_dir=self.storage.checkpoint_uri(job),
             keep_last=self.settings.checkpoint_keep_last,
             async_checkpoints=self.settings.async_checkpoints,
             resume=job.attempt > 0,
             data_roots=self.settings.data_roots,
-            dataset_cache_dir=str(dataset_cache_dir(self.settings.shared_dir)),
+            dataset_cache_dir=str(self.storage.dataset_cache_dir),
             model_roots=self.settings.model_roots,
             plan=PlanPublic.model_validate(job.plan),
         )

@@ -32,6 +32,7 @@ from service.scheduling.ray_launcher import RayLauncher
 from service.schemas.fields import ACTIVE
 from service.store.artifacts import record_final
 from service.store.db import Database
+from service.store.job_storage import JobStorage
 from service.store.log_lines import store_logs
 from service.store.metric_rows import store_metrics
 from service.store.tables import Job
@@ -49,6 +50,7 @@ class Scheduler:
         *,
         db: Database,
         launcher: RayLauncher,
+        storage: JobStorage,
         total_gpus: Callable[[], int],
         interval_s: float,
         start_timeout_s: float = 300.0,
@@ -59,6 +61,7 @@ class Scheduler:
     ) -> None:
         self.db, self.launcher, self.total_gpus, self.interval_s = db, launcher, total_gpus, interval_s
         self.start_timeout_s, self.grow_interval_s, self.clock = start_timeout_s, grow_interval_s, clock
+        self.storage = storage  # where each job's checkpoints are: resumes, stored rows' files, retiring
         self.sweep_interval_s = sweep_interval_s  # how often a tick frees groups no active attempt owns
         self.log_max_bytes = launcher.settings.log_max_bytes
         self.telemetry = telemetry or Telemetry()  # a registry of its own where no app's is given (tests)
@@ -209,14 +212,14 @@ class Scheduler:
         if settled is None:
             return
         if settled.stored_through is not None:
-            self.launcher.discard_stored_metrics(fresh, through_step=settled.stored_through)
+            self.storage.discard_stored_metrics(fresh, through_step=settled.stored_through)
         if settled.ended:
             if fresh.started_at is not None and fresh.finished_at is not None:
                 self.telemetry.job_ended(
                     fresh.status, duration_s=(fresh.finished_at - fresh.started_at).total_seconds()
                 )
             self.launcher.release(job.id, job.attempt)
-            self.launcher.retire(fresh)
+            self.storage.retire(fresh)
         if settled.relaunch or settled.release:
             self.launcher.release(job.id, job.attempt)
         if settled.relaunch:
@@ -241,7 +244,7 @@ class Scheduler:
         if state["status"] == "starting" and self._start_overdue(job):
             state = {**state, "status": "failed", "error": start_timeout(job, self.start_timeout_s)}
         if state["status"] == "succeeded":  # final/ read, checked and recorded before the job ends
-            record_final(self.db, job, job_dir=self.launcher.checkpoint_dir(job))
+            record_final(self.db, job, job_dir=self.storage.checkpoint_dir(job))
         self._settle(job, lambda session, fresh: self._progress(session, fresh, state))
 
     def _start_overdue(self, job: Job) -> bool:
@@ -317,7 +320,7 @@ class Scheduler:
         """A new attempt from the latest complete checkpoint (at N = `size`, else as
         elastic.relaunch_size decides); rows past it are superseded. The launch itself comes
         after the commit: a service that stops in between relaunches it."""
-        resume, where = resume_point(session, job, launcher=self.launcher)
+        resume, where = resume_point(session, job, storage=self.storage)
         # a growth was decided on free GPUs; Ray's view may not yet show the stopped attempt's as free
         ray_free = (lambda: None) if grown else (lambda: self.launcher.gpus_free_to(job.id, job.attempt))
         old = job.world_size or job.num_gpus
@@ -356,7 +359,7 @@ class Scheduler:
         """The attempt is over and the job waits, holding no GPU: back in the queue (preempted:
         its place is its priority and submission; no retry spent) or suspended. Its next attempt
         resumes from its latest complete checkpoint."""
-        resume, where = resume_point(session, job, launcher=self.launcher)
+        resume, where = resume_point(session, job, storage=self.storage)
         at = f"checkpoint at step {resume - 1}" if resume else "no checkpoint yet: it starts again from step 0"
         if not transition(session, job, status, f"{cause}: {at}{tail}"):
             return None

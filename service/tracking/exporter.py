@@ -18,7 +18,6 @@ import logging
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from sqlalchemy.orm import Session
 from service.settings import Settings
 from service.store.artifacts import ArtifactChanged, FinalFile, JobDir, Refused, recorded_artifacts, stream_artifact
 from service.store.db import Database
+from service.store.job_storage import JobStorage
 from service.store.tables import Job, Metric, MlflowRun
 from service.tracking import runs
 from service.tracking.mlflow_client import MAX_METRICS_PER_BATCH, Mlflow, is_unreachable
@@ -50,11 +50,10 @@ def _ms(at: datetime | None) -> int | None:
 
 
 class Exporter:
-    def __init__(
-        self, *, db: Database, settings: Settings, job_dir: Callable[[Job], JobDir], mlflow: Mlflow | None = None
-    ) -> None:
+    def __init__(self, *, db: Database, settings: Settings, storage: JobStorage, mlflow: Mlflow | None = None) -> None:
         assert settings.mlflow_tracking_uri is not None
-        self.db, self.settings, self.job_dir = db, settings, job_dir
+        self.db, self.settings = db, settings
+        self.storage = storage  # where each job's final/ is read
         self.mlflow = mlflow or Mlflow(settings.mlflow_tracking_uri)
         self.backoff_s = settings.mlflow_interval_s
         self._experiments: dict[str, str] = {}  # name -> id, as found or made
@@ -203,7 +202,7 @@ class Exporter:
     def _upload_final(self, job: Job, run_id: str) -> None:
         """final/'s recorded files to the run's final/, each copied as the downloads serve it (hashed
         while read, so a file changed since it was recorded is not sent)."""
-        job_dir = self.job_dir(job)
+        job_dir = self.storage.checkpoint_dir(job)
         with self.db.session() as session:
             files = recorded_artifacts(session, session.get(Job, job.id), job_dir=job_dir)
         with tempfile.TemporaryDirectory(prefix="zero1-mlflow-") as scratch:

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Path, Response
 from fastapi.responses import StreamingResponse
 
 from service.api import downloads
-from service.api.deps import AppStateDep, JobId, ReaderDep, SessionDep, errors, json_response
+from service.api.deps import JobId, JobStorageDep, ReaderDep, SessionDep, errors, json_response
 from service.errors import ServiceError
 from service.scheduling import jobs
 from service.schemas.responses import CheckpointFilePublic, CheckpointPublic, CheckpointsPublic
@@ -25,11 +25,11 @@ MAX_STEP = 10**9 - 1
 
 
 @router.get("/{job_id}/checkpoints", response_model=CheckpointsPublic, responses=ERRORS)
-def job_checkpoints(job_id: JobId, session: SessionDep, principal: ReaderDep, runtime: AppStateDep) -> Response:
+def job_checkpoints(job_id: JobId, session: SessionDep, principal: ReaderDep, storage: JobStorageDep) -> Response:
     """The job's complete checkpoints on its storage now, oldest first, each with its files and their
     bytes (a pruned one is gone; a running job's newest may not be complete yet)."""
     job = jobs.get_visible_job(session, job_id, principal=principal)
-    store = runtime.launcher.job_store(job)
+    store = storage.job_store(job)
     data = [
         CheckpointPublic(step=step, files=[CheckpointFilePublic(name=name, bytes=size) for name, size in files])
         for step, files in stored_checkpoints(store)
@@ -48,13 +48,13 @@ def job_checkpoint_file(
     name: downloads.FileName,
     session: SessionDep,
     principal: ReaderDep,
-    runtime: AppStateDep,
+    storage: JobStorageDep,
     range_header: downloads.RangeHeader = None,
 ) -> Response:
     """One file of a complete checkpoint, as the listing names it: a rank's shard or `complete.json`
     (any other name is a 404, a path included). `Range: bytes=a-b` answers 206 with those bytes."""
     job = jobs.get_visible_job(session, job_id, principal=principal)
-    file, size = open_checkpoint_file(runtime.launcher.job_store(job), job.id, step, name)
+    file, size = open_checkpoint_file(storage.job_store(job), job.id, step, name)
     try:
         return downloads.download(
             lambda first, last: stream_file(file, first=first, last=last),

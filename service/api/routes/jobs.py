@@ -19,6 +19,7 @@ from service.api.deps import (
     AppStateDep,
     ClusterDep,
     JobId,
+    JobStorageDep,
     PrincipalDep,
     ReaderDep,
     SessionDep,
@@ -30,7 +31,6 @@ from service.auth import Principal, check_can_steer
 from service.planning.hf_paths import check_model_path
 from service.scheduling import admission, controls, jobs
 from service.scheduling.init_from import resolve_init_from
-from service.scheduling.ray_launcher import dataset_cache_dir
 from service.schemas.fields import JobStatus
 from service.schemas.requests import JobSpec
 from service.schemas.responses import (
@@ -85,7 +85,7 @@ async def submit_job(
     and the owner's GPU quota are checked first, before any of it."""
     priority = controls.check_priority(spec, settings=settings, principal=principal)
     controls.check_quota(spec, settings=settings, owner=principal.user)
-    spec = await run_in_threadpool(resolve_init_from, runtime.db, spec, principal=principal, launcher=runtime.launcher)
+    spec = await run_in_threadpool(resolve_init_from, runtime.db, spec, principal=principal, storage=runtime.storage)
     spec = await offload.in_file_thread(check_model_path, spec, model_roots=settings.model_roots)
     if spec.code is not None:  # before its trace runs the bundle's code
         await offload.require_code(runtime, spec.code, principal=principal)
@@ -94,13 +94,13 @@ async def submit_job(
         spec, cluster=cluster, overhead_bytes=overhead_bytes, tracer=runtime.tracer, user=principal.user
     )
     spec = await offload.in_file_thread(admission.check_data, spec, data_roots=settings.data_roots)
-    admission.check_storage(await run_in_threadpool(runtime.launcher.storage_problems), uri=settings.checkpoint_uri)
+    admission.check_storage(await run_in_threadpool(runtime.storage.storage_problems), uri=settings.checkpoint_uri)
     summary = await admission.check_dataset(
         spec,
         model=spec.model_spec(plan=plan, model_roots=settings.model_roots),
         checker=runtime.datasets,
         data_roots=settings.data_roots,
-        cache_dir=str(dataset_cache_dir(settings.shared_dir)),
+        cache_dir=str(runtime.storage.dataset_cache_dir),
         user=principal.user,
     )
     spec = admission.with_token_uri(spec, summary)  # data on an object store: the token file the ranks fetch
@@ -301,12 +301,12 @@ def job_events(job_id: JobId, session: SessionDep, principal: ReaderDep) -> Resp
 
 
 @router.get("/{job_id}/artifacts", response_model=ArtifactsPublic, responses=ERRORS)
-def job_artifacts(job_id: JobId, session: SessionDep, principal: ReaderDep, runtime: AppStateDep) -> Response:
+def job_artifacts(job_id: JobId, session: SessionDep, principal: ReaderDep, storage: JobStorageDep) -> Response:
     """The files of a succeeded job's final model as the service recorded them when it succeeded (their
     bytes and the sha256 it computed); 409 while it has not succeeded. Its owner's and admins' only (a
     404 to others, as for metrics)."""
     job = jobs.get_visible_job(session, job_id, principal=principal)
-    _, files = jobs.job_artifacts(session, job, launcher=runtime.launcher)
+    _, files = jobs.job_artifacts(session, job, storage=storage)
     data = [ArtifactPublic(name=f.name, bytes=f.bytes, sha256=f.sha256) for f in files]
     return json_response(ArtifactsPublic(data=data, count=len(data)))
 
@@ -321,14 +321,14 @@ def job_artifact(
     name: downloads.FileName,
     session: SessionDep,
     principal: ReaderDep,
-    runtime: AppStateDep,
+    storage: JobStorageDep,
     range_header: downloads.RangeHeader = None,
 ) -> Response:
     """One recorded artifact's bytes, streamed and hashed as they go: a file changed since it was recorded
     is cut off before its end (409 when its size already differs). `Range: bytes=a-b` answers 206 with
     those bytes (416 past the end). Only a name the listing gives; the job's owner's and admins' only."""
     job = jobs.get_visible_job(session, job_id, principal=principal)
-    job_dir, artifact = jobs.artifact_file(session, job, name, launcher=runtime.launcher)
+    job_dir, artifact = jobs.artifact_file(session, job, name, storage=storage)
     return downloads.download(
         lambda first, last: stream_artifact(job.id, job_dir, artifact, first=first, last=last),
         filename=name,
