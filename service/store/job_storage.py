@@ -3,6 +3,14 @@
 step a relaunch resumes at, the rows saved with its checkpoints, what a finished job keeps, the
 dataset token cache, and whether every GPU node can write there.
 
+    <checkpoint_uri>/                 0711 where jobs run as other uids: reached, never listed
+        job-<id>-<run_id>/            0700, owned by the job's uid (ZERO1_RUN_AS): its children's HOME
+            step-*/  final/           checkpoints and the final model (workers/training/checkpoints.py)
+            tmp/  working_dir_files/  the children's TMPDIR and their copy of the code bundle
+
+On an object store no directory is made: each rank's parent keeps a scratch home on its node
+(workers/runtime/spool.py).
+
 It stands apart from the launcher (service/scheduling/ray_launcher.py), as Ray Train v2's
 StorageContext stands apart from its worker group: the routes, the MLflow exporter, init_from and the
 scheduler ask it where a job's files are, never the code that talks to Ray.
@@ -12,20 +20,21 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from service.settings import Settings
-from service.store import job_dirs
 from service.store.tables import Job
 from workers.records import MetricRow, RunAs
-from workers.training import checkpoints
+from workers.training import checkpoints, confined
 from workers.training.storage import DirectoryStore, ObjectStore, Store, open_store
 from workers.uris import is_remote, join_uri
 
 log = logging.getLogger(__name__)
 
+_ALL_STEPS = 2**62
 STORAGE_PROBE_TTL_S = 60.0
 """How long the nodes' answer to storage_problems() is kept: a submit does not wait on Ray each time."""
 
@@ -80,7 +89,7 @@ class JobStorage:
         directory = self.checkpoint_uri(job)
         if is_remote(directory):
             return None, run_as
-        job_dirs.prepare_job_dir(Path(directory), run_as=run_as, database_url=self.settings.database_url)
+        make_job_dir(Path(directory), run_as=run_as, database_url=self.settings.database_url)
         return directory, run_as
 
     def resume_step(self, job: Job) -> int:
@@ -105,7 +114,7 @@ class JobStorage:
         checkpoints, its final model (final/) and nothing else; with 0 every checkpoint goes. Logged,
         not raised, on failure."""
         try:
-            job_dirs.retire_job_dir(self.job_store(job), keep=self.settings.checkpoint_keep_finished)
+            retire_job_dir(self.job_store(job), keep=self.settings.checkpoint_keep_finished)
         except OSError as exc:
             log.warning("job %s: could not prune the finished job's checkpoints: %s", job.id, exc)
 
@@ -142,3 +151,72 @@ def _probe_gpu_nodes(uri: str, *, timeout_s: float) -> dict[str, str | None] | N
         log.warning("could not probe the checkpoint storage: %s: %s", type(exc).__name__, exc)
         return None
     return dict(zip(nodes, answers, strict=True))
+
+
+def make_job_dir(directory: Path, *, run_as: RunAs | None, database_url: str) -> None:
+    """Make `directory` (mode 0700, whatever the umask), owned by `run_as` where jobs run as other
+    uids; the private directories above it it must traverse become 0711 then."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(mode=0o700, exist_ok=True)
+    if run_as is not None:
+        for above in _state_dirs_above(directory, database_url):
+            os.chmod(above, 0o711)
+        os.chown(directory, run_as.uid, run_as.gid, follow_symlinks=False)
+    os.chmod(directory, 0o700, follow_symlinks=False)
+
+
+def _state_dirs_above(job_dir: Path, database_url: str) -> list[Path]:
+    """The directories a job's uid must traverse that the service keeps private: the storage root,
+    and the SQLite database's directory when the storage lies inside it (the default .zero1/)."""
+    dirs = [job_dir.parent]
+    if database_url.startswith("sqlite:///"):
+        state = Path(database_url.removeprefix("sqlite:///")).resolve().parent
+        if state in job_dir.parents and state != job_dir.parent:
+            dirs.append(state)
+    return dirs
+
+
+def retire_job_dir(store: Store, *, keep: int) -> None:
+    """What a finished job (its rows stored) keeps: its newest `keep` complete checkpoints and its
+    final model (final/); with 0, final/ alone. In a directory, its children's scratch goes too."""
+    local = isinstance(store, DirectoryStore)
+    if keep == 0:
+        if local:
+            remove_except(store.root, keep_name=checkpoints.FINAL)
+        else:
+            for name in store.list():
+                if name != checkpoints.FINAL:
+                    store.remove_tree(name)
+        return
+    if local and not store.root.exists():
+        return
+    checkpoints.prune_checkpoints(store, keep_last=keep, keep_newest_unfinished=False)
+    checkpoints.discard_stored_metrics(store, through_step=_ALL_STEPS)
+    if local:
+        remove_scratch(store.root)
+
+
+def remove_scratch(directory: Path) -> None:
+    """Delete what a finished job's children left beside its checkpoints and final model (their
+    TMPDIR, their code copy, anything written to HOME); links are removed, never followed, and
+    nothing is reached through one (workers/training/confined.py)."""
+    for name in _entries(directory):
+        if name != checkpoints.FINAL and not name.startswith("step-"):
+            confined.remove_tree(directory, name)
+
+
+def remove_except(directory: Path, *, keep_name: str) -> None:
+    """Delete everything in directory but its entry keep_name; the directory too when that is absent."""
+    if not directory.exists():
+        return
+    for name in _entries(directory):
+        if name != keep_name:
+            confined.remove_tree(directory, name)
+    if not _entries(directory):
+        directory.rmdir()
+
+
+def _entries(directory: Path) -> list[str]:
+    """Every name in the directory, links included (list_dir leaves them out: they are deleted too)."""
+    with confined.opened_dir(directory) as fd:
+        return sorted(os.listdir(fd))
