@@ -51,7 +51,7 @@ from typing import Any
 from sqlalchemy import func, insert, select
 
 from service.planning.capacity import ClusterCapacity
-from service.scheduling import admission, jobs
+from service.scheduling import admission, submission
 from service.scheduling.scheduler import Scheduler
 from service.schemas.requests import JobSpec
 from service.schemas.responses import PlanPublic
@@ -490,7 +490,9 @@ def replay(policy: str, workload: list[SimJob], *, root: Path, plans: Plans) -> 
 def _submit(db: Database, sim: SimJob, *, name: str, plans: Plans) -> int:
     spec = job_spec(sim, name=name)
     with db.session() as session:
-        job, _ = jobs.submit_job(session, spec=spec, plan=plans(spec), idempotency_key=None, priority=sim.priority)
+        job, _ = submission.submit_job(
+            session, spec=spec, plan=plans(spec), idempotency_key=None, priority=sim.priority
+        )
         return job.id
 
 

@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
+from service.api.job_responses import thinned_steps
 from service.main import create_app
-from service.scheduling.jobs import thinned_steps
 
 import helpers
 from conftest import make_settings, serve

@@ -25,7 +25,7 @@ import pytest
 
 from service.planning.capacity import ClusterCapacity
 from service.scheduling import admission
-from service.scheduling.jobs import submit_job
+from service.scheduling.submission import submit_job
 from service.schemas.requests import JobSpec
 from service.store.db import Database, upgrade
 from service.store.job_storage import JobStorage

@@ -22,7 +22,7 @@ from sqlalchemy import select
 from service.cli import main
 from service.scheduling import controls
 from service.scheduling.dispatch import Reasons
-from service.scheduling.jobs import transition
+from service.scheduling.job_states import transition
 from service.store.tables import Job
 
 import helpers

@@ -18,12 +18,15 @@ import ray
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
+from service.errors import ServiceError
 from service.main import create_app
 from service.planning.capacity import ClusterCapacity
-from service.scheduling import admission, jobs
+from service.scheduling import admission, job_states, submission
 from service.scheduling.ray_launcher import RayLauncher, supervisor_name
 from service.scheduling.scheduler import Scheduler
+from service.schemas.fields import TERMINAL
 from service.schemas.requests import JobSpec
+from service.store import job_repository
 from service.store.db import Database, upgrade
 from service.store.job_storage import JobStorage, checkpoint_dirname
 from service.store.tables import Job, JobEvent
@@ -41,7 +44,7 @@ def queue_job(db: Database, **overrides) -> int:
     spec = JobSpec.model_validate(job_body(**overrides))
     plan = admission.admit(spec, cluster=CLUSTER, overhead_bytes=GB)
     with db.session() as session:
-        job, _ = jobs.submit_job(session, spec=spec, plan=plan, idempotency_key=None)
+        job, _ = submission.submit_job(session, spec=spec, plan=plan, idempotency_key=None)
         return job.id
 
 
@@ -61,8 +64,8 @@ def test_a_cancel_committed_first_makes_the_racing_start_lose(database):
     with database.session() as scheduler:
         job = scheduler.get(Job, job_id)  # the scheduler read the head of the queue: queued
         with database.session() as api:
-            jobs.cancel_job(api, job_id)  # the API cancels and commits first
-        assert not jobs.transition(scheduler, job, "starting", "placing")
+            job_states.cancel_job(api, job_id)  # the API cancels and commits first
+        assert not job_states.transition(scheduler, job, "starting", "placing")
         assert job.status == "cancelled"  # refreshed to what the winner wrote
     assert statuses(database, job_id) == ("cancelled", ["queued", "cancelled"])
     record("cancel commits before a racing start", faults=1, jobs_accepted=1, jobs_stored=1)
@@ -73,8 +76,8 @@ def test_a_start_committed_first_turns_the_racing_cancel_into_a_stop_request(dat
     with database.session() as api:
         assert api.get(Job, job_id).status == "queued"  # the API read the job: queued
         with database.session() as scheduler:
-            assert jobs.transition(scheduler, scheduler.get(Job, job_id), "starting", "placing")
-        job = jobs.cancel_job(api, job_id)  # the start committed first: the job is stopped, not overwritten
+            assert job_states.transition(scheduler, scheduler.get(Job, job_id), "starting", "placing")
+        job = job_states.cancel_job(api, job_id)  # the start committed first: the job is stopped, not overwritten
         assert (job.status, job.cancel_requested) == ("starting", True)
     assert statuses(database, job_id) == ("starting", ["queued", "starting"])
     with database.session() as session:
@@ -86,14 +89,14 @@ def test_cancelling_a_job_that_ended_since_it_was_read_is_a_409(database):
     job_id = queue_job(database)
     with database.session() as session:
         job = session.get(Job, job_id)
-        jobs.transition(session, job, "starting", "placing")
-        jobs.transition(session, job, "running", "training")
+        job_states.transition(session, job, "starting", "placing")
+        job_states.transition(session, job, "running", "training")
     with database.session() as api:
         api.get(Job, job_id)  # read while running
         with database.session() as scheduler:
-            jobs.transition(scheduler, scheduler.get(Job, job_id), "succeeded", "done")
-        with pytest.raises(jobs.ServiceError, match="already succeeded") as raised:
-            jobs.cancel_job(api, job_id)
+            job_states.transition(scheduler, scheduler.get(Job, job_id), "succeeded", "done")
+        with pytest.raises(ServiceError, match="already succeeded") as raised:
+            job_states.cancel_job(api, job_id)
         assert raised.value.status_code == 409
     with database.session() as session:
         assert not session.get(Job, job_id).cancel_requested
@@ -119,13 +122,13 @@ def test_a_cancel_during_dispatch_ends_cancelled_with_no_supervisor_and_no_gpu_h
 
     def cancel_then_launch(job: Job) -> None:
         with runtime.db.session() as session:  # as POST /v1/jobs/{id}/cancel does, mid-dispatch
-            cancelled_in_launch.append(jobs.cancel_job(session, job.id).cancel_requested)
+            cancelled_in_launch.append(job_states.cancel_job(session, job.id).cancel_requested)
         launch(job)
 
     runtime.launcher.launch = cancel_then_launch
     try:
         job_id = client.post("/v1/jobs", json=job_body(steps=100_000)).json()["id"]
-        done = wait_for(lambda: _job(client, job_id), lambda j: j["status"] in jobs.TERMINAL, what="the job to end")
+        done = wait_for(lambda: _job(client, job_id), lambda j: j["status"] in TERMINAL, what="the job to end")
     finally:
         runtime.launcher.launch = launch
     assert cancelled_in_launch == [True]  # the cancel saw `starting` and asked for a stop
@@ -138,7 +141,7 @@ def test_a_cancel_during_dispatch_ends_cancelled_with_no_supervisor_and_no_gpu_h
         what="the job's supervisor to end",
     )
     with runtime.db.session() as session:
-        assert jobs.gpus_in_use(session) == 0
+        assert job_repository.gpus_in_use(session) == 0
     # the GPUs are free for real: a job of all 4 starts
     full = client.post("/v1/jobs", json=job_body(num_gpus=4, steps=3)).json()["id"]
     wait_for(lambda: _job(client, full), lambda j: j["status"] == "succeeded", what="a 4-GPU job to succeed")
@@ -211,9 +214,9 @@ def test_one_jobs_error_fails_it_alone_and_the_others_and_the_queue_go_on(app):
         wait_for(lambda: _job(client, victim), lambda j: (j["step"] or 0) >= 5, what="the victim training")
         supervisor = ray.get_actor(supervisor_name(victim, 0), namespace=settings.ray_namespace)
         ray.kill(ray.get(supervisor.worker.remote(1)), no_restart=True)  # its retry reads the checkpoint
-        failed = wait_for(lambda: _job(client, victim), lambda j: j["status"] in jobs.TERMINAL, what="the victim")
+        failed = wait_for(lambda: _job(client, victim), lambda j: j["status"] in TERMINAL, what="the victim")
         ends = {
-            j: wait_for(lambda j=j: _job(client, j), lambda x: x["status"] in jobs.TERMINAL, what=f"job {j}")
+            j: wait_for(lambda j=j: _job(client, j), lambda x: x["status"] in TERMINAL, what=f"job {j}")
             for j in (other, queued)
         }
     finally:
@@ -315,7 +318,7 @@ def _as(db: Database, job_id: int, *path: str) -> None:
     with db.session() as session:
         job = session.get(Job, job_id)
         for status in path:
-            assert jobs.transition(session, job, status, "set up by the test")
+            assert job_states.transition(session, job, status, "set up by the test")
 
 
 def _stand_in(settings, job_id: int, status: str):
@@ -405,7 +408,7 @@ def test_a_new_job_with_a_reused_id_trains_from_scratch_in_a_directory_of_its_ow
         )
         with TestClient(create_app(settings), raise_server_exceptions=False) as client:
             job_id = client.post("/v1/jobs", json=body).json()["id"]
-            done = wait_for(lambda: _job(client, job_id), lambda j: j["status"] in jobs.TERMINAL, what="the job")
+            done = wait_for(lambda: _job(client, job_id), lambda j: j["status"] in TERMINAL, what="the job")
             curve = client.get(f"/v1/jobs/{job_id}/metrics").json()["data"]
             with client.app.state.runtime.db.session() as session:
                 run_id = session.get(Job, job_id).run_id

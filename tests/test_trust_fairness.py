@@ -31,7 +31,7 @@ from test_mlflow import PASSWORD, the_run
 from service.auth import credential
 from service.lockout import KNOWN_S, MAX_FAILURES, LoginLockout
 from service.planning.capacity import ClusterCapacity
-from service.scheduling import admission, jobs
+from service.scheduling import admission, job_states, submission
 from service.scheduling.scheduler import Scheduler
 from service.schemas.requests import JobSpec
 from service.settings import Settings
@@ -113,7 +113,7 @@ def queue_job(db: Database, *, owner: str, **overrides) -> int:
     spec = JobSpec.model_validate(job_body(**overrides))
     plan = admission.admit(spec, cluster=CLUSTER, overhead_bytes=GB)
     with db.session() as session:
-        job, _ = jobs.submit_job(
+        job, _ = submission.submit_job(
             session, spec=spec, plan=plan, idempotency_key=None, owner=owner, priority=spec.priority or 50
         )
         return job.id
@@ -242,7 +242,7 @@ def test_a_restart_mid_suspend_suspends_the_job(database, preempting):
     before = scheduler(database, ray, total_gpus=2)
     ticks(before)
     with database.session() as session:
-        jobs.flag_active(session, session.get(Job, job_id), "suspend_requested")
+        job_states.flag_active(session, session.get(Job, job_id), "suspend_requested")
     ticks(before)
     after = scheduler(database, FakeRay(preempting), total_gpus=2)
     after.recover()

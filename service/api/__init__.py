@@ -1,10 +1,12 @@
-"""The REST API: one router per resource, mounted under /v1 by service.main.
+"""The REST API: one router per resource, mounted under /v1 by service.main, and what the job routes
+answer (job_responses: a job as its asker sees it, pages, curves thinned for a chart, artifacts).
 
 Every /v1 route and /metrics is a read that needs a token while auth is on (unless
 ZERO1_PUBLIC_READ); the routes that change something ask for a writer too. /healthz stays open.
 
 May import: service.settings, service.errors, service.auth, service.telemetry, service.app_state,
-service.schemas, service.store, service.planning, service.scheduling, service.tracking, workers.memory.
+service.schemas, service.store, service.planning, service.scheduling, service.tracking,
+workers.memory, workers.records.
 """
 
 from fastapi import APIRouter, Depends

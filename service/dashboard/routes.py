@@ -1,9 +1,10 @@
 """The dashboard's pages: jobs and the queue (/), one job (/jobs/{id}) and the planner (/plan).
 
-Each page is rendered whole on the server from the same service.scheduling.jobs and service.planning.plans
-functions the /v1 API uses, so it reads without JavaScript; dashboard.js then keeps it live
-by polling the /v1 endpoints. A page that depends on who reads takes ReaderDep, as the API does:
-by then the router's require_page_reader has sent a browser without a token to /login.
+Each page is rendered whole on the server from the same service.api.job_responses,
+service.store.job_repository and service.planning.plans functions the /v1 API uses, so it reads
+without JavaScript; dashboard.js then keeps it live by polling the /v1 endpoints. A page that
+depends on who reads takes ReaderDep, as the API does: by then the router's
+require_page_reader has sent a browser without a token to /login.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from service.api import job_responses
 from service.api.deps import AppStateDep, ClusterDep, ReaderDep, SessionDep, SettingsDep
 from service.auth import Principal
 from service.dashboard import charts
@@ -29,11 +31,12 @@ from service.dashboard.format import FILTERS, elapsed_s
 from service.errors import ServiceError, describe_validation_errors
 from service.planning.plans import make_plan, plan_public
 from service.planning.recommendations import cost_model_of, recommend_public
-from service.scheduling import controls, jobs
-from service.schemas.fields import JobStatus, resolved_roots, too_many_digits
+from service.scheduling import controls
+from service.schemas.fields import ACTIVE, JobStatus, resolved_roots, too_many_digits
 from service.schemas.printable import MULTILINE, escape
 from service.schemas.requests import PlanRequest, RecommendRequest
 from service.schemas.responses import JobPublic
+from service.store import job_repository
 from service.store.checkpoint_files import stored_checkpoints
 from service.store.job_storage import JobStorage
 from service.store.log_lines import read_logs
@@ -96,7 +99,7 @@ def table_order(job: JobPublic) -> tuple[int, int, int]:
 def table_jobs(session: Session, *, status: str | None, principal: Principal, fifo: bool = False) -> list[JobPublic]:
     """The newest TABLE_LIMIT jobs (of `status`, if given) and every active one, in table order."""
     statuses = [status] if status else None
-    recent, _ = jobs.list_jobs(
+    recent, _ = job_responses.list_jobs(
         session,
         statuses=statuses,
         limit=TABLE_LIMIT,
@@ -104,10 +107,10 @@ def table_jobs(session: Session, *, status: str | None, principal: Principal, fi
         principal=principal,
         fifo=fifo,
     )
-    active_statuses = [s for s in jobs.ACTIVE if status in (None, s)]
+    active_statuses = [s for s in ACTIVE if status in (None, s)]
     # active jobs hold GPUs, so there are never more of them than GPUs; 500 is the API's page limit
     active = (
-        jobs.list_jobs(
+        job_responses.list_jobs(
             session,
             statuses=active_statuses,
             limit=500,
@@ -142,7 +145,7 @@ def jobs_page(
         "cluster": cluster,
         "data_roots": resolved_roots(settings.data_roots),
         "model_roots": resolved_roots(settings.model_roots),
-        "gpus_in_use": jobs.gpus_in_use(session),
+        "gpus_in_use": job_repository.gpus_in_use(session),
         "queued": queue.count,
         "queue": queue,
         "queue_limit": QUEUE_LIMIT,
@@ -190,17 +193,19 @@ def job_page(
     try:
         if (number := page_job_id(job_id)) is None:
             raise ServiceError(f"no job with id {job_id}", status_code=404, error="not_found")
-        job = jobs.get_visible_job(session, number, principal=principal)
+        job = job_repository.get_visible_job(session, number, principal=principal)
     except ServiceError as error:
         return templates.TemplateResponse(request, "not_found.html", {"message": error.message}, status_code=404)
-    public = jobs.job_public(
-        job, position=jobs.queue_position(session, job, fifo=settings.queue_policy == "fifo"), principal=principal
+    public = job_responses.job_public(
+        job,
+        position=job_repository.queue_position(session, job, fifo=settings.queue_policy == "fifo"),
+        principal=principal,
     )
-    metrics, _ = jobs.job_metrics(session, job, after_step=None, limit=10 * MAX_POINTS, max_points=MAX_POINTS)
-    evaluated, _ = jobs.job_metrics(
+    metrics, _ = job_responses.job_metrics(session, job, after_step=None, limit=10 * MAX_POINTS, max_points=MAX_POINTS)
+    evaluated, _ = job_responses.job_metrics(
         session, job, after_step=None, limit=10 * MAX_POINTS, max_points=None, evaluated=True
     )
-    checkpointed, _ = jobs.job_metrics(
+    checkpointed, _ = job_responses.job_metrics(
         session, job, after_step=None, limit=10 * MAX_POINTS, max_points=None, checkpointed=True
     )
     logs, log_next = log_tail(session, job, limit=LOG_LINES)
@@ -210,7 +215,7 @@ def job_page(
     context = {
         "page": "job",
         "job": public,
-        "events": jobs.job_events(session, job),
+        "events": job_repository.job_events(session, job),
         "now": datetime.now(UTC),
         "elapsed_s": elapsed_s,
         "max_points": MAX_POINTS,
@@ -259,7 +264,7 @@ def job_artifacts(session: Session, job: Job, *, storage: JobStorage) -> list[di
     if job.status != "succeeded":
         return None
     try:
-        _, files = jobs.job_artifacts(session, job, storage=storage)
+        _, files = job_responses.job_artifacts(session, job, storage=storage)
     except ServiceError:
         return None
     return [{"name": f.name, "bytes": f.bytes, "sha256": f.sha256} for f in files]

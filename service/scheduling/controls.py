@@ -12,11 +12,12 @@ from sqlalchemy.orm.attributes import set_committed_value
 from service.auth import Principal
 from service.errors import ServiceError
 from service.scheduling.dispatch import Reasons
-from service.scheduling.jobs import flag_active, get_job, queue_order, transition
+from service.scheduling.job_states import flag_active, transition
 from service.schemas.fields import ACTIVE
 from service.schemas.requests import JobSpec
 from service.schemas.responses import OwnerUsagePublic, QueueEntryPublic, QueuePublic
 from service.settings import Settings
+from service.store.job_repository import get_job, queue_order
 from service.store.tables import Job
 
 STEERABLE = ("queued", *ACTIVE, "suspended")

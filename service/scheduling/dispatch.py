@@ -19,11 +19,12 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from service.scheduling.elastic import growable
-from service.scheduling.jobs import job_world_sizes, queue_order, stored_step, transition
+from service.scheduling.job_states import transition
 from service.scheduling.queue_policy import Holding, Preempt, Start, Waiting, decide, decide_fifo
 from service.schemas.fields import ACTIVE
 from service.schemas.requests import world_sizes
 from service.store.db import Database
+from service.store.job_repository import job_world_sizes, queue_order, stored_step
 from service.store.job_storage import JobStorage
 from service.store.metric_rows import store_metrics, supersede_after
 from service.store.tables import Job

@@ -15,9 +15,9 @@ from collections.abc import Callable
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from service.scheduling.jobs import QUEUE_ORDER, gpus_in_use, job_world_sizes
 from service.scheduling.queue_policy import Quota, allowed_sizes, quota_room
 from service.schemas.fields import ACTIVE
+from service.store.job_repository import QUEUE_ORDER, gpus_in_use, job_world_sizes
 from service.store.tables import Job
 
 

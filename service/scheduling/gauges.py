@@ -11,9 +11,9 @@ from prometheus_client.metrics_core import Metric
 from sqlalchemy import func, select
 
 from service.scheduling.controls import gpus_by_owner
-from service.scheduling.jobs import gpus_in_use
 from service.schemas.fields import JobStatus
 from service.store.db import Database
+from service.store.job_repository import gpus_in_use
 from service.store.tables import Job
 
 _GAUGES = {

@@ -20,11 +20,11 @@ from pydantic import ValidationError
 
 from service.auth import Principal
 from service.errors import ServiceError
-from service.scheduling.jobs import can_see
 from service.schemas.model_specs import GPTModelSpec, MLPModelSpec
 from service.schemas.requests import JobSpec
 from service.store.artifacts import recorded_artifacts
 from service.store.db import Database
+from service.store.job_repository import can_see
 from service.store.job_storage import JobStorage
 from service.store.tables import Job
 from workers.memory.specs import first_mismatch

@@ -10,7 +10,7 @@ stop for the first that cannot start (preemption: they checkpoint at their next 
 to the queue, or shrink). Running jobs never hold more GPUs than exist.
 
 Ray is called only between transactions, never inside one: a slow Ray holds no database lock.
-Every status change is a compare-and-set (service.scheduling.jobs.transition), so a cancel that races a
+Every status change is a compare-and-set (service.scheduling.job_states.transition), so a cancel that races a
 start ends in one state: cancelled before the start commits, or flagged and stopped after.
 """
 
@@ -27,11 +27,12 @@ from sqlalchemy.orm import Session
 
 from service.scheduling import elastic
 from service.scheduling.dispatch import Dispatcher, Reasons, Settled, Stop, resume_point
-from service.scheduling.jobs import poll_acks, running_reason, still_active, transition
+from service.scheduling.job_states import running_reason, still_active, transition
 from service.scheduling.ray_launcher import RayLauncher
 from service.schemas.fields import ACTIVE
 from service.store.artifacts import record_final
 from service.store.db import Database
+from service.store.job_repository import poll_acks
 from service.store.job_storage import JobStorage
 from service.store.log_lines import store_logs
 from service.store.metric_rows import store_metrics

@@ -13,8 +13,8 @@ from fastapi.responses import StreamingResponse
 from service.api import downloads
 from service.api.deps import JobId, JobStorageDep, ReaderDep, SessionDep, errors, json_response
 from service.errors import ServiceError
-from service.scheduling import jobs
 from service.schemas.responses import CheckpointFilePublic, CheckpointPublic, CheckpointsPublic
+from service.store import job_repository
 from service.store.checkpoint_files import open_checkpoint_file, stored_checkpoints, stream_file
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
@@ -28,7 +28,7 @@ MAX_STEP = 10**9 - 1
 def job_checkpoints(job_id: JobId, session: SessionDep, principal: ReaderDep, storage: JobStorageDep) -> Response:
     """The job's complete checkpoints on its storage now, oldest first, each with its files and their
     bytes (a pruned one is gone; a running job's newest may not be complete yet)."""
-    job = jobs.get_visible_job(session, job_id, principal=principal)
+    job = job_repository.get_visible_job(session, job_id, principal=principal)
     store = storage.job_store(job)
     data = [
         CheckpointPublic(step=step, files=[CheckpointFilePublic(name=name, bytes=size) for name, size in files])
@@ -53,7 +53,7 @@ def job_checkpoint_file(
 ) -> Response:
     """One file of a complete checkpoint, as the listing names it: a rank's shard or `complete.json`
     (any other name is a 404, a path included). `Range: bytes=a-b` answers 206 with those bytes."""
-    job = jobs.get_visible_job(session, job_id, principal=principal)
+    job = job_repository.get_visible_job(session, job_id, principal=principal)
     file, size = open_checkpoint_file(storage.job_store(job), job.id, step, name)
     try:
         return downloads.download(

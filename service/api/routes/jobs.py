@@ -13,7 +13,7 @@ from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from service.api import downloads, offload
+from service.api import downloads, job_responses, offload
 from service.api.deps import (
     MAX_ID,
     AppStateDep,
@@ -29,9 +29,9 @@ from service.api.deps import (
 )
 from service.auth import Principal, check_can_steer
 from service.planning.hf_paths import check_model_path
-from service.scheduling import admission, controls, jobs
+from service.scheduling import admission, controls, job_states, submission
 from service.scheduling.init_from import resolve_init_from
-from service.schemas.fields import JobStatus
+from service.schemas.fields import TERMINAL, JobStatus
 from service.schemas.requests import JobSpec
 from service.schemas.responses import (
     ArtifactPublic,
@@ -46,6 +46,7 @@ from service.schemas.responses import (
     MetricsPublic,
     PlanPublic,
 )
+from service.store import job_repository
 from service.store.artifacts import stream_artifact
 from service.store.db import Database
 from service.store.log_lines import read_logs
@@ -125,7 +126,7 @@ def _store_job(
     """The admitted job stored (or the one this Idempotency-Key created before) in one session of its
     own: the request's one commit point, opened only now that every check is done."""
     with db.session() as session:
-        job, created = jobs.submit_job(
+        job, created = submission.submit_job(
             session,
             spec=spec,
             plan=plan,
@@ -134,7 +135,9 @@ def _store_job(
             max_queued=max_queued,
             priority=priority,
         )
-        public = jobs.job_public(job, position=jobs.queue_position(session, job, fifo=fifo), principal=principal)
+        public = job_responses.job_public(
+            job, position=job_repository.queue_position(session, job, fifo=fifo), principal=principal
+        )
     return json_response(public, status_code=201 if created else 200)  # 200: the job this key and body created before
 
 
@@ -148,7 +151,7 @@ def list_jobs(
     cursor: Annotated[int | None, Query(ge=0, le=MAX_ID, description="next_cursor of the previous page")] = None,
 ) -> Response:
     """Newest first, optionally only some statuses (repeat ?status=); others' jobs without their details."""
-    data, next_cursor = jobs.list_jobs(
+    data, next_cursor = job_responses.list_jobs(
         session, statuses=status, limit=limit, cursor=cursor, principal=principal, fifo=settings.queue_policy == "fifo"
     )
     return json_response(JobsPublic(data=data, next_cursor=next_cursor))
@@ -157,9 +160,11 @@ def list_jobs(
 @router.get("/{job_id}", response_model=JobPublic, responses=ERRORS)
 def get_job(job_id: JobId, session: SessionDep, principal: ReaderDep, settings: SettingsDep) -> Response:
     """Anyone's job; spec, latest, error and its MLflow run only to its owner and admins."""
-    job = jobs.get_job(session, job_id)
-    public = jobs.job_public(
-        job, position=jobs.queue_position(session, job, fifo=settings.queue_policy == "fifo"), principal=principal
+    job = job_repository.get_job(session, job_id)
+    public = job_responses.job_public(
+        job,
+        position=job_repository.queue_position(session, job, fifo=settings.queue_policy == "fifo"),
+        principal=principal,
     )
     if public.spec is not None:  # the caller may see its details
         public.mlflow = run_link(session, job, settings)
@@ -169,9 +174,9 @@ def get_job(job_id: JobId, session: SessionDep, principal: ReaderDep, settings: 
 @router.post("/{job_id}/cancel", status_code=202, response_model=JobPublic, responses=ERRORS)
 def cancel_job(job_id: JobId, session: SessionDep, principal: PrincipalDep) -> Response:
     """A queued job is cancelled at once; a running one within a scheduler tick. Its owner or an admin only."""
-    check_can_steer(principal, job_id=job_id, owner=jobs.get_job(session, job_id).owner)
-    job = jobs.cancel_job(session, job_id)
-    return json_response(jobs.job_public(job, position=None, principal=principal), status_code=202)
+    check_can_steer(principal, job_id=job_id, owner=job_repository.get_job(session, job_id).owner)
+    job = job_states.cancel_job(session, job_id)
+    return json_response(job_responses.job_public(job, position=None, principal=principal), status_code=202)
 
 
 @router.get("/{job_id}/metrics", response_model=MetricsPublic, responses=ERRORS)
@@ -189,8 +194,8 @@ def job_metrics(
 ) -> Response:
     """Per-step metrics of the surviving attempt, oldest first; max_points thins them evenly. Its owner's and
     admins' only: to others a 404, as if there were no such job."""
-    job = jobs.get_visible_job(session, job_id, principal=principal)
-    data, next_after = jobs.job_metrics(
+    job = job_repository.get_visible_job(session, job_id, principal=principal)
+    data, next_after = job_responses.job_metrics(
         session,
         job,
         after_step=after_step,
@@ -229,7 +234,7 @@ def job_logs(
 ) -> Response:
     """Every rank's stdout, stderr and logging, oldest first (the job's newest ZERO1_LOG_MAX_BYTES; a
     marker line says how many older lines were dropped). Its owner's and admins' only (a 404 to others)."""
-    job = jobs.get_visible_job(session, job_id, principal=principal)
+    job = job_repository.get_visible_job(session, job_id, principal=principal)
     selection = {"rank": rank, "attempt": attempt, "limit": limit}
     if not follow:
         data, cursor = read_logs(session, job, after=after, **selection)
@@ -275,7 +280,7 @@ async def _follow(request: Request, db: Database, job_id: int, *, after: int, **
             cursor, quiet_since = data[-1]["seq"], time.monotonic()
             if len(data) == selection["limit"]:
                 continue  # more are stored: no wait
-        if status in jobs.TERMINAL:  # read before the lines: the last ones were stored with the status
+        if status in TERMINAL:  # read before the lines: the last ones were stored with the status
             yield f'event: end\ndata: {{"status": "{status}"}}\n\n'
             return
         if time.monotonic() - quiet_since >= _KEEPALIVE_S:
@@ -296,8 +301,8 @@ def _logs_after(db: Database, job_id: int, after: int, selection: dict[str, Any]
 @router.get("/{job_id}/events", response_model=EventsPublic, responses=ERRORS)
 def job_events(job_id: JobId, session: SessionDep, principal: ReaderDep) -> Response:
     """The job's state changes and why; its owner's and admins' only (a 404 to others, as for metrics)."""
-    job = jobs.get_visible_job(session, job_id, principal=principal)
-    return json_response(EventsPublic(data=jobs.job_events(session, job)))
+    job = job_repository.get_visible_job(session, job_id, principal=principal)
+    return json_response(EventsPublic(data=job_repository.job_events(session, job)))
 
 
 @router.get("/{job_id}/artifacts", response_model=ArtifactsPublic, responses=ERRORS)
@@ -305,8 +310,8 @@ def job_artifacts(job_id: JobId, session: SessionDep, principal: ReaderDep, stor
     """The files of a succeeded job's final model as the service recorded them when it succeeded (their
     bytes and the sha256 it computed); 409 while it has not succeeded. Its owner's and admins' only (a
     404 to others, as for metrics)."""
-    job = jobs.get_visible_job(session, job_id, principal=principal)
-    _, files = jobs.job_artifacts(session, job, storage=storage)
+    job = job_repository.get_visible_job(session, job_id, principal=principal)
+    _, files = job_responses.job_artifacts(session, job, storage=storage)
     data = [ArtifactPublic(name=f.name, bytes=f.bytes, sha256=f.sha256) for f in files]
     return json_response(ArtifactsPublic(data=data, count=len(data)))
 
@@ -327,8 +332,8 @@ def job_artifact(
     """One recorded artifact's bytes, streamed and hashed as they go: a file changed since it was recorded
     is cut off before its end (409 when its size already differs). `Range: bytes=a-b` answers 206 with
     those bytes (416 past the end). Only a name the listing gives; the job's owner's and admins' only."""
-    job = jobs.get_visible_job(session, job_id, principal=principal)
-    job_dir, artifact = jobs.artifact_file(session, job, name, storage=storage)
+    job = job_repository.get_visible_job(session, job_id, principal=principal)
+    job_dir, artifact = job_responses.artifact_file(session, job, name, storage=storage)
     return downloads.download(
         lambda first, last: stream_artifact(job.id, job_dir, artifact, first=first, last=last),
         filename=name,

@@ -8,11 +8,13 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Response
 
+from service.api import job_responses
 from service.api.deps import AppStateDep, JobId, PrincipalDep, ReaderDep, SessionDep, SettingsDep, errors, json_response
 from service.auth import check_can_steer
-from service.scheduling import controls, jobs
+from service.scheduling import controls
 from service.schemas.requests import PriorityPatch
 from service.schemas.responses import JobPublic, QueuePublic
+from service.store import job_repository
 
 router = APIRouter(tags=["queue"])
 _ERRORS = errors(401, 403, 404, 409, 422)
@@ -39,12 +41,14 @@ def patch_job(
 ) -> Response:
     """A new priority for a queued, running or suspended job, up to the caller's ceiling (a 403
     forbidden_priority above it; 409 once the job has ended). Its owner or an admin only."""
-    job = jobs.get_job(session, job_id)
+    job = job_repository.get_job(session, job_id)
     check_can_steer(principal, job_id=job.id, owner=job.owner, action="change the priority of")
     controls.set_priority(session, job, body.priority, settings=settings, principal=principal)
     return json_response(
-        jobs.job_public(
-            job, position=jobs.queue_position(session, job, fifo=settings.queue_policy == "fifo"), principal=principal
+        job_responses.job_public(
+            job,
+            position=job_repository.queue_position(session, job, fifo=settings.queue_policy == "fifo"),
+            principal=principal,
         )
     )
 
@@ -53,19 +57,21 @@ def patch_job(
 def suspend_job(job_id: JobId, session: SessionDep, principal: PrincipalDep) -> Response:
     """A queued job is suspended at once; an active one stops at its next step boundary with a checkpoint
     (within ZERO1_PREEMPT_GRACE_S) and waits, holding no GPU, until resumed. Its owner or an admin only."""
-    check_can_steer(principal, job_id=job_id, owner=jobs.get_job(session, job_id).owner, action="suspend")
+    check_can_steer(principal, job_id=job_id, owner=job_repository.get_job(session, job_id).owner, action="suspend")
     job = controls.suspend_job(session, job_id)
-    return json_response(jobs.job_public(job, position=None, principal=principal), status_code=202)
+    return json_response(job_responses.job_public(job, position=None, principal=principal), status_code=202)
 
 
 @router.post("/jobs/{job_id}/resume", status_code=202, response_model=JobPublic, responses=_ERRORS)
 def resume_job(job_id: JobId, session: SessionDep, principal: PrincipalDep, settings: SettingsDep) -> Response:
     """A suspended job goes back to the queue, in its place by priority and submission. Its owner or an admin only."""
-    check_can_steer(principal, job_id=job_id, owner=jobs.get_job(session, job_id).owner, action="resume")
+    check_can_steer(principal, job_id=job_id, owner=job_repository.get_job(session, job_id).owner, action="resume")
     job = controls.resume_job(session, job_id)
     return json_response(
-        jobs.job_public(
-            job, position=jobs.queue_position(session, job, fifo=settings.queue_policy == "fifo"), principal=principal
+        job_responses.job_public(
+            job,
+            position=job_repository.queue_position(session, job, fifo=settings.queue_policy == "fifo"),
+            principal=principal,
         ),
         status_code=202,
     )
