@@ -46,7 +46,6 @@ from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from sqlalchemy import func, insert, select
 
@@ -59,6 +58,7 @@ from service.settings import Settings
 from service.store.db import Database, upgrade
 from service.store.tables import Job, JobEvent
 from workers.memory.model import GB
+from workers.records import AttemptPoll, AttemptStatus
 
 TOTAL_GPUS = 64
 SIZES = (1, 2, 4, 8, 16, 32)
@@ -235,12 +235,12 @@ class Attempt:
     def time_at(self, progress_s: float) -> float:
         return self.running_at + (progress_s - self.start_progress_s) / self.rate
 
-    def status(self, t: float) -> str:
+    def status(self, t: float) -> AttemptStatus:
         if self.killed or (self.stop_at < self.finish_at and t >= self.stop_at):
-            return "stopped"
+            return AttemptStatus.STOPPED
         if t >= self.finish_at:
-            return "succeeded"
-        return "starting" if t < self.running_at else "running"
+            return AttemptStatus.SUCCEEDED
+        return AttemptStatus.STARTING if t < self.running_at else AttemptStatus.RUNNING
 
     def events(self) -> Iterable[float]:
         """The times at which this attempt changes what a poll says."""
@@ -291,10 +291,10 @@ class SimLauncher:
         if self.held_gpus > self.total_gpus:
             self.problems.append(f"t={now:.0f} s: job {job.id} launched on {n}: {self.held_gpus} GPUs held")
 
-    def poll(self, job_id: int, attempt: int, *, after_step: int, log_acks: dict[int, int]) -> dict[str, Any]:
+    def poll(self, job_id: int, attempt: int, *, after_step: int, log_acks: dict[int, int]) -> AttemptPoll:
         return self.poll_many([(job_id, attempt, after_step, log_acks)])[(job_id, attempt)]
 
-    def poll_many(self, attempts: list[tuple[int, int, int, dict[int, int]]]) -> dict[tuple[int, int], dict[str, Any]]:
+    def poll_many(self, attempts: list[tuple[int, int, int, dict[int, int]]]) -> dict[tuple[int, int], AttemptPoll]:
         return {(job_id, attempt): self._state(job_id, attempt) for job_id, attempt, _, _ in attempts}
 
     def request_stop(self, job_id: int, attempt: int, *, now: bool = False) -> bool:
@@ -315,7 +315,11 @@ class SimLauncher:
     def cancel(self, job_id: int, attempt: int) -> None:
         """Kill the attempt: it keeps its last periodic checkpoint; the progress since is lost."""
         found = self.attempts.get((job_id, attempt))
-        if found is None or found.killed or found.status(self.clock()) not in ("starting", "running"):
+        if (
+            found is None
+            or found.killed
+            or found.status(self.clock()) not in (AttemptStatus.STARTING, AttemptStatus.RUNNING)
+        ):
             return
         progress = found.progress_s(self.clock())
         kept = max(found.start_progress_s, progress // CHECKPOINT_EVERY_S * CHECKPOINT_EVERY_S)
@@ -368,18 +372,14 @@ class SimLauncher:
         later = [t for t in times if after < t < math.inf]
         return min(later, default=None)
 
-    def _state(self, job_id: int, attempt: int) -> dict[str, Any]:
+    def _state(self, job_id: int, attempt: int) -> AttemptPoll:
         found = self.attempts.get((job_id, attempt))
         if found is None or found.released_at is not None:
-            return _poll_state("lost", n=0)
+            return AttemptPoll(status=AttemptStatus.LOST)
         status = found.status(self.clock())
-        if status == "stopped" and not found.killed:  # its checkpoint at the step it stopped at
+        if status == AttemptStatus.STOPPED and not found.killed:  # its checkpoint at the step it stopped at
             self.saved_s[job_id] = found.progress_s(found.stop_at)
-        return _poll_state(status, n=found.n)
-
-
-def _poll_state(status: str, *, n: int) -> dict[str, Any]:
-    return {"status": status, "metrics": [], "nodes": ["n0"] * n, "error": None, "logs": [], "log_dropped": (0, 0)}
+        return AttemptPoll(status=status, nodes=("n0",) * found.n)
 
 
 # --------------------------------------------------------------------------- the replay

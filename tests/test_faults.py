@@ -159,9 +159,7 @@ def test_a_job_out_of_retries_fails_with_the_rank_node_and_cause(app):
     wait_for(job, lambda j: j["status"] == "running" and (j["step"] or 0) >= 5, what="attempt 0 training")
     kill_rank(settings.ray_namespace, job_id, attempt=0, rank=0)
     wait_for(job, lambda j: j["attempt"] == 1 and j["status"] == "running", what="attempt 1 running")
-    node = ray.get(ray.get_actor(supervisor_name(job_id, 1), namespace=settings.ray_namespace).poll.remote())["nodes"][
-        1
-    ]
+    node = ray.get(ray.get_actor(supervisor_name(job_id, 1), namespace=settings.ray_namespace).poll.remote()).nodes[1]
     kill_rank(settings.ray_namespace, job_id, attempt=1, rank=1)
 
     failed = wait_for(job, lambda j: j["status"] == "failed", what="the job to fail")
@@ -435,7 +433,7 @@ def test_a_removed_node_fails_its_ranks_and_the_job_resumes_on_the_nodes_left(ap
         job = lambda: client.get(f"/v1/jobs/{job_id}").json()
         wait_for(job, lambda j: (j["step"] or 0) >= 15, what="training on the third node")
         supervisor = ray.get_actor(supervisor_name(job_id, 0), namespace=settings.ray_namespace)
-        assert set(ray.get(supervisor.poll.remote())["nodes"]) == {node.node_id}
+        assert set(ray.get(supervisor.poll.remote()).nodes) == {node.node_id}
     finally:
         if node is not None:
             ray_cluster.remove_node(node)
@@ -450,7 +448,7 @@ def test_a_removed_node_fails_its_ranks_and_the_job_resumes_on_the_nodes_left(ap
     assert restart["to_status"] == "restarting", restart
     assert f"on node {node.node_id}" in restart["reason"] or "SupervisorLost" in restart["reason"], restart
     supervisor = ray.get_actor(supervisor_name(job_id, 1), namespace=settings.ray_namespace)
-    assert node.node_id not in ray.get(supervisor.poll.remote())["nodes"]
+    assert node.node_id not in ray.get(supervisor.poll.remote()).nodes
     assert client.post(f"/v1/jobs/{job_id}/cancel").status_code == 202
     last = wait_for(job, lambda j: j["status"] == "cancelled", what="the cancel")["step"]
     assert_every_step_once(settings.database_url, job_id, steps=last + 1)
@@ -483,7 +481,7 @@ def test_an_elastic_job_continues_on_the_node_left_instead_of_waiting(app, ray_c
         started = wait_for(job, lambda j: (j["step"] or 0) >= 15, what="training on 4 GPUs over two nodes")
         assert started["world_size"] == 4
         supervisor = ray.get_actor(supervisor_name(job_id, 0), namespace=settings.ray_namespace)
-        assert node.node_id in ray.get(supervisor.poll.remote())["nodes"]
+        assert node.node_id in ray.get(supervisor.poll.remote()).nodes
         ray_cluster.remove_node(node)
         node = None
         resumed = wait_for(
@@ -516,10 +514,10 @@ def test_shutdown_drains_the_rows_the_supervisors_hold(ray_cluster, tmp_path):
         supervisor = ray.get_actor(supervisor_name(job_id, 0), namespace=settings.ray_namespace)
         held = wait_for(
             lambda: ray.get(supervisor.poll.remote(stored)),
-            lambda s: len(s["metrics"]) >= 20,
+            lambda s: len(s.metrics) >= 20,
             what="rows the database does not have",
         )
-        held_steps = [row.step for row in held["metrics"]]
+        held_steps = [row.step for row in held.metrics]
         assert held_steps[0] == stored + 1
     try:
         rows = metric_rows(settings.database_url, job_id)

@@ -102,7 +102,7 @@ def test_a_resize_from_2_to_4_ranks_reads_only_the_byte_ranges_each_rank_owns(ra
     assert sum(b - a for ranges in data.values() for a, b in ranges) == state_bytes
 
     # and each rank says what it read: at most its shard and the headers
-    logs = ray.get(supervisor.poll.remote())["logs"]
+    logs = ray.get(supervisor.poll.remote()).logs
     reads = [line.line for line in logs if "resumed from step 19" in line.line]
     assert len(reads) == 4, reads
     for line in reads:

@@ -22,7 +22,7 @@ from service.errors import ServiceError
 from service.main import create_app
 from service.planning.capacity import ClusterCapacity
 from service.scheduling import admission, job_states, submission
-from service.scheduling.ray_launcher import RayLauncher, supervisor_name
+from service.scheduling.ray_launcher import RayLauncher, _in_protocol, supervisor_name
 from service.scheduling.scheduler import Scheduler
 from service.schemas.fields import TERMINAL
 from service.schemas.requests import JobSpec
@@ -31,6 +31,7 @@ from service.store.db import Database, upgrade
 from service.store.job_storage import JobStorage, checkpoint_dirname
 from service.store.tables import Job, JobEvent
 from workers.memory.model import GB
+from workers.records import AttemptPoll, AttemptStatus, MetricRow
 
 from conftest import end_supervisors, make_settings, serve
 from figures import record
@@ -254,7 +255,8 @@ def test_healthz_says_degraded_while_the_scheduler_completes_no_tick(ray_cluster
 
 @ray.remote(num_cpus=0, max_concurrency=4)
 class StandInSupervisor:
-    """Answers poll() as a supervisor would, with `status`, or not at all until released."""
+    """Answers poll() as a supervisor would, with `status` (a dict instead where `status` is "dict":
+    a supervisor of another protocol), or not at all until released."""
 
     def __init__(self, status: str) -> None:
         self.status = status
@@ -267,9 +269,11 @@ class StandInSupervisor:
     def resume(self) -> None:
         self.answering.set()
 
-    def poll(self, after_step: int = -1, log_acks: dict | None = None) -> dict:
+    def poll(self, after_step: int = -1, log_acks: dict | None = None) -> AttemptPoll | dict:
         self.answering.wait()
-        return {"status": self.status, "error": None, "metrics": [], "nodes": [], "logs": [], "log_dropped": (0, 0)}
+        if self.status == "dict":
+            return {"status": "running"}
+        return AttemptPoll(status=AttemptStatus(self.status))
 
     def ping(self) -> str:
         return self.status
@@ -391,6 +395,52 @@ def test_a_job_starting_past_its_deadline_fails_with_the_cause_and_its_superviso
     # released (ray.kill takes effect a moment later): a placement group it held goes with it
     wait_for(lambda: _answers(supervisor), lambda answers: not answers, what="the supervisor to end", timeout_s=30)
     record("a start that never finishes", faults=1, jobs_accepted=1, jobs_stored=1)
+
+
+ROW = MetricRow(
+    step=3,
+    loss=1.0,
+    grad_norm=1.0,
+    loss_scale=1.0,
+    skipped=False,
+    step_time_s=0.1,
+    tokens_per_s=1.0,
+    mem_peak_bytes=(1,),
+    mem_planned_bytes=1,
+)
+
+
+def test_a_poll_in_the_protocol_passes_as_it_is():
+    for status in ("starting", "running", "succeeded", "stopped", "failed"):
+        answer = AttemptPoll(status=AttemptStatus(status), metrics=(ROW,), nodes=("n0",))
+        assert _in_protocol(answer) is answer
+
+
+def test_a_poll_outside_the_protocol_is_a_failure_that_keeps_its_rows():
+    cancelled = _in_protocol(AttemptPoll(status=AttemptStatus.CANCELLED, metrics=(ROW,), nodes=("n0",)))
+    assert (cancelled.status, cancelled.metrics, cancelled.nodes) == (AttemptStatus.FAILED, (ROW,), ("n0",))
+    assert cancelled.error.exception == "SupervisorError"
+    assert "reported status 'cancelled', which the scheduler does not expect" in cancelled.error.message
+    other = _in_protocol({"status": "running"})  # a supervisor of another protocol: a dict
+    assert (other.status, other.metrics) == (AttemptStatus.FAILED, ())
+    assert "reported a dict where an AttemptPoll belongs" in other.error.message
+
+
+@pytest.mark.parametrize(("answer", "said"), [("cancelled", "status 'cancelled'"), ("dict", "a dict")])
+def test_a_supervisor_outside_the_protocol_fails_its_job_and_ends(bare, answer, said):
+    """A supervisor cancelled behind the service's back, or one that answers in another shape: the
+    job fails with the cause (no retry left) and the supervisor is released, its GPUs freed."""
+    scheduler, db, settings, _ = bare
+    job_id = queue_job(db)
+    _as(db, job_id, "starting", "running")
+    supervisor = _stand_in(settings, job_id, answer)
+
+    scheduler.tick()
+    assert statuses(db, job_id) == ("failed", ["queued", "starting", "running", "failed"])
+    with db.session() as session:
+        error = session.get(Job, job_id).error
+    assert error["exception"] == "SupervisorError" and f"reported {said}" in error["message"], error
+    wait_for(lambda: _answers(supervisor), lambda answers: not answers, what="the supervisor to end", timeout_s=30)
 
 
 # --------------------------------------------------------------------------- a job id used again

@@ -39,7 +39,7 @@ from service.store.db import Database
 from service.store.job_storage import JobStorage
 from service.store.tables import Job, JobEvent
 from workers.memory.model import GB
-from workers.records import RankError
+from workers.records import AttemptPoll, AttemptStatus, RankError
 
 from conftest import make_settings
 from helpers import TERMINAL, job_body, wait_for
@@ -63,16 +63,17 @@ class FakeRay:
         self.attempts[(job.id, job.attempt)] = "running"
         self.launched.append((job.id, job.attempt, job.world_size))
 
-    def poll_many(self, attempts: list) -> dict[tuple[int, int], dict[str, Any]]:
+    def poll_many(self, attempts: list) -> dict[tuple[int, int], AttemptPoll]:
         return {(job_id, attempt): self._state(job_id, attempt) for job_id, attempt, _, _ in attempts}
 
-    def poll(self, job_id: int, attempt: int, **_: Any) -> dict[str, Any]:
+    def poll(self, job_id: int, attempt: int, **_: Any) -> AttemptPoll:
         return self._state(job_id, attempt)
 
-    def _state(self, job_id: int, attempt: int) -> dict[str, Any]:
-        status = self.attempts.get((job_id, attempt), "lost")
-        error = RankError(exception="SupervisorLost", message="gone") if status in ("lost", "failed") else None
-        return {"status": status, "metrics": [], "nodes": ["node-0"], "error": error, "logs": [], "log_dropped": (0, 0)}
+    def _state(self, job_id: int, attempt: int) -> AttemptPoll:
+        status = AttemptStatus(self.attempts.get((job_id, attempt), "lost"))
+        failed = status in (AttemptStatus.LOST, AttemptStatus.FAILED)
+        error = RankError(exception="SupervisorLost", message="gone") if failed else None
+        return AttemptPoll(status=status, nodes=("node-0",), error=error)
 
     def request_stop(self, job_id: int, attempt: int, *, now: bool = False) -> bool:
         if not now:  # a growth: it stops at its next checkpoint, here at once

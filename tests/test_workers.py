@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 from workers.config import OptimizerSpec, TrainConfig
 from workers.data.sources import Batches
 from workers.memory.model import GPTSpec
+from workers.records import AttemptStatus
 from workers.runtime.actors import JobSupervisor, Placement, PlacementError
 from workers.runtime.rendezvous import join_process_group, open_rendezvous_store
 from workers.training.checkpoints import latest_checkpoint
@@ -33,11 +34,11 @@ from workers.training.loop import train
 from workers.training.reader import read_shard
 
 from figures import record
-from helpers import TERMINAL
 from helpers import wait_for as wait_until
 
 SPEC = GPTSpec(vocab_size=64, n_layer=2, n_head=2, n_embd=32, block_size=32)
 FAST = OptimizerSpec(lr=3e-3, weight_decay=0.0, max_grad_norm=1.0)
+ENDED = (AttemptStatus.SUCCEEDED, AttemptStatus.FAILED, AttemptStatus.CANCELLED)
 
 
 def config(**overrides) -> TrainConfig:
@@ -65,15 +66,15 @@ def wait_for(supervisor, *, until, timeout_s: float = 120.0) -> tuple[dict, list
     deadline = time.monotonic() + timeout_s
     while True:
         state = ray.get(supervisor.poll.remote(rows[-1].step if rows else -1))
-        rows += state["metrics"]
+        rows += state.metrics
         if until(state, rows):
             return state, rows
-        assert time.monotonic() < deadline, f"timed out in state {state['status']} after {len(rows)} rows"
+        assert time.monotonic() < deadline, f"timed out in state {state.status} after {len(rows)} rows"
         time.sleep(0.05)
 
 
 def finished(state, rows) -> bool:
-    return state["status"] in TERMINAL
+    return state.status in ENDED
 
 
 def losses(rows: list[dict]) -> list[float]:
@@ -195,7 +196,7 @@ def floor_of(cfg: TrainConfig) -> float:
 def test_a_small_gpt_learns_toward_the_source_entropy(ray_cluster, num_workers):
     cfg = config(micro_batch_size=16 // num_workers)
     state, rows = wait_for(start_job(cfg, num_workers=num_workers), until=finished)
-    assert state["status"] == "succeeded", state["error"]
+    assert state.status == AttemptStatus.SUCCEEDED, state.error
     assert [r.step for r in rows] == list(range(200))  # every step, once, with every rank's memory
     assert all(len(r.mem_peak_bytes) == num_workers for r in rows)
     curve = losses(rows)
@@ -211,7 +212,7 @@ def test_world_size_1_and_2_give_the_same_loss_curve(ray_cluster):
     single: list[dict] = []
     train(cfg, on_metrics=single.append)  # one rank, two micro-batches per step
     state, rows = wait_for(start_job(cfg, num_workers=2), until=finished)
-    assert state["status"] == "succeeded", state["error"]
+    assert state.status == AttemptStatus.SUCCEEDED, state.error
     torch.testing.assert_close(losses(rows), [r.loss for r in single], rtol=1e-5, atol=1e-6)
 
 
@@ -219,8 +220,8 @@ def test_ranks_spread_over_two_nodes_match_one_node(ray_cluster):
     cfg = config(steps=20)
     spread_state, spread = wait_for(start_job(cfg, num_workers=2, strategy="STRICT_SPREAD"), until=finished)
     packed_state, packed = wait_for(start_job(cfg, num_workers=2, strategy="STRICT_PACK"), until=finished)
-    assert spread_state["status"] == packed_state["status"] == "succeeded"
-    assert len(set(spread_state["nodes"])) == 2 and len(set(packed_state["nodes"])) == 1
+    assert spread_state.status == packed_state.status == AttemptStatus.SUCCEEDED
+    assert len(set(spread_state.nodes)) == 2 and len(set(packed_state.nodes)) == 1
     assert losses(spread) == losses(packed)
 
 
@@ -230,12 +231,12 @@ def test_unplaceable_job_fails_within_its_timeout(ray_cluster):
     ray.get(supervisor.start.remote())  # never raises: the failure is the status poll() reports
     assert time.monotonic() - start < 10
     state = ray.get(supervisor.poll.remote())
-    assert state["status"] == "failed" and state["error"].exception == PlacementError.__name__
+    assert state.status == AttemptStatus.FAILED and state.error.exception == PlacementError.__name__
     assert re.fullmatch(
         r"could not place 5 ranks .* within 2 s: requested GPU=5, CPU=2.5; "
         r"available GPU=\d+, CPU=[\d.]+ of GPU=4, CPU=8",
-        state["error"].message,
-    ), state["error"]
+        state.error.message,
+    ), state.error
 
 
 def test_ranks_that_do_not_start_in_time_fail_the_start_and_free_the_gpus(ray_cluster):
@@ -245,9 +246,9 @@ def test_ranks_that_do_not_start_in_time_fail_the_start_and_free_the_gpus(ray_cl
     supervisor = JobSupervisor.remote("slow-start", config(), placement)
     ray.get(supervisor.start.remote(), timeout=60)
     state = ray.get(supervisor.poll.remote())
-    assert state["status"] == "failed", state
-    assert state["error"].exception == "RendezvousError" and state["error"].rank is None
-    assert "did not all start within 0.001 s" in state["error"].message
+    assert state.status == AttemptStatus.FAILED, state
+    assert state.error.exception == "RendezvousError" and state.error.rank is None
+    assert "did not all start within 0.001 s" in state.error.message
     wait_until(_gpus_free, lambda free: free == 4, what="the placement group's 2 GPUs back")
 
 
@@ -260,7 +261,7 @@ def test_cancel_stops_every_rank_and_frees_the_gpus(ray_cluster):
     wait_for(supervisor, until=lambda state, rows: len(rows) > 0)
     ranks = [ray.get(supervisor.worker.remote(rank)) for rank in range(2)]
     ray.get(supervisor.cancel.remote())
-    assert ray.get(supervisor.poll.remote())["status"] == "cancelled"
+    assert ray.get(supervisor.poll.remote()).status == AttemptStatus.CANCELLED
     for worker in ranks:
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(worker.rendezvous.remote(), timeout=30)
@@ -283,7 +284,7 @@ def test_a_cancel_before_the_start_reserves_nothing(ray_cluster):
     supervisor = JobSupervisor.remote("cancel-first", config(), placement)
     ray.get(supervisor.cancel.remote())
     ray.get(supervisor.start.remote())
-    assert ray.get(supervisor.poll.remote())["status"] == "cancelled"
+    assert ray.get(supervisor.poll.remote()).status == AttemptStatus.CANCELLED
     assert _groups_named("test/cancel-first") == []
 
 
@@ -327,7 +328,7 @@ def test_a_killed_rank_fails_the_job_and_a_restart_resumes_exactly(ray_cluster, 
     steps = 400
     reference = config(steps=steps, checkpoint_every=10, checkpoint_dir=str(tmp_path / "reference"))
     state, _ = wait_for(start_job(reference, num_workers=2), until=finished)
-    assert state["status"] == "succeeded"
+    assert state.status == AttemptStatus.SUCCEEDED
 
     cfg = config(steps=steps, checkpoint_every=10, checkpoint_dir=str(tmp_path / "killed"))
     supervisor = start_job(cfg, num_workers=2)
@@ -336,14 +337,14 @@ def test_a_killed_rank_fails_the_job_and_a_restart_resumes_exactly(ray_cluster, 
     killed_at = time.monotonic()
     state, _ = wait_for(supervisor, until=finished, timeout_s=30)
     assert time.monotonic() - killed_at < 10, "the failure took more than a few seconds to surface"
-    assert state["status"] == "failed"
-    assert state["error"].rank == 1 and state["error"].node_id == state["nodes"][1]
-    assert state["error"].exception == "ActorDiedError", state["error"]
+    assert state.status == AttemptStatus.FAILED
+    assert state.error.rank == 1 and state.error.node_id == state.nodes[1]
+    assert state.error.exception == "ActorDiedError", state.error
     resumed_from = latest_checkpoint(tmp_path / "killed")[0] + 1
     assert 0 < resumed_from < steps
 
     state, rows = wait_for(start_job(cfg, num_workers=2, job_id="retry"), until=finished)
-    assert state["status"] == "succeeded", state["error"]
+    assert state.status == AttemptStatus.SUCCEEDED, state.error
     assert min(r.step for r in rows) == resumed_from
     for resumed, uninterrupted in zip(
         final_shards(tmp_path / "killed"), final_shards(tmp_path / "reference"), strict=True

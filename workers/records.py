@@ -1,4 +1,5 @@
-"""What ranks report: a metrics row per step, the error that ended an attempt, a run's result.
+"""What ranks report: a metrics row per step, the error that ended an attempt, a run's result, and
+what a supervisor answers the control plane's poll.
 
 One shape each, from the training loop through the supervisor (Ray pickles them), the
 checkpoint files (JSON) and the scheduler into the database and the API. Standard library only.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import asdict, dataclass, fields, replace
+from enum import Enum
 from typing import Any
 
 
@@ -173,6 +175,58 @@ class OutputLine:
     def size(self) -> int:
         """Bytes it counts against a job's bound (ZERO1_LOG_MAX_BYTES): its UTF-8 text."""
         return len(self.line.encode("utf-8", "replace"))
+
+
+class AttemptStatus(str, Enum):
+    """Where an attempt stands: as its supervisor says (STARTING to CANCELLED), or as the control
+    plane sees a supervisor that does not say (UNKNOWN, LOST)."""
+
+    STARTING = "starting"
+    """Placing its ranks and waiting for them to rendezvous."""
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    STOPPED = "stopped"
+    """Its ranks stopped after a checkpoint, as asked (a resize, a preemption)."""
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    """Its ranks were killed by cancel(): the scheduler asks it only after its own cancel."""
+    UNKNOWN = "unknown"
+    """The supervisor did not answer in time: asked again, never taken for dead."""
+    LOST = "lost"
+    """The supervisor is known dead (no such actor, or Ray says it died)."""
+
+    @property
+    def ended(self) -> bool:
+        """Whether its supervisor is done with it: its ranks have ended, or never will start."""
+        return self in (AttemptStatus.SUCCEEDED, AttemptStatus.STOPPED, AttemptStatus.FAILED, AttemptStatus.CANCELLED)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttemptPoll:
+    """A supervisor's answer to poll(): its status, why it failed, and what it holds that the
+    caller has not stored (rows after its after_step, lines after its acks)."""
+
+    status: AttemptStatus
+    error: RankError | None = None
+    """Why it failed or was lost; None otherwise."""
+    metrics: tuple[MetricRow, ...] = ()
+    """One merged row a step, for the steps every rank has completed after the caller's after_step."""
+    nodes: tuple[str, ...] = ()
+    """The node id of each rank, by rank (empty until they rendezvous)."""
+    logs: tuple[OutputLine, ...] = ()
+    """Each rank's lines after the caller's acks, in its order."""
+    log_dropped: tuple[int, int] = (0, 0)
+    """Lines and bytes dropped past the bound since the attempt began."""
+
+    @classmethod
+    def unknown(cls) -> AttemptPoll:
+        """No answer in time: nothing known, nothing brought."""
+        return cls(status=AttemptStatus.UNKNOWN)
+
+    @classmethod
+    def lost(cls, message: str) -> AttemptPoll:
+        """The supervisor is known dead, and why."""
+        return cls(status=AttemptStatus.LOST, error=RankError(exception="SupervisorLost", message=message))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 
 from service.scheduling.queue_policy import Quota, allowed_sizes, quota_room
 from service.schemas.fields import ACTIVE
+from service.schemas.requests import JobSpec
 from service.store.job_repository import QUEUE_ORDER, gpus_in_use, job_world_sizes
 from service.store.tables import Job
 
@@ -82,7 +83,7 @@ def growable(session: Session, *, total: int, quota: Quota = lambda owner: None)
             free=current + free,
             room=None if room is None else current + room,
         )
-        if larger and not job.borrowed and job.spec.get("checkpoint_every"):
+        if larger and not job.borrowed and JobSpec.model_validate(job.spec).checkpoint_every:
             out.append((job, larger[-1]))
             free -= larger[-1] - current
             held[job.owner] = held.get(job.owner, 0) + larger[-1] - current

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from service.schemas.requests import JobSpec
@@ -14,7 +15,7 @@ from service.schemas.responses import PlanPublic
 from service.settings import Settings
 from service.store.job_storage import JobStorage
 from service.store.tables import Job
-from workers.records import RankError
+from workers.records import AttemptPoll, AttemptStatus, RankError
 
 LogAcks = dict[int, int]
 """Rank -> the n of its last log line stored (service.store.log_lines.log_acks)."""
@@ -87,7 +88,8 @@ class RayLauncher:
         from workers.runtime.actors import JobSupervisor, Placement
 
         job_dir, run_as = self.storage.prepare_job_dir(job)
-        config = JobSpec.model_validate(job.spec).to_config(
+        spec = JobSpec.model_validate(job.spec)
+        config = spec.to_config(
             checkpoint_dir=self.storage.checkpoint_uri(job),
             keep_last=self.settings.checkpoint_keep_last,
             async_checkpoints=self.settings.async_checkpoints,
@@ -102,7 +104,7 @@ class RayLauncher:
             cpus_per_worker=self.settings.cpus_per_worker,
             timeout_s=self.settings.placement_timeout_s,
             rendezvous_timeout_s=self.settings.rendezvous_timeout_s,
-            code_uri=self._code_uri(job.spec.get("code")),
+            code_uri=self._code_uri(spec.code),
             name=placement_group_name(self.settings.ray_namespace, job.id, job.attempt),
             log_max_bytes=self.settings.log_max_bytes,
             home=job_dir,
@@ -155,11 +157,11 @@ class RayLauncher:
             return False
         return True
 
-    def poll(self, job_id: int, attempt: int, *, after_step: int, log_acks: LogAcks) -> dict[str, Any]:
+    def poll(self, job_id: int, attempt: int, *, after_step: int, log_acks: LogAcks) -> AttemptPoll:
         """The supervisor's poll(after_step, log_acks); see poll_many."""
         return self.poll_many([(job_id, attempt, after_step, log_acks)])[(job_id, attempt)]
 
-    def poll_many(self, attempts: list[tuple[int, int, int, LogAcks]]) -> dict[tuple[int, int], dict[str, Any]]:
+    def poll_many(self, attempts: list[tuple[int, int, int, LogAcks]]) -> dict[tuple[int, int], AttemptPoll]:
         """(job id, attempt) -> the supervisor's poll(after_step, log_acks) for each (job id,
         attempt, after_step, log_acks: what is stored), asked of all at once and waited for
         together, at most ZERO1_RAY_RPC_TIMEOUT_S.
@@ -173,7 +175,7 @@ class RayLauncher:
         for job_id, attempt, after_step, log_acks in attempts:
             supervisor = self._handle(job_id, attempt)
             if supervisor is None:
-                states[(job_id, attempt)] = _lost(
+                states[(job_id, attempt)] = AttemptPoll.lost(
                     f"no supervisor {supervisor_name(job_id, attempt)} in the Ray cluster"
                 )
             else:
@@ -182,21 +184,21 @@ class RayLauncher:
         if asked:
             ready, _ = ray.wait(list(asked), num_returns=len(asked), timeout=self.settings.ray_rpc_timeout_s)
         for ref in asked:
-            states[asked[ref]] = self._answer(ref, *asked[ref]) if ref in ready else _unknown()
+            states[asked[ref]] = self._answer(ref, *asked[ref]) if ref in ready else AttemptPoll.unknown()
         return states
 
-    def _answer(self, ref: Any, job_id: int, attempt: int) -> dict[str, Any]:
+    def _answer(self, ref: Any, job_id: int, attempt: int) -> AttemptPoll:
         import ray
 
         try:
             return _in_protocol(ray.get(ref, timeout=0))
         except ray.exceptions.ActorUnavailableError:  # unreachable for now (restarting, a network blip)
-            return _unknown()
+            return AttemptPoll.unknown()
         except ray.exceptions.RayActorError as exc:  # the actor died: a death
             self._supervisors.pop((job_id, attempt), None)
             cause = str(exc).strip().splitlines()
             name = supervisor_name(job_id, attempt)
-            return _lost(f"supervisor {name} died: {type(exc).__name__}: {cause[0] if cause else ''}")
+            return AttemptPoll.lost(f"supervisor {name} died: {type(exc).__name__}: {cause[0] if cause else ''}")
 
     def cancel(self, job_id: int, attempt: int) -> None:
         import ray
@@ -285,19 +287,28 @@ def _on_head_node() -> Any:
     return "DEFAULT"
 
 
-def _in_protocol(state: dict[str, Any]) -> dict[str, Any]:
-    """A poll's state; a failure when its status is outside the supervisor's protocol (one cancelled
-    behind this service's back): the attempt ends, never left running with its GPUs counted as held."""
-    if state.get("status") in ("starting", "running", "succeeded", "stopped", "failed"):
-        return state
-    why = f"the supervisor reported status {str(state.get('status'))[:40]!r}, which the scheduler does not expect"
+_EXPECTED = (
+    AttemptStatus.STARTING,
+    AttemptStatus.RUNNING,
+    AttemptStatus.SUCCEEDED,
+    AttemptStatus.STOPPED,
+    AttemptStatus.FAILED,
+)
+"""The statuses the scheduler expects of a supervisor's poll."""
+
+
+def _in_protocol(answer: object) -> AttemptPoll:
+    """A poll's answer; a failure when it is outside the supervisor's protocol (not an AttemptPoll, or
+    a status the scheduler does not expect: one cancelled behind this service's back): the attempt
+    ends, never left running with its GPUs counted as held."""
+    if isinstance(answer, AttemptPoll) and answer.status in _EXPECTED:
+        return answer
+    if isinstance(answer, AttemptPoll):
+        what = f"status {str(getattr(answer.status, 'value', answer.status))[:40]!r}"
+    else:
+        what = f"a {type(answer).__name__[:40]} where an AttemptPoll belongs"
+    why = f"the supervisor reported {what}, which the scheduler does not expect"
     error = RankError(exception="SupervisorError", message=f"{why}: the attempt was ended and its GPUs freed")
-    return {**state, "status": "failed", "error": error}
-
-
-def _unknown() -> dict[str, Any]:
-    return {"status": "unknown", "metrics": [], "nodes": [], "error": None, "logs": [], "log_dropped": (0, 0)}
-
-
-def _lost(message: str) -> dict[str, Any]:
-    return {**_unknown(), "status": "lost", "error": RankError(exception="SupervisorLost", message=message)}
+    if isinstance(answer, AttemptPoll):  # its rows and lines are still stored
+        return replace(answer, status=AttemptStatus.FAILED, error=error)
+    return AttemptPoll(status=AttemptStatus.FAILED, error=error)

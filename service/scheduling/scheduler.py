@@ -20,16 +20,18 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from dataclasses import replace
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.scheduling import elastic
 from service.scheduling.dispatch import Dispatcher, Reasons, Settled, Stop, resume_point
+from service.scheduling.failure import AttemptFailure, FailureAction, FailurePolicy
 from service.scheduling.job_states import running_reason, still_active, transition
 from service.scheduling.ray_launcher import RayLauncher
 from service.schemas.fields import ACTIVE
+from service.schemas.requests import JobSpec
 from service.store.artifacts import record_final
 from service.store.db import Database
 from service.store.job_repository import poll_acks
@@ -38,11 +40,13 @@ from service.store.log_lines import store_logs
 from service.store.metric_rows import store_metrics
 from service.store.tables import Job
 from service.telemetry import Telemetry
-from workers.records import RankError
+from workers.records import AttemptPoll, AttemptStatus, RankError
 
 log = logging.getLogger(__name__)
 
 _ALL_STEPS = 2**62
+_UNDER_WAY = (AttemptStatus.RUNNING, AttemptStatus.SUCCEEDED, AttemptStatus.STOPPED)
+"""The statuses that say an attempt's ranks all started."""
 
 
 class Scheduler:
@@ -226,8 +230,8 @@ class Scheduler:
         if settled.relaunch:
             self._launch(fresh, what="relaunch")
 
-    def _advance(self, job: Job, state: dict[str, Any]) -> None:
-        if state["status"] in ("starting", "running") and self._kill_if_overdue(job):
+    def _advance(self, job: Job, state: AttemptPoll) -> None:
+        if state.status in (AttemptStatus.STARTING, AttemptStatus.RUNNING) and self._kill_if_overdue(job):
             return  # an attempt that has stopped (or ended) since is settled as it ended
         if job.cancel_requested:
             self.launcher.cancel(job.id, job.attempt)
@@ -236,15 +240,15 @@ class Scheduler:
             reason = "cancelled by request: every rank stopped, GPUs freed"
             self._settle(job, lambda session, fresh: self._end(session, fresh, "cancelled", reason, state=state))
             return
-        if state["status"] == "unknown":  # no answer in time: ask again next tick, never take it for dead
+        if state.status == AttemptStatus.UNKNOWN:  # no answer in time: ask again next tick, never take it for dead
             return
         if job.suspend_requested and job.id not in self.stops:
             self.dispatcher.ask_stop(job, Stop(kind="suspend", attempt=job.attempt, asked_at=self.clock()))
-        if job.status == "running" and state["status"] == "running" and not (state["metrics"] or state["logs"]):
+        if job.status == "running" and state.status == AttemptStatus.RUNNING and not (state.metrics or state.logs):
             return  # nothing new: no transaction
-        if state["status"] == "starting" and self._start_overdue(job):
-            state = {**state, "status": "failed", "error": start_timeout(job, self.start_timeout_s)}
-        if state["status"] == "succeeded":  # final/ read, checked and recorded before the job ends
+        if state.status == AttemptStatus.STARTING and self._start_overdue(job):
+            state = replace(state, status=AttemptStatus.FAILED, error=start_timeout(job, self.start_timeout_s))
+        if state.status == AttemptStatus.SUCCEEDED:  # final/ read, checked and recorded before the job ends
             record_final(self.db, job, job_dir=self.storage.checkpoint_dir(job))
         self._settle(job, lambda session, fresh: self._progress(session, fresh, state))
 
@@ -254,25 +258,26 @@ class Scheduler:
         since = self._starting_since.setdefault((job.id, job.attempt), self.clock())
         return self.clock() - since > self.start_timeout_s
 
-    def _progress(self, session: Session, job: Job, state: dict[str, Any]) -> Settled | None:
+    def _progress(self, session: Session, job: Job, state: AttemptPoll) -> Settled | None:
         before = job.step
         self._ingest(session, job, state)
         stored_through = None
-        every = job.spec.get("checkpoint_every") or 0
-        if every and job.step is not None and (before is None or (job.step + 1) // every > (before + 1) // every):
-            stored_through = job.step  # a checkpoint interval's rows stored: once an interval
-        status = state["status"]
-        if job.status in ("starting", "restarting") and status in ("running", "succeeded", "stopped"):
-            transition(session, job, "running", running_reason(job, nodes=len(set(state["nodes"]))))
-        if status == "stopped":  # as asked: no retry spent
+        if job.step is not None and job.step != before:
+            every = JobSpec.model_validate(job.spec).checkpoint_every
+            if every and (before is None or (job.step + 1) // every > (before + 1) // every):
+                stored_through = job.step  # a checkpoint interval's rows stored: once an interval
+        status = state.status
+        if job.status in ("starting", "restarting") and status in _UNDER_WAY:
+            transition(session, job, "running", running_reason(job, nodes=len(set(state.nodes))))
+        if status == AttemptStatus.STOPPED:  # as asked: no retry spent
             stop = self.stops.pop(job.id, job.attempt)
             return self._carry_out(session, job, stop=stop, cause="GPUs free and no job queued")
-        if status == "succeeded":
+        if status == AttemptStatus.SUCCEEDED:
             return self._end(
                 session, job, "succeeded", f"all {job.world_size or job.num_gpus} ranks finished step {job.steps - 1}"
             )
-        if status in ("failed", "lost"):
-            return self._on_failure(session, job, state["error"])
+        if status in (AttemptStatus.FAILED, AttemptStatus.LOST):
+            return self._on_failure(session, job, state.error)
         return Settled(stored_through=stored_through)
 
     def _end(
@@ -283,7 +288,7 @@ class Scheduler:
         reason: str,
         *,
         error: RankError | None = None,
-        state: dict[str, Any] | None = None,
+        state: AttemptPoll | None = None,
     ) -> Settled | None:
         """A terminal transition, after storing what a last poll (`state`) brought; None if the job
         changed status under us (nothing to do after)."""
@@ -295,25 +300,34 @@ class Scheduler:
             return None
         return Settled(stored_through=_ALL_STEPS, ended=True)  # never relaunched: no saved row is needed
 
-    def _ingest(self, session: Session, job: Job, state: dict[str, Any]) -> int:
+    def _ingest(self, session: Session, job: Job, state: AttemptPoll) -> int:
         """Store a poll's metric rows and log lines; the number of rows."""
-        num_lines = store_logs(session, job, state["logs"], dropped=state["log_dropped"], max_bytes=self.log_max_bytes)
-        num_rows = store_metrics(session, job, state["metrics"])
+        num_lines = store_logs(session, job, list(state.logs), dropped=state.log_dropped, max_bytes=self.log_max_bytes)
+        num_rows = store_metrics(session, job, list(state.metrics))
         self.telemetry.ingested_on_commit(session, num_rows=num_rows, num_lines=num_lines)
         return num_rows
 
     def _on_failure(self, session: Session, job: Job, error: RankError | None) -> Settled | None:
-        """Retry from the last checkpoint while max_retries allows, else fail with the cause."""
-        max_retries = job.spec.get("max_retries", 0)
-        cause = "failed" if error is None else error.reason()
-        tail = "" if error is None else error.traceback_text()  # the failing rank's traceback, last lines
-        if job.num_retries >= max_retries:
-            spent = f" after {job.num_retries} of max_retries {max_retries}" if max_retries else ""
-            return self._end(session, job, "failed", f"{cause}{spent}{tail}", error=error)
-        job.num_retries += 1
-        return self._record_relaunch(
-            session, job, cause=f"{cause}; retry {job.num_retries} of {max_retries}", tail=tail
+        """Carry out the failure policy's decision (service/scheduling/failure.py): retry from the
+        last checkpoint at the N it names, back to the queue past the owner's quota, or fail."""
+        policy = FailurePolicy(max_retries=JobSpec.model_validate(job.spec).max_retries)
+        failure = AttemptFailure(
+            error=error, num_retries=job.num_retries, relaunch_size=self._relaunch_size(session, job)
         )
+        decision = policy.make_decision(failure)
+        if decision.action == FailureAction.FAIL:
+            return self._end(session, job, "failed", f"{decision.reason}{decision.tail}", error=error)
+        job.num_retries = decision.num_retries
+        if decision.action == FailureAction.REQUEUE:  # its owner's quota no longer holds its fewest GPUs
+            return self._wait_again(session, job, "queued", cause=decision.reason)
+        return self._record_relaunch(session, job, cause=decision.reason, tail=decision.tail, size=decision.size)
+
+    def _relaunch_size(self, session: Session, job: Job, *, grown: bool = False) -> int | None:
+        """The N the job's next attempt runs at (elastic.relaunch_size); None past its owner's quota."""
+        # a growth was decided on free GPUs; Ray's view may not yet show the stopped attempt's as free
+        ray_free = (lambda: None) if grown else (lambda: self.launcher.gpus_free_to(job.id, job.attempt))
+        quota = self.launcher.settings.gpu_quota
+        return elastic.relaunch_size(session, job, total=self.total_gpus(), ray_free=ray_free, quota=quota)
 
     def _record_relaunch(
         self, session: Session, job: Job, *, cause: str, tail: str = "", grown: bool = False, size: int | None = None
@@ -322,11 +336,8 @@ class Scheduler:
         elastic.relaunch_size decides); rows past it are superseded. The launch itself comes
         after the commit: a service that stops in between relaunches it."""
         resume, where = resume_point(session, job, storage=self.storage)
-        # a growth was decided on free GPUs; Ray's view may not yet show the stopped attempt's as free
-        ray_free = (lambda: None) if grown else (lambda: self.launcher.gpus_free_to(job.id, job.attempt))
         old = job.world_size or job.num_gpus
-        quota = self.launcher.settings.gpu_quota
-        new = size or elastic.relaunch_size(session, job, total=self.total_gpus(), ray_free=ray_free, quota=quota)
+        new = size or self._relaunch_size(session, job, grown=grown)
         if new is None:  # its owner's quota no longer holds its fewest GPUs: the queue's policy decides
             return self._wait_again(session, job, "queued", cause=f"{cause}; past its owner's GPU quota")
         if new != old:

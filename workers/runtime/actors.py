@@ -24,7 +24,7 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from workers.config import TrainConfig
-from workers.records import MetricRow, OutputLine, RankError, RunAs, TrainResult
+from workers.records import AttemptPoll, AttemptStatus, MetricRow, OutputLine, RankError, RunAs, TrainResult
 from workers.runtime.capture import HeldLines
 from workers.runtime.cluster_tasks import remove_group
 from workers.runtime.rank_parent import MetricsSink, RankProcess
@@ -220,7 +220,7 @@ class JobSupervisor:
 
     def __init__(self, job_id: str, config: TrainConfig, placement: Placement) -> None:
         self.job_id, self.config, self.placement = job_id, config, placement
-        self.status = "starting"
+        self.status = AttemptStatus.STARTING
         self.error: RankError | None = None
         self.results: dict[int, TrainResult] = {}
         self._lock = threading.Lock()
@@ -233,7 +233,7 @@ class JobSupervisor:
         self._started = False
         self._stop_mode: StopMode | None = None
 
-    def ping(self) -> str:
+    def ping(self) -> AttemptStatus:
         """The status, without touching the metrics: is this supervisor alive?"""
         return self.status
 
@@ -254,7 +254,7 @@ class JobSupervisor:
     def _start(self) -> None:
         p = self.placement
         with self._lock:  # a cancel() either comes first (no group is made) or sees the group
-            if self.status != "starting":
+            if self.status != AttemptStatus.STARTING:
                 return
             pg = self._pg = placement_group([p.bundle] * p.num_workers, strategy=p.strategy, name=p.name)
         ready, _ = ray.wait([pg.ready()], timeout=p.timeout_s)
@@ -265,7 +265,7 @@ class JobSupervisor:
                 f"available {_resources(ray.available_resources())} of {_resources(ray.cluster_resources())}"
             )
         with self._lock:  # likewise: the ranks are made only while no cancel() has come
-            if self.status != "starting":
+            if self.status != AttemptStatus.STARTING:
                 return
             self._workers = [
                 TrainWorker.options(
@@ -292,9 +292,9 @@ class JobSupervisor:
             for rank, w in enumerate(self._workers)
         }
         with self._lock:
-            cancelled = self.status != "starting"
+            cancelled = self.status != AttemptStatus.STARTING
             if not cancelled:
-                self.status = "running"
+                self.status = AttemptStatus.RUNNING
         if cancelled:  # while starting: the ranks made since cancel() released go too
             self._release()
             return
@@ -315,7 +315,7 @@ class JobSupervisor:
         with self._lock:
             self._logs.add(lines)
 
-    def poll(self, after_step: int = -1, log_acks: dict[int, int] | None = None) -> dict[str, Any]:
+    def poll(self, after_step: int = -1, log_acks: dict[int, int] | None = None) -> AttemptPoll:
         """Status, error, the steps after `after_step` completed on every rank (one row a step,
         rank 0's global values with every rank's mem_peak_bytes as a list), and each rank's log
         lines after the n `log_acks` gives for it (HeldLines.after), with the count of lines
@@ -326,14 +326,14 @@ class JobSupervisor:
         """
         with self._lock:
             self._metrics = [row for row in self._metrics if row.step > after_step]
-            return {
-                "status": self.status,
-                "error": self.error,
-                "metrics": list(self._metrics),
-                "nodes": list(self._nodes),
-                "logs": self._logs.after(log_acks or {}),
-                "log_dropped": self._logs.dropped,
-            }
+            return AttemptPoll(
+                status=self.status,
+                error=self.error,
+                metrics=tuple(self._metrics),
+                nodes=tuple(self._nodes),
+                logs=tuple(self._logs.after(log_acks or {})),
+                log_dropped=self._logs.dropped,
+            )
 
     def request_stop(self, now: bool = False) -> None:
         """Stop the ranks (status "stopped") after their next checkpoint: an elastic job's resize; `now`:
@@ -351,9 +351,9 @@ class JobSupervisor:
     def cancel(self) -> None:
         """Kill every rank and free the placement group."""
         with self._lock:
-            if self.status in ("succeeded", "failed", "cancelled", "stopped"):
+            if self.status.ended:
                 return
-            self.status = "cancelled"
+            self.status = AttemptStatus.CANCELLED
         self._release()
 
     def _watch(self, runs: dict[Any, int]) -> None:
@@ -368,15 +368,16 @@ class JobSupervisor:
                     self._fail(rank, exc)
                     return
         with self._lock:
-            if self.status == "running":
-                self.status = "stopped" if any(r.stopped for r in self.results.values()) else "succeeded"
+            if self.status == AttemptStatus.RUNNING:
+                stopped = any(r.stopped for r in self.results.values())
+                self.status = AttemptStatus.STOPPED if stopped else AttemptStatus.SUCCEEDED
         self._release()
 
     def _fail(self, rank: int | None, exc: Exception) -> None:
         """Status "failed" with the cause (`rank` None: the start failed, no one rank), then free everything."""
         with self._lock:
-            if self.status != "cancelled":  # a cancel wins: its ranks were killed on purpose
-                self.status = "failed"
+            if self.status != AttemptStatus.CANCELLED:  # a cancel wins: its ranks were killed on purpose
+                self.status = AttemptStatus.FAILED
                 node_id = self._nodes[rank] if rank is not None and rank < len(self._nodes) else None
                 self.error = RankError.of(exc, rank=rank, node_id=node_id)
         self._release()
