@@ -4,8 +4,9 @@ A step: every micro-batch of this rank's slice of the global batch runs
 forward and backward (gradients accumulate in the optimizer's flat buffer),
 then ZeRO1AdamW reduces, updates its shard and gathers. Each step yields one
 metrics row per rank; every `checkpoint_every` steps each rank checkpoints its
-shard (workers/training/writer.py: a host copy, then the files in the background),
-and the row carries the seconds that held the step up.
+shard (which steps, and a stop's checkpoint: workers/training/checkpointer.py; the files:
+workers/training/writer.py, a host copy, then the files in the background), and the row
+carries the seconds that held the step up.
 Every `eval_every` steps (and at the last) the row carries the held-out loss;
 a run that completes its steps writes the final model (workers/training/artifacts.py).
 """
@@ -29,11 +30,12 @@ from workers.models.builtin import DTYPES, build_model
 from workers.models.trace import loss_of, measure_step
 from workers.records import MetricRow, NonFiniteError, TrainResult
 from workers.training.artifacts import write_final
+from workers.training.checkpointer import Checkpointer, first_step
 from workers.training.checkpoints import final_dir
 from workers.training.init_weights import load_initial_weights
 from workers.training.reader import resume
 from workers.training.schedule import lr_at
-from workers.training.writer import CheckpointIO, CheckpointWriter, save_checkpoint, shared_directory
+from workers.training.writer import CheckpointIO, save_checkpoint, shared_directory
 from workers.zero.optimizer import ZeRO1AdamW, decay_param_groups
 
 # the names other modules and tests import from here, wherever they live now
@@ -81,7 +83,56 @@ def train(
     (checkpointed), or written now. An elastic job's resize, a preempted job's stop. `io` reaches the
     checkpoints (None: config.checkpoint_dir, a directory every rank shares). A stop and the end wait
     for the checkpoint being written."""
-    device = device or default_device()
+    context = _step_context(
+        config, rank=rank, world_size=world_size, process_group=process_group, device=device or default_device()
+    )
+    if config.checkpoint_dir and io is None:
+        io = shared_directory(Path(config.checkpoint_dir))
+    first = first_step(config, opt=context.opt, io=io)
+    if first == 0 and config.init_from is not None:  # a resumed run's weights are its checkpoint's
+        load_initial_weights(context.model, context.opt, config.init_from)
+        log.info("rank %d: starting from job %d's final weights", rank, config.init_from.job)
+    _log_start(context, first=first, steps=config.steps)
+    checkpointer = Checkpointer.for_run(config, opt=context.opt, io=io, decide_stop=_stop_decision(stop_at, context))
+    last = first - 1
+    skipped = 0  # steps skipped in a row (nan/inf norm); a resumed run counts from 0 again
+    with checkpointer:  # leaving it waits for the write in flight
+        for step in range(first, config.steps):
+            if should_stop():
+                checkpointer.abandon()  # the write in flight still finishes; its error is logged, not raised
+                return TrainResult(rank=rank, first_step=first, last_step=last, cancelled=True)
+            row = _train_step(config, context, step=step)
+            last = step
+            skipped = skipped + 1 if row.skipped else 0
+            row = checkpointer.maybe_save(row, skipped_in_a_row=skipped)
+            on_metrics(row)  # after the checkpoint: the row carries the seconds it held the step up
+            if rank == 0:
+                log.info("%s", _step_line(row, steps=config.steps))
+            _check_skipped(skipped, row, limit=config.max_nonfinite_steps)
+            if checkpointer.maybe_stop(row):
+                return TrainResult(rank=rank, first_step=first, last_step=last, cancelled=False, stopped=True)
+    if config.checkpoint_dir:  # every step is done (a resume past the last one too): the model goes out
+        write_final(
+            context.model,
+            context.opt,
+            config=config,
+            directory=final_dir(Path(config.checkpoint_dir)),
+            rank=rank,
+            world_size=world_size,
+            process_group=process_group,
+        )
+    return TrainResult(rank=rank, first_step=first, last_step=last, cancelled=False)
+
+
+def _step_context(
+    config: TrainConfig,
+    *,
+    rank: int,
+    world_size: int,
+    process_group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> _StepContext:
+    """This rank's data, the model (from its seed) and its ZeRO1AdamW, before any resume."""
     batches = Batches(
         model=config.model,
         data=config.data,
@@ -104,21 +155,7 @@ def train(
         overlap_comm=hyper.overlap_comm,
         bucket_cap_mb=hyper.bucket_cap_mb,
     )
-    first = 0
-    if config.checkpoint_dir and io is None:
-        io = shared_directory(Path(config.checkpoint_dir))
-    if config.checkpoint_dir and config.resume:
-        resumed = resume(opt, io)
-        first = 0 if resumed is None else resumed.step + 1
-    elif config.checkpoint_dir and (found := io.latest()) is not None:
-        raise ValueError(
-            f"checkpoint_dir {config.checkpoint_dir} already holds a checkpoint of step {found[0]}, and this run "
-            "starts from scratch (resume=False): it is another run's"
-        )
-    if first == 0 and config.init_from is not None:  # a resumed run's weights are its checkpoint's
-        load_initial_weights(model, opt, config.init_from)
-        log.info("rank %d: starting from job %d's final weights", rank, config.init_from.job)
-    context = _StepContext(
+    return _StepContext(
         model=model,
         opt=opt,
         batches=batches,
@@ -129,74 +166,35 @@ def train(
         planned_bytes=planned_bytes(config, world_size=world_size),
         tokens_per_step=config.global_batch(world_size) * batches.seq_len,
     )
-    num_params = sum(p.numel() for p in model.parameters())
-    steps = f"steps {first} to {config.steps - 1}"
-    log.info("rank %d of %d on %s: %s parameters, %s", rank, world_size, device, f"{num_params:,}", steps)
-    last = first - 1
-    since_checkpoint: list[MetricRow] = []
-    skipped = 0  # steps skipped in a row (nan/inf norm); a resumed run counts from 0 again
-    due = False
-    writer = (
-        CheckpointWriter(
-            opt,
-            root=Path(config.checkpoint_dir),
-            io=io,
-            keep_last=config.keep_last,
-            asynchronous=config.async_checkpoints,
-        )
-        if config.checkpoint_dir
-        else None
+
+
+def _train_step(config: TrainConfig, context: _StepContext, *, step: int) -> MetricRow:
+    """One step at its scheduled learning rate, and its held-out loss when it evaluates."""
+    hyper = config.optimizer
+    lr = lr_at(step, lr=hyper.lr, steps=config.steps, schedule=hyper.schedule)
+    for group in context.opt.param_groups:  # a function of the step alone: a resumed run's is the same
+        group["lr"] = lr
+    row = replace(context.run_step(step), lr=lr)
+    if _evaluates(config, step):
+        row = replace(row, eval_loss=context.evaluate(num_batches=config.eval_batches))
+    return row
+
+
+def _stop_decision(stop_at: Callable[[int, bool], bool], context: _StepContext) -> Callable[[int, bool], bool]:
+    """decide(step, checkpointed): rank 0 asks stop_at, and every rank gets its answer (a broadcast)."""
+    return lambda step, checkpointed: _agree(stop_at(step, checkpointed) if context.rank == 0 else False, context)
+
+
+def _log_start(context: _StepContext, *, first: int, steps: int) -> None:
+    num_params = sum(p.numel() for p in context.model.parameters())
+    log.info(
+        "rank %d of %d on %s: %s parameters, %s",
+        context.rank,
+        context.world_size,
+        context.device,
+        f"{num_params:,}",
+        f"steps {first} to {steps - 1}",
     )
-    with writer or contextlib.nullcontext():  # leaving it waits for the write in flight
-        for step in range(first, config.steps):
-            if should_stop():
-                if writer is not None:
-                    writer.abandon()  # the write in flight still finishes; its error is logged, not raised
-                return TrainResult(rank=rank, first_step=first, last_step=last, cancelled=True)
-            lr = lr_at(step, lr=hyper.lr, steps=config.steps, schedule=hyper.schedule)
-            for group in opt.param_groups:  # a function of the step alone: a resumed run's is the same
-                group["lr"] = lr
-            row = replace(context.run_step(step), lr=lr)
-            if _evaluates(config, step):
-                row = replace(row, eval_loss=context.evaluate(num_batches=config.eval_batches))
-            last = step
-            skipped = skipped + 1 if row.skipped else 0
-            done = step + 1 == config.steps
-            due = due or bool(config.checkpoint_every and (step + 1) % config.checkpoint_every == 0)
-            # a checkpoint falling on a skipped step waits for the next clean one: written now, it would
-            # hold the same weights under a later step and, with keep_last, prune the ones from before
-            # the trouble began. The last step's is written anyway (the skips changed nothing), unless
-            # the skips fail the run there
-            checkpointed = (
-                writer is not None and skipped < config.max_nonfinite_steps and (done or (due and not skipped))
-            )
-            since_checkpoint.append(row)
-            if checkpointed:
-                row = replace(row, checkpoint_blocked_s=writer.save(step, since_checkpoint))
-                since_checkpoint, due = [], False
-            on_metrics(row)  # after the checkpoint: the row carries the seconds it held the step up
-            if rank == 0:
-                log.info("%s", _step_line(row, steps=config.steps))
-            _check_skipped(skipped, row, limit=config.max_nonfinite_steps)
-            # a stop waits for a clean step too (at most max_nonfinite_steps - 1 of them, or the run
-            # fails): its checkpoint is then one a periodic one could be, and the resumed run's count
-            # of skips in a row (from 0) is the one the unstopped run would have
-            if done or skipped or not _agree(stop_at(step, checkpointed) if rank == 0 else False, context):
-                continue
-            if writer is not None and not checkpointed:
-                writer.save(step, since_checkpoint)
-            return TrainResult(rank=rank, first_step=first, last_step=last, cancelled=False, stopped=True)
-    if config.checkpoint_dir:  # every step is done (a resume past the last one too): the model goes out
-        write_final(
-            model,
-            opt,
-            config=config,
-            directory=final_dir(Path(config.checkpoint_dir)),
-            rank=rank,
-            world_size=world_size,
-            process_group=process_group,
-        )
-    return TrainResult(rank=rank, first_step=first, last_step=last, cancelled=False)
 
 
 def _step_line(row: MetricRow, *, steps: int) -> str:
