@@ -31,11 +31,12 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
+from marks import apply_marks, starts  # noqa: E402
 
 from service.main import create_app  # noqa: E402
 from service.settings import Settings  # noqa: E402
 
-from s3 import S3Server, running_s3_server  # noqa: E402
+from s3 import S3Endpoint, S3Server, reserved_s3_endpoint, running_s3_server  # noqa: E402
 
 
 def make_settings(tmp_path: Path, **overrides) -> Settings:
@@ -135,12 +136,21 @@ def _session_cluster_left_free(request) -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
-def s3_server() -> Iterator[S3Server]:
-    """An S3 API on loopback for the session (moto's server, tests/s3.py) with the bucket
-    `zero1-test`, and the standard AWS_* variables in os.environ pointing at it (any others of the
-    machine's removed): this process, the session's Ray nodes and every process started after
-    reach it as production reaches S3. Its request log counts the bytes each GET sent."""
-    with running_s3_server() as server:
+def s3_endpoint() -> Iterator[S3Endpoint]:
+    """Where the session's S3 server will answer, held from the start, and the standard AWS_* variables
+    in os.environ pointing there (any others of the machine's removed): this process, the session's
+    Ray nodes and every process started after reach it as production reaches S3. No server runs
+    until a test asks for s3_server."""
+    with reserved_s3_endpoint() as endpoint:
+        yield endpoint
+
+
+@pytest.fixture(scope="session")
+@starts("s3")
+def s3_server(s3_endpoint) -> Iterator[S3Server]:
+    """An S3 API on loopback for the session (moto's server, tests/s3.py) at s3_endpoint, with the
+    bucket `zero1-test`. Its request log counts the bytes each GET sent."""
+    with running_s3_server(s3_endpoint) as server:
         yield server
 
 
@@ -152,12 +162,14 @@ def s3_uri(s3_server, request) -> str:
 
 
 @pytest.fixture(scope="session")
-def ray_cluster(s3_server):
+@starts("ray")
+def ray_cluster(s3_endpoint):
     """Two Ray nodes on this machine, 2 logical GPUs each, on loopback; shut down after the session.
 
     Logical CPUs are 4 per node (more than the cores) so that 4 ranks of 0.5
     CPU each plus their supervisors fit; each rank runs torch on one thread. The nodes start
-    after s3_server: a rank's actor inherits its node's environment, and so its AWS_* variables.
+    after s3_endpoint: a rank's actor inherits its node's environment, and so its AWS_* variables
+    (the S3 server itself starts only for the tests that use it).
     """
     import ray
     from ray.cluster_utils import Cluster
@@ -290,6 +302,7 @@ def reports() -> Iterator[Path]:
 
 
 @pytest.fixture(scope="module")
+@starts("slow")
 def mlflow_server(tmp_path_factory):
     """A real `mlflow server` (tests/test_mlflow.py's MlflowServer) for the module's exports."""
     from test_mlflow import MlflowServer
@@ -301,3 +314,8 @@ def mlflow_server(tmp_path_factory):
     finally:
         if server.process is not None and server.process.poll() is None:
             server.stop()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark each test by what it starts (tests/marks.py): `make test-fast` leaves those out."""
+    apply_marks(items)

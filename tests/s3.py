@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
@@ -160,23 +161,53 @@ def patched_environ(values: dict[str, str], *, drop_prefix: str) -> Iterator[Non
                 os.environ[name] = value
 
 
+@dataclass(frozen=True, slots=True)
+class S3Endpoint:
+    """A loopback address held for the session's S3 server before it runs: the AWS_* variables point
+    at it from the session's start, so a Ray node started before the server (the session's cluster)
+    hands them to its ranks' actors as a production node does, and only the tests that use S3 start it."""
+
+    host: str
+    port: int
+    holder: socket.socket
+    """Bound, not listening: no other process takes the port until the server does."""
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
 @contextlib.contextmanager
-def running_s3_server(*, bucket: str = BUCKET) -> Iterator[S3Server]:
-    """moto's server on 127.0.0.1 (a port the kernel picks), the AWS_* variables set in os.environ
-    for this process and every process it starts meanwhile, and `bucket` created."""
+def reserved_s3_endpoint() -> Iterator[S3Endpoint]:
+    """A free loopback port held (see free_port: outside the kernel's ephemeral range) and the AWS_*
+    variables set in os.environ for this process and every process it starts meanwhile."""
+    from helpers import free_port
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", free_port()))
+    endpoint = S3Endpoint(host="127.0.0.1", port=holder.getsockname()[1], holder=holder)
+    try:
+        with patched_environ(aws_environment(endpoint.url), drop_prefix="AWS_"):
+            yield endpoint
+    finally:
+        holder.close()
+
+
+@contextlib.contextmanager
+def running_s3_server(endpoint: S3Endpoint, *, bucket: str = BUCKET) -> Iterator[S3Server]:
+    """moto's server on `endpoint` (the AWS_* variables already point there), and `bucket` created."""
     import boto3
     from moto.server import ThreadedMotoServer
 
-    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    endpoint.holder.close()  # the port is moto's from here
+    moto = ThreadedMotoServer(ip_address=endpoint.host, port=endpoint.port, verbose=False)
     moto.start()
     try:
         # the WSGI server moto started calls `server.app` for each request: wrapped before any is sent
         log = RequestLog(moto._server.app)
         moto._server.app = log
-        host, port = moto.get_host_and_port()
-        server = S3Server(endpoint=f"http://{host}:{port}", bucket=bucket, log=log)
-        with patched_environ(aws_environment(server.endpoint), drop_prefix="AWS_"):
-            boto3.client("s3").create_bucket(Bucket=bucket)
-            yield server
+        server = S3Server(endpoint=endpoint.url, bucket=bucket, log=log)
+        boto3.client("s3").create_bucket(Bucket=bucket)
+        yield server
     finally:
         moto.stop()

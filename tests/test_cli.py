@@ -199,6 +199,8 @@ def test_db_upgrade_names_the_database_but_not_its_password(monkeypatch, capsys)
 GPT_7B5 = {"kind": "gpt", "vocab_size": 59072, "n_layer": 36, "n_head": 32, "n_embd": 4096, "block_size": 2048}
 
 
+@pytest.mark.ray  # a `zero1 serve` with its embedded Ray
+@pytest.mark.slow
 def test_serve_plans_admits_and_trains_as_a_user_would(tmp_path):
     """`zero1 serve` with an embedded Ray of 64 logical GPUs of 80 GB, driven over HTTP and by the CLI."""
     port = free_port()

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from marks import starts
 from sqlalchemy import create_engine, text
 
 from helpers import free_port, job_checkpoint_dir, wait_for
@@ -203,6 +204,7 @@ def ray_token() -> str:
 
 
 @pytest.fixture
+@starts("ray", "slow")
 def two_nodes(ray_token) -> Iterator[tuple[int, list[Process]]]:
     """The docs' head and second node, 2 logical GPUs each, on loopback; stopped after."""
     temp_dir = tempfile.mkdtemp(prefix="z1n-")  # short: Ray's socket paths must fit 107 bytes

@@ -27,6 +27,7 @@ from urllib.parse import parse_qs, urlparse
 
 import httpx
 import pytest
+from marks import starts
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
 from service.dashboard import charts
@@ -134,6 +135,7 @@ class Server:
 
 
 @pytest.fixture(scope="module")
+@starts("browser")
 def browser() -> Iterator[Browser]:
     """Debian's Chromium, headless; Playwright cannot download its own browser here."""
     if not CHROMIUM.exists():
@@ -150,6 +152,7 @@ def browser() -> Iterator[Browser]:
 
 
 @pytest.fixture(scope="module")
+@starts("ray", "slow")
 def server(browser, tmp_path_factory) -> Iterator[Server]:
     """`zero1 serve` on a free loopback port, over a database that already holds SEEDED_JOBS jobs."""
     tmp = tmp_path_factory.mktemp("dashboard-server")

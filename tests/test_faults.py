@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import pytest
 import ray
 import torch
 from fastapi.testclient import TestClient
@@ -347,6 +348,8 @@ def test_a_service_on_an_external_ray_reattaches_after_sigterm_and_sigkill(ray_c
             svc.stop(signal.SIGTERM)
 
 
+@pytest.mark.ray  # a `zero1 serve` with its embedded Ray
+@pytest.mark.slow
 def test_an_embedded_ray_job_resumes_from_its_checkpoint_when_the_service_restarts(tmp_path):
     """The embedded Ray stops with the service, on SIGTERM (drained) and on SIGKILL alike; each
     time the running job comes back as a new attempt from its last checkpoint (not a retry:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import pytest
 from sqlalchemy import create_engine, select
 from sqlalchemy.orm import Session
 
@@ -262,6 +263,8 @@ def report(load: Load, elapsed_s: float, num_requests: int, peak: int, statuses:
     )
 
 
+@pytest.mark.ray  # a `zero1 serve` with its embedded Ray
+@pytest.mark.slow
 def test_load_keeps_every_job_once_and_the_gpus_within_the_cluster(tmp_path):
     port, database = free_port(), tmp_path / "zero1.db"
     env = {key: value for key, value in os.environ.items() if not key.startswith("ZERO1_")}  # RAY_TMPDIR stays

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from marks import starts
 
 from helpers import free_port, wait_for
 
@@ -47,6 +48,7 @@ def wheel(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+@starts("slow")
 def venv(wheel, tmp_path_factory) -> Path:
     """A new venv with the wheel (no extras) and torch: its bin/ directory."""
     root = tmp_path_factory.mktemp("venv")

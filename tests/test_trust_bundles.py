@@ -26,6 +26,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from marks import starts
 from served import ALICE, ZERO1, Served, running
 
 from service.planning.capacity import private_ray_temp_dir, without_service_secrets
@@ -132,6 +133,7 @@ def world() -> Iterator[dict[str, Path]]:
 
 
 @pytest.fixture(scope="module")
+@starts("ray", "slow")
 def served(searchable, s3_server, world, tmp_path_factory) -> Iterator[Served]:
     """`zero1 serve` with ZERO1_RUN_AS, checkpoints and code on S3 (the AWS_* variables are in its
     environment: s3_server set them), and its embedded Ray's files under a world-writable RAY_TMPDIR."""

@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 import pytest
+from marks import starts
 from served import ALICE, BOB, ROOT, TOKENS, Served
 from sqlalchemy import select
 from test_mlflow import PASSWORD, the_run
@@ -293,6 +294,7 @@ class Restartable:
 
 
 @pytest.fixture(scope="module")
+@starts("ray", "slow")
 def served(searchable, mlflow_server) -> Iterator[Restartable]:
     """`zero1 serve` with ZERO1_RUN_AS, every owner's quota 1 GPU of 2 and no borrowing, exporting to
     MLflow through a URI with the service's credentials; each user has used its token once from

@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from marks import starts
 from pydantic import ValidationError
 from served import BOB, ROOT, ZERO1, Served
 
@@ -105,6 +106,7 @@ class Owners:
 
 
 @pytest.fixture(scope="module")
+@starts("ray", "slow")
 def owners(searchable) -> Iterator[Owners]:
     state = Path(tempfile.mkdtemp(prefix="zero1-owners-"))
     held = Owners(state)

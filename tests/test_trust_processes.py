@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from marks import starts
 from served import ALICE, Served, running
 
 from workers import containment
@@ -284,6 +285,7 @@ def build(**args):
 
 
 @pytest.fixture(scope="module")
+@starts("ray", "slow")
 def served(searchable) -> Iterator[Served]:
     with running("zero1-trust-processes-", ZERO1_RUN_AS="alice=2001:2001,bob=2002:2002,*=30000-30009") as service:
         yield service

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from marks import starts
 from served import ALICE, BOB, Served, running
 
 from service.errors import ServiceError
@@ -119,6 +120,7 @@ def _owned_by(path: Path, uid: tuple[int, int]) -> None:
 
 
 @pytest.fixture(scope="module")
+@starts("ray", "slow")
 def served(searchable) -> Iterator[Served]:
     with running("zero1-races-", ZERO1_RUN_AS=RUN_AS) as service:
         yield service

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from marks import starts
 from served import ALICE, BOB, ROOT, Served, running
 
 from service.scheduling.ray_launcher import supervisor_name
@@ -126,6 +127,7 @@ def leaky(**args):
 
 
 @pytest.fixture(scope="module")
+@starts("ray", "slow")
 def served(searchable, s3_server) -> Iterator[Served]:
     """The service with the S3 credentials in its environment (s3_server sets them), as a deployment
     on S3 has them: its ranks' parents hold them, their children must not."""
