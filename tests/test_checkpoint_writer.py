@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+import threading
 import time
 from pathlib import Path
 
@@ -187,27 +188,93 @@ def test_a_2_to_4_reshard_reads_only_the_bytes_each_rank_owns(runs):
 # --------------------------------------------------------------------------- one rank
 
 
-def _slow_shards(monkeypatch, delay_s: float) -> None:
-    write = workers.training.writer.write_shard
-    monkeypatch.setattr(workers.training.writer, "write_shard", lambda *args: (time.sleep(delay_s), write(*args))[1])
+CHECKPOINT_STEPS_BEFORE_THE_STOP = (1, 3)
+"""The checkpoints of the one-rank run stopped after step 3 (checkpoint_every 2)."""
+
+
+class _HeldWrites:
+    """Each checkpoint's write is held until the training thread waits for it (asynchronous: the next
+    save, or leaving at the stop) and then let go; the events of the training thread, the writer's
+    thread and the releasing thread go into `events`, in the order they happened."""
+
+    def __init__(self, monkeypatch, *, hold: bool) -> None:
+        self.events: list[str] = []
+        self._hold = hold
+        self._waiting = {step: threading.Event() for step in CHECKPOINT_STEPS_BEFORE_THE_STOP}
+        self._released = {step: threading.Event() for step in CHECKPOINT_STEPS_BEFORE_THE_STOP}
+        writer = workers.training.writer.CheckpointWriter
+        save, wait, write = writer.save, writer.wait, writer._write
+
+        def held_save(writer, step, metrics=()):
+            self.events.append(f"save {step} begins")
+            blocked_s = save(writer, step, metrics)
+            self.events.append(f"save {step} returns")
+            return blocked_s
+
+        def held_wait(writer):
+            if writer._pending is not None:
+                self.events.append(f"waits for write {writer._pending_step}")
+                self._waiting[writer._pending_step].set()
+            wait(writer)
+
+        def held_write(writer, step, *args):
+            if self._hold:  # a bound on a failure (nothing let it go), not a duration
+                assert self._released[step].wait(timeout=120), f"the write of step {step} was never let go"
+            write(writer, step, *args)
+            self.events.append(f"write {step} complete")
+
+        monkeypatch.setattr(writer, "save", held_save)
+        monkeypatch.setattr(writer, "wait", held_wait)
+        monkeypatch.setattr(writer, "_write", held_write)
+
+    def release_each_once_waited_for(self) -> threading.Thread:
+        """A thread that lets each held write go once the training thread waits for it."""
+
+        def release() -> None:
+            for step in CHECKPOINT_STEPS_BEFORE_THE_STOP:
+                self._waiting[step].wait(timeout=120)  # never set: let go anyway, the order tells
+                self.events.append(f"write {step} released")
+                self._released[step].set()
+
+        thread = threading.Thread(target=release, daemon=True)
+        thread.start()
+        return thread
 
 
 @pytest.mark.parametrize("asynchronous", [True, False], ids=["async", "sync"])
 def test_a_stop_waits_for_the_write_in_flight(tmp_path, monkeypatch, asynchronous):
-    """Each shard takes 0.5 s to write: the checkpoint step is held up by it only when synchronous,
-    and the stop returns once its checkpoint is complete either way."""
-    _slow_shards(monkeypatch, 0.5)
+    """Asynchronous, a checkpoint step returns before its files are written, the next one waits for
+    them, and the stop returns once its own checkpoint is complete; synchronous, each checkpoint step
+    returns after its files. Asynchronous, each write is held until the training thread waits for it."""
+    held = _HeldWrites(monkeypatch, hold=asynchronous)
+    releaser = held.release_each_once_waited_for() if asynchronous else None
     rows: list[MetricRow] = []
-    cfg = _config(tmp_path, asynchronous=asynchronous)
-    result = train(cfg, on_metrics=rows.append, stop_at=lambda step, checkpointed: step == 3)
+
+    def stop_at(step: int, checkpointed: bool) -> bool:
+        held.events.append(f"asked after {step}")
+        return step == 3
+
+    result = train(
+        _config(tmp_path, asynchronous=asynchronous),
+        on_metrics=lambda row: held.events.append(f"row {row.step}") or rows.append(row),
+        stop_at=stop_at,
+    )
+    held.events.append("train returns")
+    if releaser is not None:
+        releaser.join()
     assert (result.stopped, result.last_step) == (True, 3)
-    assert latest_checkpoint(tmp_path) == (3, 1)  # at once: train() returned after complete.json
-    blocked = {row.step: row.checkpoint_blocked_s for row in rows if row.checkpoint_blocked_s is not None}
-    assert sorted(blocked) == [1, 3]
+    assert latest_checkpoint(tmp_path) == (3, 1)
+    assert sorted(row.step for row in rows if row.checkpoint_blocked_s is not None) == [1, 3]
+    steps_0_to_2 = ["row 0", "asked after 0", "save 1 begins"]
     if asynchronous:
-        assert blocked[1] < 0.25 and blocked[3] >= 0.25  # step 3 waited for step 1's write
+        steps_0_to_2 += ["save 1 returns", "row 1", "asked after 1", "row 2", "asked after 2"]  # write 1 held
+        step_3 = ["save 3 begins", "waits for write 1", "write 1 released", "write 1 complete", "save 3 returns"]
+        the_stop = ["row 3", "asked after 3", "waits for write 3", "write 3 released", "write 3 complete"]
     else:
-        assert all(seconds >= 0.5 for seconds in blocked.values())
+        steps_0_to_2 += ["write 1 complete", "save 1 returns", "row 1", "asked after 1", "row 2", "asked after 2"]
+        step_3 = ["save 3 begins", "write 3 complete", "save 3 returns"]
+        the_stop = ["row 3", "asked after 3"]
+    assert held.events == [*steps_0_to_2, *step_3, *the_stop, "train returns"], held.events
 
 
 def test_a_failed_background_write_is_raised_at_the_end(tmp_path, monkeypatch):

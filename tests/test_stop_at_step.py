@@ -11,6 +11,7 @@ import dataclasses
 import itertools
 import json
 import math
+import threading
 import time
 import types
 from pathlib import Path
@@ -24,7 +25,7 @@ import workers.training.loop
 import workers.training.writer
 from workers.config import TrainConfig
 from workers.models.builtin import build_model
-from workers.records import MetricRow
+from workers.records import AttemptStatus, MetricRow
 from workers.runtime.actors import JobSupervisor, Placement, _StopAsker
 from workers.runtime.rank_parent import MetricsSink, PipedLines, RankFailed, RankProcess
 from workers.training.checkpoints import checkpointed_metrics, latest_checkpoint
@@ -166,7 +167,7 @@ def supervisor(ray_cluster):
 
 
 def _answers_true_within(ask, *, timeout_s: float = 30.0) -> None:
-    """Ask (never blocking) until the answer is True, failing at the deadline."""
+    """Ask (never blocking) until the answer is True, failing at the deadline (a bound on a failure)."""
     deadline, calls = time.monotonic() + timeout_s, 0
     while True:
         calls += 1
@@ -183,19 +184,57 @@ def test_the_parent_answers_each_step_without_waiting_and_each_checkpoint_exactl
 
     ray.get(supervisor.request_stop.remote())  # after the next checkpoint (a resize)
     assert ray.get(supervisor.stop_mode.remote()) == "checkpoint"
-    started = time.monotonic()
-    for step in range(20, 60):  # between checkpoints it never stops, whatever it has learnt
-        assert asker(step, False) is False
-        time.sleep(0.005)
-    assert time.monotonic() - started < 5  # no call waited on the supervisor
-    assert asker(60, True) is True  # at a checkpoint it asks, and waits: exact
+    steps = itertools.count(20)
+    answers: list[bool] = []
+
+    def learnt() -> bool:  # between checkpoints it never stops, whatever it has learnt
+        answers.append(asker(next(steps), False))
+        return asker.mode == "checkpoint"
+
+    _answers_true_within(learnt)
+    assert set(answers) == {False}
+    assert asker(next(steps), True) is True  # at a checkpoint it asks, and waits: exact
 
     ray.get(supervisor.request_stop.remote(True))  # now: after the next step (a preemption)
-    _answers_true_within(lambda: asker(61, False))
+    _answers_true_within(lambda: asker(next(steps), False))
     assert asker.mode == "step"
     ray.get(supervisor.request_stop.remote(False))  # a later resize's ask takes nothing back
     assert ray.get(supervisor.stop_mode.remote()) == "step"
-    assert asker(62, False) is True and asker(63, True) is True
+    assert asker(next(steps), False) is True and asker(next(steps), True) is True
+
+
+@ray.remote(num_cpus=0, max_concurrency=4)
+class _HeldSupervisor:
+    """Stands in for a JobSupervisor whose stop_mode answers only once the test lets it: "checkpoint"."""
+
+    def __init__(self) -> None:
+        self._released = threading.Event()
+
+    def stop_mode(self) -> str:
+        self._released.wait()
+        return "checkpoint"
+
+    def release(self) -> None:
+        self._released.set()
+
+
+def test_between_checkpoints_no_ask_waits_for_the_supervisor(ray_cluster):
+    """The supervisor answers nothing until every ask between checkpoints has been answered: had
+    one waited for it, the asks would never end (the thread is joined with a bound on that failure)."""
+    held = _HeldSupervisor.remote()
+    try:
+        asker = _StopAsker(held, every_s=0.0)
+        events: list[str] = []
+        asking = threading.Thread(target=lambda: events.extend(f"{asker(step, False)}" for step in range(40)))
+        asking.start()
+        asking.join(timeout=60)
+        assert not asking.is_alive(), "an ask between checkpoints waited for the supervisor"
+        ray.get(held.release.remote())
+        events.append("released")
+        assert asker(40, True) is True  # at a checkpoint it waits for the answer
+        assert events == ["False"] * 40 + ["released"]
+    finally:
+        ray.kill(held, no_restart=True)
 
 
 def test_a_stop_asked_for_now_is_answered_true_without_a_checkpoint(supervisor):
@@ -262,17 +301,14 @@ def test_a_job_asked_to_stop_now_stops_after_its_next_step_with_a_checkpoint_of_
     supervisor = JobSupervisor.remote("preempted", cfg, Placement(num_workers=2, cpus_per_worker=0.5, timeout_s=30))
     ray.get(supervisor.start.remote())
     _, seen = poll_until(supervisor, until=lambda state, rows: len(rows) >= 3, timeout_s=120)
-    asked_at = time.monotonic()
     ray.get(supervisor.request_stop.remote(True))
     state, rows = poll_until(
-        supervisor, until=lambda state, rows: state["status"] not in ("starting", "running"), timeout_s=60
+        supervisor, until=lambda state, rows: state.status not in (AttemptStatus.STARTING, AttemptStatus.RUNNING)
     )
-    stopped_in_s = time.monotonic() - asked_at
     rows = seen + [row for row in rows if row.step > seen[-1].step]  # the supervisor drops the rows acked
-    assert state["status"] == "stopped", state["error"]
+    assert state.status == AttemptStatus.STOPPED, state.error
     last = max(row.step for row in rows)
     assert sorted(row.step for row in rows) == list(range(last + 1))
     assert latest_checkpoint(root) == (last, 2)
     assert [row.step for row in checkpointed_metrics(root, after_step=-1)] == list(range(last + 1))
     assert not (root / "final").exists()
-    assert stopped_in_s < 30, stopped_in_s
