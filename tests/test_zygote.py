@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
 import socket
 import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -58,17 +58,6 @@ def who(_):
 def bundle(searchable, tmp_path_factory) -> str:
     """The stored probe bundle's URI: each child gets its own copy, unpacked by its parent."""
     return stored_bundle(tmp_path_factory.mktemp("zygote-bundle") / "probe.zip", {"probe.py": PROBE.encode()})
-
-
-def _zygote_pids() -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and b"workers.runtime.zygote" in (entry / "cmdline").read_bytes():
-                pids.append(int(entry.name))
-        except OSError:
-            continue
-    return pids
 
 
 def test_a_forked_child_is_what_a_fresh_one_would_be_under_another_uid(bundle, monkeypatch):
@@ -177,18 +166,35 @@ def test_only_the_zygotes_own_uid_may_ask_it_for_a_child(bundle):
 
 
 def test_the_zygote_ends_with_the_process_it_watches(bundle, tmp_path):
+    """The script (it watches itself: a zygote of its own) names its zygote, and ends when told; the
+    zygote's pidfd, opened while both live, then says it ended too (30 s: a bound on a failure)."""
     script = tmp_path / "user.py"
     script.write_text(
+        "import os, sys\n"
+        "from pathlib import Path\n"
         "from workers.runtime.sandbox import call_in_child\n"
         f"print(call_in_child('probe:who', None, timeout_s=120, bundle={bundle!r})['parent'][2])\n"
+        "for pid in (int(entry.name) for entry in Path('/proc').iterdir() if entry.name.isdigit()):\n"
+        "    try:\n"
+        "        argv = Path(f'/proc/{pid}/cmdline').read_bytes().split(b'\\0')\n"
+        "    except OSError:\n"
+        "        continue\n"
+        "    if argv[1:3] == [b'-m', b'workers.runtime.zygote'] and argv[4:5] == [str(os.getpid()).encode()]:\n"
+        "        print(pid, flush=True)  # the zygote watching this process\n"
+        "sys.stdin.readline()\n"
     )
-    before = set(_zygote_pids())  # the script watches itself: a zygote of its own
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
-    assert done.stdout.strip() == "workers.runtime.zygote", done.stderr
-    deadline = time.monotonic() + 30
-    while set(_zygote_pids()) - before:
-        assert time.monotonic() < deadline, "the zygote outlived the process it watched"
-        time.sleep(0.1)
+    user = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert user.stdout.readline().strip() == "workers.runtime.zygote"
+        zygote_pid = int(user.stdout.readline())
+        pidfd = os.pidfd_open(zygote_pid)
+    finally:
+        user.stdin.close()  # the script ends
+    try:
+        assert user.wait(timeout=120) == 0
+        assert select.select([pidfd], [], [], 30)[0] == [pidfd], "the zygote outlived the process it watched"
+    finally:
+        os.close(pidfd)
 
 
 def test_where_no_zygote_can_be_used_a_child_starts_without_it(bundle, tmp_path, monkeypatch, caplog):
@@ -238,7 +244,13 @@ def test_a_zygote_killed_under_its_children_loses_only_their_exit_status_and_is_
     try:
         assert isinstance(child.process, zygote.ZygoteProcess)
         zygote_pid = int(Path(f"/proc/{child.process.pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        os.kill(zygote_pid, 9)
+        pidfd = os.pidfd_open(zygote_pid)
+        try:
+            os.kill(zygote_pid, 9)
+            assert select.select([pidfd], [], [], 30)[0] == [pidfd]  # the zygote has ended: its socket is closed
+        finally:
+            os.close(pidfd)
+        assert child.process.poll() is None  # the zygote's end read: the child is init's now
         with pytest.raises(subprocess.TimeoutExpired):  # the child waits for its work: still running
             child.process.wait(timeout=0.5)
         assert child.process.poll() is None
