@@ -103,11 +103,13 @@ class TrainWorker:
     ) -> None:
         """`home`: the job's directory (None: a scratch one); `code_uri`: the job's code bundle as
         stored, which this process unpacks for the child to run in and import from."""
-        self.rank, self.world_size = rank, world_size
+        self.rank = rank
+        self.world_size = world_size
         self.raylet_gone = parent_gone()
         self.address = ray.util.get_node_ip_address()
         self.scratch = home is None  # removed after the run: checkpoints on an object store, or a test's
-        self.home, self.run_as = home or tempfile.mkdtemp(prefix=f"zero1-rank{rank}-"), run_as
+        self.home = home or tempfile.mkdtemp(prefix=f"zero1-rank{rank}-")
+        self.run_as = run_as
         spec = ChildSpec(home=self.home, code_uri=code_uri, run_as=run_as)
         # started now: forked with torch loaded, or importing it while the job's other ranks are placed
         self.process = RankProcess(rank=rank, world_size=world_size, address=self.address, spec=spec)
@@ -131,7 +133,8 @@ class TrainWorker:
         spool = None
         if config.checkpoint_dir and is_remote(config.checkpoint_dir):
             # the child checkpoints into a spool in its home; this process stores it (it holds the credentials)
-            store, size = open_store(config.checkpoint_dir), self.world_size
+            store = open_store(config.checkpoint_dir)
+            size = self.world_size
             spool = Spool(
                 store, home=self.home, rank=self.rank, world_size=size, keep_last=config.keep_last, run_as=self.run_as
             )
@@ -174,7 +177,9 @@ class _StopAsker:
     _ORDER = (None, "checkpoint", "step")  # the supervisor's mode only moves right
 
     def __init__(self, supervisor: Any, *, every_s: float = 0.25, timeout_s: float = 60.0) -> None:
-        self._supervisor, self._every_s, self._timeout_s = supervisor, every_s, timeout_s
+        self._supervisor = supervisor
+        self._every_s = every_s
+        self._timeout_s = timeout_s
         self.mode: StopMode | None = None
         self._in_flight: Any = None
         self._asked_at = -float("inf")
@@ -186,10 +191,12 @@ class _StopAsker:
             self._learn(ray.get(self._supervisor.stop_mode.remote(), timeout=self._timeout_s))
         else:
             if self._in_flight is not None and _delivered(self._in_flight, 0):
-                reply, self._in_flight = self._in_flight, None
+                reply = self._in_flight
+                self._in_flight = None
                 self._learn(ray.get(reply))
             if self._in_flight is None and time.monotonic() - self._asked_at >= self._every_s:
-                self._in_flight, self._asked_at = self._supervisor.stop_mode.remote(), time.monotonic()
+                self._in_flight = self._supervisor.stop_mode.remote()
+                self._asked_at = time.monotonic()
         return self.mode == "step" or (self.mode == "checkpoint" and checkpointed)
 
     def _learn(self, mode: StopMode | None) -> None:
@@ -202,7 +209,8 @@ class _OrderedSender:
     is delivered (the supervisor takes calls concurrently, so order is kept here)."""
 
     def __init__(self, send: Callable[[list[Any]], Any]) -> None:
-        self._send, self._in_flight = send, None
+        self._send = send
+        self._in_flight = None
 
     def __call__(self, batch: list[Any]) -> None:
         self.wait()
@@ -219,7 +227,9 @@ class JobSupervisor:
     """Owns one job's placement group and workers; the control plane polls it."""
 
     def __init__(self, job_id: str, config: TrainConfig, placement: Placement) -> None:
-        self.job_id, self.config, self.placement = job_id, config, placement
+        self.job_id = job_id
+        self.config = config
+        self.placement = placement
         self.status = AttemptStatus.STARTING
         self.error: RankError | None = None
         self.results: dict[int, TrainResult] = {}
@@ -384,7 +394,9 @@ class JobSupervisor:
 
     def _release(self) -> None:
         with self._lock:
-            workers, pg, self._pg = list(self._workers), self._pg, None
+            workers = list(self._workers)
+            pg = self._pg
+            self._pg = None
         for worker in workers:
             ray.kill(worker, no_restart=True)
         if pg is not None:
