@@ -40,10 +40,10 @@ import math
 import platform
 import random
 import statistics
+import sys
 import tempfile
 import time
 from collections import Counter, deque
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,7 +58,9 @@ from service.settings import Settings
 from service.store.db import Database, upgrade
 from service.store.tables import Job, JobEvent
 from workers.memory.model import GB
-from workers.records import AttemptPoll, AttemptStatus
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the suite's stand-ins for Ray
+from fakes import FakeClock, FakeLauncher, FakeStorage, Timing
 
 TOTAL_GPUS = 64
 SIZES = (1, 2, 4, 8, 16, 32)
@@ -192,194 +194,30 @@ class Plans:
 # --------------------------------------------------------------------------- the simulated cluster
 
 
-class SimClock:
-    """The scheduler's clock, moved by the replay."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+def fake_cluster(settings: Settings, *, clock: FakeClock) -> FakeLauncher:
+    """The launcher the scheduler calls, on a simulated cluster of TOTAL_GPUS (tests/fakes.py): each
+    attempt progresses by the replay's clock, no process runs."""
+    timing = Timing(start_delay_s=START_DELAY_S, stop_delay_s=STOP_DELAY_S, checkpoint_every_s=CHECKPOINT_EVERY_S)
+    return FakeLauncher(settings, total_gpus=TOTAL_GPUS, clock=clock, timing=timing)
 
 
-@dataclass(slots=True, kw_only=True)
-class Attempt:
-    """One attempt of a job on the simulated cluster; progress is in seconds of work at num_gpus."""
-
-    job_id: int
-    n: int
-    num_gpus: int
-    duration_s: float
-    launched_at: float
-    start_progress_s: float
-    stop_at: float = math.inf
-    stop_asked_at: float | None = None
-    killed: bool = False
-    released_at: float | None = None
-
-    @property
-    def running_at(self) -> float:
-        return self.launched_at + START_DELAY_S
-
-    @property
-    def rate(self) -> float:
-        return self.n / self.num_gpus
-
-    @property
-    def finish_at(self) -> float:
-        return self.running_at + (self.duration_s - self.start_progress_s) / self.rate
-
-    def progress_s(self, t: float) -> float:
-        return min(self.duration_s, self.start_progress_s + max(0.0, t - self.running_at) * self.rate)
-
-    def time_at(self, progress_s: float) -> float:
-        return self.running_at + (progress_s - self.start_progress_s) / self.rate
-
-    def status(self, t: float) -> AttemptStatus:
-        if self.killed or (self.stop_at < self.finish_at and t >= self.stop_at):
-            return AttemptStatus.STOPPED
-        if t >= self.finish_at:
-            return AttemptStatus.SUCCEEDED
-        return AttemptStatus.STARTING if t < self.running_at else AttemptStatus.RUNNING
-
-    def events(self) -> Iterable[float]:
-        """The times at which this attempt changes what a poll says."""
-        yield self.running_at
-        yield min(self.finish_at, self.stop_at)
-
-
-class SimLauncher:
-    """The launcher interface the scheduler calls (service.scheduling.ray_launcher.RayLauncher's), on a
-    simulated cluster of `total_gpus`: each attempt progresses by the clock, no process runs."""
-
-    def __init__(self, settings: Settings, *, clock: SimClock, total_gpus: int) -> None:
-        self.settings, self.clock, self.total_gpus = settings, clock, total_gpus
-        self.durations_s: dict[int, float] = {}
-        """Job id -> its run time at num_gpus (set when the replay submits it)."""
-        self.attempts: dict[tuple[int, int], Attempt] = {}
-        self.saved_s: dict[int, float] = {}
-        """Job id -> the progress its latest checkpoint holds."""
-        self.first_launch_at: dict[int, float] = {}
-        self.retired: set[int] = set()
-        self.num_actions = 0
-        """Launches, stops taken, kills and releases: a tick that did none of them changed nothing here."""
-        self.held_gpus = 0
-        self.held_gpu_s = 0.0
-        self.restart_gpu_s = 0.0
-        """GPU-seconds of relaunched attempts' start-up (held, not training)."""
-        self.lost_gpu_s = 0.0
-        self.problems: list[str] = []
-
-    # what the scheduler calls
-
-    def launch(self, job: Job) -> None:
-        key, now = (job.id, job.attempt), self.clock()
-        if key in self.attempts:
-            return  # adopted, as RayLauncher does
-        n = job.world_size or job.num_gpus
-        self.attempts[key] = Attempt(
-            job_id=job.id,
-            n=n,
-            num_gpus=job.num_gpus,
-            duration_s=self.durations_s[job.id],
-            launched_at=now,
-            start_progress_s=self.saved_s.get(job.id, 0.0),
-        )
-        self.first_launch_at.setdefault(job.id, now)
-        self.held_gpus += n
-        self.num_actions += 1
-        if self.held_gpus > self.total_gpus:
-            self.problems.append(f"t={now:.0f} s: job {job.id} launched on {n}: {self.held_gpus} GPUs held")
-
-    def poll(self, job_id: int, attempt: int, *, after_step: int, log_acks: dict[int, int]) -> AttemptPoll:
-        return self.poll_many([(job_id, attempt, after_step, log_acks)])[(job_id, attempt)]
-
-    def poll_many(self, attempts: list[tuple[int, int, int, dict[int, int]]]) -> dict[tuple[int, int], AttemptPoll]:
-        return {(job_id, attempt): self._state(job_id, attempt) for job_id, attempt, _, _ in attempts}
-
-    def request_stop(self, job_id: int, attempt: int, *, now: bool = False) -> bool:
-        """`now`: stop STOP_DELAY_S later at the next step, a checkpoint there; else at the next periodic checkpoint."""
-        found = self.attempts.get((job_id, attempt))
-        if found is None or found.released_at is not None or found.killed:
-            return False
-        t = self.clock()
-        if now:
-            at = max(t, found.running_at) + STOP_DELAY_S
-        else:
-            at = found.time_at((found.progress_s(t) // CHECKPOINT_EVERY_S + 1) * CHECKPOINT_EVERY_S)
-        found.stop_at = min(found.stop_at, at)
-        found.stop_asked_at = t if found.stop_asked_at is None else found.stop_asked_at
-        self.num_actions += 1
-        return True
-
-    def cancel(self, job_id: int, attempt: int) -> None:
-        """Kill the attempt: it keeps its last periodic checkpoint; the progress since is lost."""
-        found = self.attempts.get((job_id, attempt))
-        if (
-            found is None
-            or found.killed
-            or found.status(self.clock()) not in (AttemptStatus.STARTING, AttemptStatus.RUNNING)
-        ):
-            return
-        progress = found.progress_s(self.clock())
-        kept = max(found.start_progress_s, progress // CHECKPOINT_EVERY_S * CHECKPOINT_EVERY_S)
-        self.lost_gpu_s += (progress - kept) * found.num_gpus
-        self.saved_s[job_id] = kept
-        found.killed = True
-        self.num_actions += 1
-
-    def release(self, job_id: int, attempt: int) -> None:
-        found = self.attempts.get((job_id, attempt))
-        if found is None or found.released_at is not None:
-            return
-        now = found.released_at = self.clock()
-        self.held_gpus -= found.n
-        self.held_gpu_s += (now - found.launched_at) * found.n
-        if found.start_progress_s > 0 or attempt > 0:
-            self.restart_gpu_s += (min(now, found.running_at) - found.launched_at) * found.n
-        self.num_actions += 1
-
-    def gpus_free_to(self, job_id: int, attempt: int) -> int | None:
-        return None
-
-    def sweep(self, attempts: set[tuple[int, int]]) -> int:
-        return 0
-
-    def supervisors(self) -> list[tuple[int, int]]:
-        return [key for key, found in self.attempts.items() if found.released_at is None]
-
-    def exists(self, job_id: int, attempt: int) -> bool:
-        found = self.attempts.get((job_id, attempt))
-        return found is not None and found.released_at is None
-
-    # the replay's side
-
-    def next_event(self, after: float) -> float | None:
-        """The earliest time after `after` at which a poll's answer changes, or a job becomes old
-        enough to be preempted (priority policy), to grow (elastic, below its most), or overdue
-        to stop (past the grace)."""
-        times = []
-        for found in self.attempts.values():
-            if found.released_at is not None:
-                continue
-            times.extend(found.events())
-            if self.settings.queue_policy == "priority":
-                times.append(found.launched_at + MIN_RUNTIME_S + _EPSILON_S)
-            if found.n < found.num_gpus:
-                times.append(found.launched_at + GROW_INTERVAL_S + _EPSILON_S)
-            if found.stop_asked_at is not None:
-                times.append(found.stop_asked_at + GRACE_S + _EPSILON_S)
-        later = [t for t in times if after < t < math.inf]
-        return min(later, default=None)
-
-    def _state(self, job_id: int, attempt: int) -> AttemptPoll:
-        found = self.attempts.get((job_id, attempt))
-        if found is None or found.released_at is not None:
-            return AttemptPoll(status=AttemptStatus.LOST)
-        status = found.status(self.clock())
-        if status == AttemptStatus.STOPPED and not found.killed:  # its checkpoint at the step it stopped at
-            self.saved_s[job_id] = found.progress_s(found.stop_at)
-        return AttemptPoll(status=status, nodes=("n0",) * found.n)
+def next_event(launcher: FakeLauncher, after: float) -> float | None:
+    """The earliest time after `after` at which a poll's answer changes, or a job becomes old
+    enough to be preempted (priority policy), to grow (elastic, below its most), or overdue
+    to stop (past the grace)."""
+    times = []
+    for found in launcher.attempts.values():
+        if found.released_at is not None:
+            continue
+        times.extend(found.events())
+        if launcher.settings.queue_policy == "priority":
+            times.append(found.launched_at + MIN_RUNTIME_S + _EPSILON_S)
+        if found.n < found.num_gpus:
+            times.append(found.launched_at + GROW_INTERVAL_S + _EPSILON_S)
+        if found.stop_asked_at is not None:
+            times.append(found.stop_asked_at + GRACE_S + _EPSILON_S)
+    later = [t for t in times if after < t < math.inf]
+    return min(later, default=None)
 
 
 # --------------------------------------------------------------------------- the replay
@@ -406,31 +244,7 @@ class Replay:
     problems: list[str] = field(default_factory=list)
 
 
-class SimStorage:
-    """The job storage the scheduler asks (service.store.job_storage.JobStorage's interface), on the
-    simulated cluster: nothing is written; a relaunch resumes at the progress its latest checkpoint
-    holds, and a finished job is counted as retired."""
-
-    def __init__(self, cluster: SimLauncher) -> None:
-        self.cluster = cluster
-
-    def checkpoint_dir(self, job: Job) -> Path:
-        return Path(self.cluster.settings.checkpoint_uri) / f"job-{job.id}"  # never written: no final/ found
-
-    def resume_step(self, job: Job) -> int:
-        return int(self.cluster.saved_s.get(job.id, 0.0))
-
-    def checkpointed_metrics(self, job: Job, *, after_step: int) -> list:
-        return []
-
-    def discard_stored_metrics(self, job: Job, *, through_step: int) -> None:
-        pass
-
-    def retire(self, job: Job) -> None:
-        self.cluster.retired.add(job.id)
-
-
-def simulated(root: Path, *, policy: str) -> tuple[Database, SimLauncher, Scheduler, SimClock]:
+def simulated(root: Path, *, policy: str) -> tuple[Database, FakeLauncher, FakeStorage, Scheduler, FakeClock]:
     """A scheduler on a fresh SQLite database and the simulated cluster, under `policy`."""
     root.mkdir(parents=True)
     (root / "checkpoints").mkdir()
@@ -443,12 +257,13 @@ def simulated(root: Path, *, policy: str) -> tuple[Database, SimLauncher, Schedu
         elastic_grow_interval_s=GROW_INTERVAL_S,
     )
     upgrade(settings.database_url)
-    db, clock = Database(settings.database_url), SimClock()
-    launcher = SimLauncher(settings, clock=clock, total_gpus=TOTAL_GPUS)
+    db, clock = Database(settings.database_url), FakeClock()
+    launcher = fake_cluster(settings, clock=clock)
+    storage = FakeStorage(launcher)
     scheduler = Scheduler(
         db=db,
         launcher=launcher,
-        storage=SimStorage(launcher),
+        storage=storage,
         total_gpus=lambda: TOTAL_GPUS,
         interval_s=settings.scheduler_interval_s,
         start_timeout_s=settings.start_timeout_s,
@@ -456,12 +271,12 @@ def simulated(root: Path, *, policy: str) -> tuple[Database, SimLauncher, Schedu
         sweep_interval_s=3600.0,
         clock=clock,
     )
-    return db, launcher, scheduler, clock
+    return db, launcher, storage, scheduler, clock
 
 
 def replay(policy: str, workload: list[SimJob], *, root: Path, plans: Plans) -> Replay:
     """`workload` through the scheduler under `policy`, event by event, to the last job's end."""
-    db, launcher, scheduler, clock = simulated(root, policy=policy)
+    db, launcher, storage, scheduler, clock = simulated(root, policy=policy)
     result, sims = Replay(policy), {}
     pending = deque(workload)
     started = time.perf_counter()
@@ -472,10 +287,10 @@ def replay(policy: str, workload: list[SimJob], *, root: Path, plans: Plans) -> 
             sims[job_id] = sim
             launcher.durations_s[job_id] = sim.duration_s
         result.num_ticks += _settle(scheduler, launcher)
-        if not pending and len(launcher.retired) == len(workload):
+        if not pending and len(storage.retired) == len(workload):
             break
         next_arrival_s = pending[0].arrival_s if pending else None
-        upcoming = [t for t in (next_arrival_s, launcher.next_event(clock.now)) if t is not None]
+        upcoming = [t for t in (next_arrival_s, next_event(launcher, clock.now)) if t is not None]
         if not upcoming:
             result.problems.append(f"t={clock.now:.0f} s: nothing left to happen, {_stuck(db, scheduler)}")
             break
@@ -496,7 +311,7 @@ def _submit(db: Database, sim: SimJob, *, name: str, plans: Plans) -> int:
         return job.id
 
 
-def _settle(scheduler: Scheduler, launcher: SimLauncher) -> int:
+def _settle(scheduler: Scheduler, launcher: FakeLauncher) -> int:
     """Tick at this instant until a tick launches, stops or releases nothing; the ticks."""
     for num_ticks in range(1, _MAX_SETTLE_TICKS + 1):
         before = launcher.num_actions
@@ -506,7 +321,7 @@ def _settle(scheduler: Scheduler, launcher: SimLauncher) -> int:
     return _MAX_SETTLE_TICKS
 
 
-def _held_until(launcher: SimLauncher, t: float) -> float:
+def _held_until(launcher: FakeLauncher, t: float) -> float:
     """GPU-seconds held from 0 to `t`."""
     return sum(
         max(0.0, min(t, a.released_at if a.released_at is not None else t) - a.launched_at) * a.n
@@ -521,7 +336,7 @@ def _stuck(db: Database, scheduler: Scheduler) -> str:
     return f"jobs by status {counts}; the queue's first reasons {reasons}"
 
 
-def _collect(result: Replay, *, db: Database, launcher: SimLauncher, scheduler: Scheduler, sims: dict) -> None:
+def _collect(result: Replay, *, db: Database, launcher: FakeLauncher, scheduler: Scheduler, sims: dict) -> None:
     with db.session() as session:
         rows = session.execute(select(Job.id, Job.status)).all()
         failed = session.execute(select(JobEvent.job_id, JobEvent.reason).where(JobEvent.to_status == "failed")).all()
@@ -559,7 +374,7 @@ def tick_times(
 ) -> list[float]:
     """Scheduler.tick()'s wall times with `num_queued` jobs queued behind a cluster whose GPUs running
     jobs hold (all of them, or all but one with no queued job of one GPU: `idle_gpu`)."""
-    db, launcher, scheduler, clock = simulated(root, policy=policy)
+    db, launcher, storage, scheduler, clock = simulated(root, policy=policy)
     rng = random.Random(seed)
     running = _fill(rng, TOTAL_GPUS - (1 if idle_gpu else 0))
     queued = [_shape(rng) for _ in range(num_queued)]
@@ -595,7 +410,7 @@ def _fill(rng: random.Random, num_gpus: int) -> list[tuple[int, int, float, tupl
     return out
 
 
-def _bulk_insert(db: Database, launcher: SimLauncher, *, running: list, queued: list, plans: Plans, clock) -> None:
+def _bulk_insert(db: Database, launcher: FakeLauncher, *, running: list, queued: list, plans: Plans, clock) -> None:
     """The jobs written in one insert each: the running ones as running attempt 0, launched on the
     simulated cluster with a week left to run."""
     rows = []

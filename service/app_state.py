@@ -28,16 +28,26 @@ log = logging.getLogger(__name__)
 
 
 class AppState:
-    def __init__(self, settings: Settings, *, telemetry: Telemetry | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        telemetry: Telemetry | None = None,
+        cluster: RayCluster | None = None,
+        storage: JobStorage | None = None,
+        launcher: RayLauncher | None = None,
+    ) -> None:
+        """`cluster`, `storage` and `launcher` replace Ray's where given: the tests' fast lane runs the app,
+        its scheduler and its database on stand-ins that start no Ray."""
         self.settings = settings
         self.db = Database(settings.database_url)
-        self.cluster = RayCluster(settings)
+        self.cluster = cluster or RayCluster(settings)
         self.code = code_store(settings.checkpoint_uri, settings.shared_dir)
         self.owner_uids = OwnerUids(self.db, table=settings.run_as)
         """An owner -> the uid its children run under (ZERO1_RUN_AS), allocated from the range on first use."""
-        self.storage = JobStorage(settings, run_as=self.owner_uids)
+        self.storage = storage or JobStorage(settings, run_as=self.owner_uids)
         """Where each job's files live and what they hold: the launcher, scheduler, exporter and routes ask it."""
-        self.launcher = RayLauncher(settings, storage=self.storage, code_uri=self.code.uri)
+        self.launcher = launcher or RayLauncher(settings, storage=self.storage, code_uri=self.code.uri)
         self.housekeeper = Housekeeper(db=self.db, settings=settings, cache_dir=self.storage.dataset_cache_dir)
         self.task_slots = Slots(task_limits(settings))
         """Traces and dataset checks in flight (ZERO1_MAX_TASKS, ZERO1_MAX_TASKS_PER_USER)."""

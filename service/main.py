@@ -7,7 +7,7 @@ service.scheduling, service.api, service.dashboard, workers.runtime.sandbox.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from importlib.metadata import version
 
@@ -30,12 +30,19 @@ _PUBLIC_PATHS = ("/healthz",)
 log = logging.getLogger(__name__)
 
 
-def create_app(settings: Settings | None = None, *, tokens: TokenTable | None = None) -> FastAPI:
+def create_app(
+    settings: Settings | None = None,
+    *,
+    tokens: TokenTable | None = None,
+    make_state: Callable[..., AppState] = AppState,
+) -> FastAPI:
     """The app; on start-up it migrates the database, connects Ray and starts the scheduler.
 
     `tokens` (parsed from the settings if not given) decide who may read and write; a malformed
     entry is a ValueError here, before anything starts. The app's metrics (app.state.telemetry)
     exist from here; their jobs and GPUs gauges read the runtime's database once it has started.
+    `make_state(settings, telemetry=...)` builds what runs while the app is up: AppState (the tests'
+    fast lane passes one on stand-ins for Ray).
     """
     settings = settings or get_settings()
     tokens = load_tokens(settings) if tokens is None else tokens
@@ -52,7 +59,7 @@ def create_app(settings: Settings | None = None, *, tokens: TokenTable | None = 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        runtime = AppState(settings, telemetry=telemetry)
+        runtime = make_state(settings, telemetry=telemetry)
         runtime.start()
         app.state.runtime = runtime
         telemetry.register(JobGauges(runtime.db, total_gpus=lambda: runtime.cluster.capacity().num_gpus))
