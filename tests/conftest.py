@@ -30,8 +30,9 @@ from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+from fakes import state_on_fakes  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
-from marks import apply_marks, starts  # noqa: E402
+from marks import apply_marks, check_no_ray_started, ray_is_up, starts  # noqa: E402
 
 from service.main import create_app  # noqa: E402
 from service.settings import Settings  # noqa: E402
@@ -65,6 +66,22 @@ def serve(settings: Settings) -> Iterator[TestClient]:
             yield test_client
     finally:
         end_supervisors(settings.ray_namespace)
+
+
+@contextlib.contextmanager
+def serve_on_fakes(settings: Settings) -> Iterator[TestClient]:
+    """The app on `settings` with stand-ins for Ray (tests/fakes.py): its API, scheduler and database as
+    they are; a job it launches holds its logical GPUs and "runs" until it is cancelled. No Ray starts:
+    a route that needs a Ray task (a python model's trace, a dataset's check) is for the Ray tests."""
+    with TestClient(create_app(settings, make_state=state_on_fakes), raise_server_exceptions=False) as test_client:
+        yield test_client
+
+
+@pytest.fixture(scope="module")
+def fake_client(tmp_path_factory) -> Iterator[TestClient]:
+    """The app on stand-ins for Ray (serve_on_fakes, 4 logical GPUs) with a SQLite database, per module."""
+    with serve_on_fakes(make_settings(tmp_path_factory.mktemp("app"))) as test_client:
+        yield test_client
 
 
 @pytest.fixture(scope="module")
@@ -319,3 +336,15 @@ def mlflow_server(tmp_path_factory):
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark each test by what it starts (tests/marks.py): `make test-fast` leaves those out."""
     apply_marks(items)
+
+
+RAY_UP_BEFORE = pytest.StashKey[bool]()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item.stash[RAY_UP_BEFORE] = ray_is_up()
+
+
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    """A test not marked ray that connected this process to Ray errs here (tests/marks.py)."""
+    check_no_ray_started(item, up_before=item.stash.get(RAY_UP_BEFORE, True))

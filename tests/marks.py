@@ -8,6 +8,7 @@ itself or through another fixture, gets those markers. A test that starts someth
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -48,3 +49,16 @@ def apply_marks(items: list[pytest.Item]) -> None:
     for item in items:
         for marker in sorted(marks_of(item)):
             item.add_marker(marker)
+
+
+def ray_is_up() -> bool:
+    """Whether this process is connected to a Ray cluster (without importing Ray where nothing has)."""
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
+
+
+def check_no_ray_started(item: pytest.Item, *, up_before: bool) -> None:
+    """Fail a test that is not marked `ray` yet connected this process to Ray (a Ray task's first call
+    starts a local cluster unasked): `make test-fast` must start none."""
+    if not up_before and ray_is_up() and item.get_closest_marker("ray") is None:
+        pytest.fail(f"{item.nodeid} started Ray but is not marked ray (tests/marks.py)", pytrace=False)

@@ -14,6 +14,12 @@ from hypothesis import strategies as st
 GPT2_XL = {"kind": "gpt", "vocab_size": 50257, "n_layer": 48, "n_head": 25, "n_embd": 1600, "block_size": 1024}
 
 
+@pytest.fixture(scope="module")
+def client(fake_client):
+    """Plans read the cluster's logical GPUs and ask no Ray: the app on stand-ins for Ray (conftest's fake_client)."""
+    return fake_client
+
+
 def test_seed_example(client):
     r = client.post("/v1/plan", json={"num_params": 7_500_000_000, "num_gpus": 64, "gpu_memory_gb": 80})
     assert r.status_code == 200, r.text
@@ -206,7 +212,8 @@ def test_invalid_json_names_the_position(client):
     assert r.status_code == 422 and r.json()["message"].startswith("body: invalid JSON at character 15")
 
 
-def test_a_traced_plan_agrees_with_the_closed_forms_and_a_second_asks_the_cache(client):
+def test_a_traced_plan_agrees_with_the_closed_forms_and_a_second_asks_the_cache(app):
+    client, _ = app  # a trace is a Ray task: the app on the session's cluster
     body = {
         "model": {"kind": "gpt", "vocab_size": 50304, "n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024},
         "num_gpus": 4,

@@ -40,6 +40,12 @@ def plan_of(client, body: dict, *, num_gpus: int, micro_batch_size: int, activat
     return response.json()
 
 
+@pytest.fixture(scope="module")
+def client(fake_client):
+    """Recommendations read the cluster's logical GPUs and ask no Ray: the app on stand-ins (fake_client)."""
+    return fake_client
+
+
 def test_a_7_5e9_model_on_up_to_64_gpus_every_item_checked_by_plan(client):
     response = client.post("/v1/plan/recommend", json=ACCEPTANCE)
     assert response.status_code == 200, response.text

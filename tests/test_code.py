@@ -18,12 +18,11 @@ from sqlalchemy import func, select
 
 from service.auth import ANONYMOUS, PUBLIC, Principal
 from service.errors import ServiceError
-from service.main import create_app
 from service.store.code_bundles import code_dir
 from service.store.code_uploads import get_bundle, require_bundle
 from service.store.tables import CodeBundle
 
-from conftest import make_settings
+from conftest import make_settings, serve_on_fakes
 from helpers import EIGHT_MIB, deflated_zeros, one_entry_zip, symlink_zip, zip_of
 
 ALICE, BOB, ROOT = (f"{user}-{secrets.token_urlsafe(24)}" for user in ("alice", "bob", "root"))
@@ -38,18 +37,18 @@ def bearer(token: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def open_app(ray_cluster, tmp_path_factory):
-    """Auth off, bundles up to MAX_CODE_BYTES."""
+def open_app(tmp_path_factory):
+    """Auth off, bundles up to MAX_CODE_BYTES; on stand-ins for Ray (the store is the API's)."""
     settings = make_settings(tmp_path_factory.mktemp("code"), max_code_bytes=MAX_CODE_BYTES)
-    with TestClient(create_app(settings), raise_server_exceptions=False) as client:
+    with serve_on_fakes(settings) as client:
         yield client
 
 
 @pytest.fixture(scope="module")
-def secured(ray_cluster, tmp_path_factory):
-    """alice, bob and root (an admin)."""
+def secured(tmp_path_factory):
+    """alice, bob and root (an admin); on stand-ins for Ray."""
     settings = make_settings(tmp_path_factory.mktemp("code-auth"), api_tokens=TOKENS)
-    with TestClient(create_app(settings), raise_server_exceptions=False) as client:
+    with serve_on_fakes(settings) as client:
         yield client
 
 
@@ -256,7 +255,7 @@ def test_the_store_is_code_under_the_checkpoint_uri(open_app):
 LOOK = b"import os, sys\nWIDTH = 7\n\n\ndef look(_):\n    return sorted(os.listdir('.')), WIDTH, sys.path[0]\n"
 
 
-def test_a_child_runs_in_its_copy_of_the_stored_bundle_and_its_parent_does_not(open_app):
+def test_a_child_runs_in_its_copy_of_the_stored_bundle_and_its_parent_does_not(ray_cluster, open_app):
     """The contract the workers rely on: a task given the store's URI unpacks the user's files at the
     root of its child's working directory, first on the child's sys.path and on no one else's."""
     data = zip_of({"ranked/": b"", "ranked/__init__.py": b"", "ranked/net.py": LOOK, "notes.txt": b"hi"})

@@ -3,8 +3,9 @@
 Schemathesis runs three phases per operation: the schema's examples, coverage (boundary
 values, missing and malformed parameters, undocumented methods) and fuzzing (MAX_EXAMPLES
 generated cases of valid and of invalid data), derandomized so that every run sends the
-same requests. They go in-process to a started app on the session's Ray cluster, once with a
-SQLite database and once with a PostgreSQL one (some inputs fail only there).
+same requests. They go in-process to a started app on stand-ins for Ray (tests/fakes.py: its
+scheduler is stopped, no job trains), once with a SQLite database and once with a PostgreSQL one
+(some inputs fail only there).
 
 The schema is the app's own /openapi.json, read at import time from an app that is never
 started (making the document needs no database or Ray). Schemathesis' `from_fixture`
@@ -29,6 +30,7 @@ from pathlib import Path
 import httpx
 import pytest
 import schemathesis
+from fakes import state_on_fakes
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, settings
 from psycopg import sql
@@ -97,7 +99,7 @@ TALLY: dict[str, collections.Counter[int]] = collections.defaultdict(collections
 
 
 @pytest.fixture(scope="module", params=["sqlite", "postgresql"])
-def api(request, ray_cluster, tmp_path_factory, record_testsuite_property) -> Iterator[TestClient]:
+def api(request, tmp_path_factory, record_testsuite_property) -> Iterator[TestClient]:
     """The started app on each database backend; afterwards every job the fuzzing stored is cancelled.
 
     Submissions are real (a valid body is stored and queued, so the paths that store, replay an
@@ -108,7 +110,7 @@ def api(request, ray_cluster, tmp_path_factory, record_testsuite_property) -> It
     """
     with (
         _database(request.param, tmp_path_factory.mktemp("fuzz")) as settings,
-        TestClient(create_app(settings), raise_server_exceptions=False) as client,
+        TestClient(create_app(settings, make_state=state_on_fakes), raise_server_exceptions=False) as client,
     ):
         runtime = client.app.state.runtime
         runtime.scheduler.stop()
@@ -194,6 +196,12 @@ def test_every_operation_conforms_to_its_schema(case, api):
 
 MLP = {"kind": "mlp", "sizes": [4, 2]}
 JOB = {"name": "tiny", "model": MLP, "num_gpus": 1, "steps": 1}
+
+
+@pytest.fixture(scope="module")
+def client(fake_client):
+    """Validation answers before anything runs: the app on stand-ins for Ray (conftest's fake_client)."""
+    return fake_client
 
 
 @pytest.mark.parametrize(

@@ -26,7 +26,7 @@ from service.scheduling.job_states import transition
 from service.store.tables import Job
 
 import helpers
-from conftest import make_settings, serve
+from conftest import make_settings, serve_on_fakes
 
 ALICE, INTERN, ROOT = (f"{user}-{secrets.token_urlsafe(24)}" for user in ("alice", "intern", "root"))
 TOKENS = f"alice:{ALICE},intern:{INTERN},root:{ROOT}:admin"
@@ -44,16 +44,17 @@ def job_body(**overrides) -> dict:
 
 
 @pytest.fixture(scope="module")
-def api(ray_cluster, tmp_path_factory) -> Iterator[TestClient]:
+def api(tmp_path_factory) -> Iterator[TestClient]:
     """intern's ceiling is 50 and quota 2 GPUs, everyone else's ceiling 80 and no quota; root is an admin.
-    The scheduler is stopped once the app is up: nothing starts, every job stays as the requests leave it."""
+    The scheduler is stopped once the app is up: nothing starts, every job stays as the requests leave it
+    (on stand-ins for Ray: none would run)."""
     settings = make_settings(
         tmp_path_factory.mktemp("priorities"),
         api_tokens=TOKENS,
         priority_limits="intern=50,*=80",
         gpu_quotas="intern=2",
     )
-    with serve(settings) as client:
+    with serve_on_fakes(settings) as client:
         client.app.state.runtime.scheduler.stop()
         yield client
 

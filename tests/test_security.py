@@ -36,7 +36,7 @@ from service.store.db import Database, upgrade
 from service.store.tables import Job, JobEvent
 from workers.memory.model import GB
 
-from conftest import make_settings
+from conftest import make_settings, serve_on_fakes
 from helpers import TERMINAL, TINY, wait_job
 
 ZERO1 = str(Path(sys.executable).with_name("zero1"))
@@ -81,8 +81,9 @@ def data_root(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def secured(ray_cluster, tmp_path_factory, data_root):
-    """The app with three tokens (root is an admin), a data root, and at most 2 queued jobs per user."""
+def secured(tmp_path_factory, data_root):
+    """The app with three tokens (root is an admin), a data root, and at most 2 queued jobs per user, on
+    stand-ins for Ray (conftest's serve_on_fakes): who may do what is the API's, not Ray's."""
     settings = make_settings(
         tmp_path_factory.mktemp("secured"),
         api_tokens=TOKENS,
@@ -90,7 +91,7 @@ def secured(ray_cluster, tmp_path_factory, data_root):
         max_queued_jobs_per_user=MAX_QUEUED,
         auth_max_failures=1000,  # its tests send a wrong token to every endpoint: the lockout is tested apart
     )
-    with TestClient(create_app(settings), raise_server_exceptions=False) as client:
+    with serve_on_fakes(settings) as client:
         yield client
 
 
@@ -180,9 +181,9 @@ def test_openapi_declares_the_bearer_token_where_it_is_required(secured):
 
 
 @pytest.fixture(scope="module")
-def public(ray_cluster, tmp_path_factory):
+def public(tmp_path_factory):
     settings = make_settings(tmp_path_factory.mktemp("public"), api_tokens=TOKENS, public_read=True)
-    with TestClient(create_app(settings), raise_server_exceptions=False) as client:
+    with serve_on_fakes(settings) as client:
         yield client
 
 

@@ -25,7 +25,7 @@ from service.store.tables import Job, JobEvent, LogLine
 from workers.data.datafiles import MAX_RESOLVE_S, resolve_files
 from zero1 import Client
 
-from conftest import make_settings, serve
+from conftest import make_settings, serve, serve_on_fakes
 from figures import record
 from helpers import TERMINAL, job_body, wait_job
 
@@ -61,10 +61,10 @@ def tree(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def trusted(ray_cluster, tmp_path_factory, tree):
-    """The app with two tokens (root an admin) and the tree's data root."""
+def trusted(tmp_path_factory, tree):
+    """The app with two tokens (root an admin) and the tree's data root, on stand-ins for Ray."""
     settings = make_settings(tmp_path_factory.mktemp("app"), api_tokens=TOKENS, data_roots=[str(tree["root"])])
-    with serve(settings) as client:
+    with serve_on_fakes(settings) as client:
         yield client
 
 
