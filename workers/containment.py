@@ -38,7 +38,11 @@ from typing import Any, NoReturn
 
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNS = 0x00020000
-MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x8, 0x4000, 0x40000
+MS_NOSUID = 0x2
+MS_NODEV = 0x4
+MS_NOEXEC = 0x8
+MS_REC = 0x4000
+MS_PRIVATE = 0x40000
 PR_SET_CHILD_SUBREAPER = 36
 NAMESPACE = "its own PID namespace"
 SUBREAPER = "a subreaper that kills what it leaves behind (no PID namespace here: {why})"
@@ -82,7 +86,9 @@ def _fork(start: Callable[[], None]) -> tuple[int, int, str]:
     init tells the child's end on (-1: no namespace), the containment in words)."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    containment, status_read, status_write = NAMESPACE, -1, -1
+    containment = NAMESPACE
+    status_read = -1
+    status_write = -1
     if libc.unshare(CLONE_NEWPID) == 0:  # this process's next child is pid 1 of a new namespace
         status_read, status_write = os.pipe()
     else:
@@ -257,7 +263,8 @@ def start_fresh(
     is on its path; the keeper's Popen, its `containment` set once the keeper has forked the child."""
     report_read, report_write = os.pipe()
     uid, gid = (str(identity[0]), str(identity[1])) if identity else ("-", "-")
-    connection_fd, lifeline_fd = int(command[4]), int(command[5])
+    connection_fd = int(command[4])
+    lifeline_fd = int(command[5])
     keeper = [sys.executable, "-I", "-m", "workers.containment", uid, gid, str(report_write), str(lifeline_fd)]
     try:
         process: Any = subprocess.Popen(
@@ -279,7 +286,11 @@ def start_fresh(
 
 
 def main(argv: list[str]) -> NoReturn:
-    uid, gid, report, lifeline, command = argv[0], argv[1], int(argv[2]), int(argv[3]), argv[4:]
+    uid = argv[0]
+    gid = argv[1]
+    report = int(argv[2])
+    lifeline = int(argv[3])
+    command = argv[4:]
     identity = (None, None) if uid == "-" else (int(uid), int(gid))
 
     os.set_inheritable(report, False)  # the keeper's to write, never the child's

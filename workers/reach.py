@@ -25,7 +25,8 @@ def blocked_at(path: str, *, uid: int, gid: int, access: int = os.X_OK) -> str |
     links: list[str] = []
     pending = os.path.abspath(path)
     for _ in range(MAX_LINKS):
-        current, parts = "/", [part for part in pending.split("/") if part not in ("", ".")]
+        current = "/"
+        parts = [part for part in pending.split("/") if part not in ("", ".")]
         for index, name in enumerate(parts):
             if not _may(current, uid=uid, gid=gid, access=os.X_OK):
                 return f"cannot search {current} ({_mode(current)}), above {pending}{_via(links)}"

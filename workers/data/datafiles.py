@@ -85,8 +85,11 @@ class _Budget:
     """The entries a walk has visited and the time it has taken, against their bounds."""
 
     def __init__(self, path: str, *, max_candidates: int, time_s: float):
-        self.path, self.max_candidates, self.time_s = path, max_candidates, time_s
-        self.visited, self.deadline = 0, time.monotonic() + time_s
+        self.path = path
+        self.max_candidates = max_candidates
+        self.time_s = time_s
+        self.visited = 0
+        self.deadline = time.monotonic() + time_s
 
     def visit(self) -> None:
         """One more entry; ValueError ("data.path: ...") past either bound."""
@@ -157,7 +160,8 @@ def _matches(base: str, parts: list[str], *, roots: list[str] | None, budget: _B
     would (names starting with '.' only by a pattern that does), entering no directory outside the roots."""
     frontier = [base]
     for depth, part in enumerate(parts):
-        last, found = depth == len(parts) - 1, []
+        last = depth == len(parts) - 1
+        found = []
         for directory in frontier:
             for candidate in _level(directory, part, budget=budget):
                 # a level before the last leads on only through directories inside the roots

@@ -163,7 +163,8 @@ def prepare_tokens(spec: DatasetSpec, *, tokenizer: Tokenizer) -> TokenFile:
     meta = {"vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id, "dtype": dtype.str}
     if spec.token_uri is not None and spec.cache_dir is not None:  # fetched by this rank's parent: no data read
         key = spec.token_uri.rpartition("/")[2].removesuffix(".bin")
-        path, sidecar = Path(spec.cache_dir, "tokens", f"{key}.bin"), Path(spec.cache_dir, "tokens", f"{key}.json")
+        path = Path(spec.cache_dir, "tokens", f"{key}.bin")
+        sidecar = Path(spec.cache_dir, "tokens", f"{key}.json")
         if (found := _cached(path, sidecar, meta=meta)) is not None:
             return TokenFile(tokens=found, path=str(path), created=False, **_public(meta))
     files = resolve_files(spec.path, format=spec.format, roots=spec.roots)  # again, where this rank reads
@@ -175,7 +176,8 @@ def prepare_tokens(spec: DatasetSpec, *, tokenizer: Tokenizer) -> TokenFile:
         return TokenFile(tokens=tokens, path=None, created=True, **_public(meta))
     directory = Path(spec.cache_dir) / "tokens"
     key = cache_key(files, spec=spec, tokenizer=tokenizer)
-    path, sidecar = directory / f"{key}.bin", directory / f"{key}.json"
+    path = directory / f"{key}.bin"
+    sidecar = directory / f"{key}.json"
     found = _cached(path, sidecar, meta=meta)
     if found is not None:
         return TokenFile(tokens=found, path=str(path), created=False, **_public(meta))
@@ -331,7 +333,8 @@ class DatasetSource:
         num_held_out = held_out_count(spec.validation_fraction, self.num_blocks)
         # one permutation: its first num_held_out blocks are held out, the rest is the train order
         order = np.random.default_rng(seed).permutation(self.num_blocks)
-        self.held_out, self.perm = order[:num_held_out], order[num_held_out:]
+        self.held_out = order[:num_held_out]
+        self.perm = order[num_held_out:]
         need = global_batch_size or 1
         if len(self.perm) < need:
             raise ValueError(

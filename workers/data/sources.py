@@ -147,7 +147,8 @@ def _open_nofollow(real: str, *, root: str | None) -> int:
 
 
 def _read_at_most(fd: int, limit_bytes: int) -> bytes:
-    chunks, total = [], 0
+    chunks = []
+    total = 0
     while total < limit_bytes:
         chunk = os.read(fd, min(_READ_CHUNK_BYTES, limit_bytes - total))
         if not chunk:
@@ -213,8 +214,11 @@ class Batches:
                 f"global_batch_size ({global_batch_size}) must be a multiple of "
                 f"world_size ({world_size}) x micro_batch_size ({micro_batch_size})"
             )
-        self.seed, self.micro_batch_size = seed, micro_batch_size
-        self.global_batch_size, self.rank, self.world_size = global_batch_size, rank, world_size
+        self.seed = seed
+        self.micro_batch_size = micro_batch_size
+        self.global_batch_size = global_batch_size
+        self.rank = rank
+        self.world_size = world_size
         self.first = rank * per_rank
         self.accumulation_steps = per_rank // micro_batch_size
         self.model = model

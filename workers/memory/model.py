@@ -269,7 +269,8 @@ def breakdown(workload: Workload, *, num_gpus: int, stage: int) -> Breakdown:
     _check_stage(stage)
     p, g = bytes_per_param(workload.precision)
     k = optimizer_bytes_per_param(workload.precision, workload.optimizer)
-    psi, frozen = workload.num_trainable, workload.frozen_numel
+    psi = workload.num_trainable
+    frozen = workload.frozen_numel
     step = {
         "activations_bytes": workload.activations_bytes,
         "temporaries_bytes": workload.temporaries_bytes,
@@ -284,7 +285,8 @@ def breakdown(workload: Workload, *, num_gpus: int, stage: int) -> Breakdown:
     shard = shard_numel(workload, num_gpus=num_gpus)
     # a replicated flat buffer spans all N padded slices
     full = psi if workload.alignment_numel is None else shard * num_gpus
-    sharded_p, sharded_g = stage >= 3, stage >= 2
+    sharded_p = stage >= 3
+    sharded_g = stage >= 2
     frozen_params = -(-frozen // num_gpus) if sharded_p else frozen
     return Breakdown(
         params_bytes=p * ((exact if sharded_p else psi) + frozen_params),

@@ -35,7 +35,8 @@ class GPTSpec:
     def param_groups(self) -> tuple[int, int]:
         """(decay, no_decay) element counts: matrices and embeddings are decayed;
         biases and LayerNorm weights are not (nanoGPT's rule: dim >= 2 decays)."""
-        c, layers = self.n_embd, self.n_layer
+        c = self.n_embd
+        layers = self.n_layer
         # per block: c_attn (c, 3c), attn c_proj (c, c), c_fc (c, 4c), mlp c_proj (4c, c)
         decay = self.vocab_size * c + self.block_size * c + layers * 12 * c * c
         # per block: ln_1 and ln_2 (2c each), biases 3c + c + 4c + c; plus ln_f (2c)
@@ -96,7 +97,8 @@ class GPTSpec:
         the block recomputed during backward is a temporary (temporaries_bytes).
         Checked against a trace of the step in tests/test_trace.py.
         """
-        sb, e = micro_batch_size * seq_len, bytes_per_element
+        sb = micro_batch_size * seq_len
+        e = bytes_per_element
         inputs = 2 * 8 * sb + 8 * seq_len
         kept = sb * self.n_embd * e if checkpointing else self._block_bytes(sb, e)
         return inputs + self.n_layer * kept + self._head_bytes(sb, e)
@@ -114,7 +116,9 @@ class GPTSpec:
         weight gradient (V·h), which autograd holds until the embedding's part arrives at the
         end of backward; with checkpointing, the block's recomputed activations.
         """
-        sb, e, c = micro_batch_size * seq_len, bytes_per_element, self.n_embd
+        sb = micro_batch_size * seq_len
+        e = bytes_per_element
+        c = self.n_embd
         head_peak = 2 * 4 * sb * self.vocab_size
         recomputed = self._block_bytes(sb, e) if checkpointing else 0
         c_proj_grads = (sb * c + 4 * sb * c + 4 * c * c + c) * e
@@ -158,7 +162,8 @@ class MLPSpec:
         """Name -> shape of every parameter, as the workers' MLP reports them (weights (out, in))."""
         shapes = {}
         for i, (a, b) in enumerate(itertools.pairwise(self.sizes)):
-            shapes[f"layers.{i}.weight"], shapes[f"layers.{i}.bias"] = (b, a), (b,)
+            shapes[f"layers.{i}.weight"] = (b, a)
+            shapes[f"layers.{i}.bias"] = (b,)
         return shapes
 
     def activation_bytes(
@@ -179,7 +184,9 @@ class MLPSpec:
         Linear's gradients for its input, weight and bias beside the one arriving; each ReLU's
         new gradient beside the old), as the saved tensors behind it are freed."""
         del seq_len, checkpointing
-        b, e, out = micro_batch_size, bytes_per_element, self.sizes[-1]
+        b = micro_batch_size
+        e = bytes_per_element
+        out = self.sizes[-1]
         moments = [2 * 4 * b * out]  # nll's and log-softmax's fp32 gradients beside the saved log-softmax
         live = -4 * b * out  # then the saved log-softmax is freed
         grad = b * out * e  # the logits' gradient in the model's dtype
@@ -187,7 +194,8 @@ class MLPSpec:
             moments.append(live + 4 * b * out + grad)
         live += grad
         for i in range(len(self.sizes) - 2, -1, -1):
-            fan_in, fan_out = self.sizes[i], self.sizes[i + 1]
+            fan_in = self.sizes[i]
+            fan_out = self.sizes[i + 1]
             grad_input = b * fan_in * e if i else 0  # the first layer's input needs no gradient
             moments.append(live + grad_input + (fan_in * fan_out + fan_out) * e)
             live += grad_input - grad

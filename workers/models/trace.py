@@ -72,7 +72,8 @@ class LiveBytes(TorchDispatchMode):
             self._add(storage)
 
     def _add(self, storage: torch.UntypedStorage) -> None:
-        key, nbytes = id(storage), storage.nbytes()
+        key = id(storage)
+        nbytes = storage.nbytes()
         self._counted[key] = nbytes
         weakref.finalize(storage, self._free, key)
         self.live_bytes += nbytes

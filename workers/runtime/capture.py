@@ -47,8 +47,11 @@ class OutputCapture:
     def __init__(self, *, rank: int, send: Send, delivered: Delivered, max_bytes: int, echo: bool = True) -> None:
         """echo: each line is also written on to the stream it replaced (off in a rank's child,
         whose stdout and stderr its parent reads into the same log)."""
-        self.rank, self.max_bytes, self.echo = rank, max_bytes, echo
-        self._send, self._delivered = send, delivered
+        self.rank = rank
+        self.max_bytes = max_bytes
+        self.echo = echo
+        self._send = send
+        self._delivered = delivered
         self._lock = threading.Lock()  # the waiting lines and the line count
         self._ship_lock = threading.Lock()  # one sender at a time: batches go out in order
         self._waiting: deque[OutputLine] = deque()
@@ -91,7 +94,8 @@ class OutputCapture:
             if isinstance(stream, _LineStream):
                 stream.end()
         stdout, stderr, level = self._saved
-        sys.stdout, sys.stderr = stdout, stderr
+        sys.stdout = stdout
+        sys.stderr = stderr
         root = logging.getLogger()
         root.removeHandler(self._handler)
         root.setLevel(level)
@@ -151,8 +155,11 @@ class OutputCapture:
                 return False
             self._in_flight = None
             with self._lock:
-                batch, self._waiting, self._waiting_bytes = list(self._waiting), deque(), 0
-                (lines, size, last_n), self._dropped = self._dropped, (0, 0, -1)
+                batch = list(self._waiting)
+                self._waiting = deque()
+                self._waiting_bytes = 0
+                lines, size, last_n = self._dropped
+                self._dropped = (0, 0, -1)
             if lines:  # in the place of the dropped lines: the n of the last of them
                 text = (
                     f"[zero1] {lines:,} lines ({size:,} bytes) of rank {self.rank} were dropped: written faster than "
@@ -224,7 +231,8 @@ class ChildOutput:
         for name in ("stdout", "stderr"):
             read, write = os.pipe()
             os.set_blocking(read, False)
-            self._names[read], self._partial[read] = name, b""
+            self._names[read] = name
+            self._partial[read] = b""
             ends.append(write)
         self.write_ends: tuple[int, ...] = tuple(ends)
         self._lock = threading.Lock()
@@ -294,7 +302,8 @@ class LoggedOutput:
     MAX_LOGGED_BYTES = 1 << 20
 
     def __init__(self, logger: logging.Logger) -> None:
-        self.logger, self.total_bytes = logger, 0
+        self.logger = logger
+        self.total_bytes = 0
 
     def __call__(self, stream: str, line: str) -> None:
         self.total_bytes += len(line) + 1
@@ -307,7 +316,9 @@ class _LineStream(io.TextIOBase):
     line into the capture. A carriage return starts the line again, as on a terminal."""
 
     def __init__(self, capture: OutputCapture, name: str, inner: TextIO) -> None:
-        self.capture, self.name, self.inner = capture, name, inner
+        self.capture = capture
+        self.name = name
+        self.inner = inner
         self._partial = ""
         self._lock = threading.Lock()
 
@@ -328,7 +339,8 @@ class _LineStream(io.TextIOBase):
     def end(self) -> None:
         """The unfinished last line, if any, as a line."""
         with self._lock:
-            partial, self._partial = self._partial, ""
+            partial = self._partial
+            self._partial = ""
         if partial:
             self.capture.add(self.name, partial)
         self.inner.flush()
@@ -356,7 +368,8 @@ class _LogHandler(logging.Handler):
 
     def __init__(self, capture: OutputCapture, stderr: TextIO) -> None:
         super().__init__(logging.INFO)
-        self.capture, self.stderr = capture, stderr
+        self.capture = capture
+        self.stderr = stderr
         self.setFormatter(logging.Formatter(LOG_FORMAT))
 
     def emit(self, record: logging.LogRecord) -> None:

@@ -51,7 +51,10 @@ def _call(link: ParentLink) -> None:
 
 
 def main(argv: list[str]) -> None:
-    mode, conn_fd, lifeline_fd, staging = argv[0], int(argv[1]), int(argv[2]), argv[3]
+    mode = argv[0]
+    conn_fd = int(argv[1])
+    lifeline_fd = int(argv[2])
+    staging = argv[3]
     _watch_lifeline(lifeline_fd, None if staging == "-" else staging)
     link = ParentLink(conn_fd)
     if mode == "call":

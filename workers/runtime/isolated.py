@@ -142,7 +142,8 @@ def checked(result_type: type, answer: Any) -> Any:
 
 
 def _conforms(value: Any, hint: Any) -> bool:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
     if hint is type(None):
         return value is None
     if origin in (typing.Union, types.UnionType):

@@ -33,7 +33,8 @@ from workers.runtime.rendezvous import join_process_group, open_rendezvous_store
 
 def run_rank(link: ParentLink) -> None:
     hello = link.receive()
-    rank, world_size = hello["rank"], hello["world_size"]
+    rank = hello["rank"]
+    world_size = hello["world_size"]
     import torch
 
     import workers.training.loop  # noqa: F401 - loaded while the other ranks start, not after the rendezvous

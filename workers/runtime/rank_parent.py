@@ -52,7 +52,9 @@ class MetricsSink:
         flush: Callable[[list[MetricRow]], None],
         delivered: Callable[[Any, float], bool] = lambda sent, timeout_s: True,
     ) -> None:
-        self._send, self._flush, self._delivered = send, flush, delivered
+        self._send = send
+        self._flush = flush
+        self._delivered = delivered
         self.rows: list[MetricRow] = []
         self.sent_at = -math.inf
         self._in_flight: Any = None
@@ -62,7 +64,8 @@ class MetricsSink:
         due = len(self.rows) >= _REPORT_EVERY_ROWS or time.monotonic() - self.sent_at >= _REPORT_EVERY_S
         if due and (self._in_flight is None or self._delivered(self._in_flight, 0)):
             self._in_flight = self._send(self.rows)
-            self.rows, self.sent_at = [], time.monotonic()
+            self.rows = []
+            self.sent_at = time.monotonic()
 
     def flush(self) -> None:
         if self._in_flight is not None:  # the supervisor takes calls concurrently: keep the batches' order
@@ -96,8 +99,11 @@ class PipedLines:
 
     def take(self) -> tuple[list[tuple[float, str, str]], tuple[int, int]]:
         with self._lock:
-            lines, dropped = list(self._lines), self.dropped
-            self._lines, self._bytes, self.dropped = deque(), 0, (0, 0)
+            lines = list(self._lines)
+            dropped = self.dropped
+            self._lines = deque()
+            self._bytes = 0
+            self.dropped = (0, 0)
         return lines, dropped
 
 
@@ -106,8 +112,10 @@ class RankProcess:
     log lines (the child's captured lines and what it wrote to its pipes), in the order it hands them on."""
 
     def __init__(self, *, rank: int, world_size: int, address: str, spec: ChildSpec) -> None:
-        self.rank, self.world_size = rank, world_size
-        self._piped, self._count = PipedLines(), 0
+        self.rank = rank
+        self.world_size = world_size
+        self._piped = PipedLines()
+        self._count = 0
         self.child = Child("rank", spec, on_output=self._piped)
         self._piped("log", f"INFO zero1: rank {rank}'s child runs in {self.child.containment}")
         self.child.send({"rank": rank, "world_size": world_size, "address": address})
@@ -153,7 +161,8 @@ class RankProcess:
                     self._hand_on_piped(send_logs)
                     send_logs(self._lines(message))
                 elif kind == "stop?" and self.rank == 0:  # the others learn rank 0's answer from it
-                    step, checkpointed = _int(message, "step"), _bool(message, "checkpointed")
+                    step = _int(message, "step")
+                    checkpointed = _bool(message, "checkpointed")
                     self.child.send({"stop": bool(stop_requested(step, checkpointed))})
                 elif kind == "result":
                     result = self._result(message)

@@ -364,7 +364,10 @@ class ChildError(RuntimeError):
 
     def __init__(self, exception: str, message: str, field: str | None = None, value_error: bool = False) -> None:
         super().__init__(f"{exception}: {message}")
-        self.exception, self.message, self.field, self.value_error = exception, message, field, value_error
+        self.exception = exception
+        self.message = message
+        self.field = field
+        self.value_error = value_error
 
     def __reduce__(self):  # crosses Ray as its fields
         return (type(self), (self.exception, self.message, self.field, self.value_error))

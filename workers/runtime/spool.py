@@ -61,12 +61,16 @@ class Spool:
     """One rank's parent's side of its checkpoints on `store` (the job's root there)."""
 
     def __init__(self, store: Store, *, home: str, rank: int, world_size: int, keep_last: int, run_as: RunAs | None):
-        self.store, self.home, self.rank, self.world_size = store, Path(home), rank, world_size
+        self.store = store
+        self.home = Path(home)
+        self.rank = rank
+        self.world_size = world_size
         self.dir = self.home / SPOOL
         # held from now on: the child, which owns its home, could later put a link at its path
         self.home.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._home = os.open(self.home, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        self.keep_last, self.run_as = keep_last, run_as
+        self.keep_last = keep_last
+        self.run_as = run_as
         self.bytes_fetched = self.range_requests = 0
         self._fetched: dict[str, tuple[str, int]] = {}  # name -> (its file in fetched/, that file's inode)
         self._saves: queue.Queue[tuple[int, list[str]] | None] = queue.Queue()

@@ -223,7 +223,9 @@ def _command(pid: int) -> str:
 
 
 def main(argv: list[str]) -> None:
-    path, watched, ready = argv[0], int(argv[1]), int(argv[2])
+    path = argv[0]
+    watched = int(argv[1])
+    ready = int(argv[2])
     if os.fork():  # the starter's child goes on alone, nobody's child but init's
         os._exit(0)
     os.setsid()

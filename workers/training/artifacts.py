@@ -118,7 +118,9 @@ def _save_safetensors(model: nn.Module, gathered, path: Path, *, trained: set[in
     entries: dict[int, tuple[str, Tensor]] = {}  # id(tensor) -> (its first name, the tensor)
     for name, tensor in model.state_dict(keep_vars=True).items():
         entries.setdefault(id(tensor), (name, tensor))
-    header, offsets, end = {}, {}, 0
+    header = {}
+    offsets = {}
+    end = 0
     for key, (name, tensor) in entries.items():
         dtype = torch.float32 if key in trained else tensor.dtype
         size = tensor.numel() * dtype.itemsize
@@ -194,7 +196,8 @@ def _bytes_tokenizer(directory: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
-    vocab, shifted = {}, 0
+    vocab = {}
+    shifted = 0
     for byte in range(256):  # the order GPT-2's bytes_to_unicode gives the bytes that print badly
         vocab[chr(byte) if byte in printable else chr(256 + shifted)] = byte
         shifted += byte not in printable
@@ -216,7 +219,8 @@ def _bytes_tokenizer(directory: Path) -> None:
 def tokenizer_files(config: TrainConfig) -> list[Path]:
     """The tokenizer files of the job's data (DatasetSpec.tokenizer: a tokenizer.json or a
     directory), else of the hf model's own directory; none for "bytes" or other data."""
-    data, model = config.data, config.model
+    data = config.data
+    model = config.model
     if isinstance(data, DatasetSpec) and data.tokenizer not in (None, "bytes"):
         where = Path(data.tokenizer)
     elif isinstance(data, DatasetSpec) and data.tokenizer is None and isinstance(model, HFSpec) and model.path:

@@ -59,7 +59,8 @@ def resume(opt: ZeRO1AdamW, io: CheckpointIO) -> ResumeRead | None:
     if found is None:
         return None
     step, saved_world = found
-    rank, world_size = opt.rank, opt.world_size
+    rank = opt.rank
+    world_size = opt.world_size
     if saved_world == world_size:
         try:
             shards = [_Shard(io, shard_name(step, rank, world_size))]
@@ -131,7 +132,8 @@ class _Shard:
     byte ranges (fetch), each counted."""
 
     def __init__(self, io: CheckpointIO, name: str) -> None:
-        self.io, self.name = io, name
+        self.io = io
+        self.name = name
         self.bytes_read = self.num_ranges = 0
         self.path: Path | None = None
         self.data_start, self.tensors, metadata = shard_header(self._read)

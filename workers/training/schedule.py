@@ -16,13 +16,15 @@ from workers.config import ScheduleSpec
 
 def lr_at(step: int, *, lr: float, steps: int, schedule: ScheduleSpec) -> float:
     """The learning rate step `step` (0-based) of a `steps`-step run trains with."""
-    warmup, floor = schedule.warmup_steps, lr * schedule.min_lr_ratio
+    warmup = schedule.warmup_steps
+    floor = lr * schedule.min_lr_ratio
     if step < warmup:
         return lr * (step + 1) / warmup
     if schedule.kind == "constant":
         return lr
     if schedule.kind == "wsd":  # lr through step S − D, then linear to r·lr at S − 1
-        start, decay = steps - schedule.decay_steps, schedule.decay_steps
+        start = steps - schedule.decay_steps
+        decay = schedule.decay_steps
         if step < start or (step == start and decay > 1):
             return lr
         return lr - (lr - floor) * ((step - start) / (decay - 1) if decay > 1 else 1.0)

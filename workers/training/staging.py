@@ -90,7 +90,8 @@ def resolve_objects(
     fs = fs if fs is not None else filesystem(scheme)
     parts = key.split("/")
     first = next((i for i, part in enumerate(parts) if _MAGIC.search(part)), len(parts))
-    base, pattern = "/".join(parts[:first]), parts[first:]
+    base = "/".join(parts[:first])
+    pattern = parts[first:]
     if not pattern and fs.isfile(key):
         return [(key, int(fs.size(key)))]
     listing = fs.find(base, detail=True)
@@ -217,7 +218,8 @@ def for_child(config: Any, *, owner: tuple[int, int] | None = None) -> tuple[Any
     store: its directory, staged (the child checks its digest against the admitted one). Weights to
     start from (init_from, local or not): fetch_weights' checked copy. The caller removes the directory
     after the run; `owner` as for staged_inputs."""
-    data, model = config.data, config.model
+    data = config.data
+    model = config.model
     remote_data = isinstance(data, DatasetSpec) and is_remote_path(data.path)
     remote_model = isinstance(model, HFSpec) and is_remote_path(model.path)
     init = config.init_from if config.init_from is not None and not _resumes(config) else None
@@ -252,9 +254,11 @@ def fetch_weights(init: InitSpec, *, into: str, chunk_bytes: int = _HASH_BYTES) 
     directory, no link followed anywhere below the source job's: DirectoryStore.open);
     FieldError("init_from.job") when it cannot be read or is not the size and sha256 recorded, and no
     copy is left."""
-    name, local = f"{FINAL}/model.safetensors", os.path.join(into, "model.safetensors")
+    name = f"{FINAL}/model.safetensors"
+    local = os.path.join(into, "model.safetensors")
     os.makedirs(into, exist_ok=True)
-    digest, size = hashlib.sha256(), 0
+    digest = hashlib.sha256()
+    size = 0
     try:
         with open_store(init.uri).open(name) as source, open(local, "xb") as copy:
             while chunk := source.read(min(chunk_bytes, init.bytes + 1 - size)):  # one byte past: a larger file

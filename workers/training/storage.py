@@ -221,7 +221,8 @@ class ObjectStore(Store):
     local = False
 
     def __init__(self, root: str, *, scheme: str = "s3", fs: Any = None) -> None:
-        self.root, self.scheme = root.rstrip("/"), scheme
+        self.root = root.rstrip("/")
+        self.scheme = scheme
         self.uri = f"{scheme}://{self.root}"
         self.fs = fs if fs is not None else filesystem(scheme)
 

@@ -104,9 +104,14 @@ class CheckpointWriter:
         asynchronous: bool = True,
         peer_timeout_s: float = PEER_TIMEOUT_S,
     ) -> None:
-        self.opt, self.root, self.io, self.keep_last = opt, root, io, keep_last
-        self.asynchronous, self.peer_timeout_s = asynchronous, peer_timeout_s
-        self.rank, self.world_size = opt.rank, opt.world_size
+        self.opt = opt
+        self.root = root
+        self.io = io
+        self.keep_last = keep_last
+        self.asynchronous = asynchronous
+        self.peer_timeout_s = peer_timeout_s
+        self.rank = opt.rank
+        self.world_size = opt.world_size
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"checkpoint-rank{opt.rank}") if asynchronous else None
         self._host = self._host_buffers() if asynchronous or opt.device.type == "cuda" else None
         self._pending: Future[None] | None = None
@@ -132,12 +137,14 @@ class CheckpointWriter:
             return time.perf_counter() - started
         blocked_s = time.perf_counter() - started
         rows = [replace(row, checkpoint_blocked_s=blocked_s) if row.step == step else row for row in metrics]
-        self._pending, self._pending_step = self._pool.submit(self._write, step, tensors, copied, layout, rows), step
+        self._pending = self._pool.submit(self._write, step, tensors, copied, layout, rows)
+        self._pending_step = step
         return blocked_s
 
     def wait(self) -> None:
         """Until the write in flight, if any, is done (its complete.json written); its error, raised here."""
-        pending, self._pending = self._pending, None
+        pending = self._pending
+        self._pending = None
         if pending is not None:
             pending.result()
 
@@ -145,7 +152,8 @@ class CheckpointWriter:
         """wait(), on every rank at once (a collective: the training thread's, at the same point on
         every rank): a rank whose write failed raises its error, and every other rank an error naming
         the step, rather than go on to wait forever in a collective for the rank that failed."""
-        step, error = self._pending_step, None
+        step = self._pending_step
+        error = None
         try:
             self.wait()
         except Exception as exc:  # noqa: BLE001 - raised below, on every rank
@@ -161,7 +169,8 @@ class CheckpointWriter:
     def abandon(self, *, grace_s: float = EXIT_GRACE_S) -> None:
         """After an exception or a cancellation: the write in flight finishes, rank 0 waiting for the
         others' files grace_s more at most; its error is logged, not raised."""
-        self._give_up_at, self._abandoned = time.monotonic() + grace_s, True
+        self._give_up_at = time.monotonic() + grace_s
+        self._abandoned = True
         try:
             self.wait()
         except Exception as exc:  # noqa: BLE001 - the run is ending with an error of its own
@@ -193,7 +202,8 @@ class CheckpointWriter:
         """The owned state copied into the host buffers. On CUDA the copies are only queued: the
         training stream's later kernels run after them, and the writer waits for the event before it
         reads the buffers."""
-        state, cuda = self.opt.owned_state(), self.opt.device.type == "cuda"
+        state = self.opt.owned_state()
+        cuda = self.opt.device.type == "cuda"
         for name, tensor in state.items():
             self._host[name].copy_(tensor, non_blocking=cuda)
         if not cuda:
@@ -219,7 +229,8 @@ class CheckpointWriter:
         atomic_write(shard, lambda file: write_shard(file, tensors, layout))
         rows_file = self.root / rows_name(step, self.rank, self.world_size)
         write_json(rows_file, [row.to_json() for row in rows])
-        files, shared = [shard, rows_file], self.io.publish is None
+        files = [shard, rows_file]
+        shared = self.io.publish is None
         if shared and self._pool is None and self.world_size > 1:
             dist.barrier(group=self.opt.process_group)  # every shard is in place before the checkpoint counts
         elif shared and self.rank == 0:
@@ -250,7 +261,8 @@ class CheckpointWriter:
 
 def write_shard(file: IO[bytes], tensors: dict[str, Tensor], layout: dict[str, Any]) -> None:
     """A safetensors file of `tensors` (1-D fp32, on the host), with `layout` as JSON in its metadata."""
-    header, offset = {}, 0
+    header = {}
+    offset = 0
     for name, tensor in tensors.items():
         assert tensor.dtype == torch.float32 and tensor.dim() == 1 and tensor.device.type == "cpu", name
         header[name] = {

@@ -79,7 +79,8 @@ class ShardAdamW:
         grad = buf.grad_shard
         upcast = grad.dtype != torch.float32
         for run_lo, run_hi, step in runs:
-            run_lo, run_hi = max(run_lo, lo), min(run_hi, hi)
+            run_lo = max(run_lo, lo)
+            run_hi = min(run_hi, hi)
             if run_lo >= run_hi:
                 continue
             step_t = torch.tensor(float(step), dtype=torch.float32, device=self.device)

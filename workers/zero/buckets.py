@@ -58,14 +58,18 @@ def build_buckets(buffers: list[FlatBuffer], *, bucket_cap_mb: float) -> list[Bu
     buckets: list[Bucket] = []
     for buf in buffers:
         cap = max(1, int(bucket_cap_mb * 2**20) // buf.grads.element_size())
-        lo, hi, count = 0, None, 0
+        lo = 0
+        hi = None
+        count = 0
         for slot in reversed(buf.slots):
             if hi is not None and hi - slot.offset > cap:
                 buckets.append(Bucket(tag=len(buckets), buf=buf, lo=lo, hi=hi, num_slots=count))
                 hi = None
             if hi is None:
-                hi, count = slot.offset + slot.numel, 0
-            lo, count = slot.offset, count + 1
+                hi = slot.offset + slot.numel
+                count = 0
+            lo = slot.offset
+            count = count + 1
         if hi is not None:
             buckets.append(Bucket(tag=len(buckets), buf=buf, lo=lo, hi=hi, num_slots=count))
     return buckets
@@ -83,7 +87,9 @@ class BucketReducer:
         rank: int,
         bucket_cap_mb: float,
     ):
-        self.group, self.world_size, self.rank = group, world_size, rank
+        self.group = group
+        self.world_size = world_size
+        self.rank = rank
         self.peers = [r for r in range(world_size) if r != rank]
         self.slots = [slot for buf in buffers for slot in buf.slots]
         self.buckets = build_buckets(buffers, bucket_cap_mb=bucket_cap_mb)
@@ -130,7 +136,9 @@ class BucketReducer:
 
     def launch(self, bucket: Bucket) -> None:
         """Send each peer its part of the bucket; post receives of the peers' gradients of mine."""
-        buf, ops, num_peers = bucket.buf, [], len(self.peers)
+        buf = bucket.buf
+        ops = []
+        num_peers = len(self.peers)
         lo, hi = bucket.owned()
         if lo < hi:
             bucket.storage = self._recv_buffer(buf.grads, num_peers * (hi - lo))
@@ -178,7 +186,8 @@ class BucketReducer:
         if bucket.received is None:
             return
         lo, hi = bucket.owned()
-        mine, peers = bucket.buf.grads[lo:hi], dict(zip(self.peers, bucket.received, strict=True))
+        mine = bucket.buf.grads[lo:hi]
+        peers = dict(zip(self.peers, bucket.received, strict=True))
         if self.rank > 0:
             before = peers[0]
             for r in range(1, self.rank):
@@ -192,6 +201,7 @@ class BucketReducer:
     def reset(self) -> None:
         assert not self.in_flight, "reset with reduces in flight"
         for bucket in self.buckets:
-            bucket.ready, bucket.launched = 0, False
+            bucket.ready = 0
+            bucket.launched = False
         self.counted = [False] * len(self.slots)
         self.next_launch = 0

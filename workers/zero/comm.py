@@ -50,7 +50,8 @@ def resolve_collectives(
     """(reduce, gather) with "auto" resolved; overlap needs point-to-point sends for both."""
     reduce_auto, gather_auto = default_collectives(backend)
     if overlap_comm or overlap_gather:
-        reduce_auto, gather_auto = "p2p", "p2p"
+        reduce_auto = "p2p"
+        gather_auto = "p2p"
     reduce = reduce_auto if reduce_op == "auto" else reduce_op
     gather = gather_auto if gather_op == "auto" else gather_op
     for flag, value in (("overlap_comm", overlap_comm), ("overlap_gather", overlap_gather)):
@@ -182,10 +183,14 @@ class GroupComm:
         overlap_gather: bool,
         bucket_cap_mb: float,
     ):
-        self.group, self.world_size, self.rank = ranks.process_group, ranks.world_size, ranks.rank
+        self.group = ranks.process_group
+        self.world_size = ranks.world_size
+        self.rank = ranks.rank
         self.buffers = buffers
-        self.reduce_op, self.gather_op = reduce_op, gather_op
-        self.overlap_comm, self.overlap_gather = overlap_comm, overlap_gather
+        self.reduce_op = reduce_op
+        self.gather_op = gather_op
+        self.overlap_comm = overlap_comm
+        self.overlap_gather = overlap_gather
         self._nccl = ranks.backend == "nccl"
         # NCCL's reduce-scatter averages natively; elsewhere sum and fold 1/N into the update's grad scale
         self._reduce_avg = self._nccl and reduce_op == "reduce_scatter"
@@ -278,7 +283,8 @@ class GroupComm:
 
     def _launch_gather(self, buf: FlatBuffer, lo: int, hi: int, *, tag: int) -> list[Any]:
         """Send slice [lo, hi) of this rank's shard to every peer; receive the same slice of theirs."""
-        size, ops = buf.shard_numel, []
+        size = buf.shard_numel
+        ops = []
         for peer in self._peers:
             ops.append(p2p_op(dist.irecv, buf.params[peer * size + lo : peer * size + hi], peer, self.group, tag))
             ops.append(p2p_op(dist.isend, buf.params[buf.start + lo : buf.start + hi], peer, self.group, tag))

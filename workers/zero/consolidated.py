@@ -76,15 +76,18 @@ def gather_master(
     rank must run the iterator to its end, in step (the layout, the same on every rank, says who
     sends what)."""
     for buf in buffers:
-        master, size = buf.state_of("master"), buf.shard_numel
+        master = buf.state_of("master")
+        size = buf.shard_numel
         for slot in buf.slots:
             out = torch.empty(slot.numel, dtype=torch.float32) if rank == dst else None
             for owner in range(world_size):
                 # the part of the parameter inside owner's shard, in flat-buffer coordinates
-                lo, hi = max(slot.offset, owner * size), min(slot.offset + slot.numel, (owner + 1) * size)
+                lo = max(slot.offset, owner * size)
+                hi = min(slot.offset + slot.numel, (owner + 1) * size)
                 for a in range(lo, hi, chunk_numel):
                     b = min(a + chunk_numel, hi)
-                    piece, into = slice(a - owner * size, b - owner * size), slice(a - slot.offset, b - slot.offset)
+                    piece = slice(a - owner * size, b - owner * size)
+                    into = slice(a - slot.offset, b - slot.offset)
                     if owner == rank == dst:
                         out[into].copy_(master[piece])
                     elif owner == rank:

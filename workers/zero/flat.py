@@ -82,7 +82,8 @@ def build_buffers(
 ) -> list[FlatBuffer]:
     """One flat buffer per (group, dtype) of the parameters that require a gradient, in group order;
     each parameter and its .grad become views into it."""
-    buffers, index = [], 0
+    buffers = []
+    index = 0
     for group_index, group in enumerate(param_groups):
         names = group.get("param_names") or [f"group{group_index}.{i}" for i in range(len(group["params"]))]
         by_dtype: dict[torch.dtype, list[tuple[str, Tensor]]] = {}
@@ -116,8 +117,10 @@ def _flat_buffer(
     rank: int,
     alignment_numel: int,
 ) -> FlatBuffer:
-    dtype, device = named[0][1].dtype, named[0][1].device
-    slots, offset = [], 0
+    dtype = named[0][1].dtype
+    device = named[0][1].device
+    slots = []
+    offset = 0
     for i, (name, param) in enumerate(named):
         slots.append(
             Slot(

@@ -45,4 +45,5 @@ class DynamicLossScaler:
         return {"scale": self.scale, "clean_steps": self.clean_steps}
 
     def load_state_dict(self, state: dict[str, float | int]) -> None:
-        self.scale, self.clean_steps = float(state["scale"]), int(state["clean_steps"])
+        self.scale = float(state["scale"])
+        self.clean_steps = int(state["clean_steps"])

@@ -145,7 +145,8 @@ class ZeRO1AdamW(sharded_state.CheckpointMethods, torch.optim.Optimizer):
 
         self.process_group = process_group
         ranks = Ranks.of(process_group)
-        self.world_size, self.rank = ranks.world_size, ranks.rank
+        self.world_size = ranks.world_size
+        self.rank = ranks.rank
         self.reduce_op, self.gather_op = resolve_collectives(
             ranks.backend,
             reduce_op=reduce_op,
@@ -232,7 +233,8 @@ class ZeRO1AdamW(sharded_state.CheckpointMethods, torch.optim.Optimizer):
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients without sending them (DDP's no_sync()):
         use it for every micro-batch but the last, whose backward then sends the sum."""
-        previous, self._sync = self._sync, False
+        previous = self._sync
+        self._sync = False
         try:
             yield
         finally:
@@ -272,7 +274,8 @@ class ZeRO1AdamW(sharded_state.CheckpointMethods, torch.optim.Optimizer):
         # cancel it. An fp16 overflow, or a bf16/fp32 blow-up: stepping would write nan into the
         # master weights, or clip by max_grad_norm / inf = 0 and divide by it
         overflow = not math.isfinite(grad_norm)
-        self.grad_norm, self.skipped = grad_norm, overflow
+        self.grad_norm = grad_norm
+        self.skipped = overflow
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow=overflow)
         if not self.skipped:

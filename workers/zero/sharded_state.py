@@ -160,13 +160,15 @@ def owned_pieces(buffers: list[FlatBuffer], layouts: list[dict[str, Any]]) -> li
     pieces = []
     for i, buf in enumerate(buffers):
         _check_layout(buf, first["buffers"][i])
-        own_lo, own_hi = buf.start, buf.start + buf.owned_numel
+        own_lo = buf.start
+        own_hi = buf.start + buf.owned_numel
         copied = 0
         for layout in layouts:
             saved = layout["buffers"][i]
             saved_lo = layout["rank"] * saved["shard_numel"]
             saved_hi = min(saved_lo + saved["shard_numel"], saved["numel"])  # padding is never saved
-            lo, hi = max(own_lo, saved_lo), min(own_hi, saved_hi)
+            lo = max(own_lo, saved_lo)
+            hi = min(own_hi, saved_hi)
             if lo < hi:
                 pieces.append(Piece(layout["rank"], i, lo - saved_lo, hi - saved_lo, lo - buf.start))
                 copied += hi - lo
