@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX_URL ?=
 
-.PHONY: install run test lint format bench clean
+.PHONY: install run test test-fast lint format bench clean
 
 install: $(VENV)/.installed
 
@@ -46,6 +46,11 @@ PYTEST_WORKERS ?= 0
 
 test: install
 	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile
+
+# The tests that start no Ray, S3 server, PostgreSQL database, browser nor slow process (tests/marks.py):
+# the API, the scheduler and the workers' code on stand-ins (tests/fakes.py).
+test-fast: install
+	$(BIN)/pytest -m "not ray and not s3 and not postgres and not browser and not slow"
 
 lint: install
 	$(BIN)/ruff format --check .
