@@ -41,20 +41,20 @@ def test_a_killed_rank_resumes_from_the_last_complete_s3_checkpoint_bit_for_bit(
     steps = 120
     reference = config(steps=steps, checkpoint_every=10, checkpoint_dir=f"{s3_uri}/reference")
     state, _ = wait_for(start_job(reference, num_workers=2, job_id="reference"), until=finished)
-    assert state["status"] == "succeeded", state["error"]
+    assert state.status == "succeeded", state.error
 
     killed = config(steps=steps, checkpoint_every=10, checkpoint_dir=f"{s3_uri}/killed")
     supervisor = start_job(killed, num_workers=2, job_id="killed")
     wait_for(supervisor, until=lambda state, rows: any(r.step >= 35 for r in rows))
     ray.kill(ray.get(supervisor.worker.remote(1)))
     state, _ = wait_for(supervisor, until=finished, timeout_s=30)
-    assert state["status"] == "failed"
+    assert state.status == "failed"
     store = open_store(killed.checkpoint_dir)
     resumed_from = latest_checkpoint(store)[0] + 1
     assert 30 <= resumed_from < steps
 
     state, rows = wait_for(start_job(killed, num_workers=2, job_id="retry"), until=finished)
-    assert state["status"] == "succeeded", state["error"]
+    assert state.status == "succeeded", state.error
     assert min(r.step for r in rows) == resumed_from
     resumed, uninterrupted = shards(store, steps - 1), shards(open_store(reference.checkpoint_dir), steps - 1)
     assert sorted(resumed) == ["rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors"]
@@ -70,7 +70,7 @@ def test_a_resize_from_2_to_4_ranks_reads_only_the_byte_ranges_each_rank_owns(ra
     uri = f"{s3_uri}/elastic"
     first = config(steps=20, checkpoint_every=10, micro_batch_size=4, checkpoint_dir=uri)
     state, _ = wait_for(start_job(first, num_workers=2, job_id="at-2"), until=finished)
-    assert state["status"] == "succeeded", state["error"]
+    assert state.status == "succeeded", state.error
     store = open_store(uri)
     saved = {name: store.size(f"step-000000019/{name}") for name in shards(store, 19)}
     data_start = {
@@ -82,7 +82,7 @@ def test_a_resize_from_2_to_4_ranks_reads_only_the_byte_ranges_each_rank_owns(ra
     second = config(steps=30, checkpoint_every=10, micro_batch_size=4, checkpoint_dir=uri)
     supervisor = start_job(second, num_workers=4, job_id="at-4")
     state, rows = wait_for(supervisor, until=finished)
-    assert state["status"] == "succeeded", state["error"]
+    assert state.status == "succeeded", state.error
     assert min(r.step for r in rows) == 20
 
     # every GET of a saved shard is a range; past the headers, the ranges the 4 ranks asked are
@@ -215,7 +215,7 @@ def test_an_hf_models_final_directory_on_s3_loads_with_from_pretrained(ray_clust
     # planned_bytes: what the service's trace of an hf model would give (no closed form for one)
     job = config(model=model, steps=4, planned_bytes=1 << 30, checkpoint_dir=f"{s3_uri}/hf")
     state, _ = wait_for(start_job(job, num_workers=2, job_id="hf"), until=finished)
-    assert state["status"] == "succeeded", state["error"]
+    assert state.status == "succeeded", state.error
     store = open_store(job.checkpoint_dir)
     manifest = json.loads(store.read("final/manifest.json"))
     local = tmp_path / "final"
