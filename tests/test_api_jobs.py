@@ -22,7 +22,7 @@ from service.api.job_responses import thinned_steps
 from service.main import create_app
 
 import helpers
-from conftest import make_settings, serve
+from conftest import make_settings, serve, serve_on_fakes
 from helpers import FAST, TERMINAL, TINY, wait_job
 
 
@@ -40,6 +40,20 @@ def app_client(ray_cluster, database_url, tmp_path):
 @pytest.fixture
 def sqlite_client(ray_cluster, tmp_path):
     with serve(make_settings(tmp_path)) as client:
+        yield client
+
+
+@pytest.fixture
+def fakes_client(tmp_path):
+    """The app on stand-ins for Ray (conftest's serve_on_fakes): what is refused, stored, queued and listed."""
+    with serve_on_fakes(make_settings(tmp_path)) as client:
+        yield client
+
+
+@pytest.fixture
+def fakes_app_client(database_url, tmp_path):
+    """The app on stand-ins for Ray on each database backend."""
+    with serve_on_fakes(make_settings(tmp_path, database_url=database_url)) as client:
         yield client
 
 
@@ -128,15 +142,15 @@ def test_gang_scheduling_never_holds_more_gpus_than_exist(sqlite_client):
     assert datetime.fromisoformat(third_start) >= datetime.fromisoformat(first_end)
 
 
-def test_idempotency_key(app_client):
-    first = app_client.post("/v1/jobs", json=job_body(steps=5), headers={"Idempotency-Key": "abc"})
-    again = app_client.post("/v1/jobs", json=job_body(steps=5), headers={"Idempotency-Key": "abc"})
+def test_idempotency_key(fakes_app_client):
+    first = fakes_app_client.post("/v1/jobs", json=job_body(steps=5), headers={"Idempotency-Key": "abc"})
+    again = fakes_app_client.post("/v1/jobs", json=job_body(steps=5), headers={"Idempotency-Key": "abc"})
     assert first.status_code == 201 and again.status_code == 200
     assert again.json()["id"] == first.json()["id"]
-    other = app_client.post("/v1/jobs", json=job_body(steps=6), headers={"Idempotency-Key": "abc"})
+    other = fakes_app_client.post("/v1/jobs", json=job_body(steps=6), headers={"Idempotency-Key": "abc"})
     assert other.status_code == 409 and other.json()["error"] == "idempotency_conflict"
     assert f"job {first.json()['id']}" in other.json()["message"]
-    assert len(app_client.get("/v1/jobs").json()["data"]) == 1
+    assert len(fakes_app_client.get("/v1/jobs").json()["data"]) == 1
 
 
 def test_cancel_a_running_job_frees_its_gpus(sqlite_client):
@@ -153,38 +167,38 @@ def test_cancel_a_running_job_frees_its_gpus(sqlite_client):
     assert sqlite_client.post(f"/v1/jobs/{job['id']}/cancel").status_code == 409
 
 
-def test_cancel_a_queued_job_and_list_by_status(sqlite_client):
-    blocker = submit(sqlite_client, job_body(name="blocker", num_gpus=4, steps=1_000_000))
-    queued = submit(sqlite_client, job_body(name="waiting"))
-    assert wait_job(sqlite_client, blocker["id"], lambda j: j["status"] == "running")
-    assert sqlite_client.get(f"/v1/jobs/{queued['id']}").json()["queue_position"] == 1
-    cancelled = sqlite_client.post(f"/v1/jobs/{queued['id']}/cancel").json()
+def test_cancel_a_queued_job_and_list_by_status(fakes_client):
+    blocker = submit(fakes_client, job_body(name="blocker", num_gpus=4, steps=1_000_000))
+    queued = submit(fakes_client, job_body(name="waiting"))
+    assert wait_job(fakes_client, blocker["id"], lambda j: j["status"] == "running")
+    assert fakes_client.get(f"/v1/jobs/{queued['id']}").json()["queue_position"] == 1
+    cancelled = fakes_client.post(f"/v1/jobs/{queued['id']}/cancel").json()
     assert cancelled["status"] == "cancelled"
-    running = sqlite_client.get("/v1/jobs", params={"status": "running"}).json()["data"]
+    running = fakes_client.get("/v1/jobs", params={"status": "running"}).json()["data"]
     assert [j["id"] for j in running] == [blocker["id"]]
-    sqlite_client.post(f"/v1/jobs/{blocker['id']}/cancel")
-    assert wait_job(sqlite_client, blocker["id"], finished)["status"] == "cancelled"
+    fakes_client.post(f"/v1/jobs/{blocker['id']}/cancel")
+    assert wait_job(fakes_client, blocker["id"], finished)["status"] == "cancelled"
 
 
-def test_list_pages_with_a_cursor(sqlite_client):
+def test_list_pages_with_a_cursor(fakes_client):
     ids = [
-        submit(sqlite_client, job_body(name=f"p{i}", num_gpus=4, steps=1, micro_batch_size=1))["id"] for i in range(5)
+        submit(fakes_client, job_body(name=f"p{i}", num_gpus=4, steps=1, micro_batch_size=1))["id"] for i in range(5)
     ]
-    first = sqlite_client.get("/v1/jobs", params={"limit": 2}).json()
-    second = sqlite_client.get("/v1/jobs", params={"limit": 2, "cursor": first["next_cursor"]}).json()
-    third = sqlite_client.get("/v1/jobs", params={"limit": 2, "cursor": second["next_cursor"]}).json()
+    first = fakes_client.get("/v1/jobs", params={"limit": 2}).json()
+    second = fakes_client.get("/v1/jobs", params={"limit": 2, "cursor": first["next_cursor"]}).json()
+    third = fakes_client.get("/v1/jobs", params={"limit": 2, "cursor": second["next_cursor"]}).json()
     assert [j["id"] for j in first["data"] + second["data"] + third["data"]] == ids[::-1]
     assert third["next_cursor"] is None
     for job_id in ids:
-        sqlite_client.post(f"/v1/jobs/{job_id}/cancel")
-        assert wait_job(sqlite_client, job_id, finished)["status"] in ("cancelled", "succeeded")
+        fakes_client.post(f"/v1/jobs/{job_id}/cancel")
+        assert wait_job(fakes_client, job_id, finished)["status"] in ("cancelled", "succeeded")
 
 
 GPT_7B5 = {"kind": "gpt", "vocab_size": 50304, "n_layer": 36, "n_head": 32, "n_embd": 4096, "block_size": 2048}
 
 
-def test_a_model_that_does_not_fit_is_rejected_with_what_would(sqlite_client):
-    r = sqlite_client.post("/v1/jobs", json=job_body(model=GPT_7B5, num_gpus=2, precision="bf16"))
+def test_a_model_that_does_not_fit_is_rejected_with_what_would(fakes_client):
+    r = fakes_client.post("/v1/jobs", json=job_body(model=GPT_7B5, num_gpus=2, precision="bf16"))
     assert r.status_code == 422
     body = r.json()
     assert body["error"] == "does_not_fit" and body["plan"]["fits"] is False
@@ -193,18 +207,18 @@ def test_a_model_that_does_not_fit_is_rejected_with_what_would(sqlite_client):
     assert "stage 2 on N >=" in body["message"]
     gpt3 = {"kind": "gpt", "vocab_size": 50257, "n_layer": 96, "n_head": 96, "n_embd": 12288, "block_size": 2048}
     for precision, bytes_per_param in (("fp32", 8), ("bf16", 4)):
-        never = sqlite_client.post("/v1/jobs", json=job_body(model=gpt3, num_gpus=4, precision=precision)).json()
+        never = fakes_client.post("/v1/jobs", json=job_body(model=gpt3, num_gpus=4, precision=precision)).json()
         floor_gb = bytes_per_param * never["plan"]["num_params"] / 1e9
         assert f"the replicated {precision} weights and gradients alone are {floor_gb:.2f} GB" in never["message"]
-    too_many = sqlite_client.post("/v1/jobs", json=job_body(num_gpus=8))
+    too_many = fakes_client.post("/v1/jobs", json=job_body(num_gpus=8))
     assert too_many.status_code == 422 and "exceeds the cluster's 4 GPUs" in too_many.json()["message"]
-    assert sqlite_client.get("/v1/jobs").json()["data"] == []
+    assert fakes_client.get("/v1/jobs").json()["data"] == []
 
 
-def test_dry_run_plans_and_stores_nothing(sqlite_client):
-    r = sqlite_client.post("/v1/jobs", json=job_body(), params={"dry_run": "true"})
+def test_dry_run_plans_and_stores_nothing(fakes_client):
+    r = fakes_client.post("/v1/jobs", json=job_body(), params={"dry_run": "true"})
     assert r.status_code == 200 and r.json()["admitted"] is True and r.json()["plan"]["num_gpus"] == 2
-    assert sqlite_client.get("/v1/jobs").json()["data"] == []
+    assert fakes_client.get("/v1/jobs").json()["data"] == []
 
 
 def test_cluster_reports_ray_and_where_data_and_models_may_lie(sqlite_client):
@@ -240,8 +254,8 @@ def test_cluster_reports_ray_and_where_data_and_models_may_lie(sqlite_client):
         ("post", "/v1/jobs", {"json": {**job_body(), "name": ""}}, 422, "name: "),
     ],
 )
-def test_bad_requests_are_4xx_json(sqlite_client, method, path, kwargs, status, text):
-    r = getattr(sqlite_client, method)(path, **kwargs)
+def test_bad_requests_are_4xx_json(fakes_client, method, path, kwargs, status, text):
+    r = getattr(fakes_client, method)(path, **kwargs)
     assert r.status_code == status, r.text
     assert text in r.json()["message"]
 
@@ -254,16 +268,16 @@ HUGE_NUMBERS = {
 
 
 @pytest.mark.parametrize("number", HUGE_NUMBERS, ids=["5000 digits", "1e1000000", "-1e1000000"])
-def test_a_huge_json_number_is_a_422_at_once(sqlite_client, number):
+def test_a_huge_json_number_is_a_422_at_once(fakes_client, number):
     bodies = {
         "/v1/plan": f'{{"num_params": {number}}}',
         "/v1/jobs": json.dumps(job_body(steps=0)).replace('"steps": 0', f'"steps": {number}'),
     }
     for path, body in bodies.items():
         # the route warmed first: what is timed is the parse of the number, not a first request's start-up
-        sqlite_client.post(path, content="{}", headers={"content-type": "application/json"})
+        fakes_client.post(path, content="{}", headers={"content-type": "application/json"})
         start = time.monotonic()
-        r = sqlite_client.post(path, content=body, headers={"content-type": "application/json"})
+        r = fakes_client.post(path, content=body, headers={"content-type": "application/json"})
         assert r.status_code == 422, r.text
         assert HUGE_NUMBERS[number] in r.json()["message"] and time.monotonic() - start < 1
 
@@ -283,8 +297,8 @@ def test_a_huge_json_number_is_a_422_at_once(sqlite_client, number):
         max_size=8,
     )
 )
-def test_no_job_body_yields_a_500(sqlite_client, body):
-    r = sqlite_client.post(
+def test_no_job_body_yields_a_500(fakes_client, body):
+    r = fakes_client.post(
         "/v1/jobs", content=json.dumps(body), headers={"content-type": "application/json"}, params={"dry_run": "true"}
     )
     assert r.status_code in (200, 422), r.text
@@ -327,19 +341,19 @@ def test_max_points_100_of_101_steps_gives_at_most_100():
 
 
 @pytest.mark.parametrize(("keep_last", "got"), [(0, "0"), (-3, "-3"), (1_000_001, "1000001"), ("all", "'all'")])
-def test_keep_last_out_of_range_is_a_422_naming_it_and_the_value(sqlite_client, keep_last, got):
-    r = sqlite_client.post("/v1/jobs", json=job_body(keep_last=keep_last), params={"dry_run": "true"})
+def test_keep_last_out_of_range_is_a_422_naming_it_and_the_value(fakes_client, keep_last, got):
+    r = fakes_client.post("/v1/jobs", json=job_body(keep_last=keep_last), params={"dry_run": "true"})
     assert r.status_code == 422, r.text
     assert r.json()["message"].startswith("keep_last: ") and f"(got {got})" in r.json()["message"], r.text
 
 
-def test_keep_last_is_stored_in_the_spec_and_wins_over_the_servers_default(sqlite_client):
-    kept = submit(sqlite_client, job_body(name="kept", steps=2, keep_last=2))
-    default = submit(sqlite_client, job_body(name="default", steps=2))
+def test_keep_last_is_stored_in_the_spec_and_wins_over_the_servers_default(fakes_client):
+    kept = submit(fakes_client, job_body(name="kept", steps=2, keep_last=2))
+    default = submit(fakes_client, job_body(name="default", steps=2))
     assert (kept["spec"]["keep_last"], default["spec"]["keep_last"]) == (2, None)
-    assert sqlite_client.get(f"/v1/jobs/{kept['id']}").json()["spec"]["keep_last"] == 2
+    assert fakes_client.get(f"/v1/jobs/{kept['id']}").json()["spec"]["keep_last"] == 2
     for job in (kept, default):
-        sqlite_client.post(f"/v1/jobs/{job['id']}/cancel")  # a running job's keep_last: the test below
+        fakes_client.post(f"/v1/jobs/{job['id']}/cancel")  # a running job's keep_last: the test below
 
     from service.schemas.requests import JobSpec
 
