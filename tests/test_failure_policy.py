@@ -4,13 +4,15 @@ job fails with the cause and the retries spent.
 
 Pure functions: each case states the failure and checks the decision.
 
-Packages: service.scheduling.
+Packages: service.scheduling, workers.records (root_cause: which rank's failure is the cause).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from service.scheduling.failure import AttemptFailure, FailureAction, FailureDecision, FailurePolicy
-from workers.records import RankError
+from workers.records import RankError, root_cause
 
 OOM = RankError(
     exception="OutOfMemoryError",
@@ -71,3 +73,29 @@ def test_a_supervisor_lost_is_retried_as_a_failure_is():
     decision = FailurePolicy(max_retries=1).make_decision(failure(error=lost, relaunch_size=1))
     assert (decision.action, decision.size) == (FailureAction.RETRY, 1)
     assert decision.reason == "SupervisorLost: supervisor zero1-job-1-a0 died; retry 1 of 1"
+
+
+GLOO_PEER_GONE = RankError(
+    exception="RuntimeError",
+    message="[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:4211: "
+    "Connection reset by peer",
+    rank=0,
+)
+CHILD_EXITED = RankError(exception="ChildExited", message="rank 1 exited with code 3", rank=1)
+USER_ERROR = RankError(exception="ValueError", message="bad batch", rank=1)
+
+
+def test_the_attempt_fails_with_the_rank_that_died_whichever_report_arrived_first():
+    """When rank 1 dies, rank 0's collective fails at the same moment: its report may reach the
+    supervisor first (seen in CI), and the job must still name the rank that died."""
+    assert GLOO_PEER_GONE.is_peer_loss and not CHILD_EXITED.is_peer_loss and not USER_ERROR.is_peer_loss
+    assert root_cause([GLOO_PEER_GONE, CHILD_EXITED]) == CHILD_EXITED
+    assert root_cause([CHILD_EXITED, GLOO_PEER_GONE]) == CHILD_EXITED
+    assert root_cause([GLOO_PEER_GONE, USER_ERROR]) == USER_ERROR
+
+
+def test_with_only_collective_errors_the_first_to_arrive_is_the_cause():
+    later = replace(GLOO_PEER_GONE, rank=1, message="NCCL error: remote process exited or there was a network error")
+    assert later.is_peer_loss
+    assert root_cause([GLOO_PEER_GONE, later]) == GLOO_PEER_GONE
+    assert root_cause([later, GLOO_PEER_GONE]) == later

@@ -83,6 +83,23 @@ class NonFiniteError(RuntimeError):
     not finite where a checkpoint would save it: the run fails rather than train on, or save, nothing."""
 
 
+PEER_LOSS_MARKERS = (
+    "gloo/transport",
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "NCCL",
+    "remote process",
+)
+"""Text of a collective's error that says a peer is gone (RankError.is_peer_loss)."""
+
+
+def root_cause(errors: list[RankError]) -> RankError:
+    """Of the errors that ended an attempt, in the order they arrived, the one that says why: the
+    first that is not a collective's error on a rank whose peer went away. When rank 1 dies, rank 0's
+    all-reduce fails at the same moment, and either report may reach the supervisor first."""
+    return next((error for error in errors if not error.is_peer_loss), errors[0])
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankError:
     """Why an attempt ended: the exception's type and first line, the last lines of its traceback,
@@ -113,6 +130,15 @@ class RankError:
             node_id=node_id,
             # an actor that failed to start (a rank's, unpacking its bundle) ends Ray's text with its traceback
             traceback=_traceback_tail(exc) if error is not exc or getattr(exc, "actor_init_failed", False) else (),
+        )
+
+    @property
+    def is_peer_loss(self) -> bool:
+        """Whether this is a collective's error on a rank whose peer went away (gloo's "Connection
+        closed by peer" or "Read error" from its TCP transport, NCCL's remote error): the effect of
+        another rank's failure, never its cause."""
+        return self.exception in {"RuntimeError", "DistBackendError", "DistNetworkError"} and any(
+            marker in self.message for marker in PEER_LOSS_MARKERS
         )
 
     def to_json(self) -> dict[str, Any]:

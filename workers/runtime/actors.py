@@ -24,7 +24,16 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from workers.config import TrainConfig
-from workers.records import AttemptPoll, AttemptStatus, MetricRow, OutputLine, RankError, RunAs, TrainResult
+from workers.records import (
+    AttemptPoll,
+    AttemptStatus,
+    MetricRow,
+    OutputLine,
+    RankError,
+    RunAs,
+    TrainResult,
+    root_cause,
+)
 from workers.runtime.capture import HeldLines
 from workers.runtime.cluster_tasks import remove_group
 from workers.runtime.rank_parent import MetricsSink, RankProcess
@@ -39,6 +48,11 @@ Strategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 StopMode = Literal["checkpoint", "step"]
 """When a job asked to stop does: after its next checkpoint (an elastic job's resize), or after its
 next step with a checkpoint of it (a preemption)."""
+
+PEER_FAILURE_SETTLE_S = 5.0
+"""After a rank fails, how long the supervisor reads the other ranks' reports for the cause: a
+peer's collective fails at once when a rank dies, so this is only waited in full when the others
+are still training (a rank's own exception), never on the success path."""
 
 
 class PlacementError(RuntimeError):
@@ -375,7 +389,7 @@ class JobSupervisor:
                 try:
                     self.results[rank] = ray.get(ref)
                 except Exception as exc:  # noqa: BLE001 - any rank failure fails the job, with its cause
-                    self._fail(rank, exc)
+                    self._fail_with_root_cause(runs, rank, exc, pending)
                     return
         with self._lock:
             if self.status == AttemptStatus.RUNNING:
@@ -383,13 +397,34 @@ class JobSupervisor:
                 self.status = AttemptStatus.STOPPED if stopped else AttemptStatus.SUCCEEDED
         self._release()
 
+    def _fail_with_root_cause(self, runs: dict[Any, int], rank: int, exc: Exception, pending: list[Any]) -> None:
+        """Fail with the cause of the ranks' failures, not the first to arrive: the other ranks' reports
+        that come within PEER_FAILURE_SETTLE_S are read too, and a peer's collective error gives way
+        to the failure that caused it (root_cause)."""
+        errors = [self._rank_error(rank, exc)]
+        deadline = time.monotonic() + PEER_FAILURE_SETTLE_S
+        while pending and (left := deadline - time.monotonic()) > 0:
+            done, pending = ray.wait(pending, num_returns=1, timeout=left)
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except Exception as other:  # noqa: BLE001 - read for its cause only
+                    errors.append(self._rank_error(runs[ref], other))
+        self._fail_with(root_cause(errors))
+
+    def _rank_error(self, rank: int | None, exc: BaseException) -> RankError:
+        node_id = self._nodes[rank] if rank is not None and rank < len(self._nodes) else None
+        return RankError.of(exc, rank=rank, node_id=node_id)
+
     def _fail(self, rank: int | None, exc: Exception) -> None:
         """Status "failed" with the cause (`rank` None: the start failed, no one rank), then free everything."""
+        self._fail_with(self._rank_error(rank, exc))
+
+    def _fail_with(self, error: RankError) -> None:
         with self._lock:
             if self.status != AttemptStatus.CANCELLED:  # a cancel wins: its ranks were killed on purpose
                 self.status = AttemptStatus.FAILED
-                node_id = self._nodes[rank] if rank is not None and rank < len(self._nodes) else None
-                self.error = RankError.of(exc, rank=rank, node_id=node_id)
+                self.error = error
         self._release()
 
     def _release(self) -> None:
