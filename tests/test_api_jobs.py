@@ -265,6 +265,10 @@ HUGE_NUMBERS = {
     "1e1000000": "Input should be a finite number (got inf)",
     "-1e1000000": "Input should be a finite number (got -inf)",
 }
+"""Each number, and the refusal that shows which bounded step refused it: json.loads's int(), which
+counts the digits against sys.get_int_max_str_digits() before it converts any, or a float parse to
+±inf that validation refuses. A parse that expanded the number (a Decimal, an unlimited int) would
+answer otherwise, or not at all."""
 
 
 @pytest.mark.parametrize("number", HUGE_NUMBERS, ids=["5000 digits", "1e1000000", "-1e1000000"])
@@ -274,12 +278,9 @@ def test_a_huge_json_number_is_a_422_at_once(fakes_client, number):
         "/v1/jobs": json.dumps(job_body(steps=0)).replace('"steps": 0', f'"steps": {number}'),
     }
     for path, body in bodies.items():
-        # the route warmed first: what is timed is the parse of the number, not a first request's start-up
-        fakes_client.post(path, content="{}", headers={"content-type": "application/json"})
-        start = time.monotonic()
         r = fakes_client.post(path, content=body, headers={"content-type": "application/json"})
         assert r.status_code == 422, r.text
-        assert HUGE_NUMBERS[number] in r.json()["message"] and time.monotonic() - start < 1
+        assert HUGE_NUMBERS[number] in r.json()["message"], r.text
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
