@@ -13,13 +13,14 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import zipfile
 from collections.abc import Callable
+from decimal import Decimal
 from pathlib import Path
 
 import httpx
 import pytest
+from watched import watch_int
 
 from service.cli import main
 from zero1 import Client
@@ -173,12 +174,17 @@ def test_fractional_parameter_count_is_refused():
 
 
 @pytest.mark.parametrize("params", ["1e1000000", "1e5000", "9" * 31])
-def test_a_parameter_count_of_more_than_30_digits_is_refused_at_once(params, capsys):
-    start = time.monotonic()
+def test_a_parameter_count_of_more_than_30_digits_is_refused_at_once(params, capsys, monkeypatch):
+    """Refused by its digits before int() is asked to expand it (int() is watched), and never planned."""
+    expanded = watch_int(monkeypatch, "service.cli")
+    planned: list[int] = []
+    monkeypatch.setattr("service.cli.cmd_plan", lambda args: planned.append(args.params) or 0)
     with pytest.raises(SystemExit) as exit_:
         main(["plan", "--params", params])
-    assert exit_.value.code == 2 and time.monotonic() - start < 1
+    assert exit_.value.code == 2 and expanded.decimals == [] and planned == []
     assert f"must have at most 30 digits, got {params}" in capsys.readouterr().err
+    assert main(["plan", "--params", "7.5e9"]) == 0  # the watch sees the int() a count within the bound is given
+    assert expanded.decimals == [Decimal("7.5e9")] and planned == [7_500_000_000]
 
 
 def test_db_upgrade_names_the_database_but_not_its_password(monkeypatch, capsys):
