@@ -12,7 +12,6 @@ import io
 import os
 import secrets
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -23,6 +22,7 @@ from service.cli import jobs as cli_jobs
 from service.cli import main
 from service.lockout import LoginLockout
 from service.store.tables import Job, JobEvent, LogLine
+from workers.data import datafiles
 from workers.data.datafiles import MAX_RESOLVE_S, resolve_files
 from zero1 import Client
 
@@ -123,17 +123,36 @@ def test_no_refusal_names_a_path_outside_the_data_roots(trusted, tree):
     record("a glob fishing for paths outside the roots (item 3)", tried=1, refused=1)
 
 
-def test_a_glob_through_links_that_loop_stops_at_the_time_bound(trusted, tree):
+class WalkClock:
+    """time for workers.data.datafiles: a monotonic() that moves TICK_S at each reading, so that a walk
+    reaches MAX_RESOLVE_S after a fixed number of readings, whatever the machine's speed. Its readings
+    are kept."""
+
+    TICK_S = 1 / 256  # a power of two: the readings and the deadline add up exactly
+
+    def __init__(self) -> None:
+        self.readings: list[float] = []
+
+    def monotonic(self) -> float:
+        self.readings.append(len(self.readings) * self.TICK_S)
+        return self.readings[-1]
+
+
+def test_a_glob_through_links_that_loop_stops_at_the_time_bound(trusted, tree, monkeypatch):
     """Two links back up make `*/` k times visit 2^k directories with no `..` at all: the walk stops at
-    MAX_RESOLVE_S, or at MAX_CANDIDATES entries, with a 422 naming the field."""
+    MAX_RESOLVE_S, or at MAX_CANDIDATES entries, with a 422 naming the field. On a clock the walk moves
+    itself, it stops at the first reading past its deadline and reads the clock no more."""
+    clock = WalkClock()
+    monkeypatch.setattr(datafiles, "time", clock)
     path = f"{tree['root']}/loops/{'*/' * 40}f.txt"
-    started = time.monotonic()
     response = dry_run(trusted, data=dataset(path))
-    elapsed_s = time.monotonic() - started
+    monkeypatch.undo()
     assert response.status_code == 422, response.text
     message = response.json()["message"]
-    assert message.startswith(f"data.path: {path!r} ") and "name fewer directories" in message, message
-    assert elapsed_s < MAX_RESOLVE_S + 2, f"{elapsed_s:.2f} s"
+    assert message.startswith(f"data.path: {path!r} took more than {MAX_RESOLVE_S:g} s to resolve ("), message
+    assert message.endswith("directory entries visited); name fewer directories"), message
+    deadline = clock.readings[0] + MAX_RESOLVE_S
+    assert [reading > deadline for reading in clock.readings].index(True) == len(clock.readings) - 1
     record("a glob through looping links (item 3)", tried=1, refused=1)
 
 
