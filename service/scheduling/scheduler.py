@@ -1,15 +1,17 @@
-"""The scheduler: gang admission by the queue's policy, preemption, dispatch, state transitions and
-metrics ingestion.
+"""The scheduler: the tick, each attempt watched (start timeout, cancel, a stop past its grace),
+recovery at start-up, and the Ray and file work each job's transaction decided.
 
 One thread ticks every ZERO1_SCHEDULER_INTERVAL_S. A tick asks every active job's supervisor
 for its news at once (Ray, outside any transaction), then settles each job in a transaction of
-its own: its new metric rows and its transition. An error while settling one job fails that
+its own: its new metric rows and its transition, or what becomes of it once its attempt is over
+(service/scheduling/outcomes.py records both). An error while settling one job fails that
 job alone; the others and the queue go on. Then the queue's policy (service/scheduling/queue_policy.py)
 starts queued jobs by priority, then submission, with backfill and quotas, and asks lower jobs to
 stop for the first that cannot start (preemption: they checkpoint at their next step and return
 to the queue, or shrink). Running jobs never hold more GPUs than exist.
 
-Ray is called only between transactions, never inside one: a slow Ray holds no database lock.
+Ray is called between transactions, not inside one, so a slow Ray holds no database lock (the one
+exception: a relaunch's N reads Ray's free GPUs, service/scheduling/outcomes.py).
 Every status change is a compare-and-set (service.scheduling.job_states.transition), so a cancel that races a
 start ends in one state: cancelled before the start commits, or flagged and stopped after.
 """
@@ -25,28 +27,20 @@ from dataclasses import replace
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service.scheduling import elastic
-from service.scheduling.dispatch import Dispatcher, Reasons, Settled, Stop, resume_point
-from service.scheduling.failure import AttemptFailure, FailureAction, FailurePolicy
-from service.scheduling.job_states import running_reason, still_active, transition
+from service.scheduling.dispatch import Dispatcher, Reasons, Settled, Stop
+from service.scheduling.job_states import still_active
+from service.scheduling.outcomes import Outcomes
 from service.scheduling.ray_launcher import RayLauncher
 from service.schemas.fields import ACTIVE
-from service.schemas.requests import JobSpec
 from service.store.artifacts import record_final
 from service.store.db import Database
 from service.store.job_repository import poll_acks
 from service.store.job_storage import JobStorage
-from service.store.log_lines import store_logs
-from service.store.metric_rows import store_metrics
 from service.store.tables import Job
 from service.telemetry import Telemetry
 from workers.records import AttemptPoll, AttemptStatus, RankError
 
 log = logging.getLogger(__name__)
-
-_ALL_STEPS = 2**62
-_UNDER_WAY = (AttemptStatus.RUNNING, AttemptStatus.SUCCEEDED, AttemptStatus.STOPPED)
-"""The statuses that say an attempt's ranks all started."""
 
 
 class Scheduler:
@@ -64,11 +58,15 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         telemetry: Telemetry | None = None,
     ) -> None:
-        self.db, self.launcher, self.total_gpus, self.interval_s = db, launcher, total_gpus, interval_s
-        self.start_timeout_s, self.grow_interval_s, self.clock = start_timeout_s, grow_interval_s, clock
+        self.db = db
+        self.launcher = launcher
+        self.total_gpus = total_gpus
+        self.interval_s = interval_s
+        self.start_timeout_s = start_timeout_s
+        self.grow_interval_s = grow_interval_s
+        self.clock = clock
         self.storage = storage  # where each job's checkpoints are: resumes, stored rows' files, retiring
         self.sweep_interval_s = sweep_interval_s  # how often a tick frees groups no active attempt owns
-        self.log_max_bytes = launcher.settings.log_max_bytes
         self.telemetry = telemetry or Telemetry()  # a registry of its own where no app's is given (tests)
         self.dispatcher = Dispatcher(
             db=db,
@@ -79,6 +77,13 @@ class Scheduler:
             grow_interval_s=grow_interval_s,
         )
         self.stops = self.dispatcher.stops
+        self.outcomes = Outcomes(
+            dispatcher=self.dispatcher,
+            launcher=launcher,
+            storage=storage,
+            total_gpus=total_gpus,
+            telemetry=self.telemetry,
+        )
         self.last_tick_at: float | None = None
         """clock() when the last tick completed (when the scheduler started, before the first)."""
         self._starting_since: dict[tuple[int, int], float] = {}  # (job, attempt) -> clock() first seen starting
@@ -143,7 +148,7 @@ class Scheduler:
         for job in jobs:
             with self.db.session() as session:
                 if (fresh := still_active(session, job)) is not None:
-                    stored += self._ingest(session, fresh, states[(job.id, job.attempt)])
+                    stored += self.outcomes.ingest(session, fresh, states[(job.id, job.attempt)])
         return stored
 
     def _sweep(self, attempts: set[tuple[int, int]]) -> None:
@@ -178,7 +183,7 @@ class Scheduler:
 
     def _recovering(self, cause: str) -> Callable[[Session, Job], Settled | None]:
         """For a job whose attempt the restart lost: the stop asked of it carried out, else relaunched."""
-        return lambda session, job: self._carry_out(
+        return lambda session, job: self.outcomes.carry_out(
             session, job, stop=self.stops.pop(job.id, job.attempt), cause=cause, how="killed"
         )
 
@@ -201,7 +206,7 @@ class Scheduler:
         error = RankError.of(exc)
         reason = f"the scheduler could not handle this job: {type(exc).__name__}: {exc}"
         try:
-            self._settle(job, lambda session, fresh: self._end(session, fresh, "failed", reason, error=error))
+            self._settle(job, lambda session, fresh: self.outcomes.end(session, fresh, "failed", reason, error=error))
         except Exception:
             log.exception("job %s: could not record its failure", job.id)
 
@@ -238,7 +243,9 @@ class Scheduler:
             _, _, after, acks = poll_acks(job)
             state = self.launcher.poll(job.id, job.attempt, after_step=after, log_acks=acks)  # up to the stop
             reason = "cancelled by request: every rank stopped, GPUs freed"
-            self._settle(job, lambda session, fresh: self._end(session, fresh, "cancelled", reason, state=state))
+            self._settle(
+                job, lambda session, fresh: self.outcomes.end(session, fresh, "cancelled", reason, state=state)
+            )
             return
         if state.status == AttemptStatus.UNKNOWN:  # no answer in time: ask again next tick, never take it for dead
             return
@@ -250,136 +257,13 @@ class Scheduler:
             state = replace(state, status=AttemptStatus.FAILED, error=start_timeout(job, self.start_timeout_s))
         if state.status == AttemptStatus.SUCCEEDED:  # final/ read, checked and recorded before the job ends
             record_final(self.db, job, job_dir=self.storage.checkpoint_dir(job))
-        self._settle(job, lambda session, fresh: self._progress(session, fresh, state))
+        self._settle(job, lambda session, fresh: self.outcomes.progress(session, fresh, state))
 
     def _start_overdue(self, job: Job) -> bool:
         """Whether this attempt has been starting for longer than start_timeout_s (counted from
         the first tick that saw it starting: a service restart starts the count again)."""
         since = self._starting_since.setdefault((job.id, job.attempt), self.clock())
         return self.clock() - since > self.start_timeout_s
-
-    def _progress(self, session: Session, job: Job, state: AttemptPoll) -> Settled | None:
-        before = job.step
-        self._ingest(session, job, state)
-        stored_through = None
-        if job.step is not None and job.step != before:
-            every = JobSpec.model_validate(job.spec).checkpoint_every
-            if every and (before is None or (job.step + 1) // every > (before + 1) // every):
-                stored_through = job.step  # a checkpoint interval's rows stored: once an interval
-        status = state.status
-        if job.status in ("starting", "restarting") and status in _UNDER_WAY:
-            transition(session, job, "running", running_reason(job, nodes=len(set(state.nodes))))
-        if status == AttemptStatus.STOPPED:  # as asked: no retry spent
-            stop = self.stops.pop(job.id, job.attempt)
-            return self._carry_out(session, job, stop=stop, cause="GPUs free and no job queued")
-        if status == AttemptStatus.SUCCEEDED:
-            return self._end(
-                session, job, "succeeded", f"all {job.world_size or job.num_gpus} ranks finished step {job.steps - 1}"
-            )
-        if status in (AttemptStatus.FAILED, AttemptStatus.LOST):
-            return self._on_failure(session, job, state.error)
-        return Settled(stored_through=stored_through)
-
-    def _end(
-        self,
-        session: Session,
-        job: Job,
-        status: str,
-        reason: str,
-        *,
-        error: RankError | None = None,
-        state: AttemptPoll | None = None,
-    ) -> Settled | None:
-        """A terminal transition, after storing what a last poll (`state`) brought; None if the job
-        changed status under us (nothing to do after)."""
-        if state is not None:
-            self._ingest(session, job, state)
-        if error is not None:
-            job.error = error.to_json()
-        if not transition(session, job, status, reason):
-            return None
-        return Settled(stored_through=_ALL_STEPS, ended=True)  # never relaunched: no saved row is needed
-
-    def _ingest(self, session: Session, job: Job, state: AttemptPoll) -> int:
-        """Store a poll's metric rows and log lines; the number of rows."""
-        num_lines = store_logs(session, job, list(state.logs), dropped=state.log_dropped, max_bytes=self.log_max_bytes)
-        num_rows = store_metrics(session, job, list(state.metrics))
-        self.telemetry.ingested_on_commit(session, num_rows=num_rows, num_lines=num_lines)
-        return num_rows
-
-    def _on_failure(self, session: Session, job: Job, error: RankError | None) -> Settled | None:
-        """Carry out the failure policy's decision (service/scheduling/failure.py): retry from the
-        last checkpoint at the N it names, back to the queue past the owner's quota, or fail."""
-        policy = FailurePolicy(max_retries=JobSpec.model_validate(job.spec).max_retries)
-        failure = AttemptFailure(
-            error=error, num_retries=job.num_retries, relaunch_size=self._relaunch_size(session, job)
-        )
-        decision = policy.make_decision(failure)
-        if decision.action == FailureAction.FAIL:
-            return self._end(session, job, "failed", f"{decision.reason}{decision.tail}", error=error)
-        job.num_retries = decision.num_retries
-        if decision.action == FailureAction.REQUEUE:  # its owner's quota no longer holds its fewest GPUs
-            return self._wait_again(session, job, "queued", cause=decision.reason)
-        return self._record_relaunch(session, job, cause=decision.reason, tail=decision.tail, size=decision.size)
-
-    def _relaunch_size(self, session: Session, job: Job, *, grown: bool = False) -> int | None:
-        """The N the job's next attempt runs at (elastic.relaunch_size); None past its owner's quota."""
-        # a growth was decided on free GPUs; Ray's view may not yet show the stopped attempt's as free
-        ray_free = (lambda: None) if grown else (lambda: self.launcher.gpus_free_to(job.id, job.attempt))
-        quota = self.launcher.settings.gpu_quota
-        return elastic.relaunch_size(session, job, total=self.total_gpus(), ray_free=ray_free, quota=quota)
-
-    def _record_relaunch(
-        self, session: Session, job: Job, *, cause: str, tail: str = "", grown: bool = False, size: int | None = None
-    ) -> Settled | None:
-        """A new attempt from the latest complete checkpoint (at N = `size`, else as
-        elastic.relaunch_size decides); rows past it are superseded. The launch itself comes
-        after the commit: a service that stops in between relaunches it."""
-        resume, where = resume_point(session, job, storage=self.storage)
-        old = job.world_size or job.num_gpus
-        new = size or self._relaunch_size(session, job, grown=grown)
-        if new is None:  # its owner's quota no longer holds its fewest GPUs: the queue's policy decides
-            return self._wait_again(session, job, "queued", cause=f"{cause}; past its owner's GPU quota")
-        if new != old:
-            cause = f"resized {old} -> {new}: {cause}"
-        if job.status != "restarting" and not transition(
-            session, job, "restarting", f"{cause}: attempt {job.attempt + 1} resumes from {where}{tail}"
-        ):
-            return None
-        job.attempt += 1
-        job.world_size, job.stop = new, None
-        self.dispatcher.started(job.id)
-        log.info("job %s: %s; attempt %s resumes from %s", job.id, cause, job.attempt, where)
-        return Settled(stored_through=resume - 1, relaunch=True)
-
-    def _carry_out(
-        self, session: Session, job: Job, *, stop: Stop | None = None, cause: str, how: str | None = None
-    ) -> Settled | None:
-        """The attempt is over: as `stop` asked (queued, smaller, suspended), else relaunched for `cause`."""
-        tail = f"; {cause}" if stop is not None and how is not None else ""  # killed, or lost to a restart
-        if job.suspend_requested or (stop is not None and stop.kind == "suspend"):  # a suspend wins
-            self.telemetry.preempted(how or "suspended")
-            return self._wait_again(session, job, "suspended", cause="suspended by request", tail=tail)
-        if stop is None or stop.preempt is None:
-            return self._record_relaunch(session, job, cause=cause, grown=how is None)
-        self.telemetry.preempted(how or ("shrunk" if stop.preempt.to_n else "checkpointed"))
-        if stop.preempt.to_n:
-            return self._record_relaunch(session, job, cause=stop.cause() + tail, size=stop.preempt.to_n, grown=True)
-        return self._wait_again(session, job, "queued", cause=stop.cause(), tail=tail)
-
-    def _wait_again(self, session: Session, job: Job, status: str, *, cause: str, tail: str = "") -> Settled | None:
-        """The attempt is over and the job waits, holding no GPU: back in the queue (preempted:
-        its place is its priority and submission; no retry spent) or suspended. Its next attempt
-        resumes from its latest complete checkpoint."""
-        resume, where = resume_point(session, job, storage=self.storage)
-        at = f"checkpoint at step {resume - 1}" if resume else "no checkpoint yet: it starts again from step 0"
-        if not transition(session, job, status, f"{cause}: {at}{tail}"):
-            return None
-        job.attempt += 1
-        job.borrowed = job.backfilled = job.suspend_requested = False
-        job.stop = None
-        log.info("job %s: %s; attempt %s will resume from %s", job.id, cause, job.attempt, where)
-        return Settled(stored_through=resume - 1, release=True)
 
     def _kill_if_overdue(self, job: Job) -> bool:
         """A stop not done within ZERO1_PREEMPT_GRACE_S: kill the ranks; the job resumes from its
@@ -393,8 +277,8 @@ class Scheduler:
         cause = f"its ranks did not stop within {grace:g} s (ZERO1_PREEMPT_GRACE_S) and were killed"
 
         def write(session: Session, fresh: Job) -> Settled | None:
-            self._ingest(session, fresh, state)
-            return self._carry_out(session, fresh, stop=stop, cause=cause, how="killed")
+            self.outcomes.ingest(session, fresh, state)
+            return self.outcomes.carry_out(session, fresh, stop=stop, cause=cause, how="killed")
 
         self._settle(job, write)
         return True
@@ -407,7 +291,7 @@ class Scheduler:
             log.exception("job %s: %s failed", job.id, what)
             error = RankError.of(exc)
             reason = f"{'dispatch to Ray' if what == 'dispatch' else what} failed: {type(exc).__name__}: {exc}"
-            self._settle(job, lambda session, fresh: self._end(session, fresh, "failed", reason, error=error))
+            self._settle(job, lambda session, fresh: self.outcomes.end(session, fresh, "failed", reason, error=error))
 
 
 def start_timeout(job: Job, timeout_s: float) -> RankError:
