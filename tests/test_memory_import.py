@@ -108,7 +108,7 @@ def test_a_rank_trains_the_built_in_models_without_loading_torch_dynamo(tmp_path
 _PARENT = r"""
 import sys
 # a rank's parent, a task's: Ray, never torch
-import workers.runtime.actors, workers.runtime.rank_parent, workers.runtime.isolated
+import workers.runtime.actors, workers.runtime.rank_actor, workers.runtime.rank_parent, workers.runtime.isolated
 print(sorted(m for m in sys.modules if m.partition(".")[0] in ("torch", "transformers")))
 """
 

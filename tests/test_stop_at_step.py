@@ -26,7 +26,8 @@ import workers.training.writer
 from workers.config import TrainConfig
 from workers.models.builtin import build_model
 from workers.records import AttemptStatus, MetricRow
-from workers.runtime.actors import JobSupervisor, Placement, _StopAsker
+from workers.runtime.actors import JobSupervisor, Placement
+from workers.runtime.rank_actor import _StopAsker
 from workers.runtime.rank_parent import MetricsSink, PipedLines, RankFailed, RankProcess
 from workers.training.checkpoints import checkpointed_metrics, latest_checkpoint
 from workers.training.loop import train

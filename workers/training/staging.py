@@ -3,7 +3,7 @@ and an hf model's directory inside an `s3://` model root.
 
 Only the processes that hold the store's credentials call this: the API's admission (it lists the
 files a path names), a dataset check's Ray task and a rank's parent (workers/runtime/isolated.py,
-workers/runtime/actors.py). The children that parse and tokenize never reach the store. The check's
+workers/runtime/rank_actor.py). The children that parse and tokenize never reach the store. The check's
 child reads a copy of the matched files staged into a directory of its own, under the local rules
 of workers/data/datafiles.py; its token file is then put in the store's token cache
 (`<ZERO1_CHECKPOINT_URI>/datasets/tokens/<key>.bin` and its sidecar, the sidecar last), and the job
