@@ -111,7 +111,8 @@ def run_rank(rank: int, world_size: int, init_file: str, out_file: str, scratch:
             root = spool if io.publish else root
             writer = CheckpointWriter(opt, root=root, io=io, keep_last=keep_last, asynchronous=asynchronous)
             writes = _timed_writes(writer)
-            blocked, steps = [], []
+            blocked = []
+            steps = []
             with writer:
                 for checkpoint in range(args.checkpoints):
                     for _ in range(steps_between):
@@ -148,7 +149,8 @@ def _steps_between(sync: dict, args: argparse.Namespace) -> int:
 def _timed_writes(writer: CheckpointWriter) -> list[float]:
     """The seconds of each of the writer's writes (its files, then complete.json on rank 0), as they end:
     its _write, wrapped, whether the background thread or save() runs it."""
-    seconds, write = [], writer._write
+    seconds = []
+    write = writer._write
 
     def timed(*args) -> None:
         started = time.perf_counter()
@@ -195,7 +197,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     server = start_s3_server() if "S3 server" in args.storages else None
     try:
         with tempfile.TemporaryDirectory(dir=args.scratch) as scratch:
-            init_file, out_file = os.path.join(scratch, "init"), os.path.join(scratch, "out.json")
+            init_file = os.path.join(scratch, "init")
+            out_file = os.path.join(scratch, "out.json")
             mp.spawn(run_rank, args=(WORLD_SIZE, init_file, out_file, scratch, args), nprocs=WORLD_SIZE, join=True)
             if server is not None:
                 for mode in ("sync", "async"):
@@ -258,7 +261,8 @@ def print_table(figures: dict[str, dict[str, float]], args: argparse.Namespace) 
         print(f"| {label} | " + " | ".join(cell(figures[n]) for n in names) + " |")
     print()
     for storage in args.storages:
-        sync, asynchronous = figures[f"{storage}/sync"], figures[f"{storage}/async"]
+        sync = figures[f"{storage}/sync"]
+        asynchronous = figures[f"{storage}/async"]
         ratio = asynchronous["blocked_s"] / sync["blocked_s"]
         verdict = "met" if ratio <= TARGET_RATIO else "NOT met"
         print(f"{storage}: async blocked {ratio:.1%} of sync (target <= {TARGET_RATIO:.0%}: {verdict})")

@@ -269,7 +269,8 @@ class Row:
 
 def plan_row(spec: GPTSpec, measured: Measurement, *, micro_batch_size: int, seq_len: int) -> Row:
     workload = memory.Workload.from_model(spec, precision=PRECISION, micro_batch_size=micro_batch_size, seq_len=seq_len)
-    n, psi = measured.num_gpus, spec.num_params
+    n = measured.num_gpus
+    psi = spec.num_params
     shards = [memory.padded_numel(g, num_gpus=n) // n for g in workload.group_numels]
     return Row(
         measured=measured,

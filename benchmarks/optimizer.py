@@ -55,12 +55,18 @@ MODELS = {  # ~10M, ~50M, ~120M (GPT-2 small's shape and vocabulary)
     "120M": memory.GPTSpec(vocab_size=50257, n_layer=12, n_head=12, n_embd=768, block_size=128),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-LR, BETAS, WEIGHT_DECAY = 3e-4, (0.9, 0.95), 0.1
+LR = 3e-4
+BETAS = (0.9, 0.95)
+WEIGHT_DECAY = 0.1
 UPDATE_BYTES_PER_ELEMENT = 28  # fused AdamW on a shard: read grad, master, m, v; write master, m, v (+ the cast)
 COPY_NUMEL = 1 << 26  # 256 MiB of fp32: far beyond the caches
-TARGET_VS_A, TARGET_VS_B, STRETCH_VS_A = 1.0, 0.8, 0.9
-TARGET_BANDWIDTH, TARGET_EXPOSED = 0.5, 0.5
-TARGET_MODELS, TARGET_WORLD_SIZES = ("50M", "120M"), (2, 4)
+TARGET_VS_A = 1.0
+TARGET_VS_B = 0.8
+STRETCH_VS_A = 0.9
+TARGET_BANDWIDTH = 0.5
+TARGET_EXPOSED = 0.5
+TARGET_MODELS = ("50M", "120M")
+TARGET_WORLD_SIZES = (2, 4)
 MB = 1e6
 
 
@@ -153,7 +159,9 @@ class Trainer:
     label: str
 
     def __init__(self, model: nn.Module, *, precision: str, world_size: int) -> None:
-        self.model, self.precision, self.world_size = model, precision, world_size
+        self.model = model
+        self.precision = precision
+        self.world_size = world_size
         self.num_params = sum(p.numel() for p in model.parameters())
         self.elem_bytes = DTYPES[precision].itemsize
 
@@ -209,7 +217,8 @@ class DDPTrainer(Trainer):
 
 
 class DDPAdamW(DDPTrainer):
-    key, label = "a", "(a) DDP + AdamW(fused)"
+    key = "a"
+    label = "(a) DDP + AdamW(fused)"
 
     def __init__(self, model: nn.Module, *, precision: str, world_size: int) -> None:
         super().__init__(model, precision=precision, world_size=world_size)
@@ -239,7 +248,8 @@ class DDPAdamW(DDPTrainer):
 
 
 class DDPZeroRedundancy(DDPTrainer):
-    key, label = "b", "(b) DDP + ZeroRedundancyOptimizer"
+    key = "b"
+    label = "(b) DDP + ZeroRedundancyOptimizer"
 
     def __init__(self, model: nn.Module, *, precision: str, world_size: int) -> None:
         super().__init__(model, precision=precision, world_size=world_size)
@@ -270,7 +280,8 @@ class DDPZeroRedundancy(DDPTrainer):
         upcast = timed(lambda: self.master.upcast_grads(self.owned)) if self.master else 0.0
         zero_step = timed(self.zero.step)
         cast = timed(self.master.cast_back) if self.master else 0.0
-        update, gather = upcast + self.local_step_s + cast, zero_step - self.local_step_s
+        update = upcast + self.local_step_s + cast
+        gather = zero_step - self.local_step_s
         return dict(
             fwd_bwd=fwd_bwd,
             reduce_wait=0.0,
@@ -386,7 +397,8 @@ def measure(trainer: Trainer, spec: memory.GPTSpec, *, rank: int, world_size: in
     # allocator as the real ones (measured before the first step they came out up to 30% faster)
     local_every = max(1, args.steps // max(1, args.local_steps))
     local: list[float] = []
-    steps, loss = [], math.nan
+    steps = []
+    loss = math.nan
     for step in range(args.warmup_steps + args.steps):
         timed_index = step - args.warmup_steps
         if timed_index >= 0 and timed_index % local_every == 0 and len(local) < args.local_steps:
@@ -772,7 +784,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.quick:
-        args.models, args.world_sizes, args.steps, args.local_steps, args.warmup_steps = ["10M"], [1, 2], 5, 2, 1
+        args.models = ["10M"]
+        args.world_sizes = [1, 2]
+        args.steps = 5
+        args.local_steps = 2
+        args.warmup_steps = 1
     block = min(MODELS[m].block_size for m in args.models)
     if not 1 <= args.seq_len <= block:
         raise SystemExit(f"--seq-len ({args.seq_len}) must be in [1, {block}]")
@@ -844,10 +860,12 @@ def main() -> None:
 def run(args: argparse.Namespace) -> tuple[dict, dict, dict]:
     """Every world size in its own spawned group of ranks; the figures of all of them."""
     cells: dict[tuple[str, str, int], list[dict]] = {}
-    bandwidths, collectives = {}, {}
+    bandwidths = {}
+    collectives = {}
     with tempfile.TemporaryDirectory() as tmp:
         for n in args.world_sizes:
-            init_file, out_file = os.path.join(tmp, f"init-{n}"), os.path.join(tmp, f"out-{n}.json")
+            init_file = os.path.join(tmp, f"init-{n}")
+            out_file = os.path.join(tmp, f"out-{n}.json")
             print(f"N = {n}: spawning {n} rank(s)", flush=True)
             mp.spawn(run_rank, args=(n, init_file, out_file, args), nprocs=n, join=True)
             result = json.loads(Path(out_file).read_text())

@@ -186,7 +186,8 @@ def main() -> None:
     print("-" * len(header))
     for path, label, times in rows:
         times.sort()
-        p50, p99 = statistics.median(times), times[int(0.99 * (len(times) - 1))]
+        p50 = statistics.median(times)
+        p99 = times[int(0.99 * (len(times) - 1))]
         verdict = ("met (p99)" if p99 < TARGET_S else "MISSED (p99)") if "in-process" in path else "-"
         print(
             f"{path:<32}{label:<26}{len(times):>7}{_fmt_s(p50):>12}{_fmt_s(p99):>12}"
@@ -241,7 +242,8 @@ def _print_trace_vs_plan() -> None:
     for checkpointing in (False, True):
         for batch in (1, 4):
             step = {"micro_batch_size": batch, "seq_len": 1024, "bytes_per_element": 2, "checkpointing": checkpointing}
-            act, temp = spec.activation_bytes(**step), spec.temporaries_bytes(**step)
+            act = spec.activation_bytes(**step)
+            temp = spec.temporaries_bytes(**step)
             traced = trace_builtin(
                 spec, precision="bf16", micro_batch_size=batch, activation_checkpointing=checkpointing
             )

@@ -118,7 +118,8 @@ def make_workload(*, num_jobs: int, seed: int, load: float) -> list[SimJob]:
     shapes = [_shape(rng) for _ in range(num_jobs)]
     mean_gpu_s = statistics.fmean(n * d for n, _, d, _ in shapes)
     rate = load * TOTAL_GPUS / mean_gpu_s  # jobs per second
-    arrival, out = 0.0, []
+    arrival = 0.0
+    out = []
     for num_gpus, min_gpus, duration_s, (klass, priority, _) in shapes:
         out.append(
             SimJob(
@@ -257,7 +258,8 @@ def simulated(root: Path, *, policy: str) -> tuple[Database, FakeLauncher, FakeS
         elastic_grow_interval_s=GROW_INTERVAL_S,
     )
     upgrade(settings.database_url)
-    db, clock = Database(settings.database_url), FakeClock()
+    db = Database(settings.database_url)
+    clock = FakeClock()
     launcher = fake_cluster(settings, clock=clock)
     storage = FakeStorage(launcher)
     scheduler = Scheduler(
@@ -277,7 +279,8 @@ def simulated(root: Path, *, policy: str) -> tuple[Database, FakeLauncher, FakeS
 def replay(policy: str, workload: list[SimJob], *, root: Path, plans: Plans) -> Replay:
     """`workload` through the scheduler under `policy`, event by event, to the last job's end."""
     db, launcher, storage, scheduler, clock = simulated(root, policy=policy)
-    result, sims = Replay(policy), {}
+    result = Replay(policy)
+    sims = {}
     pending = deque(workload)
     started = time.perf_counter()
     while True:
@@ -350,11 +353,9 @@ def _collect(result: Replay, *, db: Database, launcher: FakeLauncher, scheduler:
     result.most_preemptions = max((n for _, n in preempted), default=0)
     result.problems += launcher.problems + [f"job {job_id} failed: {reason}" for job_id, reason in failed[-3:]]
     result.makespan_s = max((a.released_at or 0.0) for a in launcher.attempts.values())
-    result.held_gpu_s, result.restart_gpu_s, result.lost_gpu_s = (
-        launcher.held_gpu_s,
-        launcher.restart_gpu_s,
-        launcher.lost_gpu_s,
-    )
+    result.held_gpu_s = launcher.held_gpu_s
+    result.restart_gpu_s = launcher.restart_gpu_s
+    result.lost_gpu_s = launcher.lost_gpu_s
     registry = scheduler.telemetry.registry
     for outcome in ("checkpointed", "shrunk", "killed"):
         result.preemptions[outcome] = int(registry.get_sample_value("zero1_preemptions_total", {"outcome": outcome}))
@@ -401,7 +402,8 @@ def tick_times(
 
 def _fill(rng: random.Random, num_gpus: int) -> list[tuple[int, int, float, tuple[str, int, float]]]:
     """Running jobs of the workload's shape holding exactly `num_gpus`, none elastic."""
-    out, left = [], num_gpus
+    out = []
+    left = num_gpus
     while left > 0:
         n, _, duration_s, klass = _shape(rng)
         n = max(s for s in SIZES if s <= min(n, left))
@@ -546,7 +548,9 @@ def main() -> None:
     logging.getLogger().addHandler(errors)  # the scheduler's own info lines stay quiet
     logging.getLogger().setLevel(logging.WARNING)
     workload = make_workload(num_jobs=args.jobs, seed=args.seed, load=args.load)
-    plans, results, ticks = Plans(), [], {}
+    plans = Plans()
+    results = []
+    ticks = {}
     with tempfile.TemporaryDirectory(prefix="zero1-scheduling-") as tmp:
         root = Path(tmp)
         for policy in ("fifo", "priority"):

@@ -96,7 +96,8 @@ PHASES = {
 
 def one_job(client: httpx.Client) -> dict[str, float]:
     """Seconds from the submit to each moment of PHASES, of one tiny job."""
-    start, submitted_at = time.monotonic(), time.time()
+    start = time.monotonic()
+    submitted_at = time.time()
     response = client.post("/v1/jobs", json=JOB)
     response.raise_for_status()
     job_id = response.json()["id"]

@@ -97,7 +97,8 @@ def parse_entry(text: str, *, where: str) -> _Entry:
     fields = text.split(":")
     if len(fields) not in (2, 3):
         raise ValueError(f"{where}: expected user:token or user:token:admin, got {len(fields)} ':'-separated fields")
-    user, token = fields[0].strip(), fields[1].strip()
+    user = fields[0].strip()
+    token = fields[1].strip()
     if len(fields) == 3 and fields[2].strip() != "admin":
         raise ValueError(f"{where}: the third field of user:token:admin must be 'admin'")
     if not _USER.fullmatch(user):
@@ -214,7 +215,8 @@ class Authenticator:
     guessing behind the same address)."""
 
     def __init__(self, tokens: TokenTable, *, public_read: bool, lockout: LoginLockout | None = None):
-        self.tokens, self.public_read = tokens, public_read
+        self.tokens = tokens
+        self.public_read = public_read
         self.lockout = LoginLockout() if lockout is None else lockout
 
     def _identify(self, request: Request) -> tuple[Principal, bool]:

@@ -40,7 +40,10 @@ class ServiceError(Exception):
         **extra: Any,
     ):
         super().__init__(message)
-        self.message, self.status_code, self.error, self.extra = message, status_code, error, extra
+        self.message = message
+        self.status_code = status_code
+        self.error = error
+        self.extra = extra
         self.headers = headers
 
 
@@ -69,7 +72,8 @@ def _echo(value: Any) -> str:
 
 def describe_validation_errors(errors: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
     """One readable message plus a JSON-safe list of {field, message, type}."""
-    detail, lines = [], []
+    detail = []
+    lines = []
     for err in errors:
         field = _field_path(tuple(err.get("loc", ())))
         msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
@@ -80,7 +84,8 @@ def describe_validation_errors(errors: list[dict[str, Any]]) -> tuple[str, list[
             msg = named.reason
         elif kind == "json_invalid":  # loc is ("body", character position)
             position = err["loc"][-1] if len(err.get("loc", ())) > 1 else 0
-            field, msg = "body", f"invalid JSON at character {position} ({err.get('ctx', {}).get('error')})"
+            field = "body"
+            msg = f"invalid JSON at character {position} ({err.get('ctx', {}).get('error')})"
         elif isinstance(err.get("input"), bytes):  # the body was not parsed as JSON
             msg = "expected a JSON object; send it with Content-Type: application/json"
         elif kind not in ("missing", "value_error") and "input" in err and not isinstance(err["input"], dict | list):

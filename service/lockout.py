@@ -60,7 +60,10 @@ class LoginLockout:
         max_clients: int = MAX_CLIENTS,
         clock: Callable[[], float] = time.monotonic,
     ):
-        self.max_failures, self.window_s, self.max_clients, self.clock = max_failures, window_s, max_clients, clock
+        self.max_failures = max_failures
+        self.window_s = window_s
+        self.max_clients = max_clients
+        self.clock = clock
         # client -> times of its failures within the window, oldest first; clients in order of their last failure
         self._failures: OrderedDict[str, deque[float]] = OrderedDict()
         # (client, a token's digest) -> the time it last succeeded from there; in that order

@@ -79,7 +79,8 @@ def _ids_of(entry: str, owner: str, ids: str) -> RunAs:
     match = _IDS.fullmatch(ids)
     if not owner or match is None:
         raise ValueError(f"ZERO1_RUN_AS: entry {entry!r} is not owner=uid:gid (e.g. team-a=2001:2001)")
-    uid, gid = int(match.group(1)), int(match.group(2))
+    uid = int(match.group(1))
+    gid = int(match.group(2))
     if uid == 0 or gid == 0:
         raise ValueError(f"ZERO1_RUN_AS: entry {entry!r} maps to root (uid or gid 0): that isolates nothing")
     if uid > MAX_UID or gid > MAX_UID:
@@ -97,7 +98,8 @@ def _range_of(entry: str, ids: str) -> range:
     match = _RANGE.fullmatch(ids)
     if match is None:
         raise ValueError(f"ZERO1_RUN_AS: entry {entry!r} is not *=LO-HI, a range of uids (e.g. *=30000-39999)")
-    low, high = int(match.group(1)), int(match.group(2))
+    low = int(match.group(1))
+    high = int(match.group(2))
     if low == 0:
         raise ValueError(f"ZERO1_RUN_AS: the range {entry!r} holds uid 0, root: that isolates nothing")
     if low > high or high > MAX_UID:

@@ -36,7 +36,8 @@ def located(uri: str) -> str:
 
 def overlap(first: str, second: str) -> bool:
     """Whether two storage locations (directories, s3://bucket/prefix) are the same or one holds the other."""
-    one, other = located(first).rstrip("/"), located(second).rstrip("/")
+    one = located(first).rstrip("/")
+    other = located(second).rstrip("/")
     return one == other or one.startswith(other + "/") or other.startswith(one + "/")
 
 

@@ -161,7 +161,8 @@ class RequestTimer:
     """
 
     def __init__(self, app: ASGIApp, *, telemetry: Telemetry) -> None:
-        self.app, self.telemetry = app, telemetry
+        self.app = app
+        self.telemetry = telemetry
         self._routes: list[BaseRoute] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -25,8 +25,11 @@ FEELINGS = ["glad", "tired", "hungry", "surprised", "calm", "proud"]
 
 def sentence(rng: random.Random, hero: str, pet: str) -> str:
     """One sentence about the document's hero and their pet, from one of a few templates."""
-    place, thing, time = rng.choice(PLACES), rng.choice(THINGS), rng.choice(TIMES)
-    adjective, feeling = rng.choice(ADJECTIVES), rng.choice(FEELINGS)
+    place = rng.choice(PLACES)
+    thing = rng.choice(THINGS)
+    time = rng.choice(TIMES)
+    adjective = rng.choice(ADJECTIVES)
+    feeling = rng.choice(FEELINGS)
     return rng.choice(
         [
             f"{time}, {hero} went to {place} with the {adjective} {pet}.",
@@ -40,7 +43,8 @@ def sentence(rng: random.Random, hero: str, pet: str) -> str:
 
 
 def document(rng: random.Random) -> str:
-    hero, pet = rng.choice(NAMES), rng.choice(ANIMALS)
+    hero = rng.choice(NAMES)
+    pet = rng.choice(ANIMALS)
     adjective = rng.choice(ADJECTIVES)
     opening = f"{hero} had {'an' if adjective[0] in 'aeiou' else 'a'} {adjective} {pet}."
     return " ".join([opening] + [sentence(rng, hero, pet) for _ in range(rng.randint(1, 3))])

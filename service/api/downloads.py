@@ -60,7 +60,8 @@ def byte_range(header: str | None, *, size: int) -> tuple[int, int] | None:
     if found is None or found[1] == found[2] == "":
         return None
     if found[1] == "":  # the last n bytes
-        first, last = max(size - int(found[2]), 0), size - 1
+        first = max(size - int(found[2]), 0)
+        last = size - 1
         if int(found[2]) == 0 or size == 0:
             raise unsatisfiable(header, size=size)
         return first, last

@@ -30,7 +30,9 @@ class BodySizeLimit:
     """
 
     def __init__(self, app: ASGIApp, *, default: BodyLimit, by_path: Mapping[str, BodyLimit] | None = None):
-        self.app, self.default, self.by_path = app, default, dict(by_path or {})
+        self.app = app
+        self.default = default
+        self.by_path = dict(by_path or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

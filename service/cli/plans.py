@@ -67,7 +67,9 @@ def _gb(num_bytes: int) -> str:
 
 def format_plan(plan: dict) -> str:
     """The plan as tables a person reads: breakdown, stages at N, sweep over N."""
-    n, stage, memory = plan["num_gpus"], plan["stage"], plan["gpu_memory_bytes"]
+    n = plan["num_gpus"]
+    stage = plan["stage"]
+    memory = plan["gpu_memory_bytes"]
     per_gpu = plan["per_gpu"]
     lines = [
         f"{plan['num_params']:,} parameters, {plan['precision']} + {plan['optimizer']}, "

@@ -20,7 +20,8 @@ _COLUMNS = ("#", "id", "name", "owner", "priority", "gpus", "reason")
 
 def _entry_cells(entry: dict) -> dict[str, str]:
     """A queued job's row, each column as text; the name, owner and reason escaped (users wrote them)."""
-    num_gpus, min_gpus = entry["num_gpus"], entry["min_gpus"]
+    num_gpus = entry["num_gpus"]
+    min_gpus = entry["min_gpus"]
     return {
         "#": str(entry["position"]),
         "id": str(entry["id"]),

@@ -16,7 +16,10 @@ class ApiError(Exception):
 
     def __init__(self, status: int, error: str, message: str, detail: list[dict] | None = None, body=None) -> None:
         super().__init__(f"{status} {error}: {message}")
-        self.status, self.error, self.message, self.detail = status, error, message, detail
+        self.status = status
+        self.error = error
+        self.message = message
+        self.detail = detail
         self.body = body if body is not None else {}
 
     @classmethod

@@ -86,11 +86,13 @@ class Job:
         deadline = None if timeout is None else time.monotonic() + timeout
         display = progress_display(terminal()) if progress else contextlib.nullcontext(lambda job, eval_loss: None)
         with display as draw:
-            seen_step, evaluated = None, {"step": -1, "eval_loss": None}
+            seen_step = None
+            evaluated = {"step": -1, "eval_loss": None}
             while True:
                 self.refresh()
                 if progress and self.info.step is not None and self.info.step != seen_step:
-                    seen_step, evaluated = self.info.step, self._latest_eval(after=evaluated)
+                    seen_step = self.info.step
+                    evaluated = self._latest_eval(after=evaluated)
                 draw(self.info.model_dump(mode="json"), evaluated["eval_loss"])
                 if self.done:
                     return self
@@ -110,7 +112,8 @@ class Job:
     def metrics(self, frame: bool = False, *, evaluated: bool = False, checkpointed: bool = False) -> Any:
         """Every stored row, oldest first, a page at a time (MetricPublic), or with `frame` a pandas
         DataFrame of them (one column per field); only the rows that evaluated or checkpointed if asked."""
-        rows, after = [], -1
+        rows = []
+        after = -1
         while after is not None:
             params = {"after_step": after, "limit": 10_000}
             params |= {key: "true" for key, on in (("evaluated", evaluated), ("checkpointed", checkpointed)) if on}
@@ -196,13 +199,16 @@ class Job:
             stored = {c.step: c.files for c in self.checkpoints()}
             if checkpoint not in stored:
                 raise ValueError(f"job {self.id} stores no checkpoint at step {checkpoint} (stored: {sorted(stored)})")
-            entries, prefix = stored[checkpoint], f"/v1/jobs/{self.id}/checkpoints/{checkpoint}"
+            entries = stored[checkpoint]
+            prefix = f"/v1/jobs/{self.id}/checkpoints/{checkpoint}"
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         written = []
         for entry in entries:
             name = Path(entry.name).name  # a file name, never a path out of the directory
-            part, digest, size = directory / f".{name}.part", hashlib.sha256(), 0
+            part = directory / f".{name}.part"
+            digest = hashlib.sha256()
+            size = 0
             with self.client.http.stream("GET", f"{prefix}/{name}") as response:
                 raise_for(response)
                 with open(part, "wb") as file:

@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 def _fields(job: dict, *, eval_loss: float | None) -> dict[str, str]:
     """The figures of the line as text: the plain line and the rich bar share them."""
     latest = job.get("latest") or {}
-    loss, speed = latest.get("loss"), latest.get("tokens_per_s")
+    loss = latest.get("loss")
+    speed = latest.get("tokens_per_s")
     return {
         "loss": "-" if loss is None else f"{loss:.4f}",
         "eval": "" if eval_loss is None else f"eval {eval_loss:.4f}",

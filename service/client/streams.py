@@ -37,7 +37,10 @@ def sse_messages(chunks: Iterable[str]) -> Iterator[ServerSentEvent]:
     """The messages of a text/event-stream from its text in chunks split anywhere (the WHATWG
     parsing rules: a blank line dispatches, `:` lines are comments, one space after a field's
     colon is dropped, a message without data is not dispatched, `retry:` is ignored)."""
-    buffer, event, data, last_id = "", "", [], None
+    buffer = ""
+    event = ""
+    data = []
+    last_id = None
     for chunk in chunks:
         buffer += chunk
         # a trailing \r may be the first half of a \r\n: it waits for the next chunk
@@ -48,7 +51,8 @@ def sse_messages(chunks: Iterable[str]) -> Iterator[ServerSentEvent]:
             if line == "":
                 if data:
                     yield ServerSentEvent(event=event or "message", data="\n".join(data), id=last_id)
-                event, data = "", []
+                event = ""
+                data = []
                 continue
             if line.startswith(":"):
                 continue
@@ -74,7 +78,9 @@ def follow_lines(
 
     # read=None: a quiet job sends nothing but keep-alives for as long as it runs
     timeout = httpx.Timeout(10, read=None)
-    after, delays, why = 0, iter(RECONNECT_DELAYS_S), "it ended"
+    after = 0
+    delays = iter(RECONNECT_DELAYS_S)
+    why = "it ended"
     while True:
         params = {**query, "follow": "true", **({"after": after} if after else {})}
         try:
@@ -87,7 +93,8 @@ def follow_lines(
                     if message.event == "message":
                         row = json.loads(message.data)
                         yield row
-                        after, delays = row["seq"], iter(RECONNECT_DELAYS_S)  # it came back: the waits start again
+                        after = row["seq"]
+                        delays = iter(RECONNECT_DELAYS_S)  # it came back: the waits start again
             why = "it ended"
         except httpx.TransportError as exc:
             if after == 0 and why == "it ended":  # never connected: the caller says where it looked

@@ -11,9 +11,14 @@ from dataclasses import dataclass
 from service.dashboard.format import bar_label, byte_unit
 
 # the viewBox of every chart and its margins (dashboard.js: CHART)
-WIDTH, HEIGHT = 640, 200
-LEFT, RIGHT, TOP, BOTTOM = 64, 12, 12, 26
-PLOT_W, PLOT_H = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
+WIDTH = 640
+HEIGHT = 200
+LEFT = 64
+RIGHT = 12
+TOP = 12
+BOTTOM = 26
+PLOT_W = WIDTH - LEFT - RIGHT
+PLOT_H = HEIGHT - TOP - BOTTOM
 
 # the sweep chart: two legend rows under the axis label name the memory and floor lines, so
 # their labels never sit on the bars; a bar's value label, at most VALUE_LABEL_H tall (15 units
@@ -86,8 +91,10 @@ def steps_of(points: Sequence[tuple[float, float | None]]) -> list[tuple[float, 
 def _path(
     points: Sequence[tuple[float, float | None]], *, x_range: tuple[float, float], y_range: tuple[float, float]
 ) -> str:
-    (x0, x1), (y0, y1) = x_range, y_range
-    parts, pen_down = [], False
+    x0, x1 = x_range
+    y0, y1 = y_range
+    parts = []
+    pen_down = False
     for x, y in points:
         if y is None:
             pen_down = False

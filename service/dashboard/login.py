@@ -100,7 +100,8 @@ async def login(request: Request, authenticator: AuthenticatorDep, lockout: Lock
     included (else a guesser would go on at full speed, only reading the answers later), but for a
     token that already succeeded from that address (service/lockout.py)."""
     form = parse_qs((await request.body())[:MAX_FORM_BYTES].decode(errors="replace"))
-    token, next_path = form.get("token", [""])[0].strip(), _local(form.get("next", ["/"])[0])
+    token = form.get("token", [""])[0].strip()
+    next_path = _local(form.get("next", ["/"])[0])
     if not authenticator.tokens.enabled:
         return RedirectResponse(next_path, status_code=303)
     client = client_key(request.client.host if request.client else None)

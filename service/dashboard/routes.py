@@ -211,7 +211,8 @@ def job_page(
     logs, log_next = log_tail(session, job, limit=LOG_LINES)
     public.mlflow = run_link(session, job, settings)
     plan = public.plan
-    per_gpu, gpu_memory_bytes = plan["per_gpu"], plan["gpu_memory_bytes"]
+    per_gpu = plan["per_gpu"]
+    gpu_memory_bytes = plan["gpu_memory_bytes"]
     context = {
         "page": "job",
         "job": public,

@@ -142,13 +142,15 @@ class RayCluster:
         with self._lock:
             now = time.monotonic()
             if self._capacity is None or now - self._capacity_at > CAPACITY_TTL_S:
-                self._capacity, self._capacity_at = self._read_capacity(), now
+                self._capacity = self._read_capacity()
+                self._capacity_at = now
             return self._capacity
 
     def _read_capacity(self) -> ClusterCapacity:
         import ray
 
-        total, available = ray.cluster_resources(), ray.available_resources()
+        total = ray.cluster_resources()
+        available = ray.available_resources()
         return ClusterCapacity(
             num_gpus=int(total.get("GPU", 0)),
             # rounded, not floored: a probe task holds 0.01 of a GPU for a moment (start-up, storage checks)
@@ -207,7 +209,8 @@ def private_ray_temp_dir(environ: Mapping[str, str]) -> Path:
 
 def _check_private(directory: Path) -> None:
     """ValueError, naming `directory` and what it is, unless it is a directory of this uid, mode 0700."""
-    found, uid = os.lstat(directory), os.geteuid()
+    found = os.lstat(directory)
+    uid = os.geteuid()
     mode = stat.S_IMODE(found.st_mode)
     if not stat.S_ISDIR(found.st_mode) or found.st_uid != uid or mode & 0o077:
         kind = "a directory" if stat.S_ISDIR(found.st_mode) else "not a directory"

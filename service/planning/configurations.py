@@ -136,7 +136,8 @@ def step_cost(
 
 def divisors(n: int) -> list[int]:
     """The divisors of n >= 1, ascending (trial division to √n: 10,000 steps for 1e8)."""
-    small, large = [], []
+    small = []
+    large = []
     d = 1
     while d * d <= n:
         if n % d == 0:
@@ -161,7 +162,8 @@ class _Planner:
     """Per-GPU bytes of (N, m, checkpointing) through the memory model, each workload built once."""
 
     def __init__(self, workload_of: WorkloadOf, *, gpu_memory_bytes: int):
-        self.workload_of, self.gpu_memory_bytes = workload_of, gpu_memory_bytes
+        self.workload_of = workload_of
+        self.gpu_memory_bytes = gpu_memory_bytes
         self._workloads: dict[tuple[int, bool], memory.Workload] = {}
 
     def workload(self, *, micro_batch_size: int, activation_checkpointing: bool) -> memory.Workload:
@@ -181,7 +183,9 @@ class _Planner:
         total = lambda m: self.total_bytes(
             num_gpus=num_gpus, micro_batch_size=m, activation_checkpointing=activation_checkpointing
         )
-        low, high = 0, len(micro_batch_sizes)  # sizes[:low] fit, sizes[high:] do not
+        # sizes[:low] fit, sizes[high:] do not
+        low = 0
+        high = len(micro_batch_sizes)
         while low < high:
             mid = (low + high) // 2
             if total(micro_batch_sizes[mid]) <= self.gpu_memory_bytes:
@@ -298,7 +302,8 @@ def _recommendation(
         bytes_per_param=memory.bytes_per_param(workload.precision)[0],
         cost_model=cost_model,
     )
-    n, m = choice.num_gpus, choice.fit.micro_batch_size
+    n = choice.num_gpus
+    m = choice.fit.micro_batch_size
     return Recommendation(
         num_gpus=n,
         micro_batch_size=m,
@@ -316,7 +321,8 @@ def _recommendation(
 def _why(choice: _Choice, *, search: Search, fewest: int | None, floor: dict[int, int]) -> str:
     """One sentence of what limits a choice, with the numbers."""
     memory_size = _size(search.gpu_memory_bytes)
-    n, fit = choice.num_gpus, choice.fit
+    n = choice.num_gpus
+    fit = choice.fit
     clauses = []
     if n == fewest:
         fewer = [k for k in floor if k < n]

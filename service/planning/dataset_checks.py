@@ -133,6 +133,7 @@ def invalid_data(message: str) -> ServiceError:
     """A 422 for "data.<field>: why", naming that field in its detail."""
     field, _, why = message.partition(": ")
     if not field.startswith("data"):
-        field, why = "data", message
+        field = "data"
+        why = message
     detail = [{"field": field, "message": why, "type": "value_error"}]
     return ServiceError(message, status_code=422, error="invalid_request", detail=detail)

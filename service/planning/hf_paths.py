@@ -39,7 +39,8 @@ def check_model_path(body: Body, *, model_roots: Sequence[str]) -> Body:
     if not isinstance(model, HFModelSpec) or model.path is None:
         return body
     if staging.is_remote_path(model.path):
-        real, digest = model.path, _object_digest(model.path, model_roots=model_roots)
+        real = model.path
+        digest = _object_digest(model.path, model_roots=model_roots)
     else:
         real = resolve_model_dir(model.path, model_roots=model_roots)
         try:

@@ -42,7 +42,8 @@ _QUEUE_BATCH = 256
 def waiting(session: Session, *, fifo: bool = False) -> Iterator[Waiting]:
     """The queued jobs in the queue's order (submission order for `fifo`), read lazily."""
     # the two numbers of the spec the sizes need, read by the database: not every row's whole spec decoded
-    micro, batch = Job.spec["micro_batch_size"].as_integer(), Job.spec["global_batch_size"].as_integer()
+    micro = Job.spec["micro_batch_size"].as_integer()
+    batch = Job.spec["global_batch_size"].as_integer()
     columns = (Job.id, Job.priority, Job.owner, Job.num_gpus, Job.min_gpus, micro, batch)
     query = select(*columns).where(Job.status == "queued").order_by(*queue_order(fifo=fifo))
     for job_id, priority, owner, num_gpus, min_gpus, micro, batch in session.execute(
@@ -91,7 +92,9 @@ def commit_start(session: Session, start: Start, *, sizes_note: bool = True) -> 
         how += " (backfilled: a job ahead of it waits for more GPUs and may take these back)"
     if not transition(session, job, "starting", f"{start.n} GPUs free: placing {start.n} ranks{note}{how}"):
         return None
-    job.world_size, job.borrowed, job.backfilled = start.n, start.borrowed, start.backfilled
+    job.world_size = start.n
+    job.borrowed = start.borrowed
+    job.backfilled = start.backfilled
     return job
 
 
@@ -222,8 +225,12 @@ class Dispatcher:
         telemetry: Telemetry,
         grow_interval_s: float,
     ) -> None:
-        self.db, self.launcher, self.total_gpus, self.clock = db, launcher, total_gpus, clock
-        self.telemetry, self.grow_interval_s = telemetry, grow_interval_s
+        self.db = db
+        self.launcher = launcher
+        self.total_gpus = total_gpus
+        self.clock = clock
+        self.telemetry = telemetry
+        self.grow_interval_s = grow_interval_s
         self.stops = Stops()
         self.reasons = Reasons()
         self._started_at: dict[int, float] = {}  # job -> clock() of its attempt's start or last resize

@@ -31,7 +31,8 @@ class JobGauges:
     zero1_owner_gpus_in_use{owner}, read from `db` at each scrape."""
 
     def __init__(self, db: Database, *, total_gpus: Callable[[], int]) -> None:
-        self._db, self._total_gpus = db, total_gpus
+        self._db = db
+        self._total_gpus = total_gpus
 
     def describe(self) -> list[Metric]:
         """The names, without reading the database: the registry refuses another collector of the same names."""

@@ -265,7 +265,8 @@ def _victims(candidates: list[Holding], need: int) -> list[tuple[Holding, int | 
         plan[h.id] = None
     by_id = {h.id: h for h in candidates}
     for job_id in reversed(list(plan)):  # the last taken may have freed more than needed: take less
-        h, to_n = by_id[job_id], plan[job_id]
+        h = by_id[job_id]
+        to_n = plan[job_id]
         now_freed = h.gpus - (to_n or 0)
         spare = freed - need
         larger = [n for n in h.sizes if n < h.gpus and h.gpus - n <= now_freed and now_freed - (h.gpus - n) <= spare]

@@ -171,7 +171,8 @@ class RayLauncher:
         taken for dead (a stalled head would otherwise fail every running job)."""
         import ray
 
-        states, asked = {}, {}
+        states = {}
+        asked = {}
         for job_id, attempt, after_step, log_acks in attempts:
             supervisor = self._handle(job_id, attempt)
             if supervisor is None:

@@ -112,7 +112,9 @@ def read_final(job_dir: JobDir) -> tuple[list[FinalFile], list[str]]:
         manifest = _read_manifest(job_dir)
     except Refused as refusal:
         return [], [str(refusal)] if _final_exists(job_dir) else []
-    files, refused, seen = [], [], set()
+    files = []
+    refused = []
+    seen = set()
     for number, entry in enumerate(manifest):
         try:
             claim = _claim(entry, number=number, seen=seen)
@@ -140,7 +142,9 @@ def _claim(entry: object, *, number: int, seen: set[str]) -> FinalFile:
     """The manifest's entry as a claim to check: a plain name (listed once), a size and a sha256."""
     if not isinstance(entry, dict):
         raise Refused(f"entry {number} is not an object")
-    name, size, digest = entry.get("name"), entry.get("bytes"), entry.get("sha256")
+    name = entry.get("name")
+    size = entry.get("bytes")
+    digest = entry.get("sha256")
     if not isinstance(name, str) or not is_plain_name(name):
         raise Refused(f"entry {number}: {str(name)[:80]!r} is not a plain file name")
     if name in seen or len(seen) >= MAX_ARTIFACTS:
@@ -161,7 +165,8 @@ def is_plain_name(name: str) -> bool:
 def _checked(job_dir: JobDir, claim: FinalFile) -> FinalFile:
     """The file as the service reads it; Refused when it is not what the manifest claims."""
     with _open_final(job_dir, claim.name) as file:
-        size, digest = 0, hashlib.sha256()
+        size = 0
+        digest = hashlib.sha256()
         while chunk := file.read(min(_CHUNK_BYTES, claim.bytes + 1 - size)):  # one byte past: a larger file
             size += len(chunk)
             digest.update(chunk)
@@ -247,7 +252,9 @@ def stream_artifact(job_id: int, job_dir: JobDir, artifact: FinalFile, *, first:
     (ArtifactChanged, logged, otherwise: the client never gets the file whole). On an object store
     the service streams it the same way (no presigned redirect: the digest check is the service's)."""
     with _open_final(job_dir, artifact.name) as file:
-        size, digest, held = 0, hashlib.sha256(), b""
+        size = 0
+        digest = hashlib.sha256()
+        held = b""
         while chunk := file.read(min(_CHUNK_BYTES, artifact.bytes + 1 - size)):  # one byte past: a larger file
             digest.update(chunk)
             piece = chunk[max(first - size, 0) : max(last + 1 - size, 0)]

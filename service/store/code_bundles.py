@@ -107,7 +107,8 @@ def _unpack(data: bytes, *, into: zipfile.ZipFile | None, max_entries: int, max_
         entries = _check_names(source.infolist(), max_entries=max_entries)
         if into is not None:
             into.writestr(_stored_info(TOP_LEVEL_DIR + "/"), b"")
-        num_files, total_bytes = 0, 0
+        num_files = 0
+        total_bytes = 0
         for name, info in sorted(entries.items()):
             if info.is_dir():
                 if into is not None:
@@ -280,7 +281,8 @@ class BundleStore:
     """Where the bundles are, as errors name it."""
 
     def __init__(self, *, max_entries: int = MAX_ENTRIES, max_uncompressed_bytes: int = MAX_UNCOMPRESSED_BYTES):
-        self.max_entries, self.max_uncompressed_bytes = max_entries, max_uncompressed_bytes
+        self.max_entries = max_entries
+        self.max_uncompressed_bytes = max_uncompressed_bytes
 
     def uri(self, digest: str) -> str:
         """The stored zip's URI, which a rank's actor or a trace's task unpacks for its child."""
@@ -356,7 +358,8 @@ class ObjectCodeStore(BundleStore):
 
     def __init__(self, store: ObjectStore, **limits: int) -> None:
         super().__init__(**limits)
-        self.store, self.root = store, store.uri
+        self.store = store
+        self.root = store.uri
 
     def uri(self, digest: str) -> str:
         return f"{self.store.uri}/{check_digest(digest)}.zip"

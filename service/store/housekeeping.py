@@ -30,7 +30,8 @@ _PENDING = ("queued", "starting", "running", "restarting")
 
 class Housekeeper:
     def __init__(self, *, db: Database, settings: Settings, cache_dir: Path) -> None:
-        self.db, self.settings = db, settings
+        self.db = db
+        self.settings = settings
         self.tokens_dir = token_cache.tokens_dir(cache_dir)
         self._lock = threading.Lock()  # one trim at a time: the thread's and a submit's
         self._stop = threading.Event()

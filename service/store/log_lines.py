@@ -44,9 +44,11 @@ def store_logs(session: Session, job: Job, lines: list[OutputLine], *, dropped: 
     merged = list(heapq.merge(*by_rank.values(), key=lambda line: line.time))  # each rank's order kept
     fresh = [line for line in merged if line.stream != "marker"]
     held_lines, held_bytes = state["held_dropped"]
-    new_lines, new_bytes = dropped[0] - held_lines, dropped[1] - held_bytes
+    new_lines = dropped[0] - held_lines
+    new_bytes = dropped[1] - held_bytes
     for marker in (line for line in merged if line.stream == "marker"):  # a rank's: counted by the job's marker
-        new_lines, new_bytes = new_lines + marker.dropped[0], new_bytes + marker.dropped[1]
+        new_lines += marker.dropped[0]
+        new_bytes += marker.dropped[1]
     state["held_dropped"] = list(dropped)
     if new_lines > 0:  # before this batch: its lines were written after the ones dropped
         _mark(session, job, state, lines=new_lines, size=new_bytes, max_bytes=max_bytes, at=None)
@@ -129,7 +131,8 @@ def _trim(session: Session, job: Job, state: dict[str, Any], *, max_bytes: int) 
             if size >= excess:
                 break
             gone.append(line_id)
-            lines, size = lines + 1, size + len(text.encode("utf-8", "replace"))
+            lines += 1
+            size += len(text.encode("utf-8", "replace"))
     finally:
         result.close()  # read in chunks, and left before the end
     for start in range(0, len(gone), _TRIM_CHUNK):

@@ -45,7 +45,8 @@ class OwnerUids:
     a child is started for an owner (a rank's launch, a trace, a dataset check)."""
 
     def __init__(self, db: Database, *, table: RunAsTable | None) -> None:
-        self.db, self.table = db, table
+        self.db = db
+        self.table = table
         self._known: dict[str, RunAs] = {}
         """Owners already given a uid by this process: a uid, once taken, is never given back."""
         self._lock = threading.Lock()

@@ -52,7 +52,8 @@ def _ms(at: datetime | None) -> int | None:
 class Exporter:
     def __init__(self, *, db: Database, settings: Settings, storage: JobStorage, mlflow: Mlflow | None = None) -> None:
         assert settings.mlflow_tracking_uri is not None
-        self.db, self.settings = db, settings
+        self.db = db
+        self.settings = settings
         self.storage = storage  # where each job's final/ is read
         self.mlflow = mlflow or Mlflow(settings.mlflow_tracking_uri)
         self.backoff_s = settings.mlflow_interval_s
@@ -77,7 +78,8 @@ class Exporter:
                 more = self.run_once()
             except Unreachable as error:
                 log.warning("mlflow: %s; trying again in %.3g s", self._said(error), self.backoff_s)
-                delay, self.backoff_s = self.backoff_s, min(2 * self.backoff_s, self.settings.mlflow_max_backoff_s)
+                delay = self.backoff_s
+                self.backoff_s = min(2 * self.backoff_s, self.settings.mlflow_max_backoff_s)
                 continue
             except Exception:  # the database, most likely: the scheduler's problem too; try again
                 log.exception("mlflow: the export pass failed")
@@ -168,7 +170,8 @@ class Exporter:
                 self._save(job.id, batch_time_ms=cursor.batch_time_ms)
             points = [(name, value, row.step) for row in rows for name, value in runs.row_points(row).items()]
             self.mlflow.log_points(cursor.run_id, points, timestamp_ms=cursor.batch_time_ms)
-            cursor.step, cursor.batch_time_ms = rows[-1].step, None
+            cursor.step = rows[-1].step
+            cursor.batch_time_ms = None
             self._save(job.id, step=cursor.step, batch_time_ms=None, last_error=None)
             if time.monotonic() > deadline:
                 return True

@@ -271,13 +271,15 @@ async def _follow(request: Request, db: Database, job_id: int, *, after: int, **
     """Server-sent events: each stored line after `after` as it comes, then `end` once the job has
     ended and its last line is sent; a comment every 15 s of quiet keeps proxies from closing it.
     Ends when the client goes."""
-    cursor, quiet_since = after, time.monotonic()
+    cursor = after
+    quiet_since = time.monotonic()
     while not await request.is_disconnected():
         status, data = await run_in_threadpool(_logs_after, db, job_id, cursor, selection)
         for line in data:
             yield f"id: {line['seq']}\ndata: {LogLinePublic(**line).model_dump_json()}\n\n"
         if data:
-            cursor, quiet_since = data[-1]["seq"], time.monotonic()
+            cursor = data[-1]["seq"]
+            quiet_since = time.monotonic()
             if len(data) == selection["limit"]:
                 continue  # more are stored: no wait
         if status in TERMINAL:  # read before the lines: the last ones were stored with the status
