@@ -145,7 +145,8 @@ class FakeLauncher:
     # what the scheduler calls
 
     def launch(self, job: Job) -> None:
-        key, now = (job.id, job.attempt), self.clock()
+        key = (job.id, job.attempt)
+        now = self.clock()
         if key in self.attempts:
             return  # adopted, as RayLauncher does
         n = job.world_size or job.num_gpus

@@ -127,7 +127,9 @@ def _ephemeral_range() -> tuple[int, int]:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
             low, high = map(int, f.read().split())
     except (OSError, ValueError):
-        low, high = 32_768, 60_999  # Linux's default
+        # Linux's default
+        low = 32_768
+        high = 60_999
     return low, high
 
 

@@ -132,7 +132,8 @@ def test_gang_scheduling_never_holds_more_gpus_than_exist(sqlite_client):
         assert wait_job(sqlite_client, job["id"], finished)["status"] == "succeeded"
 
     events = {j["id"]: (2, sqlite_client.get(f"/v1/jobs/{j['id']}/events").json()["data"]) for j in jobs}
-    held, peak = 0, 0
+    held = 0
+    peak = 0
     for _, change, _ in _held(events):
         held += change
         peak = max(peak, held)

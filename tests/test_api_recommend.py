@@ -56,7 +56,8 @@ def test_a_7_5e9_model_on_up_to_64_gpus_every_item_checked_by_plan(client):
     costs = [item["cost"] for item in items]
     assert costs == sorted(costs)
     for item in items:
-        n, m = item["num_gpus"], item["micro_batch_size"]
+        n = item["num_gpus"]
+        m = item["micro_batch_size"]
         assert n * m * item["accumulation_steps"] == 64 and n <= 64
         plan = plan_of(client, ACCEPTANCE, num_gpus=n, micro_batch_size=m, **_ckpt(item))
         assert plan["fits"], item
@@ -86,7 +87,8 @@ def test_the_cost_is_the_stated_formula_with_the_stated_numbers(client):
     )
     assert cost["tokens_per_step"] == 64 * 2048 and cost["bytes_per_param"] == 2
     assert "6 * num_params * tokens_per_step" in cost["formula"] and "4/3" in cost["formula"]
-    psi, tokens = cost["num_params"], cost["tokens_per_step"]
+    psi = cost["num_params"]
+    tokens = cost["tokens_per_step"]
     for item in body["recommendations"]:
         n = item["num_gpus"]
         compute_s = 6 * psi * tokens / n / 400e12 * (4 / 3 if item["activation_checkpointing"] else 1)

@@ -24,8 +24,10 @@ from zero1 import Client
 from conftest import make_settings, serve
 from helpers import TERMINAL, job_body, wait_job
 
-STEPS, EVERY = 40, 10
-ALICE, BOB = "alice-token-0123456789abcdef", "bob-token-0123456789abcdef012"
+STEPS = 40
+EVERY = 10
+ALICE = "alice-token-0123456789abcdef"
+BOB = "bob-token-0123456789abcdef012"
 
 
 @pytest.fixture(scope="module")

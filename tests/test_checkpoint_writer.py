@@ -31,7 +31,9 @@ from workers.zero.optimizer import ZeRO1AdamW, decay_param_groups
 
 from distributed import SMALL, run_ranks, small_run
 
-STEPS, EVERY = 8, 2  # checkpoints at steps 1, 3, 5 and 7
+# checkpoints at steps 1, 3, 5 and 7
+STEPS = 8
+EVERY = 2
 CHECKPOINTS = [1, 3, 5, 7]
 
 
@@ -126,7 +128,8 @@ def _spool_io(store: Path, spool: Path, *, rank: int, world_size: int, die_at: i
 
 
 def _published_run(rank: int, world_size: int, tmp: str, die_at: int | None) -> None:
-    store, spool = Path(tmp) / "store", Path(tmp) / f"spool-{rank}"
+    store = Path(tmp) / "store"
+    spool = Path(tmp) / f"spool-{rank}"
     store.mkdir(exist_ok=True)
     io = _spool_io(store, spool, rank=rank, world_size=world_size, die_at=die_at if rank == 0 else None)
     cfg = _config(spool)
@@ -203,7 +206,9 @@ class _HeldWrites:
         self._waiting = {step: threading.Event() for step in CHECKPOINT_STEPS_BEFORE_THE_STOP}
         self._released = {step: threading.Event() for step in CHECKPOINT_STEPS_BEFORE_THE_STOP}
         writer = workers.training.writer.CheckpointWriter
-        save, wait, write = writer.save, writer.wait, writer._write
+        save = writer.save
+        wait = writer.wait
+        write = writer._write
 
         def held_save(writer, step, metrics=()):
             self.events.append(f"save {step} begins")
@@ -310,7 +315,8 @@ def test_a_pt_shard_of_the_same_world_size_still_resumes(tmp_path):
 def test_the_shard_header_is_read_in_two_small_reads(tmp_path):
     train(TrainConfig(model=SMALL, steps=1, precision="fp32", checkpoint_dir=str(tmp_path)))
     path = shard_file(tmp_path, 0, 0, 1)
-    data, reads = path.read_bytes(), []
+    data = path.read_bytes()
+    reads = []
     start, tensors, metadata = shard_header(lambda a, b: reads.append((a, b)) or data[a:b])
     assert reads == [(0, 8), (8, start)]
     with safe_open(path, "pt") as file:

@@ -70,7 +70,8 @@ def _checkpointer(writer: _Writer | None, *, every: int, num_steps: int, max_ski
 
 def _run(checkpointer: Checkpointer, num_steps: int, *, skipped: Sequence[int] = ()) -> list[MetricRow]:
     """The loop's calls, step by step: the rows as reported, until the end or a stop."""
-    rows, in_a_row = [], 0
+    rows = []
+    in_a_row = 0
     for step in range(num_steps):
         in_a_row = in_a_row + 1 if step in skipped else 0
         rows.append(checkpointer.maybe_save(_row(step, skipped=step in skipped), skipped_in_a_row=in_a_row))

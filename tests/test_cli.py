@@ -55,7 +55,8 @@ def test_plan_trace_counts_the_step_in_the_cli_process():
     traced = run_zero1("plan", *gpt, "--micro-batch-size", "4", "--trace", "--json")
     closed = run_zero1("plan", *gpt, "--micro-batch-size", "4", "--json")
     assert traced.returncode == 0 == closed.returncode, traced.stderr + closed.stderr
-    traced, closed = json.loads(traced.stdout), json.loads(closed.stdout)
+    traced = json.loads(traced.stdout)
+    closed = json.loads(closed.stdout)
     assert (traced["method"], closed["method"]) == ("traced", "model")
     assert traced["num_params"] == closed["num_params"]
     for kind in ("activations", "temporaries"):

@@ -30,7 +30,8 @@ class _ThroughTheApp:
     """httpx.Client(base_url=, timeout=, headers=) as the client makes it, answering from the app."""
 
     def __init__(self, app, headers: dict) -> None:
-        self.app, self.headers = app, headers
+        self.app = app
+        self.headers = headers
 
     def close(self) -> None:
         return None
@@ -71,7 +72,8 @@ def test_the_readme_snippet_runs_as_written(through, client, tmp_path, monkeypat
     namespace: dict = {}
     exec(compile(readme_snippet(), "README.md", "exec"), namespace)
 
-    job, frame = namespace["job"], namespace["frame"]
+    job = namespace["job"]
+    frame = namespace["frame"]
     assert through == [{"Authorization": "Bearer t0ken"}]  # ZERO1_TOKEN, as the CLI sends it
     assert isinstance(job, Job) and job.status == "succeeded"
     rows = client.get(f"/v1/jobs/{job.id}/metrics", params={"limit": 10_000}).json()["data"]
@@ -114,11 +116,29 @@ def test_an_error_answer_is_an_api_error_with_the_fields_at_fault(through):
     assert missing.value.status == 404 and str(missing.value).startswith("404 not_found: ")
 
 
-def test_wait_times_out_and_a_job_is_suspended_resumed_and_cancelled(through):
+class WaitClock:
+    """time for service.client.jobs: monotonic() reads now_s, which only sleep() moves on; each sleep is kept."""
+
+    def __init__(self) -> None:
+        self.now_s = 0.0
+        self.sleeps_s: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now_s
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps_s.append(seconds)
+        self.now_s += seconds
+
+
+def test_wait_times_out_and_a_job_is_suspended_resumed_and_cancelled(through, monkeypatch):
     zero1 = Client()
-    job = zero1.submit(job_body(name="long", steps=100_000))
-    with pytest.raises(TimeoutError, match=f"job {job.id} is "):
-        job.wait(timeout=0.2, interval=0.05)
+    job = zero1.submit(job_body(name="long", steps=100_000))  # 100,000 steps: it cannot end during the wait
+    clock = WaitClock()
+    with monkeypatch.context() as patched, pytest.raises(TimeoutError, match=f"job {job.id} is still .* after 2 s"):
+        patched.setattr("service.client.jobs.time", clock)
+        job.wait(timeout=2, interval=0.5)
+    assert clock.sleeps_s == [0.5] * 4  # asked at 0, 0.5, 1, 1.5 and 2 s on the wait's clock, then gave up
     job.suspend()  # a queued job leaves the queue at once; a running one at its next step
     wait_for(lambda: job.refresh().status, lambda status: status == "suspended", what="the job suspended")
     assert job.resume().status == "queued" and job.info.queue_position == 1

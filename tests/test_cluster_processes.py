@@ -105,7 +105,8 @@ def session_pids(sid: int) -> list[int]:
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue  # gone meanwhile
-        state, session = fields[0], int(fields[3])
+        state = fields[0]
+        session = int(fields[3])
         if session == sid and state != "Z":
             pids.append(int(entry.name))
     return pids
@@ -115,7 +116,8 @@ class Process:
     """A command in a session of its own, its output in a log file; stop() ends the session."""
 
     def __init__(self, command: list[str], *, env: dict[str, str], log_path: Path) -> None:
-        self.command, self.log_path = command, log_path
+        self.command = command
+        self.log_path = log_path
         with open(log_path, "ab") as log:
             argv = [str(BIN / command[0]), *command[1:]]
             self.process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -176,7 +178,9 @@ def listening_addresses(pids: list[int]) -> dict[tuple[str, int], str]:
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:
             fields = line.split()
-            local, state, inode = fields[1], fields[3], fields[9]
+            local = fields[1]
+            state = fields[3]
+            inode = fields[9]
             if state == "0A" and inode in owners:  # 0A: LISTEN
                 address, port = local.split(":")
                 found[(str(_ip(address)), int(port, 16))] = _command(owners[inode])
@@ -347,7 +351,9 @@ def test_a_job_spread_over_two_ray_nodes_trains_with_postgresql_and_shared_check
     assert _metric_steps(database_url, python_id) == list(range(10))
 
     spec = _read_json(EXAMPLE)
-    steps, world_size, every = spec["steps"], spec["num_gpus"], spec["checkpoint_every"]
+    steps = spec["steps"]
+    world_size = spec["num_gpus"]
+    every = spec["checkpoint_every"]
     events = _events(database_url, job_id)
     assert [status for status, _ in events] == ["queued", "starting", "running", "succeeded"], events
     assert f"{world_size} ranks placed on 2 node(s)" in events[2][1], events

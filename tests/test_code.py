@@ -214,7 +214,9 @@ def test_one_stored_zip_for_two_uploaders_each_seeing_only_themselves(secured):
 def test_another_users_bundle_is_a_404_to_read_and_a_403_to_use(secured):
     code = upload(secured, zip_of({"alices/model.py": b"SECRET = 1\n"}), headers=bearer(ALICE))["code"]
     assert secured.get(f"/v1/code/{code}", headers=bearer(BOB)).status_code == 404
-    alice, bob, root = Principal("alice"), Principal("bob"), Principal("root", admin=True)
+    alice = Principal("alice")
+    bob = Principal("bob")
+    root = Principal("root", admin=True)
     with secured.app.state.runtime.db.session() as session:
         assert require_bundle(session, code, principal=alice).uploader == "alice"
         assert require_bundle(session, code, principal=root).uploader == "alice"  # an admin may use any

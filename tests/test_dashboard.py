@@ -229,7 +229,9 @@ class Browsing:
     """Pages in fresh browser contexts; every console error and uncaught page error is kept."""
 
     def __init__(self, browser: Browser, server: Server, report: Report):
-        self.browser, self.server, self.report = browser, server, report
+        self.browser = browser
+        self.server = server
+        self.report = report
         self.errors: list[str] = []
         self.contexts = []
 
@@ -480,7 +482,8 @@ def restarted(server) -> int:
             store_metrics(session, job, [_restart_row(step) for step in range(RESTART_STEP, RESTARTED_STEPS)])
             transition(session, job, "succeeded", "seeded")
             session.flush()
-            job_id, run_id = job.id, job.run_id
+            job_id = job.id
+            run_id = job.run_id
     finally:
         db.dispose()
     checkpoints = Path(server.database_url.removeprefix("sqlite:///")).parent / "checkpoints"
@@ -756,7 +759,8 @@ def test_the_log_panel_follows_the_newest_and_holds_still_when_scrolled_up(ui, s
 
     def logs(route) -> None:
         query = parse_qs(urlparse(route.request.url).query)
-        after, limit = int(query["after"][0]), int(query["limit"][0])
+        after = int(query["after"][0])
+        limit = int(query["limit"][0])
         count = min(limit, pages.pop(0) if pages else trickle["lines"])
         rows = [_fake_line(seq) for seq in range(after + 1, after + 1 + count)]
         route.fulfill(json={"data": rows, "next": rows[-1]["seq"] if rows else after})
@@ -1126,7 +1130,8 @@ def test_no_bar_label_sits_on_the_memory_line_and_a_small_models_bars_read_in_it
     for memory_gb in (76, 80, 90):  # the 75 GB bar at N = 2 just under, on and well below the line
         chart = charts.sweep_chart(sweep(7_500_000_000), gpu_memory_bytes=memory_gb * GB, floor_bytes=30 * GB)
         for bar in chart.bars:  # the label's box, halo included, keeps clear of the line
-            top, bottom = bar.label_y - charts.VALUE_LABEL_H, bar.label_y + 1.5
+            top = bar.label_y - charts.VALUE_LABEL_H
+            bottom = bar.label_y + 1.5
             assert not top < chart.memory_y < bottom, (memory_gb, bar)
             assert bar.label_y < bar.y  # above its bar
     assert chart.bars[1].label == "75" and chart.unit == "GB"

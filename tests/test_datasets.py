@@ -75,7 +75,8 @@ def test_every_format_reads_in_file_order(tmp_path, format):
 
 
 def test_paths_files_directories_globs_and_the_roots(tmp_path):
-    root, outside = tmp_path / "root", tmp_path / "outside"
+    root = tmp_path / "root"
+    outside = tmp_path / "outside"
     (root / "sub" / ".hidden").mkdir(parents=True)
     outside.mkdir()
     for path in [root / "a.jsonl", root / "sub" / "b.jsonl", root / ".c.jsonl", root / "sub" / ".hidden" / "d.jsonl"]:
@@ -135,7 +136,8 @@ def corpus(tmp_path: Path, *, num_docs: int = 60) -> Path:
 
 def step_samples(spec: DatasetSpec, *, world_size: int, step: int, global_batch: int = 8, micro: int = 2) -> tuple:
     """Every rank's micro-batches of one step, in rank order: (inputs, targets) of the global batch."""
-    inputs, targets = [], []
+    inputs = []
+    targets = []
     for rank in range(world_size):
         batches = Batches(
             model=gpt(),
@@ -177,7 +179,8 @@ def test_held_out_blocks_never_train_and_each_rank_evaluates_its_slice(tmp_path)
     assert len(held) == -(-source.num_blocks // 5) and not held & set(source.perm.tolist())
     trained = {int(b) for step in range(3 * source.num_blocks) for b in source.train_block_ids(step, range(8), 8)}
     assert trained == set(source.perm.tolist()) and not trained & held
-    world, micro = 2, 2
+    world = 2
+    micro = 2
     ranks = [
         Batches(
             model=gpt(),

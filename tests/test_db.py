@@ -206,7 +206,8 @@ def test_a_step_is_stored_once_per_attempt(database):
 
 def test_deleting_a_job_deletes_its_events_and_metrics(database):
     with database.session() as session:
-        doomed, kept = _job("doomed"), _job("kept")
+        doomed = _job("doomed")
+        kept = _job("kept")
         session.add_all([doomed, kept])
         session.flush()
         for job in (doomed, kept):

@@ -149,7 +149,8 @@ def _command_of(service: dict, key: str) -> str:
 
 def test_minio_is_healthy_before_its_bucket_is_made_and_the_api_waits_for_the_bucket(compose):
     services = compose["services"]
-    minio, init = services["minio"], services["minio-init"]
+    minio = services["minio"]
+    init = services["minio-init"]
     assert minio["image"].startswith("minio/minio:") and init["image"].startswith("minio/mc:")
     assert _command(minio).startswith("server /data") and "--console-address :9001" in _command(minio)
     assert minio["healthcheck"]["test"] and init["depends_on"]["minio"]["condition"] == "service_healthy"
@@ -258,7 +259,8 @@ def test_the_image_pins_the_versions_the_tests_ran_with():
 
 def _closure(names: set[str]) -> set[str]:
     """The installed distributions `names` need, themselves included (no extras of theirs)."""
-    seen, todo = set(), list(names)
+    seen = set()
+    todo = list(names)
     while todo:
         if (name := canonicalize_name(todo.pop())) in seen:
             continue

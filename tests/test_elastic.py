@@ -19,7 +19,8 @@ from helpers import FAST, TERMINAL, job_body, job_checkpoint_dir, wait_for
 from test_faults import final_shards, kill_rank, transitions
 from test_python_jobs import EXAMPLE_DIR, example, upload, write_bundle
 
-STEPS, EVERY = 40, 8
+STEPS = 40
+EVERY = 8
 GATED = 16  # forward calls each rank of an attempt makes before it waits at the gate
 
 
@@ -122,7 +123,8 @@ def test_an_elastic_job_starts_small_grows_shrinks_and_ends_where_an_unresized_r
     assert (done["world_size"], done["num_retries"]) == (2, 1)
 
     events = client.get(f"/v1/jobs/{elastic}/events").json()["data"]
-    grow, shrink = "restarting", "restarting"
+    grow = "restarting"
+    shrink = "restarting"
     assert transitions(events) == ["queued", "starting", "running", grow, "running", shrink, "running", "succeeded"]
     assert "2 GPUs free: placing 2 ranks (elastic: it runs at N in [2, 4])" in events[1]["reason"]
     assert events[3]["reason"].startswith(

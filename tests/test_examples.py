@@ -87,7 +87,8 @@ def test_the_tiny_llama_example_trains_evaluates_and_its_final_model_loads(serve
 
 def test_a_killed_rank_of_a_dataset_job_is_retried_to_the_same_final_state_bit_for_bit(served):
     client, settings = served
-    steps, every = 60, 20
+    steps = 60
+    every = 20
     body = example(steps=steps, checkpoint_every=every, eval_every=0, max_retries=1)
     victim = client.post("/v1/jobs", json={**body, "name": "killed"}).json()["id"]
     reference = client.post("/v1/jobs", json={**body, "name": "uninterrupted"}).json()["id"]

@@ -100,7 +100,8 @@ def test_a_killed_rank_is_retried_from_its_checkpoint_and_ends_where_an_uninterr
     client, settings = app
     # the database trails the ranks by up to a second of rows (their batches): killing at step
     # 105 leaves rows after the checkpoint of step 99 stored and the next checkpoint far off
-    steps, every = 300, 100
+    steps = 300
+    every = 100
     body = job_body(steps=steps, checkpoint_every=every, max_retries=2, optimizer=COSINE)
     victim = client.post("/v1/jobs", json={**body, "name": "killed"}).json()["id"]
     reference = client.post("/v1/jobs", json={**body, "name": "uninterrupted"}).json()["id"]
@@ -268,7 +269,8 @@ def assert_every_step_once(database_url: str, job_id: int, *, steps: int) -> lis
 
 def logged_steps(svc: Service, job_id: int) -> list[int]:
     """The steps of rank 0's step lines in the job's logs, in order, every page."""
-    steps, after = [], 0
+    steps = []
+    after = 0
     while page := svc.get(f"/v1/jobs/{job_id}/logs", rank=0, after=after, limit=10_000):
         if not page["data"]:
             return steps
@@ -355,7 +357,8 @@ def test_an_embedded_ray_job_resumes_from_its_checkpoint_when_the_service_restar
     time the running job comes back as a new attempt from its last checkpoint (not a retry:
     max_retries 0), and its curve has every step once. One service, stopped both ways in turn."""
     svc = Service(tmp_path, ZERO1_SIMULATED_GPUS="4", ZERO1_RAY_NAMESPACE="zero1")
-    steps, every = 400, 20
+    steps = 400
+    every = 20
     svc.start()
     try:
         job_id = svc.post("/v1/jobs", job_body(steps=steps, checkpoint_every=every))["id"]

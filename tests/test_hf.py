@@ -70,7 +70,8 @@ def test_every_rank_builds_the_same_model_and_its_loss_is_the_next_token_cross_e
     assert first.lm.config._attn_implementation == "sdpa" and first.training
     assert first.lm.lm_head.weight is first.lm.model.embed_tokens.weight  # tied: one tensor
     tokens = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(0))
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    inputs = tokens[:, :-1]
+    targets = tokens[:, 1:]
     logits = first.lm(input_ids=inputs).logits
     expected = F.cross_entropy(logits.flatten(0, 1), targets.flatten())  # not shifted a second time
     torch.testing.assert_close(first(inputs, targets), expected)

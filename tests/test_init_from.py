@@ -104,7 +104,8 @@ def test_a_job_started_from_a_trained_job_starts_at_its_loss(api, trained, tmp_p
         losses = [model(*_batches(rank, world_size=2).micro_batch(0, 0)).item() for rank in range(2)]
     evaluated = sum(losses) / 2
 
-    started_loss, fresh_loss = first_loss(api, jobs[0]), first_loss(api, jobs[1])
+    started_loss = first_loss(api, jobs[0])
+    fresh_loss = first_loss(api, jobs[1])
     print(f"first-step loss: started {started_loss:.6f}, trained weights' eval {evaluated:.6f}, fresh {fresh_loss:.6f}")
     assert started_loss == pytest.approx(evaluated, rel=0.01)
     assert started_loss < 0.75 * fresh_loss

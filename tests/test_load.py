@@ -181,7 +181,8 @@ async def run_load(base: str) -> tuple[Load, float, int]:
         submits = [load.submit(i) for i in range(NUM_SUBMITS)] + [load.submit(i) for i in range(NUM_REPLAYS)]
         readers = [load.reader(w, NUM_READS // NUM_READERS) for w in range(NUM_READERS)]
         await asyncio.gather(*submits, *readers)
-        elapsed_s, num_requests = time.perf_counter() - start, len(load.records)
+        elapsed_s = time.perf_counter() - start
+        num_requests = len(load.records)
         await cancel_all(load)
         stop.set()
         await sampler
@@ -231,7 +232,8 @@ def gpus_held(session: Session) -> tuple[int, int]:
     status: dict[int, str] = {}
     held = peak = 0
     for job_id, to_status in events:
-        was_active, status[job_id] = status.get(job_id) in ACTIVE, to_status
+        was_active = status.get(job_id) in ACTIVE
+        status[job_id] = to_status
         held += num_gpus[job_id] * ((to_status in ACTIVE) - was_active)
         peak = max(peak, held)
     return peak, held
@@ -266,7 +268,8 @@ def report(load: Load, elapsed_s: float, num_requests: int, peak: int, statuses:
 @pytest.mark.ray  # a `zero1 serve` with its embedded Ray
 @pytest.mark.slow
 def test_load_keeps_every_job_once_and_the_gpus_within_the_cluster(tmp_path):
-    port, database = free_port(), tmp_path / "zero1.db"
+    port = free_port()
+    database = tmp_path / "zero1.db"
     env = {key: value for key, value in os.environ.items() if not key.startswith("ZERO1_")}  # RAY_TMPDIR stays
     env |= {
         "ZERO1_SIMULATED_GPUS": str(NUM_GPUS),

@@ -50,7 +50,8 @@ class Receiver:
 
 def test_stdout_stderr_and_logging_are_captured_line_by_line_in_order_and_still_written(capfd):
     receiver = Receiver()
-    streams, level = (sys.stdout, sys.stderr), logging.getLogger().level
+    streams = (sys.stdout, sys.stderr)
+    level = logging.getLogger().level
     with OutputCapture(rank=3, send=receiver.send, delivered=receiver.delivered, max_bytes=1 << 20) as capture:
         print("first")
         print("a partial", end="")
@@ -198,7 +199,8 @@ def test_past_the_bound_the_oldest_lines_go_and_one_marker_stands_in_their_place
 
 def test_a_job_that_logs_more_than_its_bound_keeps_its_newest_lines_and_the_marker(ray_cluster, tmp_path):
     """Rank 0 of the built-in trainer logs a line per step: 60 of them are about 4 KB, twice the bound."""
-    steps, bound = 60, 2048
+    steps = 60
+    bound = 2048
     with serve(make_settings(tmp_path, log_max_bytes=bound)) as client:
         job = client.post("/v1/jobs", json=job_body(num_gpus=1, steps=steps)).json()
         done = wait_job(client, job["id"], lambda j: j["status"] in TERMINAL)

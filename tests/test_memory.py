@@ -53,7 +53,8 @@ def test_sweep_melts_toward_the_4psi_floor():
     ],
 )
 def test_design_tables(precision, optimizer, p, g, k):
-    psi, n = 1_000_000, 8
+    psi = 1_000_000
+    n = 8
     w = Workload.from_num_params(psi, precision=precision, optimizer=optimizer)
     assert total_bytes(w, num_gpus=n, stage=0) == (p + g + k) * psi
     assert total_bytes(w, num_gpus=n, stage=1) == (p + g) * psi + k * psi // n
@@ -146,7 +147,12 @@ def test_model_plan_min_gpus_is_the_smallest_fitting_n():
 
 def test_activation_estimate_follows_its_formula():
     spec = GPTSpec(vocab_size=100, n_layer=4, n_head=4, n_embd=64, block_size=128)
-    s, b, h, a, v, L = 128, 2, 64, 4, 100, 4
+    s = 128
+    b = 2
+    h = 64
+    a = 4
+    v = 100
+    L = 4
     block = s * b * (16 * h * 2 + 16 + 4 * a)
     head = s * b * (2 * h * 2 + 8 + 4 * v)
     inputs = 2 * 8 * s * b + 8 * s  # token ids, targets, positions (int64)
@@ -164,10 +170,16 @@ def test_temporaries_estimate_follows_its_formula():
     (c_proj's gradients beside the arriving one, the recomputed block with checkpointing)."""
     kw = {"micro_batch_size": 2, "seq_len": 128, "bytes_per_element": 2}
     wide_vocab = GPTSpec(vocab_size=50_000, n_layer=4, n_head=4, n_embd=64, block_size=128)
-    s, b, h, v = 128, 2, 64, 50_000
+    s = 128
+    b = 2
+    h = 64
+    v = 50_000
     assert wide_vocab.temporaries_bytes(**kw, checkpointing=False) == 8 * s * b * v
     wide_model = GPTSpec(vocab_size=100, n_layer=4, n_head=8, n_embd=1024, block_size=128)
-    s, b, h, v = 128, 2, 1024, 100
+    s = 128
+    b = 2
+    h = 1024
+    v = 100
     head = s * b * (2 * h * 2 + 8 + 4 * v)
     c_proj = (s * b * h + 4 * s * b * h + 4 * h * h + h) * 2
     tied = v * h * 2  # the LM head's weight gradient, waiting for the embedding's part

@@ -55,7 +55,8 @@ class MlflowServer:
     stopped and started again on the same port and store."""
 
     def __init__(self, root: Path) -> None:
-        self.root, self.port = root, free_port()
+        self.root = root
+        self.port = free_port()
         self.uri = f"http://127.0.0.1:{self.port}"
         self.secret_uri = f"http://zero1-service:{PASSWORD}@127.0.0.1:{self.port}"
         """The URI with credentials, as a deployment behind MLflow's basic auth sets it (this server
@@ -262,7 +263,9 @@ def test_a_batch_sent_again_after_a_crash_is_stored_once(tracked, mlflow_server)
         first_step = min(m.step for m in points if m.timestamp == last_batch)
         with database.session() as session:  # as if that batch's cursor move had never been committed
             cursor = session.get(MlflowRun, job_id)
-            cursor.step, cursor.batch_time_ms, cursor.done = first_step - 1, last_batch, False
+            cursor.step = first_step - 1
+            cursor.batch_time_ms = last_batch
+            cursor.done = False
         exporter = Exporter(db=database, settings=settings, storage=JobStorage(settings))
         assert exporter.run_once() is False
         with database.session() as session:

@@ -291,13 +291,16 @@ def _nonfinite_norm_skips_on_every_rank(rank: int, world_size: int, dtype: torch
     """No loss scaler (bf16, fp32): a nan or inf in one element of rank 1's gradient skips the
     step on every rank, changing nothing, and the next clean step is the one an optimizer that
     never saw the bad step takes."""
-    model, clean = make_model(dtype), make_model(dtype)
+    model = make_model(dtype)
+    clean = make_model(dtype)
     opt = ZeRO1AdamW(decay_param_groups(model, weight_decay=0.1), **HYPER, max_grad_norm=MAX_NORM)
     clean_opt = ZeRO1AdamW(decay_param_groups(clean, weight_decay=0.1), **HYPER, max_grad_norm=MAX_NORM)
     assert opt.loss_scaler is None
     train_zero1(rank, world_size, model, opt, steps=2, first_step=0)
     train_zero1(rank, world_size, clean, clean_opt, steps=2, first_step=0)
-    params, state, counts = _params(model), _state_of(opt), [s.step for s in opt._slots]
+    params = _params(model)
+    state = _state_of(opt)
+    counts = [s.step for s in opt._slots]
 
     poison = contextlib.nullcontext()
     if rank == 1:  # fc1.weight's first element is in rank 0's shard: the bad value crosses ranks

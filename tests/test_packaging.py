@@ -36,7 +36,8 @@ def _run(*args: str | Path, **kwargs) -> subprocess.CompletedProcess:
 def wheel(tmp_path_factory) -> Path:
     """Built from a copy of the tracked files: setuptools' build/ directory in the checkout could
     hold modules deleted since, which would ship."""
-    source, out = tmp_path_factory.mktemp("source"), tmp_path_factory.mktemp("wheel")
+    source = tmp_path_factory.mktemp("source")
+    out = tmp_path_factory.mktemp("wheel")
     tracked = _run("git", "ls-files", cwd=ROOT).stdout.splitlines()
     for name in tracked:
         if (ROOT / name).is_file():

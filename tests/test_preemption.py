@@ -187,7 +187,8 @@ def test_a_victim_that_cannot_stop_within_the_grace_is_killed_and_resumes_from_i
     with serve(settings) as client:
         gate = tmp_path / "gate"
         code = upload(client, _gated_bundle(tmp_path / "bundle", gate))
-        steps, every = 24, 8
+        steps = 24
+        every = 8
         # 8 samples a step in micro-batches of 2 on 4 ranks: one forward call a step; the ranks
         # wait in forward at call 9 (step 8), right past the checkpoint of step 7, which its
         # background writer completes meanwhile: however slow the steps, they cannot stop cleanly

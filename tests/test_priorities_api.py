@@ -133,7 +133,8 @@ def test_a_job_larger_than_its_owners_quota_is_a_422_naming_both_numbers(api):
 
 
 def test_an_owner_changes_a_priority_within_the_ceiling_and_the_queue_reorders(api):
-    first, second = submit(api, ALICE, name="first"), submit(api, ALICE, name="second")
+    first = submit(api, ALICE, name="first")
+    second = submit(api, ALICE, name="second")
     assert (get(api, first["id"])["queue_position"], get(api, second["id"])["queue_position"]) == (1, 2)
 
     raised = api.patch(f"/v1/jobs/{second['id']}", json={"priority": 70}, headers=bearer(ALICE))

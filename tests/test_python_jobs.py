@@ -245,7 +245,8 @@ def test_every_ranks_prints_and_logging_reach_the_logs_in_order_and_follow_strea
     assert r.status_code == 201, r.text
     job_id = r.json()["id"]
 
-    streamed, end = [], None
+    streamed = []
+    end = None
     with client.stream("GET", f"/v1/jobs/{job_id}/logs", params={"follow": "true"}) as response:
         assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
         for event in server_sent_events(response.iter_lines()):

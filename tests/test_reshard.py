@@ -89,7 +89,8 @@ def test_a_sharded_checkpoint_reshards_4_3_2_4_to_the_uninterrupted_state(tmp_pa
     for name, entry in unresized.items():
         assert resized[name]["step"] == entry["step"]
         for kind in ("master", "exp_avg", "exp_avg_sq"):
-            got, want = resized[name][kind], entry[kind]
+            got = resized[name][kind]
+            want = entry[kind]
             worst = max(worst, ((got - want).abs().max() / want.abs().max().clamp(min=1e-30)).item())
             assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
     print(f"\n4 -> 3 -> 2 -> 4 against an unresized 4-rank run: largest difference of the state {worst:.1e} (relative)")

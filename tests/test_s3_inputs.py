@@ -50,7 +50,8 @@ def jsonl(texts: list[str]) -> bytes:
 @pytest.fixture
 def tree(s3_uri, tmp_path) -> tuple[str, Path]:
     """TREE in the bucket under <s3_uri>/data and in a local directory: (the bucket's root, the local one)."""
-    store, local = open_store(f"{s3_uri}/data"), tmp_path / "data"
+    store = open_store(f"{s3_uri}/data")
+    local = tmp_path / "data"
     for name, texts in TREE.items():
         store.write(name, jsonl(texts))
         (local / name).parent.mkdir(parents=True, exist_ok=True)
@@ -259,7 +260,8 @@ def test_a_dataset_jobs_data_come_from_the_bucket_and_its_ranks_fetch_only_the_t
     rows = client.get(f"/v1/jobs/{job['id']}/metrics").json()["data"]
     assert [row["step"] for row in rows] == [0, 1, 2, 3] and all(np.isfinite(row["loss"]) for row in rows)
 
-    tokens_store, name = open_store(token_uri.rsplit("/", 1)[0]), token_uri.rsplit("/", 1)[1]
+    tokens_store = open_store(token_uri.rsplit("/", 1)[0])
+    name = token_uri.rsplit("/", 1)[1]
     # each rank's parent fetched the token file whole, once; no rank read the data
     assert s3_server.requests(mark, key_prefix=f"{root}/big", method="GET") == []
     assert s3_server.bytes_served(token_uri, since=mark) == 2 * tokens_store.size(name)

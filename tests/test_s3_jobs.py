@@ -56,7 +56,8 @@ def test_a_killed_rank_resumes_from_the_last_complete_s3_checkpoint_bit_for_bit(
     state, rows = wait_for(start_job(killed, num_workers=2, job_id="retry"), until=finished)
     assert state.status == "succeeded", state.error
     assert min(r.step for r in rows) == resumed_from
-    resumed, uninterrupted = shards(store, steps - 1), shards(open_store(reference.checkpoint_dir), steps - 1)
+    resumed = shards(store, steps - 1)
+    uninterrupted = shards(open_store(reference.checkpoint_dir), steps - 1)
     assert sorted(resumed) == ["rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors"]
     assert resumed == uninterrupted  # bit for bit: parameters, moments and step counts
     assert latest_checkpoint(store) == (steps - 1, 2)

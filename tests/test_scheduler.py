@@ -119,7 +119,8 @@ def test_a_cancel_during_dispatch_ends_cancelled_with_no_supervisor_and_no_gpu_h
     the job ends cancelled, its supervisor is gone, and the GPUs it held are free and uncounted."""
     client, settings = app
     runtime = client.app.state.runtime
-    launch, cancelled_in_launch = runtime.launcher.launch, []
+    launch = runtime.launcher.launch
+    cancelled_in_launch = []
 
     def cancel_then_launch(job: Job) -> None:
         with runtime.db.session() as session:  # as POST /v1/jobs/{id}/cancel does, mid-dispatch
@@ -300,7 +301,8 @@ def bare(ray_cluster, tmp_path) -> Iterator[tuple[Scheduler, Database, object, F
     """A scheduler of its own (not ticking by itself) on a fresh database, with a fake clock."""
     settings = make_settings(tmp_path, ray_rpc_timeout_s=0.5)
     upgrade(settings.database_url)
-    db, clock = Database(settings.database_url), FakeClock()
+    db = Database(settings.database_url)
+    clock = FakeClock()
     storage = JobStorage(settings)
     scheduler = Scheduler(
         db=db,

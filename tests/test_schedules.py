@@ -19,7 +19,10 @@ from workers.training.loop import train
 import helpers
 from distributed import small_run
 
-STEPS, LR, WARMUP, RATIO = 24, 3e-3, 5, 0.1
+STEPS = 24
+LR = 3e-3
+WARMUP = 5
+RATIO = 0.1
 KINDS = {
     "constant": ScheduleSpec(),
     "constant-warmup": ScheduleSpec(warmup_steps=WARMUP),

@@ -326,10 +326,8 @@ def test_only_the_owner_admins_and_auth_off_see_a_jobs_details(tmp_path):
                 idempotency_key=None,
                 owner="alice",
             )
-            job.latest, job.error = (
-                {"step": 3, "loss": 2.5},
-                {"exception": "RuntimeError", "message": "in alice's data"},
-            )
+            job.latest = {"step": 3, "loss": 2.5}
+            job.error = {"exception": "RuntimeError", "message": "in alice's data"}
             views = {who: job_public(job, position=1, principal=principal) for who, principal in readers.items()}
     finally:
         db.dispose()
@@ -445,7 +443,8 @@ def test_login_locks_a_client_out_after_10_wrong_tokens_within_a_minute(secured)
     would go on at full speed), until its oldest failure is WINDOW_S old; other addresses are not
     locked out."""
     now_s = [1000.0]
-    saved, secured.app.state.login_lockout = secured.app.state.login_lockout, LoginLockout(clock=lambda: now_s[0])
+    saved = secured.app.state.login_lockout
+    secured.app.state.login_lockout = LoginLockout(clock=lambda: now_s[0])
     try:
         for _ in range(MAX_FAILURES):  # one a second
             now_s[0] += 1
@@ -693,7 +692,8 @@ class _ViaTestClient:
     """Stands in for httpx.Client in the CLI: its requests go to the test app with the headers it was given."""
 
     def __init__(self, app_client: TestClient, headers: dict):
-        self.app_client, self.headers = app_client, headers
+        self.app_client = app_client
+        self.headers = headers
 
     def __enter__(self):
         return self

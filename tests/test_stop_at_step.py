@@ -46,7 +46,8 @@ def _config(root: str, *, checkpoint_every: int) -> TrainConfig:
 def _attempt(rank: int, world_size: int, root: str, checkpoint_every: int, stop_after: int | None, name: str) -> None:
     """One attempt of the run on this rank: stopped after `stop_after` (None: trains to the end);
     its result, what it was asked, what it saved and its rows go to root/../<name>-<rank>.json."""
-    saved, asked = [], []
+    saved = []
+    asked = []
     save = workers.training.writer.CheckpointWriter.save  # a process of its own: patched for this attempt only
 
     def counting_save(writer, step, metrics=()):
@@ -95,7 +96,8 @@ def _final_state(root: Path) -> tuple[dict[str, torch.Tensor], list[dict]]:
     ids=["between-checkpoints", "at-a-checkpoint"],
 )
 def test_a_run_stopped_after_a_step_checkpoints_it_and_resumes_bit_for_bit(tmp_path, stop_after, checkpoint_every):
-    whole, stopped = tmp_path / "whole" / "ck", tmp_path / "stopped" / "ck"
+    whole = tmp_path / "whole" / "ck"
+    stopped = tmp_path / "stopped" / "ck"
     run_ranks(2, _attempt, str(whole), checkpoint_every, None, "whole")
     run_ranks(2, _attempt, str(stopped), checkpoint_every, stop_after, "stopped")
     periodic = [s for s in range(STEPS) if checkpoint_every and (s + 1) % checkpoint_every == 0]
@@ -125,7 +127,8 @@ def test_a_run_stopped_after_a_step_checkpoints_it_and_resumes_bit_for_bit(tmp_p
         assert attempt["rows"] == list(range(stop_after + 1, STEPS))  # with the first attempt's: each step once
     assert [row.step for row in checkpointed_metrics(stopped, after_step=-1)] == list(range(STEPS))
 
-    (got_weights, got_shards), (want_weights, want_shards) = _final_state(stopped), _final_state(whole)
+    got_weights, got_shards = _final_state(stopped)
+    want_weights, want_shards = _final_state(whole)
     assert got_weights.keys() == want_weights.keys()
     for name, weight in want_weights.items():
         assert torch.equal(got_weights[name], weight), name
@@ -169,7 +172,8 @@ def supervisor(ray_cluster):
 
 def _answers_true_within(ask, *, timeout_s: float = 30.0) -> None:
     """Ask (never blocking) until the answer is True, failing at the deadline (a bound on a failure)."""
-    deadline, calls = time.monotonic() + timeout_s, 0
+    deadline = time.monotonic() + timeout_s
+    calls = 0
     while True:
         calls += 1
         if ask():
@@ -250,7 +254,9 @@ class _Child:
     """Stands in for a rank's child: says its messages in order, keeps what the parent sends."""
 
     def __init__(self, *messages: dict) -> None:
-        self.messages, self.sent, self.killed = list(messages), [], False
+        self.messages = list(messages)
+        self.sent = []
+        self.killed = False
         self.output = types.SimpleNamespace(drain=lambda: None)  # its stdout and stderr: nothing written there
 
     def receive(self, timeout_s: float) -> dict:
@@ -265,8 +271,11 @@ class _Child:
 
 def _relay(rank: int, child: _Child, asked: list) -> None:
     process = RankProcess.__new__(RankProcess)  # the child's words without starting one
-    process.rank, process.world_size, process.child = rank, 2, child
-    process._piped, process._count = PipedLines(), 0
+    process.rank = rank
+    process.world_size = 2
+    process.child = child
+    process._piped = PipedLines()
+    process._count = 0
     process.run(
         {},
         sink=MetricsSink(send=lambda rows: None, flush=lambda rows: None),

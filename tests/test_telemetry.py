@@ -79,7 +79,8 @@ def test_histograms_and_counters_render_what_was_observed():
 
 
 def test_each_telemetry_has_a_registry_of_its_own():
-    first, second = Telemetry(), Telemetry()  # the process-wide registry would refuse the second's names
+    first = Telemetry()
+    second = Telemetry()  # the process-wide registry would refuse the second's names
     first.rows_ingested(5)
     assert value(scrape(second.render().decode()), "zero1_metric_rows_ingested_total") == 0
 

@@ -107,7 +107,8 @@ def test_gpt_closed_forms_match_a_count_of_the_step_on_real_tensors(spec, precis
 def test_mlp_closed_forms_match_a_count_of_the_step_on_real_tensors(sizes, batch, precision):
     spec = MLPSpec(sizes=sizes)
     model = build_model(spec, dtype=DTYPES[precision])
-    x, y = torch.randn(batch, sizes[0], dtype=DTYPES[precision]), torch.randint(0, sizes[-1], (batch,))
+    x = torch.randn(batch, sizes[0], dtype=DTYPES[precision])
+    y = torch.randint(0, sizes[-1], (batch,))
     _, used = measure_step(model, (x, y), lambda: model(x, y), lambda loss: loss.backward())
     activations, temporaries = planned_step(
         spec, micro_batch_size=batch, seq_len=1, precision=precision, checkpointing=False

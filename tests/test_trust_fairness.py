@@ -260,7 +260,8 @@ def test_a_locked_address_refuses_a_token_it_has_not_seen_succeed_there_and_admi
     address apart."""
     now_s = [1000.0]
     lockout = LoginLockout(max_failures=3, window_s=60, clock=lambda: now_s[0])
-    working, fresh = credential("bob's token"), credential("alice's token")
+    working = credential("bob's token")
+    fresh = credential("alice's token")
     lockout.record_success("192.0.2.1", working)
     for _ in range(3):
         lockout.record_failure("192.0.2.1")
@@ -284,7 +285,8 @@ class Restartable:
     """The served service of this module, stopped and started again on its state by the restart test."""
 
     def __init__(self, state: Path, **env: str) -> None:
-        self.state, self.env = state, env
+        self.state = state
+        self.env = env
         self.service = Served(state, **env)
 
     def restart(self, **env: str) -> Served:

@@ -327,7 +327,8 @@ def linked_python(searchable) -> Iterator[tuple[Path, Path]]:
     bin/python is searchable, the link's target is not. (bin/python, the 0700 home)."""
     base = Path(tempfile.mkdtemp(prefix="zero1-venv-"))
     os.chmod(base, 0o755)
-    home, bin_dir = base / "home", base / "venv" / "bin"
+    home = base / "home"
+    bin_dir = base / "venv" / "bin"
     home.mkdir(mode=0o700)
     bin_dir.mkdir(parents=True)
     (home / "python3").symlink_to(os.path.realpath(sys.executable))

@@ -170,7 +170,8 @@ print(json.dumps({"answer": answer, "containment": child.containment}))
 @pytest.mark.parametrize("zygote", ["on", "off"])
 def test_where_no_pid_namespace_may_be_made_the_subreaper_ends_the_daemon(traps, reports, zygote):
     # a service that is not root (no ZERO1_RUN_AS) may not unshare: its keeper is a subreaper instead
-    home, token = Path(tempfile.mkdtemp(prefix="zero1-nobody-")), secrets.token_hex(16)
+    home = Path(tempfile.mkdtemp(prefix="zero1-nobody-"))
+    token = secrets.token_hex(16)
     os.chown(home, 65534, 65534)
     env = {**os.environ, "ZERO1_ZYGOTE": zygote, "TMPDIR": str(home)}
     done = subprocess.run(
@@ -199,7 +200,8 @@ os.kill(os.getpid(), 9)  # as a cancelled rank's actor is killed: no close, no k
 
 @pytest.mark.parametrize("zygote", ["on", "off"])
 def test_a_daemon_ends_when_its_childs_parent_is_killed(traps, reports, zygote):
-    home, token = Path(tempfile.mkdtemp(prefix="zero1-killed-")), secrets.token_hex(16)
+    home = Path(tempfile.mkdtemp(prefix="zero1-killed-"))
+    token = secrets.token_hex(16)
     env = {**os.environ, "ZERO1_ZYGOTE": zygote}
     argv = [sys.executable, "-c", PARENT_KILLED, str(home / "child"), traps, str(reports), token]
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=180)
@@ -234,12 +236,15 @@ def test_a_childs_stdout_and_stderr_are_pipes_its_parent_reads(traps, monkeypatc
 def test_what_a_child_floods_its_pipes_with_is_bounded_in_its_parent_and_the_drop_marked(monkeypatch):
     monkeypatch.setattr(PipedLines, "MAX_BYTES", 100)
     process = RankProcess.__new__(RankProcess)  # the parent's side alone: no child started
-    process.rank, process._piped, process._count = 1, PipedLines(), 5  # 5 lines handed on before
+    process.rank = 1
+    process._piped = PipedLines()
+    process._count = 5  # 5 lines handed on before
     for i in range(50):
         process._piped("stdout", f"line {i:03}")
     sent: list = []
     process._hand_on_piped(sent.extend)
-    marker, kept = sent[0], sent[1:]
+    marker = sent[0]
+    kept = sent[1:]
     assert (marker.stream, marker.dropped[0]) == ("marker", 50 - len(kept)) and 0 < len(kept) < 50
     assert [line.n for line in sent] == list(range(5, 5 + len(sent)))  # numbered by the parent, in order
     assert [line.line for line in kept] == [f"line {i:03}" for i in range(50 - len(kept), 50)]

@@ -72,11 +72,14 @@ class Swapper:
     leaving."""
 
     def __init__(self, directory: Path, name: str, *, target: Path, uid: tuple[int, int], victim: int = 0) -> None:
-        self.real, self.link = directory / name, directory / SWAP
-        self.target, self.uid = target, uid
+        self.real = directory / name
+        self.link = directory / SWAP
+        self.target = target
+        self.uid = uid
         self.threads = [int(t) for t in os.listdir(f"/proc/{victim}/task")] if victim else [0]
         cpus = sorted(os.sched_getaffinity(0))
-        self.swapper_cpu, self.victim_cpus = cpus[-1], set(cpus[:-1] or cpus)
+        self.swapper_cpu = cpus[-1]
+        self.victim_cpus = set(cpus[:-1] or cpus)
         self.affinity = {thread: os.sched_getaffinity(thread) for thread in self.threads}
 
     def __enter__(self) -> Swapper:
@@ -154,7 +157,8 @@ def jobs(served) -> dict[str, dict]:
 
 
 def test_a_checkpoint_download_never_serves_another_jobs_shard_while_its_directory_is_swapped(served, jobs):
-    alice, bob = jobs["alice"], jobs["bob"]
+    alice = jobs["alice"]
+    bob = jobs["bob"]
     url = f"/v1/jobs/{alice['id']}/checkpoints/{STEP}/{SHARD}"
     own = (alice["dir"] / f"step-{STEP:09d}" / SHARD).read_bytes()
     answers: dict[str, int] = {}
@@ -176,10 +180,13 @@ def test_a_checkpoint_download_never_serves_another_jobs_shard_while_its_directo
 
 
 def test_the_store_never_opens_another_jobs_file_while_a_directory_is_swapped(jobs):
-    alice, bob = jobs["alice"], jobs["bob"]
-    store, name = DirectoryStore(alice["dir"]), f"step-{STEP:09d}/{SHARD}"
+    alice = jobs["alice"]
+    bob = jobs["bob"]
+    store = DirectoryStore(alice["dir"])
+    name = f"step-{STEP:09d}/{SHARD}"
     own = store.read(name)
-    read, refused = 0, 0
+    read = 0
+    refused = 0
     with Swapper(alice["dir"], f"step-{STEP:09d}", target=bob["step"], uid=IDS["alice"]):
         for _ in range(TRIES):
             try:
@@ -203,7 +210,8 @@ def test_the_store_never_opens_another_jobs_file_while_a_directory_is_swapped(jo
 
 
 def test_init_froms_weight_fetch_never_reads_another_jobs_weights_while_final_is_swapped(served, jobs, tmp_path):
-    alice, bob = jobs["alice"], jobs["bob"]
+    alice = jobs["alice"]
+    bob = jobs["bob"]
     artifacts = served.request("GET", f"/v1/jobs/{alice['id']}/artifacts", ALICE).json()["data"]
     (weights,) = [a for a in artifacts if a["name"] == "model.safetensors"]
     init = InitSpec(job=alice["id"], uri=str(alice["dir"]), sha256=weights["sha256"], bytes=weights["bytes"])
@@ -239,7 +247,8 @@ def test_the_spool_creates_nothing_through_a_swapped_fetched_directory(searchabl
         spool = Spool(stored, home=str(home), rank=0, world_size=1, keep_last=1, run_as=RunAs(*IDS["alice"]))
         (home / "fetched").mkdir()
         os.chown(home / "fetched", *IDS["alice"])
-        made, refused = 0, 0
+        made = 0
+        refused = 0
         with Swapper(home, "fetched", target=private, uid=IDS["alice"]):
             for step in range(TRIES):
                 try:

@@ -47,7 +47,8 @@ def tree(tmp_path_factory) -> dict[str, Path]:
     """A data root of three directories (a holds f.txt), and beside it a home with a token file, which
     links in the root reach: a file link, a directory link, and a directory of two links back up."""
     base = tmp_path_factory.mktemp("trust")
-    root, home = base / "root", base / "home"
+    root = base / "root"
+    home = base / "home"
     for name in ("a", "b", "c"):
         (root / name).mkdir(parents=True)
     (root / "a" / "f.txt").write_text("to be or not to be " * 50)
@@ -281,7 +282,8 @@ def test_wrong_bearer_tokens_lock_their_client_out_until_the_window_passes(trust
     another address is not locked out."""
     now_s = [1000.0]
     authenticator = trusted.app.state.authenticator
-    saved, authenticator.lockout = authenticator.lockout, LoginLockout(clock=lambda: now_s[0])
+    saved = authenticator.lockout
+    authenticator.lockout = LoginLockout(clock=lambda: now_s[0])
     guesser = TestClient(trusted.app, client=("198.51.100.7", 40000))
     try:
         for _ in range(10):

@@ -88,7 +88,8 @@ def _bundle(size: int, *, salt: str) -> bytes:
 
 
 def test_a_users_code_quota_counts_their_bundles_and_spares_bytes_already_stored(secured):
-    first, second = _bundle(2500, salt="a1"), _bundle(2500, salt="a2")
+    first = _bundle(2500, salt="a1")
+    second = _bundle(2500, salt="a2")
     assert secured.post("/v1/code", content=first, headers={**ZIP, **bearer(ALICE)}).status_code == 201
     over = secured.post("/v1/code", content=second, headers={**ZIP, **bearer(ALICE)})
     assert over.status_code == 413, over.text

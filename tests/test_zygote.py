@@ -85,7 +85,8 @@ def test_with_the_zygote_off_a_fresh_interpreter_sees_the_same_but_its_parent(bu
     assert fresh["parent"][1:3] != ["-m", "workers.runtime.zygote"]
     assert fresh["torch_loaded_before_me"] is False
     for seen in (forked, fresh):
-        home, code = seen["env"]["HOME"], seen["cwd"]
+        home = seen["env"]["HOME"]
+        code = seen["cwd"]
         for key in ("cwd", "path0", "tmp"):  # made per call: compare their shape
             seen[key] = seen[key].replace(code, "CODE").replace(home, "HOME")
         seen["env"] = {k: v.replace(home, "HOME") for k, v in seen["env"].items() if k != "PYTHONPATH"}
