@@ -1,7 +1,8 @@
 """The house's layout (service and workers, every package): each package says in its opening docstring what
 it holds and what it may import ("May import: ..."), and the imports keep to it; no module imports
 another in a circle; no folder holds more than a dozen modules, nor a module more than 400 lines;
-every path and dotted name the code and the docs cite exists; each test file names what it tests.
+no assignment packs three values, or an attribute, into one line; every path and dotted name the code
+and the docs cite exists; each test file names what it tests.
 
 Packages: every one, service.main to workers.memory.
 """
@@ -124,7 +125,12 @@ def test_the_rules_of_the_house():
 
 
 def test_no_module_imports_another_in_a_circle():
-    graph, index, low, stack, on_stack, circles = imports(), {}, {}, [], set(), []
+    graph = imports()
+    index = {}
+    low = {}
+    stack = []
+    on_stack = set()
+    circles = []
 
     def visit(node: str) -> None:  # Tarjan's strongly connected components
         index[node] = low[node] = len(index)
@@ -167,6 +173,36 @@ def test_folder_and_module_sizes_guide_and_never_grow_past_half_again():
         )
     assert {f: n for f, n in folders_over.items() if n > MAX_MODULES_PER_FOLDER * 3 // 2} == {}
     assert {p: n for p, n in modules_over.items() if n > MAX_LINES_PER_MODULE * 3 // 2} == {}
+
+
+PACKED_FOLDERS = ("service", "workers", "benchmarks", "examples", "migrations", "tests")
+
+
+def _written(target: ast.expr) -> list[ast.expr]:
+    """What a target writes, through nested tuples and lists: `(a, b), self.c` writes a, b and self.c."""
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return [w for element in target.elts for w in _written(element)]
+    return _written(target.value) if isinstance(target, ast.Starred) else [target]
+
+
+def test_no_packed_assignments():
+    """One assignment a line: `self.a, self.b = a, b` or `x, y, z = 1, 2, 3` packs what a reader takes in
+    one at a time. A swap of two names (`a, b = b, a`) and a returned pair unpacked
+    (`q, r = divmod(n, d)`: its value is no tuple display) stay."""
+    packed = []
+    for folder in PACKED_FOLDERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if "__pycache__" in path.parts:
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if not (isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Tuple)):
+                    continue
+                if not isinstance(node.value, ast.Tuple):
+                    continue
+                attribute = any(isinstance(w, ast.Attribute) for w in _written(node.targets[0]))
+                if len(node.value.elts) >= 3 or attribute:
+                    packed.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert packed == []
 
 
 _CITED_PATH = re.compile(r"(?<![\w./-])((?:service|workers)/[\w/]+\.py)\b")
