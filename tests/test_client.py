@@ -117,7 +117,7 @@ def test_an_error_answer_is_an_api_error_with_the_fields_at_fault(through):
 
 
 class WaitClock:
-    """time for service.client.jobs: monotonic() reads now_s, which only sleep() moves on; each sleep is kept."""
+    """time for the module of Job.wait: monotonic() reads now_s, which only sleep() moves on; each sleep is kept."""
 
     def __init__(self) -> None:
         self.now_s = 0.0
@@ -136,7 +136,7 @@ def test_wait_times_out_and_a_job_is_suspended_resumed_and_cancelled(through, mo
     job = zero1.submit(job_body(name="long", steps=100_000))  # 100,000 steps: it cannot end during the wait
     clock = WaitClock()
     with monkeypatch.context() as patched, pytest.raises(TimeoutError, match=f"job {job.id} is still .* after 2 s"):
-        patched.setattr("service.client.jobs.time", clock)
+        patched.setattr(f"{Job.__module__}.time", clock)  # zero1.jobs: service/client/jobs.py as installed
         job.wait(timeout=2, interval=0.5)
     assert clock.sleeps_s == [0.5] * 4  # asked at 0, 0.5, 1, 1.5 and 2 s on the wait's clock, then gave up
     job.suspend()  # a queued job leaves the queue at once; a running one at its next step
