@@ -32,11 +32,11 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 from fakes import state_on_fakes  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
-from marks import apply_marks, check_no_ray_started, ray_is_up, starts  # noqa: E402
 
 from service.main import create_app  # noqa: E402
 from service.settings import Settings  # noqa: E402
 
+from marks import apply_marks, check_no_ray_started, ray_is_up, starts  # noqa: E402
 from s3 import S3Endpoint, S3Server, reserved_s3_endpoint, running_s3_server  # noqa: E402
 
 

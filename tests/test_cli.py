@@ -20,12 +20,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from watched import watch_int
 
 from service.cli import main
 from zero1 import Client
 
 from helpers import free_port, wait_healthy
+from watched import watch_int
 
 ZERO1 = str(Path(sys.executable).with_name("zero1"))
 ROOT = Path(__file__).resolve().parents[1]

@@ -27,10 +27,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from marks import starts
 from sqlalchemy import create_engine, text
 
 from helpers import free_port, job_checkpoint_dir, wait_for
+from marks import starts
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

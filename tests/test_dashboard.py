@@ -28,9 +28,7 @@ from urllib.parse import parse_qs, urlparse
 
 import httpx
 import pytest
-from marks import starts
 from playwright.sync_api import Browser, Page, expect, sync_playwright
-from watched import watch_int
 
 from service.dashboard import charts
 from service.dashboard.format import duration, human_bytes, significant
@@ -47,6 +45,8 @@ from workers.memory.model import GB
 from workers.records import MetricRow
 
 from helpers import free_port
+from marks import starts
+from watched import watch_int
 
 ZERO1 = str(Path(sys.executable).with_name("zero1"))
 ROOT = Path(__file__).resolve().parents[1]

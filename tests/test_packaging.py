@@ -18,9 +18,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from marks import starts
 
 from helpers import free_port, wait_for
+from marks import starts
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCH_SPEC = os.environ.get("TORCH_SPEC", "torch==2.13.0")  # as the Makefile installs it

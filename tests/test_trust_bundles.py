@@ -26,8 +26,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from marks import starts
-from served import ALICE, ZERO1, Served, running
 
 from service.planning.capacity import private_ray_temp_dir, without_service_secrets
 from service.store.code_bundles import CodeStore, ObjectCodeStore
@@ -38,7 +36,9 @@ from workers.uris import join_uri
 
 from figures import record
 from helpers import free_port, job_body, stored_bundle, symlink_zip, zip_of
+from marks import starts
 from s3 import SECRET_ACCESS_KEY
+from served import ALICE, ZERO1, Served, running
 
 RUN_AS = "alice=2001:2001,bob=2002:2002,*=30000-30009"
 ALICE_UID = 2001

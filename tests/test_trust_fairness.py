@@ -24,8 +24,6 @@ from typing import Any
 
 import httpx
 import pytest
-from marks import starts
-from served import ALICE, BOB, ROOT, TOKENS, Served
 from sqlalchemy import select
 from test_mlflow import PASSWORD, the_run
 
@@ -44,6 +42,8 @@ from workers.records import AttemptPoll, AttemptStatus, RankError
 
 from conftest import make_settings
 from helpers import TERMINAL, job_body, wait_for
+from marks import starts
+from served import ALICE, BOB, ROOT, TOKENS, Served
 
 CLUSTER = ClusterCapacity(num_gpus=4, num_gpus_free=4, gpu_memory_bytes=80 * GB, simulated=True)
 ELASTIC = {"num_gpus": 2, "min_gpus": 1, "micro_batch_size": 2, "global_batch_size": 8}

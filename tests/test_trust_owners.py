@@ -27,9 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from marks import starts
 from pydantic import ValidationError
-from served import BOB, ROOT, ZERO1, Served
 
 from service.run_as import parse_run_as
 from service.schemas.printable import CONTROL, MULTILINE, escape
@@ -41,6 +39,8 @@ from workers.runtime.sandbox import check_runnable
 
 from figures import record
 from helpers import job_body
+from marks import starts
+from served import BOB, ROOT, ZERO1, Served
 
 RANGE = range(30000, 30010)
 RUN_AS = "alice=2001:2001,*=30000-30009"

@@ -22,8 +22,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from marks import starts
-from served import ALICE, Served, running
 
 from workers import containment
 from workers.records import RunAs
@@ -31,6 +29,8 @@ from workers.runtime.rank_parent import PipedLines, RankProcess
 from workers.runtime.sandbox import Child, ChildSpec, call_in_child
 
 from helpers import job_body, wait_for
+from marks import starts
+from served import ALICE, Served, running
 
 TRAPS = '''
 import ctypes

@@ -26,8 +26,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from marks import starts
-from served import ALICE, BOB, Served, running
 
 from service.errors import ServiceError
 from service.store.checkpoint_files import open_checkpoint_file
@@ -39,6 +37,8 @@ from workers.training.storage import DirectoryStore
 
 from figures import record
 from helpers import job_body
+from marks import starts
+from served import ALICE, BOB, Served, running
 
 IDS = {"alice": (2001, 2001), "bob": (2002, 2002)}
 RUN_AS = "alice=2001:2001,bob=2002:2002,*=30000-30009"

@@ -23,8 +23,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from marks import starts
-from served import ALICE, BOB, ROOT, Served, running
 
 from service.scheduling.ray_launcher import supervisor_name
 from workers.records import RunAs
@@ -34,7 +32,9 @@ from zero1.bundle import zip_directory
 from conftest import unsearchable_dirs
 from figures import record
 from helpers import TERMINAL, job_body, wait_job
+from marks import starts
 from s3 import SECRET_ACCESS_KEY
+from served import ALICE, BOB, ROOT, Served, running
 
 IDS = {"alice": (2001, 2001), "bob": (2002, 2002)}
 NOBODY = (65534, 65534)

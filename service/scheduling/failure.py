@@ -6,8 +6,8 @@ retry runs at the N the scheduler found free for it (service/scheduling/elastic.
 and goes back to the queue, its retry spent, where its owner's quota no longer holds its fewest GPUs.
 Ray Train v2's FailurePolicy.make_decision is the model.
 
-No database, no Ray, no clock: service/scheduling/scheduler.py gathers the failure and carries
-out the decision.
+No database, no Ray, no clock: service/scheduling/scheduler.py gathers the failure and
+service/scheduling/outcomes.py carries out the decision.
 """
 
 from __future__ import annotations
