@@ -67,10 +67,20 @@ def start_job(
         cpus_per_worker=0.5,
         timeout_s=30,
         process_group_timeout_s=process_group_timeout_s,
+        name=f"test/{job_id}",
     )
     supervisor = JobSupervisor.remote(job_id, cfg, placement)
     ray.get(supervisor.start.remote())
     return supervisor
+
+
+def groups_held(job_id: str = "job") -> list[str]:
+    """The states of start_job(job_id=...)'s placement groups that Ray has not removed."""
+    return [
+        entry["state"]
+        for entry in ray.util.placement_group_table().values()
+        if entry["name"] == f"test/{job_id}" and entry["state"] != "REMOVED"
+    ]
 
 
 def wait_for(supervisor, *, until, timeout_s: float = 120.0) -> tuple[dict, list[dict]]:
@@ -212,6 +222,7 @@ def test_a_small_gpt_learns_toward_the_source_entropy(ray_cluster, num_workers):
     cfg = config(micro_batch_size=16 // num_workers)
     state, rows = wait_for(start_job(cfg, num_workers=num_workers), until=finished)
     assert state.status == AttemptStatus.SUCCEEDED, state.error
+    assert groups_held() == []  # its GPUs were given back before the success was told
     assert [r.step for r in rows] == list(range(200))  # every step, once, with every rank's memory
     assert all(len(r.mem_peak_bytes) == num_workers for r in rows)
     curve = losses(rows)
@@ -361,6 +372,7 @@ def test_a_killed_rank_fails_the_job_and_a_restart_resumes_exactly(ray_cluster, 
     ray.kill(ray.get(supervisor.worker.remote(1)))
     state, _ = wait_for(supervisor, until=finished, timeout_s=30)
     assert state.status == AttemptStatus.FAILED
+    assert groups_held() == []  # likewise before the failure
     assert state.error.rank == 1 and state.error.node_id == state.nodes[1]
     assert state.error.exception == "ActorDiedError", state.error
     resumed_from = latest_checkpoint(tmp_path / "killed")[0] + 1

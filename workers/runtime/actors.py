@@ -199,7 +199,9 @@ class JobSupervisor:
         dropped (log_dropped: lines, bytes, since the attempt began).
 
         Rows up to `after_step` and lines up to the acks are dropped: the caller says what it has
-        stored, so a caller that failed to store a batch gets it again on its next poll.
+        stored, so a caller that failed to store a batch gets it again on its next poll. An
+        ended status (but "cancelled", set first) is reported once the ranks are gone and the
+        group removed.
         """
         with self._lock:
             self._metrics = [row for row in self._metrics if row.step > after_step]
@@ -244,11 +246,13 @@ class JobSupervisor:
                 except Exception as exc:  # noqa: BLE001 - any rank failure fails the job, with its cause
                     self._fail_with_root_cause(runs, rank, exc, pending)
                     return
+        # GPUs first, then the news: a caller that sees the attempt over may drop this actor (a
+        # group it made outlives it, held until the driver exits) and may place the next at once.
+        self._release()
         with self._lock:
             if self.status == AttemptStatus.RUNNING:
                 stopped = any(r.stopped for r in self.results.values())
                 self.status = AttemptStatus.STOPPED if stopped else AttemptStatus.SUCCEEDED
-        self._release()
 
     def _fail_with_root_cause(self, runs: dict[Any, int], rank: int, exc: Exception, pending: list[Any]) -> None:
         """Fail with the cause of the ranks' failures, not the first to arrive: the other ranks' reports
@@ -274,11 +278,11 @@ class JobSupervisor:
         self._fail_with(self._rank_error(rank, exc))
 
     def _fail_with(self, error: RankError) -> None:
+        self._release()  # before the news, as in _watch
         with self._lock:
             if self.status != AttemptStatus.CANCELLED:  # a cancel wins: its ranks were killed on purpose
                 self.status = AttemptStatus.FAILED
                 self.error = error
-        self._release()
 
     def _release(self) -> None:
         with self._lock:
