@@ -1,8 +1,11 @@
 """zero1 as a deployer installs it: a wheel, without extras, in a fresh virtual environment.
 
 The development install is editable with the dev extras, which hides a module left out of the
-wheel or a dependency only the extras bring. This test builds the wheel, installs it alone (and
-torch, as the Makefile does) in a new venv, and runs the commands a deployer runs.
+wheel or a dependency only the extras bring. This test builds the wheel, installs it alone in a new
+venv beside exactly the distributions its requirements (no extras) reach, and runs the commands a
+deployer runs. Those distributions are linked from the development venv, where `make` installed them
+(torch as TORCH_SPEC says), not downloaded and unpacked again: pip, offline, then installs the wheel
+only if they satisfy every requirement it declares, and a package outside them cannot be imported.
 
 Packages: service.cli, service.store.
 """
@@ -14,16 +17,20 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from collections import defaultdict
+from email.parser import Parser
+from importlib import metadata
 from pathlib import Path
 
 import httpx
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from helpers import free_port, wait_for
 from marks import starts
 
 ROOT = Path(__file__).resolve().parents[1]
-TORCH_SPEC = os.environ.get("TORCH_SPEC", "torch==2.13.0")  # as the Makefile installs it
 
 
 def _run(*args: str | Path, **kwargs) -> subprocess.CompletedProcess:
@@ -48,17 +55,65 @@ def wheel(tmp_path_factory) -> Path:
     return built
 
 
+def requirements_of(wheel: Path) -> list[str]:
+    """The wheel's Requires-Dist, as pip reads them."""
+    with zipfile.ZipFile(wheel) as archive:
+        (name,) = (n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+        return Parser().parsestr(archive.read(name).decode()).get_all("Requires-Dist")
+
+
+def closure(requirements: list[str]) -> dict[str, metadata.Distribution]:
+    """Every installed distribution `requirements` reach (no extras but those a requirement names,
+    markers evaluated as pip does), by canonical name."""
+    found: dict[str, tuple[metadata.Distribution, set[str]]] = {}
+    todo = [(Requirement(text), "") for text in requirements]
+    while todo:
+        requirement, extra = todo.pop()
+        if requirement.marker is not None and not requirement.marker.evaluate({"extra": extra}):
+            continue
+        dist = metadata.distribution(requirement.name)
+        name = canonicalize_name(dist.metadata["Name"])
+        extras = found.get(name, (dist, set()))[1]
+        if name in found and set(requirement.extras) <= extras:
+            continue
+        found[name] = (dist, extras | set(requirement.extras))
+        todo += [(Requirement(text), e) for text in dist.requires or [] for e in ["", *sorted(found[name][1])]]
+    return {name: dist for name, (dist, _) in found.items()}
+
+
+def link_installed(dists: dict[str, metadata.Distribution], site: Path) -> None:
+    """Make `dists` installed in `site` by links to their files: a top-level entry only they hold
+    (a package, its .dist-info) as one link, one other distributions share (a namespace package)
+    file by file, so that nothing of a distribution outside `dists` is reachable."""
+    holders: dict[str, set[str]] = defaultdict(set)
+    for dist in metadata.distributions():
+        name = canonicalize_name(dist.metadata["Name"])
+        for line in (dist.read_text("RECORD") or "").splitlines():
+            holders[line.split(",", 1)[0].split("/", 1)[0]].add(name)
+    for name, dist in dists.items():
+        assert dist.files is not None, f"{name} has no RECORD"
+        for path in dist.files:
+            top = path.parts[0]
+            if top == ".." or (site / top).is_symlink():  # a script in bin/ (its #! names the old venv)
+                continue
+            whole = holders[top] == {name}
+            target = site / (top if whole else path)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if not target.is_symlink():
+                target.symlink_to(dist.locate_file(top if whole else path))
+
+
 @pytest.fixture(scope="module")
 @starts("slow")
 def venv(wheel, tmp_path_factory) -> Path:
-    """A new venv with the wheel (no extras) and torch: its bin/ directory."""
+    """A new venv with the wheel (no extras) and what it requires: its bin/ directory."""
     root = tmp_path_factory.mktemp("venv")
-    _run(sys.executable, "-m", "venv", root)
-    # --no-compile: byte-compiling torch's and ray's thousands of modules is most of an install's time,
-    # and the commands below compile what they import anyway
-    pip = [root / "bin" / "python", "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-compile"]
-    _run(*pip, TORCH_SPEC)
-    _run(*pip, wheel)
+    _run(sys.executable, "-m", "venv", "--without-pip", root)
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    link_installed(closure(requirements_of(wheel)), root / "lib" / version / "site-packages")
+    # --no-index: pip finds every requirement installed (the links) or fails naming the missing one
+    pip = [sys.executable, "-m", "pip", "--python", root / "bin" / "python", "install", "--quiet", "--no-index"]
+    _run(*pip, "--disable-pip-version-check", "--no-compile", wheel)
     return root / "bin"
 
 
