@@ -38,7 +38,7 @@ def _data_start(store: ObjectStore, name: str) -> int:
 
 
 def test_a_killed_rank_resumes_from_the_last_complete_s3_checkpoint_bit_for_bit(ray_cluster, s3_uri):
-    steps = 120
+    steps = 90
     reference = config(steps=steps, checkpoint_every=10, checkpoint_dir=f"{s3_uri}/reference")
     state, _ = wait_for(start_job(reference, num_workers=2, job_id="reference"), until=finished)
     assert state.status == "succeeded", state.error
