@@ -123,13 +123,18 @@ def _held(events_by_job: dict[int, list[dict]]) -> list[tuple[datetime, int, int
 
 
 def test_gang_scheduling_never_holds_more_gpus_than_exist(sqlite_client):
-    jobs = [submit(sqlite_client, job_body(name=f"gang-{i}", steps=150)) for i in range(3)]
-    first_two = [wait_job(sqlite_client, j["id"], lambda j: j["status"] != "queued") for j in jobs[:2]]
-    assert {j["status"] for j in first_two} <= {"starting", "running"}
+    # the first two cannot end on their own: the third's wait is for their GPUs, not a race with them
+    jobs = [submit(sqlite_client, job_body(name=f"gang-{i}", steps=1_000_000)) for i in range(2)]
+    jobs.append(submit(sqlite_client, job_body(name="gang-2", steps=5)))
+    first_two = [wait_job(sqlite_client, j["id"], lambda j: j["step"] is not None) for j in jobs[:2]]
+    assert {j["status"] for j in first_two} == {"running"}
     third = sqlite_client.get(f"/v1/jobs/{jobs[2]['id']}").json()
     assert (third["status"], third["queue_position"]) == ("queued", 1)  # its 2 GPUs are held by the others
-    for job in jobs:
-        assert wait_job(sqlite_client, job["id"], finished)["status"] == "succeeded"
+    assert sqlite_client.post(f"/v1/jobs/{jobs[0]['id']}/cancel").status_code == 202
+    assert wait_job(sqlite_client, jobs[2]["id"], finished)["status"] == "succeeded"
+    assert sqlite_client.get(f"/v1/jobs/{jobs[1]['id']}").json()["status"] == "running"  # beside it all along
+    assert sqlite_client.post(f"/v1/jobs/{jobs[1]['id']}/cancel").status_code == 202
+    assert [wait_job(sqlite_client, j["id"], finished)["status"] for j in jobs[:2]] == ["cancelled"] * 2
 
     events = {j["id"]: (2, sqlite_client.get(f"/v1/jobs/{j['id']}/events").json()["data"]) for j in jobs}
     held = 0
@@ -139,7 +144,7 @@ def test_gang_scheduling_never_holds_more_gpus_than_exist(sqlite_client):
         peak = max(peak, held)
     assert peak == 4  # two jobs ran side by side, never three
     third_start = next(e["at"] for e in events[jobs[2]["id"]][1] if e["to_status"] == "starting")
-    first_end = min(e["at"] for j in jobs[:2] for e in events[j["id"]][1] if e["to_status"] == "succeeded")
+    first_end = min(e["at"] for j in jobs[:2] for e in events[j["id"]][1] if e["to_status"] in TERMINAL)
     assert datetime.fromisoformat(third_start) >= datetime.fromisoformat(first_end)
 
 
