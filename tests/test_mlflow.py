@@ -65,6 +65,11 @@ class MlflowServer:
 
     def start(self) -> float:
         """Start it and wait until /health answers; the time it answered (time.monotonic())."""
+        self.launch()
+        return self.wait_ready()
+
+    def launch(self) -> None:
+        """Start it without waiting: a caller may start something else meanwhile, then wait_ready()."""
         command = [
             MLFLOW, "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
             "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
@@ -73,6 +78,9 @@ class MlflowServer:
         log = (self.root / "server.log").open("ab")
         env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
         self.process = subprocess.Popen(command, stdout=log, stderr=log, env=env, start_new_session=True)
+
+    def wait_ready(self) -> float:
+        """Wait until the launched server's /health answers; the time it answered (time.monotonic())."""
         return wait_for(
             self._health, lambda at: at is not None, what=f"{self.uri}/health", timeout_s=120, interval_s=0.1
         )

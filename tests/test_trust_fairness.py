@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 from sqlalchemy import select
-from test_mlflow import PASSWORD, the_run
+from test_mlflow import PASSWORD, MlflowServer, the_run
 
 from service.auth import credential
 from service.lockout import KNOWN_S, MAX_FAILURES, LoginLockout
@@ -284,9 +284,11 @@ TWO = {"alice": "bob", "bob": "alice"}
 class Restartable:
     """The served service of this module, stopped and started again on its state by the restart test."""
 
-    def __init__(self, state: Path, **env: str) -> None:
+    def __init__(self, state: Path, *, mlflow: MlflowServer, **env: str) -> None:
         self.state = state
         self.env = env
+        self.mlflow = mlflow
+        """The MLflow server the service exports to (the MLflow test stops it)."""
         self.service = Served(state, **env)
 
     def restart(self, **env: str) -> Served:
@@ -297,28 +299,37 @@ class Restartable:
 
 @pytest.fixture(scope="module")
 @starts("ray", "slow")
-def served(searchable, mlflow_server) -> Iterator[Restartable]:
+def served(searchable, tmp_path_factory) -> Iterator[Restartable]:
     """`zero1 serve` with ZERO1_RUN_AS, every owner's quota 1 GPU of 2 and no borrowing, exporting to
     MLflow through a URI with the service's credentials; each user has used its token once from
-    loopback (they work there), as a deployment's users have."""
+    loopback (they work there), as a deployment's users have. The MLflow server starts while the
+    service does (its exporter retries until the server answers): the two start-ups overlap."""
+    mlflow = MlflowServer(tmp_path_factory.mktemp("mlflow"))
+    mlflow.launch()
     state = Path(tempfile.mkdtemp(prefix="zero1-fairness-"))
-    holder = Restartable(
-        state,
-        ZERO1_RUN_AS=RUN_AS,
-        ZERO1_GPU_QUOTAS="*=1",
-        ZERO1_QUOTA_BORROWING="false",
-        ZERO1_MLFLOW_TRACKING_URI=mlflow_server.secret_uri,
-        ZERO1_MLFLOW_INTERVAL_S="0.2",
-        ZERO1_MLFLOW_MAX_BACKOFF_S="1",
-        ZERO1_PREEMPT_MIN_RUNTIME_S="0",  # a victim may be preempted as soon as it trains
-        ZERO1_PREEMPT_GRACE_S="600",  # and is not killed before the restart
-    )
+    holder = None
     try:
+        holder = Restartable(
+            state,
+            mlflow=mlflow,
+            ZERO1_RUN_AS=RUN_AS,
+            ZERO1_GPU_QUOTAS="*=1",
+            ZERO1_QUOTA_BORROWING="false",
+            ZERO1_MLFLOW_TRACKING_URI=mlflow.secret_uri,
+            ZERO1_MLFLOW_INTERVAL_S="0.2",
+            ZERO1_MLFLOW_MAX_BACKOFF_S="1",
+            ZERO1_PREEMPT_MIN_RUNTIME_S="0",  # a victim may be preempted as soon as it trains
+            ZERO1_PREEMPT_GRACE_S="600",  # and is not killed before the restart
+        )
+        mlflow.wait_ready()
         for token in TOKENS.values():
             assert holder.service.request("GET", "/v1/jobs", token).status_code == 200
         yield holder
     finally:
-        holder.service.stop()
+        if holder is not None:
+            holder.service.stop()
+        if mlflow.process.poll() is None:
+            mlflow.stop()
         subprocess.run(["rm", "-rf", str(state)], check=False)
 
 
@@ -394,11 +405,12 @@ def test_with_trusted_proxies_the_header_names_the_client(served):
     assert _as(service, BOB, forwarded_for="198.51.100.8") == 200
 
 
-def test_mlflow_credentials_are_never_shown_nor_logged_and_each_owner_has_an_experiment(served, mlflow_server):
+def test_mlflow_credentials_are_never_shown_nor_logged_and_each_owner_has_an_experiment(served):
     """The issue's MLflow run, on `zero1 serve` whose tracking URI holds the service's credentials:
     alice's and bob's jobs link their runs (API, job page) without them, go to zero1/alice and
     zero1/bob, and the service's log, with MLflow down (its errors name the URL), never holds them."""
     service = served.service
+    mlflow_server = served.mlflow
     body = job_body(name="tracked", num_gpus=1, steps=3)
     owned = {owner: service.request("POST", "/v1/jobs", TOKENS[owner], json=body).json()["id"] for owner in TWO}
     for owner, job_id in owned.items():
@@ -414,11 +426,12 @@ def test_mlflow_credentials_are_never_shown_nor_logged_and_each_owner_has_an_exp
         run = the_run(mlflow_server, job_id, experiment=f"zero1/{owner}")
         assert run is not None and run.info.run_id == linked["mlflow"]["run_id"]
         assert the_run(mlflow_server, job_id, experiment=f"zero1/{TWO[owner]}") is None
+    logged_before = len(service.log.read_text(errors="replace"))  # what the exporter said while MLflow was up
     mlflow_server.stop()
     waiting = service.request("POST", "/v1/jobs", ALICE, json=job_body(name="mlflow down", num_gpus=1, steps=3)).json()
     try:
         wait_for(
-            lambda: service.log.read_text(errors="replace"),
+            lambda: service.log.read_text(errors="replace")[logged_before:],
             lambda log: f"127.0.0.1:{mlflow_server.port}/api" in log,  # an MLflow error, with the URL it called
             what="the exporter's warning with MLflow down",
             timeout_s=60,
