@@ -170,7 +170,9 @@ def test_a_bundles_startup_hook_never_runs_on_the_trusted_side_and_its_job_train
     )
 
     model = {"kind": "python", "entrypoint": "mymodel:build", "args": {}}
-    plan = served.request("POST", "/v1/plan", ALICE, json={"model": model, "code": code, "seq_len": 8})
+    # planned as the job below is (fp32, micro-batch 2): the job's admission then reuses this trace, cached
+    planned = {"model": model, "code": code, "seq_len": 8, "precision": "fp32", "micro_batch_size": 2}
+    plan = served.request("POST", "/v1/plan", ALICE, json=planned)
     assert plan.status_code == 200, plan.text
     body = job_body(name="tricked", model=model, seq_len=8, code=code, steps=4, checkpoint_every=2)
     r = served.request("POST", "/v1/jobs", ALICE, json={**body, "data": {"kind": "synthetic"}})

@@ -151,7 +151,9 @@ def test_unmapped_owners_run_as_uids_of_their_own_and_bob_reads_nothing_of_roots
     code = served.upload(probe, BOB)
     targets = {"job_dir": str(root_dir), "final_weights": str(final), "final_dir": str(final.parent)}
     model = {"kind": "python", "entrypoint": "probe:build", "args": {"reports": str(reports), "targets": targets}}
-    plan = served.request("POST", "/v1/plan", BOB, json={"model": model, "code": code, "seq_len": 8})
+    # planned as the job below is (fp32, micro-batch 2): the job's admission then reuses this trace, cached
+    planned = {"model": model, "code": code, "seq_len": 8, "precision": "fp32", "micro_batch_size": 2}
+    plan = served.request("POST", "/v1/plan", BOB, json=planned)
     assert plan.status_code == 200, plan.text
     body = job_body(name="bob-probe", model=model, seq_len=8, steps=3) | {"data": {"kind": "synthetic"}, "code": code}
     r = served.request("POST", "/v1/jobs", BOB, json=body)

@@ -201,7 +201,9 @@ def test_user_code_at_plan_time_and_on_every_rank_runs_as_its_owner_and_reaches_
 
     code_bob = served.upload(probe, BOB)
     model = probe_model(served, reports, other_job_dir=alice_dir, try_ray=True)
-    plan = served.request("POST", "/v1/plan", BOB, json={"model": model, "code": code_bob, "seq_len": 8})
+    # planned as the job below is (fp32, micro-batch 2): the job's admission then reuses this trace, cached
+    planned = {"model": model, "code": code_bob, "seq_len": 8, "precision": "fp32", "micro_batch_size": 2}
+    plan = served.request("POST", "/v1/plan", BOB, json=planned)
     assert plan.status_code == 200, plan.text
     bob_plan = json.loads((reports / "build-plan-2002.json").read_text())
     assert_contained(bob_plan, uid=2002, gid=2002)
@@ -237,9 +239,9 @@ def test_the_same_job_trains_to_the_same_losses_bit_for_bit_with_and_without_run
     body = job_body(steps=12, name="same")
     r = served.request("POST", "/v1/jobs", ALICE, json=body)
     assert r.status_code == 201, r.text
+    plain_id = client.post("/v1/jobs", json=body).json()["id"]  # on the session's cluster, meanwhile
     assert served.wait(r.json()["id"], ALICE)["status"] == "succeeded"
     isolated = served.request("GET", f"/v1/jobs/{r.json()['id']}/metrics", ALICE).json()["data"]
-    plain_id = client.post("/v1/jobs", json=body).json()["id"]
     assert wait_job(client, plain_id, lambda j: j["status"] in TERMINAL)["status"] == "succeeded"
     plain = client.get(f"/v1/jobs/{plain_id}/metrics").json()["data"]
     assert [row["loss"] for row in isolated] == [row["loss"] for row in plain] and len(plain) == 12
