@@ -14,6 +14,9 @@ import secrets
 from pathlib import Path
 
 import pytest
+import ray
+
+from service.scheduling.ray_launcher import supervisor_name
 
 from conftest import make_settings, serve
 from figures import record
@@ -22,6 +25,9 @@ from test_elastic import _gated_bundle, _set_gate
 from test_faults import assert_same_state, final_shards, transitions
 from test_python_jobs import EXAMPLE_DIR, example, upload
 
+STEPS = 40
+EVERY = 8
+
 ALICE, BOB = (f"{user}-{secrets.token_urlsafe(24)}" for user in ("alice", "bob"))
 
 
@@ -29,12 +35,55 @@ def bearer(token: str) -> dict:
     return {"Authorization": f"Bearer {token}"}
 
 
-@pytest.fixture
-def preempting(ray_cluster, tmp_path):
-    """The app with no minimum runtime: a job may be preempted as soon as it trains."""
-    settings = make_settings(tmp_path, preempt_min_runtime_s=0, elastic_grow_interval_s=3600)
+@pytest.fixture(scope="module")
+def preempting_app(ray_cluster, tmp_path_factory):
+    """The app with no minimum runtime (a job may be preempted as soon as it trains), and the example
+    bundle gated at a file (test_elastic._gated_bundle), uploaded once: one app per module, so the
+    bundle's plan is traced once for every test that trains it."""
+    root = tmp_path_factory.mktemp("preempting")
+    data_roots = [str(EXAMPLE_DIR.parents[0] / "data")]
+    settings = make_settings(root, preempt_min_runtime_s=0, elastic_grow_interval_s=3600, data_roots=data_roots)
     with serve(settings) as client:
-        yield client, settings
+        gate = root / "gate"
+        yield client, settings, upload(client, _gated_bundle(root / "bundle", gate)), gate
+
+
+@pytest.fixture
+def preempting(preempting_app):
+    """The module's app; after the test its gate is lifted and no job of it is left unfinished."""
+    client, settings, _, gate = preempting_app
+    yield client, settings
+    gate.unlink(missing_ok=True)
+    unfinished = {"status": ["queued", "starting", "running", "restarting", "suspended"], "limit": 500}
+    for job in client.get("/v1/jobs", params=unfinished).json()["data"]:
+        client.post(f"/v1/jobs/{job['id']}/cancel")
+    wait_for(
+        lambda: client.get("/v1/jobs", params=unfinished).json()["data"], lambda left: not left, what="no job left"
+    )
+
+
+@pytest.fixture
+def gated(preempting_app) -> tuple[str, Path]:
+    """The gated bundle's code id and its gate."""
+    _, _, code, gate = preempting_app
+    return code, gate
+
+
+def victim_body(code: str, **overrides) -> dict:
+    """The gated example on 4 ranks for STEPS steps, a checkpoint every EVERY: 8 samples a step in
+    micro-batches of 2, one forward call a step; the cosine's rates, which a resumed run must repeat."""
+    shape = {"micro_batch_size": 2, "global_batch_size": 8, "checkpoint_every": EVERY, "optimizer": COSINE}
+    return example(code, steps=STEPS, num_gpus=4, **shape, **overrides)
+
+
+@pytest.fixture(scope="module")
+def reference(preempting_app) -> int:
+    """victim_body run to its end ungated, neither stopped nor resized: what each victim must end as."""
+    client, _, code, gate = preempting_app
+    gate.unlink(missing_ok=True)
+    job_id = submit(client, victim_body(code, name="unpreempted"))
+    assert wait_job(client, job_id, lambda j: j["status"] in TERMINAL)["status"] == "succeeded"
+    return job_id
 
 
 def submit(client, body: dict, headers: dict | None = None) -> int:
@@ -67,13 +116,36 @@ def running_past(client, job_id: int, step: int, headers: dict | None = None) ->
     )
 
 
-def test_a_higher_priority_job_stops_a_lower_one_which_resumes_and_ends_bit_for_bit(preempting):
+def gated_victim(client, settings, gate: Path, body: dict, *, at: int) -> int:
+    """Submit `body` (the example bundle gated at `gate`) and return once its ranks are held in the
+    forward call of step `at`, right past the checkpoint of step `at - 1`: a stop asked from here on
+    cannot land before step `at - 1`, nor after the next checkpoint once the gate is lifted."""
+    _set_gate(gate, at)  # one forward call a step: the ranks wait at call at + 1, step at
+    job_id = submit(client, body)
+    checkpoint = job_checkpoint_dir(settings.database_url, Path(settings.checkpoint_uri), job_id)
+    # its ranks hold their last rows until the next step's: wait for the checkpoint, not for rows
+    wait_for(lambda: (checkpoint / f"step-{at - 1:09d}" / "complete.json").is_file(), bool, what=f"step {at - 1}")
+    return job_id
+
+
+def lift_gate_once_asked(settings, gate: Path, job_id: int) -> None:
+    """Once the job's supervisor holds the stop (a preemption's, a suspend's), lift the gate: the ranks
+    stop at their next step the stop reaches, at the latest at their next checkpoint."""
+    supervisor = ray.get_actor(supervisor_name(job_id, 0), namespace=settings.ray_namespace)
+    wait_for(lambda: ray.get(supervisor.stop_mode.remote()), bool, what="the stop asked")
+    gate.unlink()
+
+
+def test_a_higher_priority_job_stops_a_lower_one_which_resumes_and_ends_bit_for_bit(preempting, gated, reference):
+    """The victim's ranks wait at a gate past step 20 until the stop is asked, so it stops mid-run
+    however fast or slow the steps."""
     client, settings = preempting
-    steps = 300
-    body = job_body(num_gpus=4, steps=steps, checkpoint_every=100, priority=10, name="victim", optimizer=COSINE)
-    victim = submit(client, body)
-    running_past(client, victim, 20)
+    code, gate = gated
+    steps = STEPS
+    body = victim_body(code, priority=10, name="victim")
+    victim = gated_victim(client, settings, gate, body, at=3 * EVERY)
     urgent = submit(client, job_body(num_gpus=2, steps=10, priority=90, name="urgent"))
+    lift_gate_once_asked(settings, gate, victim)
     started = wait_job(client, urgent, lambda j: j["status"] in ("running", *TERMINAL), what="urgent running")
     assert started["status"] in ("running", "succeeded")
     preempted = next(e for e in events(client, victim) if e["to_status"] == "queued" and e["from_status"])
@@ -92,8 +164,6 @@ def test_a_higher_priority_job_stops_a_lower_one_which_resumes_and_ends_bit_for_
         "succeeded",
     ]
     assert steps_stored(client, victim) == list(range(steps))  # every step exactly once
-    reference = submit(client, {**body, "name": "unpreempted"})
-    assert wait_job(client, reference, lambda j: j["status"] in TERMINAL)["status"] == "succeeded"
     resumed = final_shards(settings.database_url, Path(settings.checkpoint_uri), victim, step=steps - 1)
     straight = final_shards(settings.database_url, Path(settings.checkpoint_uri), reference, step=steps - 1)
     assert_same_state(resumed, straight)  # the same N, and the checkpoint at the step it stopped
@@ -112,13 +182,15 @@ def test_a_higher_priority_job_stops_a_lower_one_which_resumes_and_ends_bit_for_
     assert client.get(f"/v1/jobs/{urgent}").json()["status"] == "succeeded"
 
 
-def test_an_elastic_victim_shrinks_and_trains_on_with_the_curve_of_an_unresized_run(preempting):
-    client, _ = preempting
-    steps = 200
-    shape = {"micro_batch_size": 2, "global_batch_size": 8, "checkpoint_every": 50, "steps": steps}
-    victim = submit(client, job_body(num_gpus=4, min_gpus=2, priority=10, name="elastic", **shape))
-    running_past(client, victim, 20)
+def test_an_elastic_victim_shrinks_and_trains_on_with_the_curve_of_an_unresized_run(preempting, gated, reference):
+    """Gated as above: the victim is asked to stop while it waits past step 20, and shrinks there."""
+    client, settings = preempting
+    code, gate = gated
+    steps = STEPS
+    body = victim_body(code, min_gpus=2, priority=10, name="elastic")
+    victim = gated_victim(client, settings, gate, body, at=3 * EVERY)
     urgent = submit(client, job_body(num_gpus=2, steps=10, priority=90, name="urgent"))
+    lift_gate_once_asked(settings, gate, victim)
     wait_job(client, urgent, lambda j: j["status"] in ("running", *TERMINAL), what="urgent running")
     resized = wait_for(
         lambda: [e for e in events(client, victim) if e["to_status"] == "restarting"],
@@ -131,8 +203,6 @@ def test_an_elastic_victim_shrinks_and_trains_on_with_the_curve_of_an_unresized_
     assert done["status"] == "succeeded" and done["num_retries"] == 0
     assert "queued" not in transitions(events(client, victim))[1:]
     assert steps_stored(client, victim) == list(range(steps))
-    reference = submit(client, job_body(num_gpus=4, name="unresized", **shape))
-    assert wait_job(client, reference, lambda j: j["status"] in TERMINAL)["status"] == "succeeded"
     for step, (a, b) in enumerate(zip(losses(client, victim), losses(client, reference), strict=True)):
         assert a == pytest.approx(b, rel=1e-4, abs=1e-4), f"step {step}: {a} against {b}"
     record(
@@ -221,12 +291,18 @@ def test_a_victim_that_cannot_stop_within_the_grace_is_killed_and_resumes_from_i
         )
 
 
-def test_suspend_checkpoints_frees_the_gpus_and_resume_goes_on_with_every_step_once(preempting):
+def test_suspend_checkpoints_frees_the_gpus_and_resume_goes_on_with_every_step_once(preempting, gated):
+    """The job has no periodic checkpoint: the suspend's is the one it resumes from. Its ranks wait at
+    the gate until the suspend is asked; lifted, they stop within a few steps, long before the last."""
     client, settings = preempting
-    steps = 300
-    job = submit(client, job_body(num_gpus=4, steps=steps, checkpoint_every=0, name="suspended"))
-    running_past(client, job, 20)
+    code, gate = gated
+    steps = 80
+    _set_gate(gate, 8)
+    body = example(code, num_gpus=4, micro_batch_size=2, global_batch_size=8, checkpoint_every=0, steps=steps)
+    job = submit(client, {**body, "name": "suspended"})
+    wait_job(client, job, lambda j: j["status"] == "running", what="running")
     assert client.post(f"/v1/jobs/{job}/suspend").status_code == 202
+    lift_gate_once_asked(settings, gate, job)
     suspended = wait_job(client, job, lambda j: j["status"] in ("suspended", *TERMINAL), what="suspended")
     assert suspended["status"] == "suspended"
     reason = events(client, job)[-1]["reason"]
