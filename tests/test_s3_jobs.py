@@ -40,15 +40,16 @@ def _data_start(store: ObjectStore, name: str) -> int:
 def test_a_killed_rank_resumes_from_the_last_complete_s3_checkpoint_bit_for_bit(ray_cluster, s3_uri):
     steps = 90
     reference = config(steps=steps, checkpoint_every=10, checkpoint_dir=f"{s3_uri}/reference")
-    state, _ = wait_for(start_job(reference, num_workers=2, job_id="reference"), until=finished)
-    assert state.status == "succeeded", state.error
-
     killed = config(steps=steps, checkpoint_every=10, checkpoint_dir=f"{s3_uri}/killed")
+    # the uninterrupted run trains beside the one that is killed: 2 of the session cluster's 4 GPUs each
+    uninterrupted = start_job(reference, num_workers=2, job_id="reference")
     supervisor = start_job(killed, num_workers=2, job_id="killed")
     wait_for(supervisor, until=lambda state, rows: any(r.step >= 35 for r in rows))
     ray.kill(ray.get(supervisor.worker.remote(1)))
     state, _ = wait_for(supervisor, until=finished, timeout_s=30)
     assert state.status == "failed"
+    state, _ = wait_for(uninterrupted, until=finished)
+    assert state.status == "succeeded", state.error
     store = open_store(killed.checkpoint_dir)
     resumed_from = latest_checkpoint(store)[0] + 1
     assert 30 <= resumed_from < steps
