@@ -37,12 +37,11 @@ RUN_DATA_ROOTS := data,examples/data$(if $(ZERO1_DATA_ROOTS),$(comma)$(ZERO1_DAT
 run: install
 	ZERO1_DATA_ROOTS="$(RUN_DATA_ROOTS)" $(BIN)/zero1 serve
 
-# One process by default: on 2 cores the suite is mostly CPU-bound (Ray workers importing torch
-# and training; the machine sat idle a quarter of the time). Two pytest-xdist workers gained 12%
-# once and took twice as long another time, and a browser test's 1 px tolerance failed under the
-# load. One process ran the suite in 547-570 s on 2026-12-02. PYTEST_WORKERS=2 runs two workers,
-# each with its own Ray cluster, a test file each at a time.
-PYTEST_WORKERS ?= 0
+# Two pytest-xdist workers, each with its own Ray cluster, a test file each at a time: on 2 cores a
+# single process left the machine idle between a job's processes (a clean clone of fdc7eb1 on
+# 2026-12-06: one process 838 s of tests; two workers 743 s, the machine 95% busy). PYTEST_WORKERS=0
+# runs in one process (a debugger, a test's output as it happens).
+PYTEST_WORKERS ?= 2
 
 test: install
 	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile
