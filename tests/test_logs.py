@@ -208,7 +208,11 @@ def test_a_job_that_logs_more_than_its_bound_keeps_its_newest_lines_and_the_mark
         data = client.get(f"/v1/jobs/{job['id']}/logs", params={"limit": 10_000}).json()["data"]
     marker, *kept = data
     counts = re.fullmatch(r"\[zero1\] ([\d,]+) earlier lines \(([\d,]+) bytes\) were dropped: .*", marker["line"])
-    assert marker["stream"] == "marker" and counts and f"the newest {bound:,} bytes" in marker["line"], marker
+    stored = [(x["seq"], x["rank"], x["stream"], x["line"][:60]) for x in data]
+    assert marker["stream"] == "marker" and counts and f"the newest {bound:,} bytes" in marker["line"], (
+        sum(len(x["line"].encode()) for x in data),
+        stored,
+    )
     dropped, size = (int(count.replace(",", "")) for count in counts.groups())
     steps_kept = [int(x["line"].split("step ")[1].split("/")[0]) for x in kept if "zero1.train: step " in x["line"]]
     assert steps_kept == list(range(steps - len(steps_kept), steps)) and len(steps_kept) < steps  # the newest, in order
