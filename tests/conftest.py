@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import json
 import os
 import secrets
 import shutil
@@ -292,18 +294,51 @@ def unsearchable_dirs(*paths: str, inclusive: bool = False) -> list[Path]:
 @pytest.fixture(scope="module")
 def searchable() -> Iterator[None]:
     """Every uid can start this Python, import zero1 and reach the temporary directory, as ZERO1_RUN_AS
-    needs (docs/security.md): each directory on the way that others cannot search gets o+x for the
-    module, and its mode back after (a CI machine's /tmp may be private)."""
-    blocked = unsearchable_dirs(os.path.realpath(sys.executable), str(Path(__file__).resolve().parents[1]))
-    blocked += [d for d in unsearchable_dirs(tempfile.gettempdir(), inclusive=True) if d not in blocked]
-    modes = {directory: directory.stat().st_mode for directory in blocked}
-    for directory, mode in modes.items():
-        os.chmod(directory, mode | stat.S_IXOTH)
+    needs (docs/security.md): each directory on the way that others cannot search gets o+x while a
+    module needs it, and its mode back after (a CI machine's /tmp may be private).
+
+    Held across processes: under pytest-xdist two workers' modules overlap, and the first to end must
+    not take /root's o+x away from the other's running jobs. The holders' pids and the original modes
+    live in a file under a lock; the last live holder restores them (a holder that died is dropped)."""
+    with _searchable_ledger() as ledger:
+        if not ledger["holders"]:
+            blocked = unsearchable_dirs(os.path.realpath(sys.executable), str(Path(__file__).resolve().parents[1]))
+            blocked += [d for d in unsearchable_dirs(tempfile.gettempdir(), inclusive=True) if d not in blocked]
+            for directory in blocked:  # modes a dead holder left unrestored are the originals
+                ledger["modes"].setdefault(str(directory), directory.stat().st_mode)
+            for directory, mode in ledger["modes"].items():
+                os.chmod(directory, mode | stat.S_IXOTH)
+        ledger["holders"].append(os.getpid())
     try:
         yield
     finally:
-        for directory, mode in modes.items():
-            os.chmod(directory, stat.S_IMODE(mode))
+        with _searchable_ledger() as ledger:
+            ledger["holders"].remove(os.getpid())
+            if not ledger["holders"]:
+                for directory, mode in ledger.pop("modes").items():
+                    os.chmod(directory, stat.S_IMODE(mode))
+                ledger["modes"] = {}
+
+
+@contextlib.contextmanager
+def _searchable_ledger() -> Iterator[dict]:
+    """The shared record of `searchable`: {"holders": [live pids], "modes": {directory: original mode}},
+    read and written under an exclusive lock."""
+    path = Path(tempfile.gettempdir()) / "zero1-tests-searchable.json"
+    with open(path.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        ledger = json.loads(path.read_text()) if path.exists() else {"holders": [], "modes": {}}
+        ledger["holders"] = [pid for pid in ledger["holders"] if _alive(pid)]
+        yield ledger
+        path.write_text(json.dumps(ledger))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 @pytest.fixture
