@@ -203,6 +203,10 @@ def test_db_upgrade_names_the_database_but_not_its_password(monkeypatch, capsys)
     assert out == "database at revision head: postgresql+psycopg://zero1:***@db.example:5432/zero1\n"
 
 
+REQUEST_TIMEOUT_S = 120
+"""A bound on the requests that trace a model in a Ray task (the 7.5B job's admission): 10 s was past
+under a busy loop per core beside the suite (a ReadTimeout), not a hang; no duration is asserted."""
+
 GPT_7B5 = {"kind": "gpt", "vocab_size": 59072, "n_layer": 36, "n_head": 32, "n_embd": 4096, "block_size": 2048}
 
 
@@ -224,15 +228,15 @@ def test_serve_plans_admits_and_trains_as_a_user_would(tmp_path):
     try:
         assert wait_healthy(base, server=server)["status"] == "ok"
         assert httpx.get(f"{base}/v1/cluster").json()["num_gpus"] == 64
-        r = httpx.post(f"{base}/v1/plan", json={"num_params": 7_500_000_000, "num_gpus": 64}, timeout=10)
+        r = httpx.post(f"{base}/v1/plan", json={"num_params": 7_500_000_000, "num_gpus": 64}, timeout=REQUEST_TIMEOUT_S)
         assert r.json()["per_gpu"]["total_bytes"] == 31_406_250_000
-        assert httpx.get(f"{base}/docs", timeout=10).status_code == 200
+        assert httpx.get(f"{base}/docs", timeout=REQUEST_TIMEOUT_S).status_code == 200
 
         job = {"name": "7.5B", "model": GPT_7B5, "num_gpus": 2, "steps": 10}
-        rejected = httpx.post(f"{base}/v1/jobs", json=job, timeout=10).json()
+        rejected = httpx.post(f"{base}/v1/jobs", json=job, timeout=REQUEST_TIMEOUT_S).json()
         assert rejected["error"] == "does_not_fit" and "min_gpus = " in rejected["message"]
         admitted = httpx.post(
-            f"{base}/v1/jobs", params={"dry_run": "true"}, json={**job, "num_gpus": 64}, timeout=10
+            f"{base}/v1/jobs", params={"dry_run": "true"}, json={**job, "num_gpus": 64}, timeout=REQUEST_TIMEOUT_S
         ).json()
         per_gpu = admitted["plan"]["per_gpu"]
         states = sum(per_gpu[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "padding_bytes"))
