@@ -41,6 +41,11 @@ from service.settings import Settings  # noqa: E402
 from marks import apply_marks, check_no_ray_started, ray_is_up, starts  # noqa: E402
 from s3 import S3Endpoint, S3Server, reserved_s3_endpoint, running_s3_server  # noqa: E402
 
+TRACE_TIMEOUT_S = 600.0
+"""ZERO1_PLAN_TIMEOUT_S of the tests' apps and tracers: a bound on a hang, not an expectation. A trace
+takes seconds on a quiet machine; with a busy loop per core beside the suite, a GPT trace in a Ray
+task ran past the default 120 s twice (the trace_timeout path has its own test, at 1 ms)."""
+
 
 def make_settings(tmp_path: Path, **overrides) -> Settings:
     """A known simulated cluster (80 GB GPUs, 1 GB overhead) and a database of the test's own."""
@@ -53,6 +58,7 @@ def make_settings(tmp_path: Path, **overrides) -> Settings:
         "cpus_per_worker": 0.5,
         "scheduler_interval_s": 0.05,
         "placement_timeout_s": 60,
+        "plan_timeout_s": TRACE_TIMEOUT_S,
         "ray_namespace": f"zero1-test-{secrets.token_hex(4)}",  # each app's supervisors apart
     }
     return Settings(**{**values, **overrides})

@@ -29,6 +29,7 @@ from workers.models.trace import (
     trace_step,
 )
 
+from conftest import TRACE_TIMEOUT_S
 from helpers import LLAMA_2_7B
 
 GPT2_SMALL = GPTSpec(vocab_size=50304, n_layer=12, n_head=12, n_embd=768, block_size=1024)
@@ -290,7 +291,7 @@ def test_a_tensor_counted_then_made_a_state_is_not_subtracted_again_when_freed()
 
 
 def test_a_traced_plan_in_a_ray_task_is_cached_by_digest(ray_cluster):
-    tracer = Tracer(timeout_s=120)
+    tracer = Tracer(timeout_s=TRACE_TIMEOUT_S)
     request = TraceRequest(
         model={"kind": "gpt", "vocab_size": 1024, "n_layer": 4, "n_head": 8, "n_embd": 128, "block_size": 128},
         precision="bf16",
@@ -320,7 +321,7 @@ def test_a_trace_that_fails_or_overruns_in_its_ray_task_is_a_422(ray_cluster):
         activation_checkpointing=False,
     )
     with pytest.raises(ServiceError, match=r"n_embd \(8\) must be divisible by n_head \(3\)") as failed:
-        Tracer(timeout_s=120).trace(bad)
+        Tracer(timeout_s=TRACE_TIMEOUT_S).trace(bad)
     assert (failed.value.status_code, failed.value.error) == (422, "trace_failed")
     deep = dataclasses.replace(
         bad, model={"kind": "gpt", "vocab_size": 50304, "n_layer": 48, "n_head": 16, "n_embd": 2048, "block_size": 2048}
