@@ -57,7 +57,7 @@ def build_buckets(buffers: list[FlatBuffer], *, bucket_cap_mb: float) -> list[Bu
     bucket), each buffer from its end: the order in which backward produces gradients."""
     buckets: list[Bucket] = []
     for buf in buffers:
-        cap = max(1, int(bucket_cap_mb * 2**20) // buf.grads.element_size())
+        cap = max(1, int(bucket_cap_mb * 2**20) // buf.params.element_size())
         lo = 0
         hi = None
         count = 0

@@ -22,6 +22,7 @@ from workers.zero.buckets import Bucket, BucketReducer, p2p_op
 from workers.zero.flat import FlatBuffer, Slot
 
 ReduceOp = Literal["auto", "p2p", "reduce_scatter", "all_reduce"]
+"""Stage 1's reduce; "none" (internal) where the gradients are reduced elsewhere (stage 2)."""
 GatherOp = Literal["auto", "p2p", "all_gather", "all_reduce"]
 
 _GATHER_TAG = 1 << 20  # p2p tags: reduce buckets count from 0, gather chunks from here

@@ -46,9 +46,9 @@ class FlatBuffer:
     shard_numel: int  # S: elements each rank owns, padding included
     rank: int
     params: Tensor  # (N*S,) model dtype; every parameter is a view into it
-    grads: Tensor  # (N*S,) model dtype; every .grad is a view into it
+    grads: Tensor | None  # (N*S,) model dtype, every .grad a view into it; None at stage 2 (no full gradient)
     state: dict[str, Tensor]  # master / exp_avg / exp_avg_sq, each (S,) fp32
-    grad_shard: Tensor | None = None  # (S,) this step's averaged gradient slice
+    grad_shard: Tensor | None = None  # (S,) this step's summed gradient slice; kept across steps at stage 2
 
     @property
     def start(self) -> int:
@@ -78,10 +78,12 @@ class FlatBuffer:
 
 
 def build_buffers(
-    param_groups: list[dict[str, Any]], *, world_size: int, rank: int, alignment_numel: int
+    param_groups: list[dict[str, Any]], *, world_size: int, rank: int, alignment_numel: int, full_grads: bool = True
 ) -> list[FlatBuffer]:
     """One flat buffer per (group, dtype) of the parameters that require a gradient, in group order;
-    each parameter and its .grad become views into it."""
+    each parameter becomes a view into it. With full_grads each .grad is a view of a flat gradient
+    buffer too (stage 1); without (stage 2) no parameter keeps a .grad and each rank holds only its
+    (S,) gradient shard."""
     buffers = []
     index = 0
     for group_index, group in enumerate(param_groups):
@@ -99,6 +101,7 @@ def build_buffers(
                     world_size=world_size,
                     rank=rank,
                     alignment_numel=alignment_numel,
+                    full_grads=full_grads,
                 )
             )
             index += len(named)
@@ -116,6 +119,7 @@ def _flat_buffer(
     world_size: int,
     rank: int,
     alignment_numel: int,
+    full_grads: bool,
 ) -> FlatBuffer:
     dtype = named[0][1].dtype
     device = named[0][1].device
@@ -136,14 +140,14 @@ def _flat_buffer(
     total = padded_numel(offset, num_gpus=world_size, alignment_numel=alignment_numel)
     shard = total // world_size
     params = torch.zeros(total, dtype=dtype, device=device)
-    grads = torch.zeros(total, dtype=dtype, device=device)
+    grads = torch.zeros(total, dtype=dtype, device=device) if full_grads else None
     for slot in slots:
         view = slice(slot.offset, slot.offset + slot.numel)
         params[view].copy_(slot.param.detach().reshape(-1))
-        if slot.param.grad is not None:
+        if grads is not None and slot.param.grad is not None:
             grads[view].copy_(slot.param.grad.reshape(-1))
         slot.param.data = params[view].view(slot.shape)
-        slot.param.grad = grads[view].view(slot.shape)
+        slot.param.grad = None if grads is None else grads[view].view(slot.shape)
     buf = FlatBuffer(
         group_index=group_index,
         slots=slots,
@@ -153,6 +157,7 @@ def _flat_buffer(
         params=params,
         grads=grads,
         state={},
+        grad_shard=None if full_grads else torch.zeros(shard, dtype=dtype, device=device),
     )
     mixed = dtype != torch.float32
     if mixed:  # an fp32 model's own shard is its master copy
@@ -173,9 +178,20 @@ def shard_slices(buf: FlatBuffer, *, bucket_cap_mb: float) -> list[tuple[int, in
     return [(lo, min(lo + step, size)) for lo in range(0, size, step)]
 
 
+def gradient_tensor(buf: FlatBuffer) -> Tensor:
+    """The gradient memory a buffer keeps between steps: the full flat buffer (stage 1) or the shard (stage 2)."""
+    if buf.grads is not None:
+        return buf.grads
+    assert buf.grad_shard is not None, "a stage-2 buffer keeps its gradient shard"
+    return buf.grad_shard
+
+
 def allocated_bytes(buffers: list[FlatBuffer]) -> int:
-    """Bytes of the flat parameter and gradient buffers and this rank's shard of the state."""
-    return sum(t.numel() * t.element_size() for buf in buffers for t in (buf.params, buf.grads, *buf.state.values()))
+    """Bytes of the flat parameter buffers, the gradients kept (full or the shard) and this rank's
+    shard of the state."""
+    return sum(
+        t.numel() * t.element_size() for buf in buffers for t in (buf.params, gradient_tensor(buf), *buf.state.values())
+    )
 
 
 def state_bytes(buffers: list[FlatBuffer]) -> dict[str, int]:
@@ -186,6 +202,9 @@ def state_bytes(buffers: list[FlatBuffer]) -> dict[str, int]:
             used = buf.owned_numel * tensor.element_size()
             out[kind] += used
             out["padding"] += tensor.numel() * tensor.element_size() - used
-        unused = buf.params.numel() - buf.numel
-        out["padding"] += unused * (buf.params.element_size() + buf.grads.element_size())
+        grads = gradient_tensor(buf)
+        out["padding"] += (buf.params.numel() - buf.numel) * buf.params.element_size()
+        out["padding"] += (grads.numel() - (buf.numel if buf.grads is not None else buf.owned_numel)) * (
+            grads.element_size()
+        )
     return out

@@ -106,6 +106,9 @@ class ZeRO1AdamW(sharded_state.CheckpointMethods, torch.optim.Optimizer):
     outside no_sync() after a bucket has gone is an error, as in DDP.
     """
 
+    stage: int = 1
+    """The ZeRO stage: what is sharded beyond the optimizer state (workers/zero/stage2.py: the gradients)."""
+
     min_bucket_cap_mb: float = MIN_BUCKET_CAP_MB
     """The smallest bucket_cap_mb accepted (workers/limits.py). Tests that cut a model of a few
     hundred elements into many buckets lower it in a subclass."""
@@ -147,8 +150,8 @@ class ZeRO1AdamW(sharded_state.CheckpointMethods, torch.optim.Optimizer):
         ranks = Ranks.of(process_group)
         self.world_size = ranks.world_size
         self.rank = ranks.rank
-        self.reduce_op, self.gather_op = resolve_collectives(
-            ranks.backend,
+        self.reduce_op, self.gather_op = self._collectives(
+            ranks,
             reduce_op=reduce_op,
             gather_op=gather_op,
             overlap_comm=overlap_comm,
@@ -159,7 +162,11 @@ class ZeRO1AdamW(sharded_state.CheckpointMethods, torch.optim.Optimizer):
         self.alignment_numel = alignment_numel
 
         self._buffers = build_buffers(
-            self.param_groups, world_size=self.world_size, rank=self.rank, alignment_numel=alignment_numel
+            self.param_groups,
+            world_size=self.world_size,
+            rank=self.rank,
+            alignment_numel=alignment_numel,
+            full_grads=self.stage < 2,
         )
         self._slots = [slot for buf in self._buffers for slot in buf.slots]
         self.device = self._slots[0].param.device if self._slots else torch.device("cpu")
@@ -170,14 +177,15 @@ class ZeRO1AdamW(sharded_state.CheckpointMethods, torch.optim.Optimizer):
         self._comm = connect(
             ranks,
             self._buffers,
-            reduce_op=self.reduce_op,
+            reduce_op=self.reduce_op if self.stage < 2 else "none",
             gather_op=self.gather_op,
-            overlap_comm=overlap_comm,
+            overlap_comm=overlap_comm and self.stage < 2,
             overlap_gather=overlap_gather,
             bucket_cap_mb=bucket_cap_mb,
         )
         self._had_grad = [False] * len(self._slots)  # this rank's parameters with a gradient since the last step
         self._sync = True  # False inside no_sync()
+        self._connect_gradients(ranks)
         register_grad_hooks(self._slots, self._on_grad)
         self._adamw = ShardAdamW(self.device)
         self.grad_norm: float | None = None
@@ -186,6 +194,21 @@ class ZeRO1AdamW(sharded_state.CheckpointMethods, torch.optim.Optimizer):
         self.phase_times_s: dict[str, float] = {}
         # every rank starts from the same model: each takes the others' shards of it
         self._comm.gather_params()
+
+    def _collectives(
+        self, ranks: Ranks, *, reduce_op: str, gather_op: str, overlap_comm: bool, overlap_gather: bool
+    ) -> tuple[str, str]:
+        """(reduce, gather) with "auto" resolved for this stage and backend."""
+        return resolve_collectives(
+            ranks.backend,
+            reduce_op=reduce_op,
+            gather_op=gather_op,
+            overlap_comm=overlap_comm,
+            overlap_gather=overlap_gather,
+        )
+
+    def _connect_gradients(self, ranks: Ranks) -> None:
+        """Stage 1 reduces the full flat gradients in step() (self._comm); stage 2 sets up its own reduce."""
 
     @property
     def overlap_comm(self) -> bool:
@@ -265,7 +288,7 @@ class ZeRO1AdamW(sharded_state.CheckpointMethods, torch.optim.Optimizer):
                 loss = closure()
         scale = self.loss_scale
         clock = self._clock()
-        self._comm.reduce_gradients()  # 1. reduce: each buffer's grad_shard (S,) sums the ranks' gradients
+        self._reduce_gradients()  # 1. reduce: each buffer's grad_shard (S,) sums the ranks' gradients
         grad_norm, active = self._global_grad_stats(scale)
         clock("reduce")
         # the norm comes from one all-reduce, so every rank holds the same value and skips, or
@@ -284,10 +307,16 @@ class ZeRO1AdamW(sharded_state.CheckpointMethods, torch.optim.Optimizer):
             self._comm.gather_updated()  # 4. gather: every rank receives every updated shard
             clock("gather")
         self._had_grad = [False] * len(self._slots)
+        self._end_step()
+        return loss
+
+    def _reduce_gradients(self) -> None:
+        self._comm.reduce_gradients()
+
+    def _end_step(self) -> None:
         self._comm.reset()
         for buf in self._buffers:
             buf.grad_shard = None
-        return loss
 
     def _clock(self):
         """clock(phase) records seconds since the previous call into phase_times_s (when enabled)."""
