@@ -29,7 +29,7 @@ from torch import nn
 
 from workers.memory import model as memory
 from workers.zero.optimizer import ZeRO1AdamW, decay_param_groups
-from workers.zero.stage2 import ZeRO2AdamW, stage2_reduce_op
+from workers.zero.stage2 import MAX_BUCKETS_IN_FLIGHT, ZeRO2AdamW, stage2_reduce_op
 
 from distributed import run_ranks
 
@@ -97,6 +97,11 @@ def _matches_reference(rank: int, world_size: int, dtype: torch.dtype, reduce_op
     assert max(norms) > MAX_NORM  # the clip was applied
     # every backward reduced every bucket once, on every rank
     assert opt._shards.sent == 6 * num_micro * len(opt._buckets)
+    if opt._shards.any_order:
+        # gloo's sends go as each bucket fills: the staging buffers alive at once are the buckets in
+        # flight and one filling a buffer, though this model's branch has gradients every other step
+        bound = MAX_BUCKETS_IN_FLIGHT + len(opt._buffers)
+        assert opt._shards.most_in_flight <= bound < len(opt._buckets), (opt._shards.most_in_flight, bound)
     counts = {name: c.call_count for name, c in calls.items()}
     if world_size == 1:
         assert all(n == 0 for name, n in counts.items() if name != "all_reduce"), counts
@@ -128,6 +133,34 @@ def test_stage2_on_the_gpus_collectives_on_gloo_matches_torch_adamw(world_size, 
     """NCCL's default reduce for stage 2 (a reduce to each owner), and the all-reduce, forced on gloo."""
     assert stage2_reduce_op("nccl", "auto") == "reduce" and stage2_reduce_op("gloo", "auto") == "p2p"
     run_ranks(world_size, _matches_reference, dtype, reduce_op, 3)
+
+
+def _collectives_learn_fill_order(rank: int, world_size: int, reduce_op: str) -> None:
+    """A collective launches the buckets in one order on every rank: tag order for the first backward,
+    then rank 0's fill order, in which the staging buffers alive at once stay bounded."""
+    model = make_model()
+    opt = SmallBuckets2(
+        decay_param_groups(model, weight_decay=0.1), **HYPER, reduce_op=reduce_op, bucket_cap_mb=TINY_BUCKET_MB
+    )
+    shards = opt._shards
+    assert not shards.any_order and shards.order == shards.buckets
+    for step in range(3):
+        idx, target = rank_slice(rank, world_size, step)
+        opt.scale_loss(loss_on(model, idx, target, 0)).backward()  # step 0's graph every time: the branch too
+        opt.step()
+        opt.zero_grad()
+        if step == 0:
+            learned = [b.tag for b in shards.order]
+            assert sorted(learned) == list(range(len(shards.buckets))) and learned != sorted(learned)
+            shards.most_in_flight = 0
+    assert [b.tag for b in shards.order] == learned
+    bound = MAX_BUCKETS_IN_FLIGHT + len(opt._buffers)
+    assert shards.most_in_flight <= bound < len(shards.buckets), (shards.most_in_flight, bound)
+
+
+@pytest.mark.parametrize("reduce_op", ["reduce", "all_reduce"])
+def test_stage2_collectives_launch_in_rank_0s_fill_order(reduce_op):
+    run_ranks(2, _collectives_learn_fill_order, reduce_op)
 
 
 def test_stage2_refuses_stage_1s_reduce_scatter():

@@ -7,12 +7,20 @@ produces them), and keeps only the sum of the rank's own shard: 2Ψ/N bytes,
 plus the buckets in flight. Each parameter's gradient, once autograd has
 accumulated it, is copied into its bucket's staging buffer and dropped
 (param.grad is None again); a bucket whose gradients have all arrived is
-reduced to the ranks that own its parts at once, and the owner adds its part to
-its (S,) gradient shard. When the backward ends, the buckets that did not fill
-(a parameter without a gradient on this rank) go too, in the same order on every
-rank, and every reduce is waited for: each backward, on every rank, reduces
-every bucket exactly once. Accumulating micro-batches is one backward each, no
-no_sync(): the shard is the running sum, as DeepSpeed's stage 2 keeps it.
+reduced to the ranks that own its parts, and the owner adds its part to its
+(S,) gradient shard; at most MAX_BUCKETS_IN_FLIGHT reduces are outstanding.
+When the backward ends, the buckets that did not fill (a parameter without a
+gradient on this rank) go too, and every reduce is waited for: each backward,
+on every rank, reduces every bucket exactly once. Accumulating micro-batches is
+one backward each, no no_sync(): the shard is the running sum, as DeepSpeed's
+stage 2 keeps it.
+
+Gloo's point-to-point sends carry the bucket's tag, so a bucket goes the moment
+it fills. A collective's buckets (and NCCL's untagged sends) go in one order on
+every rank: tag order in the first backward, then the order in which rank 0's
+first backward filled them. There, a parameter with a gradient in some
+backwards and not in others holds back the buckets after it until the backward
+ends.
 
 The update, the cast, the gather and the checkpoint formats are stage 1's: the
 flat layout, the shards and the state are the same, so a checkpoint written at
@@ -44,8 +52,11 @@ from workers.zero.flat import FlatBuffer, Slot
 from workers.zero.optimizer import ZeRO1AdamW
 
 Stage2ReduceOp = Literal["auto", "p2p", "reduce", "all_reduce"]
-STAGING_BUFFERS = 4
-"""Staging buffers per dtype kept for reuse between backwards; the buckets in flight beyond them allocate."""
+MAX_BUCKETS_IN_FLIGHT = 2
+"""Buckets whose reduce may be outstanding at once: launching one more first waits for the oldest, so
+a rank's gradient memory during backward is bounded by the buckets in flight and the ones filling
+(one a flat buffer, where backward runs through each buffer's parameters in reverse), not the whole
+model's gradient."""
 
 
 def stage2_reduce_op(backend: str, reduce_op: str) -> str:
@@ -86,9 +97,17 @@ class GradientShards:
                     self.bucket_of[slot.index] = bucket
         self.staged: dict[int, Staged] = {}  # by bucket tag: buckets with gradients, not yet sent
         self.in_flight: deque[Staged] = deque()
-        self.next_launch = 0  # buckets go in tag order on every rank
-        self.free: dict[torch.dtype, list[Tensor]] = {}  # staging buffers to reuse
+        # Gloo's point-to-point sends carry the bucket's tag, so a bucket goes the moment it fills, in
+        # whatever order backward fills them. Elsewhere (a collective, or NCCL's untagged sends) every
+        # rank must launch the buckets in one order: tag order for the first backward, then the order
+        # in which rank 0's first backward filled them (DDP too rebuilds its buckets after one).
+        self.any_order = reduce_op == "p2p" and ranks.backend == "gloo"
+        self.order: list[Bucket] = list(self.buckets)
+        self.agreed = self.world_size == 1 or self.any_order
+        self.filled: list[int] = []  # tags in the order this backward filled them (until agreed)
+        self.next_launch = 0  # index into self.order (not any_order)
         self.sent = 0  # buckets reduced since construction (tests count them)
+        self.most_in_flight = 0  # the most staging buffers alive at once (filling or in flight)
         self._callback_queued = False
 
     def grad_ready(self, slot: Slot) -> None:
@@ -105,8 +124,15 @@ class GradientShards:
         staged.data[start : start + slot.numel].copy_(grad.reshape(-1))
         slot.param.grad = None  # the full gradient lives no longer than its copy into the bucket
         bucket.ready += 1
-        while self.next_launch < len(self.buckets):
-            bucket = self.buckets[self.next_launch]
+        if bucket.ready < bucket.num_slots:
+            return
+        if not self.agreed:
+            self.filled.append(bucket.tag)
+        if self.any_order:
+            self._launch(bucket)
+            return
+        while self.next_launch < len(self.order):
+            bucket = self.order[self.next_launch]
             if bucket.ready < bucket.num_slots:
                 break
             self._launch(bucket)
@@ -115,14 +141,28 @@ class GradientShards:
         """Send every bucket not sent yet, in order (zeros where this rank had no gradient), and
         wait: each backward reduces each bucket once, on every rank."""
         self._callback_queued = False
-        while self.next_launch < len(self.buckets):
-            self._launch(self.buckets[self.next_launch])
+        for bucket in self.buckets if self.any_order else self.order[self.next_launch :]:
+            if not bucket.launched:
+                self._launch(bucket)
         while self.in_flight:
             self._finish(self.in_flight.popleft())
+        if not self.agreed:
+            self._agree_on_order()
         for bucket in self.buckets:
             bucket.ready = 0
             bucket.launched = False
         self.next_launch = 0
+
+    def _agree_on_order(self) -> None:
+        """Every rank takes rank 0's fill order of this backward as the launch order from now on."""
+        seen = set(self.filled)
+        tags = self.filled + [b.tag for b in self.buckets if b.tag not in seen]
+        order = torch.tensor(tags, dtype=torch.int64, device=self.buckets[0].buf.params.device)
+        src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+        dist.broadcast(order, src=src, group=self.group)
+        self.order = [self.buckets[tag] for tag in order.tolist()]
+        self.agreed = True
+        self.filled = []
 
     def _staged(self, bucket: Bucket) -> Staged:
         staged = self.staged.get(bucket.tag)
@@ -132,23 +172,23 @@ class GradientShards:
         return staged
 
     def _buffer(self, bucket: Bucket) -> Tensor:
-        """A zeroed staging buffer for the bucket, reused when one of the size is free."""
+        """A zeroed staging buffer for the bucket: allocated per bucket and freed when its reduce is
+        summed (on a GPU the caching allocator hands the same blocks back), so none outlives a backward."""
         like = bucket.buf.params
-        numel = bucket.hi - bucket.lo
-        free = self.free.setdefault(like.dtype, [])
-        for i, buffer in enumerate(free):
-            if buffer.numel() >= numel:
-                return free.pop(i)[:numel].zero_()
-        return torch.zeros(numel, dtype=like.dtype, device=like.device)
+        return torch.zeros(bucket.hi - bucket.lo, dtype=like.dtype, device=like.device)
 
     def _launch(self, bucket: Bucket) -> None:
         staged = self.staged.pop(bucket.tag, None) or Staged(bucket=bucket, data=self._buffer(bucket))
         bucket.launched = True
-        self.next_launch += 1
+        if not self.any_order:
+            self.next_launch += 1
         self.sent += 1
+        while len(self.in_flight) >= MAX_BUCKETS_IN_FLIGHT:
+            self._finish(self.in_flight.popleft())
         if self.world_size > 1:
             staged.works = getattr(self, f"_send_{self.reduce_op}")(staged)
         self.in_flight.append(staged)
+        self.most_in_flight = max(self.most_in_flight, len(self.in_flight) + len(self.staged))
 
     def _parts(self, bucket: Bucket) -> Iterator[tuple[int, int, int]]:
         """(owner, a, b): each rank's part of the bucket, in bucket coordinates (empty parts left out)."""
@@ -196,8 +236,6 @@ class GradientShards:
             lo = bucket.lo + a - buf.start
             assert buf.grad_shard is not None
             buf.grad_shard[lo : lo + (b - a)].add_(mine)
-        self.free.setdefault(staged.data.dtype, []).append(staged.data)
-        del self.free[staged.data.dtype][:-STAGING_BUFFERS]
 
 
 def _sum_in_rank_order(mine: Tensor, received: Tensor, *, rank: int, peers: list[int]) -> None:
