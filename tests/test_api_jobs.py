@@ -221,6 +221,49 @@ def test_a_model_that_does_not_fit_is_rejected_with_what_would(fakes_client):
     assert fakes_client.get("/v1/jobs").json()["data"] == []
 
 
+def test_zero_stage_admits_at_the_stage_asked_or_the_first_that_fits(fakes_client):
+    """7.5B in bf16, 3 sequences a micro-batch, on 4 GPUs of 80 GB: stage 1 needs more GPUs, stage 2
+    fits. zero_stage 1 is a 422 that names stage 2 and its per-GPU bytes; auto is admitted at stage 2
+    and its first event says why."""
+    body = job_body(model=GPT_7B5, num_gpus=4, precision="bf16", steps=1, micro_batch_size=3)
+    refused = fakes_client.post("/v1/jobs", json={**body, "zero_stage": 1}).json()
+    assert refused["error"] == "does_not_fit" and refused["plan"]["stage"] == 1
+    stage2_gb = refused["plan"]["stages"]["2"] / 1e9
+    assert "ZeRO stage 2 on N >= " in refused["message"]
+    assert f"({stage2_gb:.2f} GB per GPU at N = 4; zero_stage: 2 or auto)" in refused["message"], refused["message"]
+    assert "ZeRO stage 3 on N >= " in refused["message"] and "planned only" in refused["message"]
+
+    for asked in (2, "auto"):
+        dry = fakes_client.post("/v1/jobs", json={**body, "zero_stage": asked}, params={"dry_run": True}).json()
+        assert dry["admitted"] is True and dry["plan"]["stage"] == 2 and dry["plan"]["fits"] is True
+        assert dry["plan"]["per_gpu"]["total_bytes"] == dry["plan"]["stages"]["2"] < refused["plan"]["stages"]["1"]
+    job = fakes_client.post("/v1/jobs", json={**body, "zero_stage": "auto"}).json()
+    assert job["spec"]["zero_stage"] == "auto" and job["plan"]["stage"] == 2
+    first = fakes_client.get(f"/v1/jobs/{job['id']}/events").json()["data"][0]
+    stage1_gb = refused["plan"]["per_gpu"]["total_bytes"] / 1e9
+    assert first["reason"] == (
+        f"submitted; zero_stage auto: stage 2 (stage 1 needs {stage1_gb:.2f} GB per GPU at N = 4, above the "
+        "80.00 GB of each GPU)"
+    )
+    fakes_client.post(f"/v1/jobs/{job['id']}/cancel")
+
+    small = fakes_client.post("/v1/jobs", json=job_body(zero_stage="auto"), params={"dry_run": True}).json()
+    assert small["plan"]["stage"] == 1  # the first stage that fits: it sends the least
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        (3, "zero_stage 3 is planned (POST /v1/plan) but zero1 does not train at it yet"),
+        (0, "zero_stage"),
+        ("2", "zero_stage"),
+    ],
+)
+def test_zero_stage_that_does_not_run_is_a_422_naming_the_field(fakes_client, value, says):
+    r = fakes_client.post("/v1/jobs", json=job_body(zero_stage=value))
+    assert r.status_code == 422 and says in r.text, r.text
+
+
 def test_dry_run_plans_and_stores_nothing(fakes_client):
     r = fakes_client.post("/v1/jobs", json=job_body(), params={"dry_run": "true"})
     assert r.status_code == 200 and r.json()["admitted"] is True and r.json()["plan"]["num_gpus"] == 2

@@ -515,7 +515,8 @@ def test_submit_dry_run_that_does_not_fit_prints_why_and_the_plan_to_stdout(clie
     fake_api(monkeypatch, lambda request: httpx.Response(422, json=refused.json()))
     assert main(["submit", "--dry-run", str(spec)]) == 1
     out, err = capsys.readouterr()
-    assert err == "" and out.startswith("does not fit: the per-GPU plan at N = 2 is 87.16 GB"), (out, err)
+    assert err == "", err
+    assert out.startswith("does not fit: the per-GPU plan at N = 2, ZeRO stage 1, is 87.16 GB"), out
     assert "7,500,029,952 parameters" in out.splitlines()[1]
 
 

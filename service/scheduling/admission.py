@@ -18,7 +18,7 @@ from service.planning.dataset_checks import DatasetChecker, DatasetRequest, inva
 from service.planning.plans import make_plan, model_shape, plan_public, trace_first, workload_for
 from service.planning.traces import Tracer, Traces
 from service.schemas.data_specs import DatasetDataSpec, TextDataSpec
-from service.schemas.requests import JobSpec, PlanRequest
+from service.schemas.requests import RUNNABLE_STAGES, JobSpec, PlanRequest
 from service.schemas.responses import PlanPublic
 from workers.config import ModelKind
 from workers.data import datafiles
@@ -40,10 +40,13 @@ async def admit_async(
 
 
 def admit(spec: JobSpec, *, cluster: ClusterCapacity, overhead_bytes: int, tracer: Traces | None = None) -> PlanPublic:
-    """The plan a job is admitted by (an hf model's traced by `tracer`), or a 422 does_not_fit that
-    says what would fit."""
-    request = _plan_request(spec, cluster=cluster)
-    plan = make_plan(request, cluster=cluster, overhead_bytes=overhead_bytes, tracer=tracer)
+    """The plan a job is admitted by (an hf model's traced by `tracer`): at its zero_stage, or (auto) at
+    the first stage that runs and fits; or a 422 does_not_fit that says what would fit."""
+    for stage in spec.stages():
+        request = _plan_request(spec, cluster=cluster, stage=stage)
+        plan = make_plan(request, cluster=cluster, overhead_bytes=overhead_bytes, tracer=tracer)
+        if plan.fits:
+            break
     public = plan_public(plan, shape=model_shape(request, tracer=tracer))
     fits = {"cluster": cluster, "request": request, "overhead_bytes": overhead_bytes, "tracer": tracer}
     if spec.num_gpus > cluster.num_gpus:
@@ -54,15 +57,20 @@ def admit(spec: JobSpec, *, cluster: ClusterCapacity, overhead_bytes: int, trace
     if not plan.fits:
         raise _does_not_fit(
             public,
-            f"the per-GPU plan at N = {request.num_gpus}{_fewest(spec)} is {plan.per_gpu.total_bytes / GB:.2f} GB, "
-            "above "
-            f"the {plan.gpu_memory_bytes / GB:.2f} GB of each GPU" + _what_fits(plan, **fits),
+            f"the per-GPU plan at N = {request.num_gpus}{_fewest(spec)}, ZeRO stage {plan.stage}{_auto(spec)}, is "
+            f"{plan.per_gpu.total_bytes / GB:.2f} GB, above the {plan.gpu_memory_bytes / GB:.2f} GB of each GPU"
+            + _what_fits(plan, **fits),
         )
     return public
 
 
-def _plan_request(spec: JobSpec, *, cluster: ClusterCapacity) -> PlanRequest:
-    return spec.plan_request().model_copy(update={"gpu_memory_gb": cluster.gpu_memory_bytes / GB})
+def _plan_request(spec: JobSpec, *, cluster: ClusterCapacity, stage: int | None = None) -> PlanRequest:
+    return spec.plan_request(stage=stage).model_copy(update={"gpu_memory_gb": cluster.gpu_memory_bytes / GB})
+
+
+def _auto(spec: JobSpec) -> str:
+    """zero_stage auto tried every stage that runs: say so."""
+    return " (the last zero_stage auto tries)" if spec.zero_stage == "auto" else ""
 
 
 def _fewest(spec: JobSpec) -> str:
@@ -196,24 +204,36 @@ def check_storage(problems: dict[str, str], *, uri: str) -> None:
 def _what_fits(
     plan: memory.Plan, *, cluster: ClusterCapacity, request, overhead_bytes: int, tracer: Traces | None
 ) -> str:
+    """What would fit: this stage at more GPUs, or a later stage (its per-GPU bytes named), and whether
+    zero1 trains at it."""
     workload = workload_for(request, overhead_bytes=overhead_bytes, tracer=tracer)
+    stage = plan.stage
     if plan.min_gpus is None:
-        floor = memory.bytes_per_param(plan.precision)
+        p, g = memory.bytes_per_param(plan.precision)
+        replicated, what = (p + g, "weights and gradients") if stage < 2 else (p, "weights")
         text = (
-            f"; ZeRO stage 1 fits on no number of GPUs: the replicated {plan.precision} weights and gradients "
-            f"alone are {sum(floor) * plan.num_params / GB:.2f} GB"
+            f"; ZeRO stage {stage} fits on no number of GPUs: the replicated {plan.precision} {what} "
+            f"alone are {replicated * plan.num_params / GB:.2f} GB"
         )
     elif plan.min_gpus > cluster.num_gpus:
-        text = f"; it needs min_gpus = {plan.min_gpus} at stage 1, and the cluster has {cluster.num_gpus}"
+        text = f"; it needs min_gpus = {plan.min_gpus} at stage {stage}, and the cluster has {cluster.num_gpus}"
     else:
-        text = f"; min_gpus = {plan.min_gpus} at stage 1 fits"
-    higher = [
-        f"stage {stage} on N >= {n}"
-        for stage in (2, 3)
-        if (n := memory.min_gpus(workload, stage=stage, gpu_memory_bytes=plan.gpu_memory_bytes)) is not None
-    ]
+        text = f"; min_gpus = {plan.min_gpus} at stage {stage} fits"
+    higher = []
+    for later in range(stage + 1, max(memory.STAGES) + 1):
+        n = memory.min_gpus(workload, stage=later, gpu_memory_bytes=plan.gpu_memory_bytes)
+        if n is None:
+            continue
+        at = max(n, request.num_gpus)
+        per_gpu = memory.total_bytes(workload, num_gpus=at, stage=later) / GB
+        runs = (
+            f"zero_stage: {later} or auto"
+            if later in RUNNABLE_STAGES
+            else "planned only: zero1 does not train at it yet"
+        )
+        higher.append(f"ZeRO stage {later} on N >= {n} ({per_gpu:.2f} GB per GPU at N = {at}; {runs})")
     if higher and (plan.min_gpus is None or plan.min_gpus > cluster.num_gpus):
-        text += f"; ZeRO {' or '.join(higher)} would fit (zero1 runs stage 1)"
+        text += "; " + ", or ".join(higher) + " would fit"
     return text
 
 

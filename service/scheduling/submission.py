@@ -18,12 +18,27 @@ from service.errors import ServiceError
 from service.schemas.requests import JobSpec
 from service.schemas.responses import PlanPublic
 from service.store.tables import Job, JobEvent
+from workers.memory.model import GB
 
 
 def request_hash(spec: JobSpec) -> str:
     """The body's digest, canonical JSON: a reused Idempotency-Key must come with the same one."""
     canonical = json.dumps(spec.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def submitted_reason(spec: JobSpec, plan: PlanPublic) -> str:
+    """A job's first event: "submitted", and for zero_stage auto the stage it picked and why."""
+    if spec.zero_stage != "auto":
+        return "submitted"
+    skipped = [
+        f"stage {stage} needs {plan.stages[str(stage)] / GB:.2f} GB per GPU at N = {plan.num_gpus}, above the "
+        f"{plan.gpu_memory_bytes / GB:.2f} GB of each GPU"
+        for stage in spec.stages()
+        if stage < plan.stage
+    ]
+    why = "; ".join(skipped) if skipped else "the first stage that fits: it sends the least"
+    return f"submitted; zero_stage auto: stage {plan.stage} ({why})"
 
 
 def submit_job(
@@ -65,7 +80,9 @@ def submit_job(
         with session.begin_nested():
             session.add(job)
             session.flush()
-            session.add(JobEvent(job_id=job.id, from_status=None, to_status="queued", reason="submitted"))
+            session.add(
+                JobEvent(job_id=job.id, from_status=None, to_status="queued", reason=submitted_reason(spec, plan))
+            )
             session.flush()
     except IntegrityError:  # a concurrent request with the same key won the race
         existing = session.scalar(select(Job).where(Job.idempotency_key == idempotency_key))

@@ -27,6 +27,9 @@ if TYPE_CHECKING:
     from service.schemas.responses import PlanPublic
 
 Stage = Literal[0, 1, 2, 3]
+ZeroStage = Literal[1, 2, 3, "auto"]
+RUNNABLE_STAGES = (1, 2)
+"""The ZeRO stages a job trains at (workers/zero: ZeRO1AdamW, ZeRO2AdamW); the planner models 0-3."""
 
 MAX_NUM_GPUS = 1 << 20
 MAX_GLOBAL_BATCH_SIZE = 100_000_000
@@ -205,6 +208,12 @@ class JobSpec(Body):
     )
     precision: Precision = _train("precision")
     optimizer: OptimizerConfig = OptimizerConfig()
+    zero_stage: ZeroStage = Field(
+        1,
+        description="The ZeRO stage it trains at: 1 shards the optimizer state, 2 the gradients too (per GPU "
+        "2Ψ + 14Ψ/N in fp16 instead of 4Ψ + 12Ψ/N); auto: the first of 1, 2 whose plan fits the cluster, "
+        "named in the job's plan and its first event. Stage 3 is planned (POST /v1/plan) but does not run yet.",
+    )
     steps: Int = Field(ge=1, le=MAX_STEPS)
     micro_batch_size: Int = Field(_train("micro_batch_size"), ge=1, le=MAX_MICRO_BATCH_SIZE)
     global_batch_size: Int | None = Field(
@@ -278,6 +287,12 @@ class JobSpec(Body):
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:
+        if self.zero_stage != "auto" and self.zero_stage not in RUNNABLE_STAGES:
+            raise FieldError(
+                "zero_stage",
+                f"zero_stage {self.zero_stage} is planned (POST /v1/plan) but zero1 does not train at it yet; "
+                f"it trains at {' or '.join(map(str, RUNNABLE_STAGES))}, or auto picks the first that fits",
+            )
         if self.min_gpus is None or self.min_gpus == self.num_gpus:
             per_step = self.micro_batch_size * self.num_gpus
             if self.global_batch_size is not None and self.global_batch_size % per_step:
@@ -337,6 +352,7 @@ class JobSpec(Body):
         return TrainConfig(
             model=self.model_spec(plan=plan, model_roots=model_roots),
             planned_bytes=plan.per_gpu.total_bytes - plan.per_gpu.overhead_bytes if traced else None,
+            zero_stage=self.stages()[0] if plan is None else plan.stage,
             steps=self.steps,
             data=self.data.to_spec(data_roots=data_roots, cache_dir=dataset_cache_dir),
             precision=self.precision,
@@ -370,15 +386,20 @@ class JobSpec(Body):
             return self.model.to_spec(code=self.code, vocab_size=plan.vocab_size, block_size=plan.block_size)
         return self.model.to_spec(vocab_size=plan.vocab_size, block_size=plan.block_size, model_roots=model_roots)
 
-    def plan_request(self) -> PlanRequest:
-        """The capacity plan this job is admitted by: ZeRO stage 1 at the fewest GPUs it may run on
-        (num_gpus unless elastic), where each GPU holds the most."""
+    def stages(self) -> tuple[int, ...]:
+        """The stages admission tries, in order: the one asked for, or (auto) each that runs, cheapest
+        in communication first."""
+        return RUNNABLE_STAGES if self.zero_stage == "auto" else (self.zero_stage,)
+
+    def plan_request(self, *, stage: int | None = None) -> PlanRequest:
+        """The capacity plan this job is admitted by at `stage` (default: the first it may run at), at
+        the fewest GPUs it may run on (num_gpus unless elastic), where each GPU holds the most."""
         return PlanRequest(
             model=self.model,
             num_gpus=self.world_sizes()[0],
             precision=self.precision,
             optimizer="adamw",
-            stage=1,
+            stage=self.stages()[0] if stage is None else stage,
             micro_batch_size=self.micro_batch_size,
             seq_len=self.seq_len,
             activation_checkpointing=None if isinstance(self.model, MLPModelSpec) else self.activation_checkpointing,

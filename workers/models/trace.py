@@ -143,7 +143,8 @@ def measure_step(
     for tensor in inputs:
         meter.count(tensor)
     hooks = [
-        p.register_post_accumulate_grad_hook(lambda p: meter.ignore(p.grad))
+        # at ZeRO stage 2 the optimizer's hook (registered first) has taken the gradient into its bucket
+        p.register_post_accumulate_grad_hook(lambda p: None if p.grad is None else meter.ignore(p.grad))
         for p in model.parameters()
         if p.requires_grad
     ]

@@ -37,6 +37,7 @@ from workers.training.reader import resume
 from workers.training.schedule import lr_at
 from workers.training.writer import CheckpointIO, save_checkpoint, shared_directory
 from workers.zero.optimizer import ZeRO1AdamW, decay_param_groups
+from workers.zero.stage2 import ZeRO2AdamW
 
 # the names other modules and tests import from here, wherever they live now
 __all__ = ["NonFiniteError", "resume", "save_checkpoint", "train"]
@@ -61,7 +62,7 @@ def planned_bytes(config: TrainConfig, *, world_size: int) -> int:
         seq_len=config.seq_len,
         activation_checkpointing=config.activation_checkpointing,
     )
-    return memory.breakdown(workload, num_gpus=world_size, stage=1).total_bytes
+    return memory.breakdown(workload, num_gpus=world_size, stage=config.zero_stage).total_bytes
 
 
 def train(
@@ -132,7 +133,8 @@ def _step_context(
     process_group: dist.ProcessGroup | None,
     device: torch.device,
 ) -> _StepContext:
-    """This rank's data, the model (from its seed) and its ZeRO1AdamW, before any resume."""
+    """This rank's data, the model (from its seed) and its optimizer (ZeRO1AdamW, or ZeRO2AdamW at
+    stage 2), before any resume."""
     batches = Batches(
         model=config.model,
         data=config.data,
@@ -145,7 +147,8 @@ def _step_context(
     )
     model = _build(config, device=device)
     hyper = config.optimizer
-    opt = ZeRO1AdamW(
+    optimizer_class = ZeRO2AdamW if config.zero_stage == 2 else ZeRO1AdamW
+    opt = optimizer_class(
         decay_param_groups(model, weight_decay=hyper.weight_decay),
         lr=hyper.lr,
         betas=hyper.betas,
