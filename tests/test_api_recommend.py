@@ -28,12 +28,15 @@ ACCEPTANCE = {
 PLAN_FIELDS = ("model", "seq_len", "precision", "gpu_memory_gb")
 
 
-def plan_of(client, body: dict, *, num_gpus: int, micro_batch_size: int, activation_checkpointing: bool) -> dict:
+def plan_of(
+    client, body: dict, *, num_gpus: int, micro_batch_size: int, activation_checkpointing: bool, stage: int = 1
+) -> dict:
     request = {key: body[key] for key in PLAN_FIELDS if key in body}
     request |= {
         "num_gpus": num_gpus,
         "micro_batch_size": micro_batch_size,
         "activation_checkpointing": activation_checkpointing,
+        "stage": stage,
     }
     response = client.post("/v1/plan", json=request)
     assert response.status_code == 200, response.text
@@ -66,6 +69,7 @@ def test_a_7_5e9_model_on_up_to_64_gpus_every_item_checked_by_plan(client):
             assert not plan_of(client, ACCEPTANCE, num_gpus=n, micro_batch_size=2 * m, **_ckpt(item))["fits"], item
     least = plan_of(client, ACCEPTANCE, num_gpus=1, micro_batch_size=1, activation_checkpointing=True)
     assert least["min_gpus"] == 2  # 4Ψ + 12Ψ/2 + checkpointed activations + 1 GB overhead = 78.3 GB
+    assert {item["zero_stage"] for item in items} == {1, 2}  # stage 2 where it fits a larger micro-batch
     fewest = min(n for n in divisors(64) if n >= least["min_gpus"])
     assert fewest in {item["num_gpus"] for item in items} and fewest == min(item["num_gpus"] for item in items)
     print(f"\n{len(items)} configurations; the first 3:")
@@ -74,7 +78,8 @@ def test_a_7_5e9_model_on_up_to_64_gpus_every_item_checked_by_plan(client):
 
 
 def _ckpt(item: dict) -> dict:
-    return {"activation_checkpointing": item["activation_checkpointing"]}
+    """The /v1/plan settings of an item beside N and the micro-batch: checkpointing and the stage."""
+    return {"activation_checkpointing": item["activation_checkpointing"], "stage": item["zero_stage"]}
 
 
 def test_the_cost_is_the_stated_formula_with_the_stated_numbers(client):
@@ -92,7 +97,8 @@ def test_the_cost_is_the_stated_formula_with_the_stated_numbers(client):
     for item in body["recommendations"]:
         n = item["num_gpus"]
         compute_s = 6 * psi * tokens / n / 400e12 * (4 / 3 if item["activation_checkpointing"] else 1)
-        comm_s = 2 * (n - 1) / n * psi * 2 / 100e9
+        passes = 2 if item["zero_stage"] == 1 else item["accumulation_steps"] + 1  # stage 2: a reduce per micro-batch
+        comm_s = passes * (n - 1) / n * psi * 2 / 100e9
         assert (item["compute_s"], item["comm_s"]) == (pytest.approx(compute_s), pytest.approx(comm_s))
         assert item["cost"] == pytest.approx(n * (compute_s + comm_s))
 
@@ -131,11 +137,11 @@ def test_nothing_within_max_gpus_is_a_does_not_fit_with_the_least_plan(client):
     error = response.json()
     assert error["error"] == "does_not_fit"
     plan = error["plan"]
-    assert (plan["num_gpus"], plan["fits"], plan["min_gpus"]) == (1, False, 2)
+    assert (plan["num_gpus"], plan["stage"], plan["fits"], plan["min_gpus"]) == (1, 2, False, 2)
     least_gb = plan["per_gpu"]["total_bytes"] / 1e9
     assert error["message"] == (
         f"nothing fits within max_gpus = 1: the least per-GPU plan found is {least_gb:.2f} GB "
-        "(N = 1, micro-batch 1, with activation checkpointing), above the 80.00 GB of each GPU; "
+        "(N = 1, micro-batch 1, with activation checkpointing, ZeRO stage 2), above the 80.00 GB of each GPU; "
         "N >= 2 would fit (N must also divide global_batch_size (64))"
     )
 
@@ -149,12 +155,30 @@ def test_a_fit_on_gpus_that_do_not_divide_the_batch_is_said(client):
 
 
 def test_a_model_that_fits_on_no_number_of_gpus_says_so(client):
-    response = client.post("/v1/plan/recommend", json={**ACCEPTANCE, "gpu_memory_gb": 24})
+    """7.5B in bf16 on GPUs of 12 GB: stage 2's replicated weights alone are 15 GB."""
+    response = client.post("/v1/plan/recommend", json={**ACCEPTANCE, "gpu_memory_gb": 12})
     assert response.status_code == 422 and response.json()["error"] == "does_not_fit"
     assert (
-        "ZeRO stage 1 fits on no number of GPUs: the replicated bf16 weights and gradients alone are 30.00 GB"
+        "ZeRO stage 2 fits on no number of GPUs: the replicated bf16 weights alone are 15.00 GB"
         in (response.json()["message"])
     )
+
+
+def test_where_stage_1_fits_nowhere_stage_2_is_recommended_and_says_why(client):
+    """7.5B in bf16 on GPUs of 32 GB: stage 1's 4Ψ (30 GB) and its shard leave no room at any N up to 64;
+    stage 2's 2Ψ does. Every item is stage 2, checked by POST /v1/plan at both stages."""
+    body = {**ACCEPTANCE, "gpu_memory_gb": 32}
+    items = client.post("/v1/plan/recommend", json=body).json()["recommendations"]
+    assert items and {item["zero_stage"] for item in items} == {2}
+    for item in items:
+        n, m = item["num_gpus"], item["micro_batch_size"]
+        at = {"num_gpus": n, "micro_batch_size": m, "activation_checkpointing": item["activation_checkpointing"]}
+        assert plan_of(client, body, **at, stage=2)["per_gpu"]["total_bytes"] == item["total_bytes"]
+        assert not plan_of(client, body, **at, stage=1)["fits"]
+        assert (
+            "ZeRO stage 2 (gradients sharded too; a reduce every micro-batch) is the first stage it fits at"
+            in (item["why"])
+        )
 
 
 @pytest.mark.parametrize(

@@ -109,27 +109,32 @@ def test_plan_recommend_prints_the_table_of_what_fits_cheapest_first():
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0] == (
-        "7,500,029,952 parameters, global batch 64 (131,072 tokens), ZeRO stage 1 on up to 64 GPUs of 80.000 GB "
-        "(GB = 1e9 bytes): 9 configurations that fit, cheapest first"
+        "7,500,029,952 parameters, global batch 64 (131,072 tokens), ZeRO stages 1 and 2 on up to 64 GPUs of "
+        "80.000 GB (GB = 1e9 bytes): 10 configurations that fit, cheapest first"
     )
     assert lines[1].startswith("cost in GPU-seconds per optimizer step at 400 TFLOP/s and 100 GB/s per GPU: cost = N")
-    header = lines.index("     N  micro-batch   accum  ckpt  GB per GPU  headroom GB  cost GPU-s  why")
-    rows = [line.split(maxsplit=7) for line in lines[header + 1 :]]
-    assert len(rows) == 9
+    header = lines.index("     N  micro-batch   accum  ckpt  stage  GB per GPU  headroom GB  cost GPU-s  why")
+    rows = [line.split(maxsplit=8) for line in lines[header + 1 :]]
+    assert len(rows) == 10
     assert rows[0] == [
         "4",
         "2",
         "8",
         "no",
+        "1",
         "75.820",
         "4.180",
         "15.65",
         "micro-batch 2 is the largest that fits on 4 GPUs: 4 would need 98.14 GB > 80.00 GB",
     ]
-    costs = [float(row[6]) for row in rows]
+    costs = [float(row[7]) for row in rows]
     assert costs == sorted(costs)
-    fewest = min(rows, key=lambda row: int(row[0]))
-    assert fewest[:4] == ["2", "1", "32", "yes"] and fewest[7].startswith("the fewest GPUs it fits on: 1 would need")
+    fewest = min(rows, key=lambda row: (int(row[0]), float(row[7])))
+    assert fewest[:5] == ["2", "1", "32", "no", "2"] and fewest[8].startswith(
+        "the fewest GPUs it fits on: 1 would need"
+    )
+    stage2 = [row for row in rows if row[4] == "2" and row[0] == "8"]
+    assert [row[1] for row in stage2] == ["4"] and "where 2 is the largest at stage 1" in stage2[0][8]
 
 
 def test_plan_recommend_json_is_the_apis_json(client, capsys):
@@ -144,7 +149,7 @@ def test_plan_recommend_that_fits_nowhere_says_why_and_shows_the_least_plan():
     out = run_zero1("plan", *GPT_7B_FLAGS, "--recommend", "--global-batch-size", "64", "--max-gpus", "1")
     assert out.returncode == 1 and out.stderr == ""  # the answer, on stdout: a pipe to head shows it
     assert out.stdout.startswith("does not fit: nothing fits within max_gpus = 1: the least per-GPU plan found is")
-    assert "N >= 2 would fit" in out.stdout and "min_gpus at stage 1: 2" in out.stdout
+    assert "N >= 2 would fit" in out.stdout and "min_gpus at stage 2: 2" in out.stdout
 
 
 @pytest.mark.parametrize(

@@ -884,6 +884,8 @@ def _check_recommendations_shown(page: Page, expected: dict) -> None:
         expect(row).to_have_attribute("data-num-gpus", str(item["num_gpus"]))
         expect(row).to_have_attribute("data-micro-batch-size", str(item["micro_batch_size"]))
         expect(row).to_have_attribute("data-checkpointing", str(item["activation_checkpointing"]).lower())
+        expect(row).to_have_attribute("data-zero-stage", str(item["zero_stage"]))
+        expect(row.locator("td").nth(4)).to_have_text(str(item["zero_stage"]))
         expect(row).to_have_attribute("data-total-bytes", str(item["total_bytes"]))
         expect(row.locator("td.why")).to_have_text(item["why"])
 

@@ -138,6 +138,69 @@ def test_the_list_is_every_undominated_largest_micro_batch_sorted_by_cost(
         assert result.least_bytes == min(floors.values()) > search.gpu_memory_bytes
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    global_batch_size=st.integers(1, 96),
+    max_gpus=st.integers(1, 64),
+    gpu_memory_mb=st.integers(4, 40),  # around SMALL_GPT's 16Ψ = 14.3 MB: where the stages differ
+    seq_len=st.sampled_from([16, 64, 256]),
+)
+def test_with_stages_1_and_2_the_list_is_every_configuration_nothing_cheaper_fits_as_well(
+    global_batch_size, max_gpus, gpu_memory_mb, seq_len
+):
+    """Brute force over (N, stage, checkpointing, micro-batch): the largest micro-batch of each that fits,
+    its cost by hand (stage 2 reduces every micro-batch), and kept unless another at its N fits at least
+    as large a micro-batch for no more cost (a tie kept by the lower stage, then no checkpointing)."""
+    workload_of = workloads(SMALL_GPT, seq_len=seq_len)
+    search = configurations.Search(
+        global_batch_size=global_batch_size,
+        num_tokens=global_batch_size * seq_len,
+        max_gpus=max_gpus,
+        gpu_memory_bytes=gpu_memory_mb * 10**6,
+        checkpointing_applies=True,
+        max_micro_batch_size=10**6,
+        stages=(1, 2),
+    )
+    result = configurations.recommend(workload_of, search=search, cost_model=COST)
+    psi = workload_of(1, False).num_params
+    candidates = {}  # (n, stage, ckpt) -> (m, cost)
+    for n in search.num_gpus_allowed():
+        for stage in (1, 2):
+            for ckpt in (False, True):
+                fitting = [
+                    m
+                    for m in range(1, global_batch_size // n + 1)
+                    if global_batch_size % (m * n) == 0
+                    and memory.total_bytes(workload_of(m, ckpt), num_gpus=n, stage=stage) <= search.gpu_memory_bytes
+                ]
+                if not fitting:
+                    continue
+                m = max(fitting)
+                passes = 2 if stage == 1 else global_batch_size // (m * n) + 1
+                compute = 6 * psi * search.num_tokens / n / 400e12 * (4 / 3 if ckpt else 1)
+                comm = passes * (n - 1) / n * psi * 2 / 100e9
+                candidates[n, stage, ckpt] = (m, n * (compute + comm))
+
+    def dominated(key):
+        m, cost = candidates[key]
+        return any(
+            other[0] == key[0]
+            and om >= m
+            and ocost <= cost * (1 + 1e-12)
+            and (om > m or ocost < cost * (1 - 1e-12) or other[1:] < key[1:])
+            for other, (om, ocost) in candidates.items()
+            if other != key
+        )
+
+    expected = {key: m for key, (m, _) in candidates.items() if not dominated(key)}
+    got = {(r.num_gpus, r.stage, r.activation_checkpointing): r.micro_batch_size for r in result.items}
+    assert got == expected
+    for item in result.items:
+        assert item.cost_gpu_s == pytest.approx(candidates[item.num_gpus, item.stage, item.activation_checkpointing][1])
+        workload = workload_of(item.micro_batch_size, item.activation_checkpointing)
+        assert item.total_bytes == memory.total_bytes(workload, num_gpus=item.num_gpus, stage=item.stage)
+
+
 def test_why_names_the_limit_with_numbers():
     # Ψ = 891,648: 16Ψ = 14.27 MB does not fit 12 MB on one GPU; on two, 4Ψ + 12Ψ/2 = 8.92 MB leaves room for
     # micro-batch 1 only with checkpointing (1.98 MB of activations; 4.91 MB without)

@@ -54,7 +54,9 @@ def _recommend_body(args: argparse.Namespace) -> dict:
     given = [flag for name, flag in _PLAN_ONLY_FLAGS.items() if getattr(args, name) is not None]
     if given or args.stage != 1:
         given += ["--stage"] if args.stage != 1 else []
-        raise ValueError(f"{', '.join(given)} do not apply to --recommend: it searches them, at ZeRO stage 1")
+        raise ValueError(
+            f"{', '.join(given)} do not apply to --recommend: it searches them, and the stages jobs run at"
+        )
     plan = _plan_body(args)
     body = {key: plan[key] for key in ("model", "seq_len", "precision", "optimizer", "gpu_memory_gb") if key in plan}
     body |= {"global_batch_size": args.global_batch_size, "max_gpus": args.max_gpus or args.gpus}
@@ -96,19 +98,19 @@ def format_recommendations(body: dict) -> str:
     cost = body["cost_model"]
     lines = [
         f"{cost['num_params']:,} parameters, global batch {body['global_batch_size']:,} "
-        f"({cost['tokens_per_step']:,} tokens), ZeRO stage 1 on up to {body['max_gpus']:,} GPUs of "
+        f"({cost['tokens_per_step']:,} tokens), ZeRO stages 1 and 2 on up to {body['max_gpus']:,} GPUs of "
         f"{_gb(body['gpu_memory_bytes'])} GB (GB = 1e9 bytes): {body['count']} configurations that fit, cheapest first",
         f"cost in {cost['unit']} at {cost['gpu_tflops']:g} TFLOP/s and {cost['network_gb_per_s']:g} GB/s per GPU: "
         f"{cost['formula']}",
         "",
-        f"{'N':>6}  {'micro-batch':>11}  {'accum':>6}  {'ckpt':<4}  {'GB per GPU':>10}  {'headroom GB':>11}  "
-        f"{'cost GPU-s':>10}  why",
+        f"{'N':>6}  {'micro-batch':>11}  {'accum':>6}  {'ckpt':<4}  {'stage':>5}  {'GB per GPU':>10}  "
+        f"{'headroom GB':>11}  {'cost GPU-s':>10}  why",
     ]
     for item in body["recommendations"]:
         lines.append(
             f"{item['num_gpus']:>6}  {item['micro_batch_size']:>11}  {item['accumulation_steps']:>6}  "
-            f"{'yes' if item['activation_checkpointing'] else 'no':<4}  {_gb(item['total_bytes']):>10}  "
-            f"{_gb(item['headroom_bytes']):>11}  {item['cost']:>10.4g}  {item['why']}"
+            f"{'yes' if item['activation_checkpointing'] else 'no':<4}  {item['zero_stage']:>5}  "
+            f"{_gb(item['total_bytes']):>10}  {_gb(item['headroom_bytes']):>11}  {item['cost']:>10.4g}  {item['why']}"
         )
     return "\n".join(lines)
 

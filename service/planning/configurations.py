@@ -1,7 +1,8 @@
-"""Recommendations: the ZeRO stage 1 configurations of a model that fit, cheapest first.
+"""Recommendations: the ZeRO configurations of a model that fit, cheapest first.
 
-A configuration is a world size N, a micro-batch m and activation checkpointing on or off, for a
-fixed global batch G = N·m·accumulation_steps. Whether it fits is the memory model's answer
+A configuration is a world size N, a micro-batch m, activation checkpointing on or off and a ZeRO
+stage (of those searched: the ones zero1 trains at), for a fixed global batch G =
+N·m·accumulation_steps. Whether it fits is the memory model's answer
 (workers/memory/model.py: total_bytes of the workload /v1/plan builds); what it costs is the model below.
 
 Cost, in GPU-seconds per optimizer step (what a step costs on a bill), from Ψ parameters, the
@@ -9,13 +10,17 @@ step's tokens, a stated per-GPU throughput and a stated per-GPU bandwidth:
 
     cost      = N · (compute_s + comm_s)
     compute_s = 6·Ψ·tokens / N / flops_per_gpu          x 4/3 with activation checkpointing
-    comm_s    = 2·(N−1)/N · Ψ · p / bytes_per_s_per_gpu
+    comm_s    = passes·(N−1)/N · Ψ · p / bytes_per_s_per_gpu
+    passes    = 2 at stage 1; accumulation_steps + 1 at stage 2
 
 6·Ψ FLOPs per token are the forward (2Ψ) and the backward (4Ψ); checkpointing runs each block's
-forward again in the backward (+2Ψ, a third more). comm_s is ZeRO-1's traffic once per step
-(gradients accumulate locally between micro-batches): a ring reduce-scatter of the gradients and a
-ring all-gather of the updated parameters each send (N−1)/N of Ψ·p bytes from every GPU. The micro-
-batch does not enter the cost: it changes neither the FLOPs nor the bytes per step, only memory.
+forward again in the backward (+2Ψ, a third more). A pass is one ring collective over the Ψ·p-byte
+model, which sends (N−1)/N of it from every GPU. Stage 1 reduces the gradients once per step
+(they accumulate locally between micro-batches) and gathers the updated parameters once: 2 passes,
+the ZeRO paper's 2Ψ. Stage 2 keeps no full gradient to accumulate into, so every micro-batch's
+backward reduces its gradients: accumulation_steps reduces and one gather. At stage 1 the micro-batch
+does not enter the cost (it changes neither the FLOPs nor the bytes per step, only memory); at stage 2
+a smaller one means more reduces.
 
 Standard library only, like the memory model it calls: the API, the CLI and tests load it alone.
 """
@@ -31,8 +36,8 @@ from workers.memory.model import GB
 COST_UNIT = "GPU-seconds per optimizer step"
 COST_FORMULA = (
     "cost = N * (compute_s + comm_s); compute_s = 6 * num_params * tokens_per_step / N / (gpu_tflops * 1e12), "
-    "x 4/3 with activation checkpointing; comm_s = 2 * (N - 1) / N * num_params * bytes_per_param "
-    "/ (network_gb_per_s * 1e9)"
+    "x 4/3 with activation checkpointing; comm_s = passes * (N - 1) / N * num_params * bytes_per_param "
+    "/ (network_gb_per_s * 1e9), passes = 2 at zero_stage 1, accumulation_steps + 1 at zero_stage 2"
 )
 CHECKPOINTING_COMPUTE_FACTOR = 4 / 3
 """Forward 2Ψ + backward 4Ψ FLOPs per token; checkpointing recomputes the forward: 8Ψ / 6Ψ."""
@@ -72,6 +77,7 @@ class Recommendation:
     micro_batch_size: int
     accumulation_steps: int
     activation_checkpointing: bool
+    stage: int
     total_bytes: int
     headroom_bytes: int
     compute_s: float
@@ -103,10 +109,22 @@ def compute_s(
     return flops / (gpu_tflops * 1e12)
 
 
-def comm_bytes_per_gpu(*, num_params: int, num_gpus: int, bytes_per_param: int) -> float:
-    """Bytes each GPU sends per step: reduce-scatter of the gradients + all-gather of the parameters."""
+def comm_passes(*, stage: int, accumulation_steps: int) -> int:
+    """Ring collectives over the whole model per step: the gradients' reduces and the parameters' gather."""
+    if stage == 1:
+        return 2
+    if stage == 2:
+        return accumulation_steps + 1
+    raise ValueError(f"the cost is modelled at the stages zero1 trains at (1, 2), got {stage}")
+
+
+def comm_bytes_per_gpu(
+    *, num_params: int, num_gpus: int, bytes_per_param: int, stage: int = 1, accumulation_steps: int = 1
+) -> float:
+    """Bytes each GPU sends per step: the reduces of the gradients + the all-gather of the parameters."""
     # each ring collective sends (N-1)/N of the Ψ·p-byte flat buffer from every rank; N = 1 sends nothing
-    return 2 * (num_gpus - 1) * num_params * bytes_per_param / num_gpus
+    passes = comm_passes(stage=stage, accumulation_steps=accumulation_steps)
+    return passes * (num_gpus - 1) * num_params * bytes_per_param / num_gpus
 
 
 def step_cost(
@@ -117,6 +135,8 @@ def step_cost(
     activation_checkpointing: bool,
     bytes_per_param: int,
     cost_model: CostModel,
+    stage: int = 1,
+    accumulation_steps: int = 1,
 ) -> StepCost:
     """GPU-seconds per optimizer step: N x (compute_s + comm_s)."""
     compute = compute_s(
@@ -126,7 +146,13 @@ def step_cost(
         activation_checkpointing=activation_checkpointing,
         gpu_tflops=cost_model.gpu_tflops,
     )
-    comm_bytes = comm_bytes_per_gpu(num_params=num_params, num_gpus=num_gpus, bytes_per_param=bytes_per_param)
+    comm_bytes = comm_bytes_per_gpu(
+        num_params=num_params,
+        num_gpus=num_gpus,
+        bytes_per_param=bytes_per_param,
+        stage=stage,
+        accumulation_steps=accumulation_steps,
+    )
     comm = comm_bytes / (cost_model.network_gb_per_s * GB)
     return StepCost(compute_s=compute, comm_s=comm, cost_gpu_s=num_gpus * (compute + comm))
 
@@ -172,16 +198,18 @@ class _Planner:
             self._workloads[key] = self.workload_of(micro_batch_size, activation_checkpointing)
         return self._workloads[key]
 
-    def total_bytes(self, *, num_gpus: int, micro_batch_size: int, activation_checkpointing: bool) -> int:
+    def total_bytes(
+        self, *, num_gpus: int, micro_batch_size: int, activation_checkpointing: bool, stage: int = 1
+    ) -> int:
         workload = self.workload(micro_batch_size=micro_batch_size, activation_checkpointing=activation_checkpointing)
-        return memory.total_bytes(workload, num_gpus=num_gpus, stage=1)
+        return memory.total_bytes(workload, num_gpus=num_gpus, stage=stage)
 
     def largest_fit(
-        self, *, num_gpus: int, micro_batch_sizes: list[int], activation_checkpointing: bool
+        self, *, num_gpus: int, micro_batch_sizes: list[int], activation_checkpointing: bool, stage: int = 1
     ) -> _Fit | None:
         """Binary search of the ascending sizes: activations, and so the total, grow with the micro-batch."""
         total = lambda m: self.total_bytes(
-            num_gpus=num_gpus, micro_batch_size=m, activation_checkpointing=activation_checkpointing
+            num_gpus=num_gpus, micro_batch_size=m, activation_checkpointing=activation_checkpointing, stage=stage
         )
         # sizes[:low] fit, sizes[high:] do not
         low = 0
@@ -207,14 +235,19 @@ class _Planner:
 class _Choice:
     num_gpus: int
     activation_checkpointing: bool
+    stage: int
     fit: _Fit
+    cost: StepCost
     without_checkpointing: _Fit | None
-    """At the same N, for a checkpointed choice: what fits without it (None: nothing)."""
+    """At the same N and stage, for a checkpointed choice: what fits without it (None: nothing)."""
+    earlier_stage: _Fit | None
+    """At the same N and checkpointing, for a choice past the first stage searched: the largest
+    micro-batch an earlier stage fits (None: nothing)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Search:
-    """What is fixed: the global batch (and its tokens), the GPUs on offer and their memory."""
+    """What is fixed: the global batch (and its tokens), the GPUs on offer and their memory, the stages."""
 
     global_batch_size: int
     num_tokens: int
@@ -225,6 +258,8 @@ class Search:
     """False for a model with no activation checkpointing (an MLP)."""
     max_micro_batch_size: int
     """The largest micro-batch a job takes."""
+    stages: tuple[int, ...] = (1,)
+    """The ZeRO stages searched, ascending: the ones a job trains at."""
 
     def __post_init__(self) -> None:
         counts = {name: getattr(self, name) for name in ("global_batch_size", "num_tokens", "max_gpus")}
@@ -232,6 +267,8 @@ class Search:
         if min(counts.values()) < 1 or self.gpu_memory_bytes < 0:
             given = ", ".join(f"{name} ({value})" for name, value in counts.items())
             raise ValueError(f"{given} must be >= 1 and gpu_memory_bytes ({self.gpu_memory_bytes}) >= 0")
+        if not self.stages or list(self.stages) != sorted(set(self.stages)) or not set(self.stages) <= {1, 2}:
+            raise ValueError(f"stages must be ascending, from (1, 2), got {self.stages}")
 
     def num_gpus_allowed(self) -> list[int]:
         """The world sizes that can run the global batch: N <= max_gpus that divide it."""
@@ -243,65 +280,99 @@ class Search:
         return [m for m in divisors(per_gpu) if m <= self.max_micro_batch_size]
 
 
-def _choices(planner: _Planner, *, search: Search) -> list[_Choice]:
-    """For each N that divides G and each checkpointing, the largest micro-batch that fits; a checkpointed
-    choice only where it fits a larger micro-batch than no checkpointing does (else it costs more for nothing)."""
+def _choices(planner: _Planner, *, search: Search, cost_of: Callable[..., StepCost]) -> list[_Choice]:
+    """For each N that divides G, each stage and each checkpointing: the largest micro-batch that fits,
+    kept unless another at the same N fits as large a micro-batch for no more cost (a tie goes to the
+    lower stage, then to no checkpointing: each costs what the cost model does not count)."""
     choices = []
     for num_gpus in search.num_gpus_allowed():
         sizes = search.micro_batch_sizes(num_gpus=num_gpus)
-        plain = planner.largest_fit(num_gpus=num_gpus, micro_batch_sizes=sizes, activation_checkpointing=False)
-        if plain is not None:
-            choices.append(
-                _Choice(num_gpus=num_gpus, activation_checkpointing=False, fit=plain, without_checkpointing=None)
-            )
-        if not search.checkpointing_applies or (plain is not None and plain.next_micro_batch_size is None):
-            continue
-        checkpointed = planner.largest_fit(num_gpus=num_gpus, micro_batch_sizes=sizes, activation_checkpointing=True)
-        if checkpointed is not None and (plain is None or checkpointed.micro_batch_size > plain.micro_batch_size):
-            choices.append(
-                _Choice(num_gpus=num_gpus, activation_checkpointing=True, fit=checkpointed, without_checkpointing=plain)
-            )
+        found: list[_Choice] = []
+        earlier: dict[bool, _Fit] = {}  # by checkpointing: the largest micro-batch of the stages before
+        for stage in search.stages:
+            fits: dict[bool, _Fit] = {}
+            for checkpointing in (False, True) if search.checkpointing_applies else (False,):
+                fit = planner.largest_fit(
+                    num_gpus=num_gpus, micro_batch_sizes=sizes, activation_checkpointing=checkpointing, stage=stage
+                )
+                if fit is None:
+                    continue
+                cost = cost_of(
+                    num_gpus=num_gpus, micro_batch_size=fit.micro_batch_size, checkpointing=checkpointing, stage=stage
+                )
+                found.append(
+                    _Choice(
+                        num_gpus=num_gpus,
+                        activation_checkpointing=checkpointing,
+                        stage=stage,
+                        fit=fit,
+                        cost=cost,
+                        without_checkpointing=fits.get(False) if checkpointing else None,
+                        earlier_stage=earlier.get(checkpointing),
+                    )
+                )
+                fits[checkpointing] = fit
+            for checkpointing, fit in fits.items():
+                if checkpointing not in earlier or fit.micro_batch_size > earlier[checkpointing].micro_batch_size:
+                    earlier[checkpointing] = fit
+        choices += [c for i, c in enumerate(found) if not any(_dominates(d, c, i < j) for j, d in enumerate(found))]
     return choices
+
+
+def _dominates(other: _Choice, choice: _Choice, later: bool) -> bool:
+    """`other` fits at least choice's micro-batch for no more cost, and is better at one of them or, tied
+    at both, comes first in the order searched (`later`: other comes after choice)."""
+    if other is choice:
+        return False
+    m, om = choice.fit.micro_batch_size, other.fit.micro_batch_size
+    cost, ocost = choice.cost.cost_gpu_s, other.cost.cost_gpu_s
+    if om < m or ocost > cost:
+        return False
+    return om > m or ocost < cost or not later
 
 
 # --------------------------------------------------------------------------- the list
 
 
 def recommend(workload_of: WorkloadOf, *, search: Search, cost_model: CostModel) -> Recommendations:
-    """Every (N, checkpointing)'s largest micro-batch that fits, cheapest first (then fewer GPUs, larger
-    micro-batch, no checkpointing); the fewest GPUs that fit are always among them."""
+    """Every (N, stage, checkpointing)'s largest micro-batch that fits and that nothing cheaper at its N
+    fits as well, cheapest first (then fewer GPUs, larger micro-batch, lower stage, no checkpointing);
+    the fewest GPUs that fit are always among them."""
     planner = _Planner(workload_of, gpu_memory_bytes=search.gpu_memory_bytes)
-    choices = _choices(planner, search=search)
+    workload = planner.workload(micro_batch_size=1, activation_checkpointing=False)
+
+    def cost_of(*, num_gpus: int, micro_batch_size: int, checkpointing: bool, stage: int) -> StepCost:
+        return step_cost(
+            num_params=workload.num_params,
+            num_tokens=search.num_tokens,
+            num_gpus=num_gpus,
+            activation_checkpointing=checkpointing,
+            bytes_per_param=memory.bytes_per_param(workload.precision)[0],
+            cost_model=cost_model,
+            stage=stage,
+            accumulation_steps=search.global_batch_size // (micro_batch_size * num_gpus),
+        )
+
+    choices = _choices(planner, search=search, cost_of=cost_of)
     floor = {n: _floor_bytes(planner, num_gpus=n, search=search) for n in search.num_gpus_allowed()}
     least_num_gpus = min(floor, key=lambda n: (floor[n], n))
     fewest = min((choice.num_gpus for choice in choices), default=None)
-    items = [
-        _recommendation(choice, planner=planner, search=search, cost_model=cost_model, fewest=fewest, floor=floor)
-        for choice in choices
-    ]
-    items.sort(key=lambda r: (r.cost_gpu_s, r.num_gpus, -r.micro_batch_size, r.activation_checkpointing))
+    items = [_recommendation(choice, search=search, fewest=fewest, floor=floor) for choice in choices]
+    items.sort(key=lambda r: (r.cost_gpu_s, r.num_gpus, -r.micro_batch_size, r.stage, r.activation_checkpointing))
     return Recommendations(items=tuple(items), least_bytes=floor[least_num_gpus], least_bytes_num_gpus=least_num_gpus)
 
 
 def _floor_bytes(planner: _Planner, *, num_gpus: int, search: Search) -> int:
-    """The least a GPU can hold at N: micro-batch 1, with checkpointing where it applies."""
+    """The least a GPU can hold at N: micro-batch 1, the last stage searched, with checkpointing where it applies."""
     return planner.total_bytes(
-        num_gpus=num_gpus, micro_batch_size=1, activation_checkpointing=search.checkpointing_applies
+        num_gpus=num_gpus,
+        micro_batch_size=1,
+        activation_checkpointing=search.checkpointing_applies,
+        stage=search.stages[-1],
     )
 
 
-def _recommendation(
-    choice: _Choice, *, planner: _Planner, search: Search, cost_model: CostModel, fewest: int | None, floor: dict
-) -> Recommendation:
-    workload = planner.workload(micro_batch_size=1, activation_checkpointing=False)
-    cost = step_cost(
-        num_params=workload.num_params,
-        num_tokens=search.num_tokens,
-        num_gpus=choice.num_gpus,
-        activation_checkpointing=choice.activation_checkpointing,
-        bytes_per_param=memory.bytes_per_param(workload.precision)[0],
-        cost_model=cost_model,
-    )
+def _recommendation(choice: _Choice, *, search: Search, fewest: int | None, floor: dict) -> Recommendation:
     n = choice.num_gpus
     m = choice.fit.micro_batch_size
     return Recommendation(
@@ -309,11 +380,12 @@ def _recommendation(
         micro_batch_size=m,
         accumulation_steps=search.global_batch_size // (m * n),
         activation_checkpointing=choice.activation_checkpointing,
+        stage=choice.stage,
         total_bytes=choice.fit.total_bytes,
         headroom_bytes=search.gpu_memory_bytes - choice.fit.total_bytes,
-        compute_s=cost.compute_s,
-        comm_s=cost.comm_s,
-        cost_gpu_s=cost.cost_gpu_s,
+        compute_s=choice.cost.compute_s,
+        comm_s=choice.cost.comm_s,
+        cost_gpu_s=choice.cost.cost_gpu_s,
         why=_why(choice, search=search, fewest=fewest, floor=floor),
     )
 
@@ -326,11 +398,27 @@ def _why(choice: _Choice, *, search: Search, fewest: int | None, floor: dict[int
     clauses = []
     if n == fewest:
         fewer = [k for k in floor if k < n]
+        least = f"micro-batch 1{' with checkpointing' if search.checkpointing_applies else ''}"
+        if len(search.stages) > 1:
+            least += f" at stage {search.stages[-1]}"
         clauses.append(
             f"the fewest GPUs it fits on: {fewer[-1]} would need {_size(floor[fewer[-1]])} > {memory_size} even at "
-            f"micro-batch 1{' with checkpointing' if search.checkpointing_applies else ''}"
+            + least
             if fewer
             else "the fewest GPUs it fits on"
+        )
+    if choice.stage > search.stages[0]:
+        earlier = choice.earlier_stage
+        setting = " with checkpointing" if choice.activation_checkpointing else ""
+        stages = " or ".join(str(s) for s in search.stages if s < choice.stage)
+        clauses.append(
+            f"ZeRO stage {choice.stage} (gradients sharded too; a reduce every micro-batch) "
+            + (
+                f"is the first stage it fits at{setting}"
+                if earlier is None
+                else f"fits micro-batch {fit.micro_batch_size}{setting} where {earlier.micro_batch_size} is the "
+                f"largest at stage {stages}"
+            )
         )
     if choice.activation_checkpointing:
         without = choice.without_checkpointing

@@ -8,7 +8,7 @@ from service.planning import configurations
 from service.planning.capacity import ClusterCapacity
 from service.planning.plans import make_plan, plan_public, workload_for
 from service.schemas.model_specs import GPTModelSpec
-from service.schemas.requests import MAX_MICRO_BATCH_SIZE, PlanRequest, RecommendRequest
+from service.schemas.requests import MAX_MICRO_BATCH_SIZE, RUNNABLE_STAGES, PlanRequest, RecommendRequest
 from service.schemas.responses import CostModelPublic, RecommendationPublic, RecommendationsPublic
 from service.settings import Settings
 from workers.memory import model as memory
@@ -23,7 +23,12 @@ def cost_model_of(settings: Settings) -> configurations.CostModel:
 
 
 def plan_request(
-    request: RecommendRequest, *, num_gpus: int | None, micro_batch_size: int, activation_checkpointing: bool
+    request: RecommendRequest,
+    *,
+    num_gpus: int | None,
+    micro_batch_size: int,
+    activation_checkpointing: bool,
+    stage: int = 1,
 ) -> PlanRequest:
     """The POST /v1/plan body of one configuration (checkpointing only for a model that has it)."""
     return PlanRequest(
@@ -32,7 +37,7 @@ def plan_request(
         gpu_memory_gb=request.gpu_memory_gb,
         precision=request.precision,
         optimizer=request.optimizer,
-        stage=1,
+        stage=stage,
         micro_batch_size=micro_batch_size,
         seq_len=request.seq_len,
         activation_checkpointing=activation_checkpointing if _has_checkpointing(request) else None,
@@ -55,6 +60,7 @@ def search_of(request: RecommendRequest, *, cluster: ClusterCapacity) -> configu
         gpu_memory_bytes=gpu_memory_bytes,
         checkpointing_applies=_has_checkpointing(request),
         max_micro_batch_size=MAX_MICRO_BATCH_SIZE,
+        stages=RUNNABLE_STAGES,
     )
 
 
@@ -99,6 +105,7 @@ def _item_public(item: configurations.Recommendation) -> RecommendationPublic:
         micro_batch_size=item.micro_batch_size,
         accumulation_steps=item.accumulation_steps,
         activation_checkpointing=item.activation_checkpointing,
+        zero_stage=item.stage,
         total_bytes=item.total_bytes,
         headroom_bytes=item.headroom_bytes,
         cost=item.cost_gpu_s,
@@ -122,10 +129,15 @@ def _does_not_fit(
 ) -> ServiceError:
     """What admission answers for a job that does not fit, with the plan of the least per-GPU bytes found."""
     body = plan_request(
-        request, num_gpus=result.least_bytes_num_gpus, micro_batch_size=1, activation_checkpointing=True
+        request,
+        num_gpus=result.least_bytes_num_gpus,
+        micro_batch_size=1,
+        activation_checkpointing=True,
+        stage=search.stages[-1],
     )
     plan = make_plan(body, cluster=cluster, overhead_bytes=overhead_bytes)
     setting = "micro-batch 1, with activation checkpointing" if search.checkpointing_applies else "micro-batch 1"
+    setting += f", ZeRO stage {search.stages[-1]}"
     message = (
         f"nothing fits within max_gpus = {search.max_gpus}: the least per-GPU plan found is "
         f"{result.least_bytes / GB:.2f} GB (N = {result.least_bytes_num_gpus}, {setting}), above the "
@@ -137,9 +149,10 @@ def _does_not_fit(
 def _what_would(plan: memory.Plan, *, search: configurations.Search) -> str:
     if plan.min_gpus is None:
         p, g = memory.bytes_per_param(plan.precision)
+        replicated, what = (p + g, "weights and gradients") if plan.stage < 2 else (p, "weights")
         return (
-            f"; ZeRO stage 1 fits on no number of GPUs: the replicated {plan.precision} weights and gradients "
-            f"alone are {(p + g) * plan.num_params / GB:.2f} GB"
+            f"; ZeRO stage {plan.stage} fits on no number of GPUs: the replicated {plan.precision} {what} "
+            f"alone are {replicated * plan.num_params / GB:.2f} GB"
         )
     divides = f"N must also divide global_batch_size ({search.global_batch_size})"
     if plan.min_gpus > search.max_gpus:

@@ -133,7 +133,8 @@ def _check_model(model: GPTModelSpec | MLPModelSpec, *, seq_len: int | None) -> 
 
 
 class RecommendRequest(Body):
-    """POST /v1/plan/recommend: the ZeRO stage 1 configurations of a model that fit, cheapest first."""
+    """POST /v1/plan/recommend: the ZeRO configurations of a model that fit (the stages a job trains at),
+    cheapest first."""
 
     model: ModelSpec
     global_batch_size: Int = Field(

@@ -263,6 +263,7 @@ class RecommendationPublic(BaseModel):
     micro_batch_size: int
     accumulation_steps: int = Field(description="global_batch_size / (num_gpus x micro_batch_size).")
     activation_checkpointing: bool
+    zero_stage: int = Field(description="The ZeRO stage: a job's zero_stage, and POST /v1/plan's stage.")
     total_bytes: int = Field(description="Per-GPU bytes of the plan at this configuration.")
     headroom_bytes: int
     cost: float = Field(description="GPU-seconds per optimizer step: num_gpus x (compute_s + comm_s).")

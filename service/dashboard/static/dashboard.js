@@ -675,11 +675,12 @@
       const row = document.createElement("tr");
       Object.assign(row.dataset, {
         numGpus: item.num_gpus, microBatchSize: item.micro_batch_size,
-        checkpointing: String(item.activation_checkpointing), totalBytes: item.total_bytes,
+        checkpointing: String(item.activation_checkpointing), zeroStage: item.zero_stage, totalBytes: item.total_bytes,
       });
       const cells = [
         [item.num_gpus, "num"], [item.micro_batch_size, "num"], [item.accumulation_steps, "num"],
-        [item.activation_checkpointing ? "yes" : "no", ""], [humanBytes(item.total_bytes), "num"],
+        [item.activation_checkpointing ? "yes" : "no", ""], [item.zero_stage, "num"],
+        [humanBytes(item.total_bytes), "num"],
         [humanBytes(item.headroom_bytes), "num"], [significant(item.cost), "num"], [item.why, "why"],
       ];
       for (const [text, className] of cells) {
