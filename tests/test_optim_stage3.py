@@ -1,0 +1,119 @@
+"""ZeRO Stage 3 (workers/zero/stage3.py, on torch's FSDP2) on 1-4 gloo ranks against torch.optim.AdamW
+on the whole model: clipping, a schedule, fp16 loss scaling and accumulation, as stage 1's tests.
+
+Packages: workers.zero.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_optim import (
+    HYPER,
+    MAX_NORM,
+    AdamWReference,
+    TinyNet,
+    loss_on,
+    make_model,
+    rank_slice,
+    schedule,
+)
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.testing import assert_close
+
+from workers.memory import model as memory
+from workers.zero.optimizer import decay_param_groups
+from workers.zero.stage3 import ZeRO3AdamW, shard_model, units_of
+
+from distributed import run_ranks
+
+
+def _full(param: torch.Tensor) -> torch.Tensor:
+    return param.full_tensor() if isinstance(param, DTensor) else param
+
+
+def _assert_matches(model: nn.Module, ref: AdamWReference, *, dtype: torch.dtype, step: int) -> None:
+    """The sharded fp32 master, gathered and cast to the compute dtype, against the reference's model:
+    assert_close's defaults in fp32, one ulp at the tensor's scale in 16 bits (test_optim's rule)."""
+    for (name, p), q in zip(model.named_parameters(), ref.model.parameters(), strict=True):
+        got = _full(p.detach()).to(dtype)
+        tol = {}
+        if dtype != torch.float32:
+            eps = torch.finfo(dtype).eps
+            tol = {"atol": eps * q.abs().max().item(), "rtol": 2 * eps}
+        assert_close(got, q.detach(), **tol, msg=lambda m, name=name: f"{name} at step {step}: {m}")
+
+
+def _matches_reference(rank: int, world_size: int, dtype: torch.dtype, num_micro: int) -> None:
+    """6 steps, num_micro micro-batches each, against AdamW on the whole batch (16-bit: over an fp32 master
+    copy that starts as the 16-bit init upcast, as the shards do)."""
+    model = shard_model(make_model(dtype).float(), compute_dtype=dtype)
+    opt = ZeRO3AdamW(decay_param_groups(model, weight_decay=0.1), **HYPER, compute_dtype=dtype, max_grad_norm=MAX_NORM)
+    assert isinstance(model.fc1.weight, DTensor) and (opt.loss_scaler is not None) == (dtype == torch.float16)
+    if opt.loss_scaler is not None:
+        opt.loss_scaler.scale = 1024.0  # no overflow: the reference never skips
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    ref = AdamWReference(dtype, lr_lambda=schedule)
+    norms = []
+    for step in range(6):
+        idx, target = rank_slice(rank, world_size, step)
+        micro = list(zip(idx.tensor_split(num_micro), target.tensor_split(num_micro), strict=True))
+        for x, y in micro:
+            with opt.no_sync():
+                opt.scale_loss(loss_on(model, x, y, step) * (len(x) / len(idx))).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        assert not opt.skipped
+        norms.append(opt.grad_norm)
+        rel = 2 * torch.finfo(dtype).eps if dtype != torch.float32 else 1e-5
+        assert opt.grad_norm == pytest.approx(ref.step(step), rel=rel), f"step {step}"
+        _assert_matches(model, ref, dtype=dtype, step=step)
+    assert max(norms) > MAX_NORM  # the clip was applied
+
+
+@pytest.mark.parametrize("num_micro", [1, 3], ids=["one_batch", "accumulate3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_stage3_matches_torch_adamw(world_size, dtype, num_micro):
+    run_ranks(world_size, _matches_reference, dtype, num_micro)
+
+
+def _memory(rank: int, world_size: int) -> None:
+    """A rank keeps its shards only: (4 + 4 + 8)·⌈Ψ_t/N⌉-ish bytes of the trained tensors, rows rounded up,
+    where a replica would keep 16Ψ."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 64))
+    psi = sum(p.numel() for p in model.parameters())
+    shard_model(model, compute_dtype=torch.bfloat16)
+    opt = ZeRO3AdamW(decay_param_groups(model, weight_decay=0.1), compute_dtype=torch.bfloat16)
+    model(torch.randn(4, 64)).float().square().mean().backward()
+    opt.step()
+    held = opt.model_state_bytes()
+    plan = memory.breakdown(memory.Workload(group_numels=(psi,), precision="bf16"), num_gpus=world_size, stage=3)
+    assert plan.params_bytes + plan.grads_bytes + plan.optimizer_bytes == 16 * -(-psi // world_size)
+    # dim-0 shards of whole rows: within one row of each tensor per state of the ⌈Ψ/N⌉ formula
+    rows = sum(p.shape[1] if p.dim() > 1 else 1 for p in model.parameters())
+    assert abs(held - 16 * psi / world_size) <= 16 * rows, (held, 16 * psi / world_size)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_stage3_keeps_a_shard_of_every_model_state(world_size):
+    run_ranks(world_size, _memory)
+
+
+def test_the_units_are_a_transformers_blocks_or_the_children_that_share_nothing():
+    from workers.memory.model import GPTSpec
+    from workers.models.builtin import build_model
+
+    gpt = build_model(GPTSpec(vocab_size=64, n_layer=3, n_head=2, n_embd=32, block_size=16), dtype=torch.float32)
+    assert units_of(gpt) == list(gpt.transformer.h)
+    tiny = TinyNet()
+    names = [name for name, child in tiny.named_children() if any(child is unit for unit in units_of(tiny))]
+    assert names == ["norm", "fc1", "fc2", "gate", "sometimes"]  # embed and head share their weight: the root's
+
+
+def test_stage3_refuses_a_16_bit_model():
+    with pytest.raises(ValueError, match="stage 3 shards an fp32 model"):
+        shard_model(make_model(torch.bfloat16), compute_dtype=torch.bfloat16)

@@ -1,0 +1,181 @@
+"""ZeRO Stage 3 on torch's FSDP2: the parameters sharded too.
+
+shard_model() applies torch.distributed.fsdp.fully_shard to each unit (a transformer block; the
+units of each model family are units_of()'s) and then to the root, over the data-parallel group.
+Each rank then keeps its dim-0 shard of every parameter, in fp32: for a 16-bit model a
+MixedPrecisionPolicy gathers each unit's parameters cast to the model dtype for its forward (and
+again for its backward, reshard_after_forward) and reduce-scatters its gradients in fp32, so the
+shards are the fp32 master copy. Per rank: parameters 4Ψ/N, gradients 4Ψ/N, AdamW's state 8Ψ/N:
+16Ψ/N, the memory model's (p + g + K)·Ψ/N at stage 3 (workers/memory/model.py), plus one unit
+gathered at a time.
+
+ZeRO3AdamW is torch's AdamW on those shards with what ZeRO1AdamW adds around it: the global
+gradient norm from one all-reduce of the shards' sums of squares, clipping by it, fp16 dynamic loss
+scaling (a non-finite norm skips the step on every rank and backs the scale off), and micro-batch
+accumulation by one backward each (each reduce-scatters into the sharded gradient, as stage 2's
+buckets do: no_sync() holds nothing back).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterable, Iterator
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from workers.zero.loss_scale import DynamicLossScaler
+
+_CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s, as ZeRO1AdamW's
+
+
+def mesh_of(process_group: dist.ProcessGroup | None, device: torch.device) -> DeviceMesh:
+    """The 1-D device mesh of the data-parallel group (the default group when None)."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    return DeviceMesh.from_group(group, device.type)
+
+
+def units_of(model: nn.Module) -> list[nn.Module]:
+    """The modules sharded one by one before the root: a transformer's blocks (the built-in GPT's
+    transformer.h, an HF decoder's model.layers), else the root's children that hold parameters
+    and share none with another child (a tied embedding and head stay in the root's unit)."""
+    for path in ("transformer.h", "model.layers", "layers"):
+        blocks = model.get_submodule(path) if _has_submodule(model, path) else None
+        if isinstance(blocks, nn.ModuleList):
+            return list(blocks)
+    owners: dict[int, int] = {}
+    for child in model.children():
+        for param in child.parameters():
+            owners[id(param)] = owners.get(id(param), 0) + 1
+    return [
+        child
+        for child in model.children()
+        if any(True for _ in child.parameters()) and all(owners[id(p)] == 1 for p in child.parameters())
+    ]
+
+
+def _has_submodule(model: nn.Module, path: str) -> bool:
+    try:
+        model.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+def shard_model(
+    model: nn.Module,
+    *,
+    compute_dtype: torch.dtype,
+    process_group: dist.ProcessGroup | None = None,
+    units: Iterable[nn.Module] | None = None,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """`model` (its parameters in fp32: the master copy) sharded in place over the group, computing in
+    `compute_dtype`; returns it."""
+    if any(p.dtype != torch.float32 for p in model.parameters()):
+        raise ValueError("stage 3 shards an fp32 model (the master copy): build it in fp32, compute_dtype casts")
+    device = next(model.parameters()).device
+    policy = MixedPrecisionPolicy(
+        param_dtype=None if compute_dtype == torch.float32 else compute_dtype, reduce_dtype=torch.float32
+    )
+    options = {"mesh": mesh_of(process_group, device), "mp_policy": policy}
+    for unit in units_of(model) if units is None else units:
+        fully_shard(unit, reshard_after_forward=reshard_after_forward, **options)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **options)
+    return model
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class ZeRO3AdamW(torch.optim.AdamW):
+    """AdamW on the shards of a model shard_model() has sharded: clipping across the shards, fp16 loss
+    scaling, accumulation by one backward per micro-batch (module docstring).
+
+    `compute_dtype` is the dtype the model computes in (shard_model's): fp16 scales the loss
+    (loss_scaler "auto")."""
+
+    stage = 3
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        *,
+        compute_dtype: torch.dtype = torch.float32,
+        process_group: dist.ProcessGroup | None = None,
+        max_grad_norm: float | None = None,
+        loss_scaler: DynamicLossScaler | None | Literal["auto"] = "auto",
+    ):
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=True)
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group) if dist.is_initialized() else 1
+        self.max_grad_norm = max_grad_norm
+        if loss_scaler == "auto":
+            loss_scaler = DynamicLossScaler() if compute_dtype == torch.float16 else None
+        self.loss_scaler = loss_scaler
+        self.grad_norm: float | None = None
+        self.skipped = False
+
+    @property
+    def loss_scale(self) -> float:
+        return 1.0 if self.loss_scaler is None else self.loss_scaler.scale
+
+    def scale_loss(self, loss: Tensor) -> Tensor:
+        """The loss to call backward() on: multiplied by the loss scale under fp16."""
+        return loss if self.loss_scaler is None else loss * self.loss_scaler.scale
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        yield  # every backward reduce-scatters into the sharded gradient: nothing to hold back
+
+    def _grads(self) -> list[Tensor]:
+        return [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Unscale, clip by the global norm, step; or skip it on every rank when the norm is not finite."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grads = self._grads()
+        device = grads[0].device if grads else torch.device("cpu")
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for grad in grads:
+            total += _local(grad).float().square().sum()
+        if self.world_size > 1:
+            dist.all_reduce(total, group=self.process_group)
+        scale = self.loss_scale
+        self.grad_norm = math.sqrt(total.item()) / scale  # inf and nan pass through
+        self.skipped = not math.isfinite(self.grad_norm)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(overflow=self.skipped)
+        if self.skipped:
+            return loss
+        clip = 1.0
+        if self.max_grad_norm is not None:
+            clip = min(1.0, self.max_grad_norm / (self.grad_norm + _CLIP_EPS))
+        if clip != 1.0 or scale != 1.0:
+            torch._foreach_mul_([_local(g) for g in grads], clip / scale)
+        super().step()
+        return loss
+
+    def model_state_bytes(self) -> int:
+        """Bytes this rank keeps between steps: its shards of the parameters, the gradients and the state."""
+        tensors = [p for group in self.param_groups for p in group["params"]]
+        tensors += self._grads()
+        tensors += [t for state in self.state.values() for t in state.values() if isinstance(t, Tensor) and t.dim()]
+        return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
