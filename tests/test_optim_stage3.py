@@ -6,6 +6,8 @@ Packages: workers.zero.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from test_optim import (
@@ -23,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.testing import assert_close
 
 from workers.memory import model as memory
-from workers.zero.optimizer import decay_param_groups
+from workers.zero.optimizer import ZeRO1AdamW, decay_param_groups
 from workers.zero.stage3 import ZeRO3AdamW, shard_model, units_of
 
 from distributed import run_ranks
@@ -78,6 +80,75 @@ def _matches_reference(rank: int, world_size: int, dtype: torch.dtype, num_micro
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_stage3_matches_torch_adamw(world_size, dtype, num_micro):
     run_ranks(world_size, _matches_reference, dtype, num_micro)
+
+
+# ----------------------------------------------------------------------- one checkpoint format
+
+
+def _steps(model, opt, sched, rank: int, world_size: int, steps: range) -> None:
+    for step in steps:
+        idx, target = rank_slice(rank, world_size, step)
+        opt.scale_loss(loss_on(model, idx, target, step)).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+
+
+def _optimizer(stage: int, dtype: torch.dtype):
+    """TinyNet and its optimizer at `stage`: stage 1 holds the model in `dtype`, stage 3 the fp32 master
+    computing in it; both start from the same (16-bit-rounded) weights."""
+    if stage == 1:
+        model = make_model(dtype)
+        opt = ZeRO1AdamW(decay_param_groups(model, weight_decay=0.1), **HYPER, max_grad_norm=MAX_NORM)
+    else:
+        model = shard_model(make_model(dtype).float(), compute_dtype=dtype)
+        opt = ZeRO3AdamW(
+            decay_param_groups(model, weight_decay=0.1), **HYPER, compute_dtype=dtype, max_grad_norm=MAX_NORM
+        )
+    return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+
+
+def _first_half(rank: int, world_size: int, stage: int, dtype: torch.dtype, directory: str) -> None:
+    model, opt, sched = _optimizer(stage, dtype)
+    _steps(model, opt, sched, rank, world_size, range(4))
+    torch.save(opt.state_dict(), Path(directory) / f"rank-{rank}.pt")
+
+
+def _second_half(rank: int, world_size: int, stage: int, dtype: torch.dtype, directory: str, saved_n: int) -> None:
+    """Every shard of the first half's checkpoint loaded at this stage and N, 4 more steps, against
+    AdamW on the whole batch for all 8."""
+    model, opt, sched = _optimizer(stage, dtype)
+    shards = [torch.load(Path(directory) / f"rank-{r}.pt", weights_only=False) for r in range(saved_n)]
+    assert {shard["format"] for shard in shards} == {"zero1.sharded.v1"}
+    opt.load_resharded_state_dicts(shards)
+    sched.last_epoch = 3  # the schedule resumes with the steps, as the training loop's does (lr_at(step))
+    sched.step()
+    ref = AdamWReference(dtype, lr_lambda=schedule)
+    for step in range(4):
+        ref.step(step)
+    for step in range(4, 8):
+        _steps(model, opt, sched, rank, world_size, range(step, step + 1))
+        ref.step(step)
+        if stage == 3:
+            _assert_matches(model, ref, dtype=dtype, step=step)
+        else:
+            for (name, p), q in zip(model.named_parameters(), ref.model.parameters(), strict=True):
+                tol = (
+                    {}
+                    if dtype == torch.float32
+                    else {"atol": torch.finfo(dtype).eps * q.abs().max().item(), "rtol": 2 * torch.finfo(dtype).eps}
+                )
+                assert_close(p.detach(), q.detach(), **tol, msg=lambda m, name=name: f"{name} at step {step}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("first", "second"), [((3, 4), (1, 2)), ((1, 2), (3, 3)), ((3, 2), (3, 4))])
+def test_a_checkpoint_resumes_across_stages_and_world_sizes(tmp_path, dtype, first, second):
+    """Stage 3 on 4 ranks, then stage 1 on 2 (and stage 1 to stage 3, stage 3 to stage 3 at another N):
+    stage 1's sharded format, on the curve of AdamW on the whole batch."""
+    (stage_a, n_a), (stage_b, n_b) = first, second
+    run_ranks(n_a, _first_half, stage_a, dtype, str(tmp_path))
+    run_ranks(n_b, _second_half, stage_b, dtype, str(tmp_path), n_a)
 
 
 def _memory(rank: int, world_size: int) -> None:
