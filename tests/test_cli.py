@@ -109,13 +109,13 @@ def test_plan_recommend_prints_the_table_of_what_fits_cheapest_first():
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0] == (
-        "7,500,029,952 parameters, global batch 64 (131,072 tokens), ZeRO stages 1 and 2 on up to 64 GPUs of "
-        "80.000 GB (GB = 1e9 bytes): 10 configurations that fit, cheapest first"
+        "7,500,029,952 parameters, global batch 64 (131,072 tokens), ZeRO stages 1-3 on up to 64 GPUs of "
+        "80.000 GB (GB = 1e9 bytes): 12 configurations that fit, cheapest first"
     )
     assert lines[1].startswith("cost in GPU-seconds per optimizer step at 400 TFLOP/s and 100 GB/s per GPU: cost = N")
     header = lines.index("     N  micro-batch   accum  ckpt  stage  GB per GPU  headroom GB  cost GPU-s  why")
     rows = [line.split(maxsplit=8) for line in lines[header + 1 :]]
-    assert len(rows) == 10
+    assert len(rows) == 12
     assert rows[0] == [
         "4",
         "2",
@@ -149,7 +149,7 @@ def test_plan_recommend_that_fits_nowhere_says_why_and_shows_the_least_plan():
     out = run_zero1("plan", *GPT_7B_FLAGS, "--recommend", "--global-batch-size", "64", "--max-gpus", "1")
     assert out.returncode == 1 and out.stderr == ""  # the answer, on stdout: a pipe to head shows it
     assert out.stdout.startswith("does not fit: nothing fits within max_gpus = 1: the least per-GPU plan found is")
-    assert "N >= 2 would fit" in out.stdout and "min_gpus at stage 2: 2" in out.stdout
+    assert "N >= 2 would fit" in out.stdout and "min_gpus at stage 3: 2" in out.stdout
 
 
 @pytest.mark.parametrize(

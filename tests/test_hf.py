@@ -240,13 +240,21 @@ def test_a_model_transformers_or_the_roots_refuse_is_a_422_naming_the_field(
         assert __import__("re").search(match, body["message"]), body["message"]
 
 
-def test_an_hf_job_trains_on_2_ranks_with_its_loss_falling(hf_client):
+@pytest.mark.parametrize("zero_stage", [1, 3])
+def test_an_hf_job_trains_on_2_ranks_with_its_loss_falling(hf_client, zero_stage):
+    """At stage 3 its decoder layers are FSDP2's units (workers/zero/stage3.py units_of)."""
     body = helpers.job_body(
-        model={"kind": "hf", "config": TINY_LLAMA}, steps=30, micro_batch_size=4, seq_len=16, name="tiny-llama"
+        model={"kind": "hf", "config": TINY_LLAMA},
+        steps=30,
+        micro_batch_size=4,
+        seq_len=16,
+        name="tiny-llama",
+        zero_stage=zero_stage,
     )
     response = hf_client.post("/v1/jobs", json=body)
     assert response.status_code == 201, response.text
     assert response.json()["plan"]["method"] == "traced" and response.json()["plan"]["vocab_size"] == 128
+    assert response.json()["plan"]["stage"] == zero_stage
     job = wait_job(hf_client, response.json()["id"], lambda job: job["status"] in TERMINAL)
     assert job["status"] == "succeeded", job["error"]
     rows = hf_client.get(f"/v1/jobs/{job['id']}/metrics").json()["data"]

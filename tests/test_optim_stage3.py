@@ -6,10 +6,12 @@ Packages: workers.zero.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, load_model
 from test_optim import (
     HYPER,
     MAX_NORM,
@@ -25,10 +27,12 @@ from torch.distributed.tensor import DTensor
 from torch.testing import assert_close
 
 from workers.memory import model as memory
+from workers.models.builtin import build_model
+from workers.training.loop import train
 from workers.zero.optimizer import ZeRO1AdamW, decay_param_groups
 from workers.zero.stage3 import ZeRO3AdamW, shard_model, units_of
 
-from distributed import run_ranks
+from distributed import SMALL, run_ranks, small_run
 
 
 def _full(param: torch.Tensor) -> torch.Tensor:
@@ -149,6 +153,45 @@ def test_a_checkpoint_resumes_across_stages_and_world_sizes(tmp_path, dtype, fir
     (stage_a, n_a), (stage_b, n_b) = first, second
     run_ranks(n_a, _first_half, stage_a, dtype, str(tmp_path))
     run_ranks(n_b, _second_half, stage_b, dtype, str(tmp_path), n_a)
+
+
+def _train_attempt(rank: int, world_size: int, root: str, stage: int, micro: int, stop_after, out: str) -> None:
+    """small_run through the training loop at `stage`, stopped with a checkpoint after step `stop_after`
+    (None: to the end); rank 0 writes its losses."""
+    rows = []
+    config = small_run(root, zero_stage=stage, micro_batch_size=micro)
+    train(config, rank=rank, world_size=world_size, on_metrics=rows.append, stop_at=lambda step, _: step == stop_after)
+    if rank == 0:
+        Path(out).write_text(json.dumps([[row.step, row.loss] for row in rows]))
+
+
+def test_a_stage_3_run_stopped_on_2_ranks_resumes_at_stage_1_on_4_on_the_uninterrupted_curve(tmp_path):
+    """Through the training loop: stage 3 at N = 2 for 4 steps, then stage 1 at N = 4 from its checkpoint,
+    follows stage 1 at N = 2 throughout (fp32, losses within 1e-5); final/ holds the same model."""
+    run_ranks(2, _train_attempt, str(tmp_path / "whole"), 1, 4, None, str(tmp_path / "whole.json"))
+    stopped = str(tmp_path / "stopped")
+    run_ranks(2, _train_attempt, stopped, 3, 4, 3, str(tmp_path / "first.json"))
+    run_ranks(4, _train_attempt, stopped, 1, 2, None, str(tmp_path / "second.json"))
+    read = lambda name: json.loads((tmp_path / f"{name}.json").read_text())
+    whole, first, second = read("whole"), read("first"), read("second")
+    assert [step for step, _ in first] == [0, 1, 2, 3] and [step for step, _ in second] == [4, 5, 6, 7]
+    torch.testing.assert_close([loss for _, loss in first + second], [loss for _, loss in whole], rtol=1e-5, atol=0)
+    resumed = load_file(tmp_path / "stopped" / "final" / "model.safetensors")
+    straight = load_file(tmp_path / "whole" / "final" / "model.safetensors")
+    assert {k: v.shape for k, v in resumed.items()} == {k: v.shape for k, v in straight.items()}
+    for name, tensor in straight.items():
+        torch.testing.assert_close(resumed[name], tensor, rtol=1e-3, atol=1e-3, msg=name)
+
+
+def test_a_stage_3_run_writes_the_final_model_of_its_master_weights(tmp_path):
+    """final/ of a stage-3 run on 2 ranks: every parameter in fp32, loadable into the built-in GPT."""
+    run_ranks(2, _train_attempt, str(tmp_path / "s3"), 3, 4, None, str(tmp_path / "s3.json"))
+    model = build_model(SMALL, dtype=torch.float32)
+    missing, unexpected = load_model(model, tmp_path / "s3" / "final" / "model.safetensors", strict=False)
+    assert unexpected == [] and all(name.endswith("lm_head.weight") for name in missing)  # tied: saved once
+    saved = load_file(tmp_path / "s3" / "final" / "model.safetensors")
+    assert all(t.dtype == torch.float32 for t in saved.values())
+    assert len(json.loads((tmp_path / "s3.json").read_text())) == 8
 
 
 def _memory(rank: int, world_size: int) -> None:

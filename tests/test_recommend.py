@@ -144,13 +144,15 @@ def test_the_list_is_every_undominated_largest_micro_batch_sorted_by_cost(
     max_gpus=st.integers(1, 64),
     gpu_memory_mb=st.integers(4, 40),  # around SMALL_GPT's 16Ψ = 14.3 MB: where the stages differ
     seq_len=st.sampled_from([16, 64, 256]),
+    stages=st.sampled_from([(1, 2), (1, 2, 3)]),
 )
-def test_with_stages_1_and_2_the_list_is_every_configuration_nothing_cheaper_fits_as_well(
-    global_batch_size, max_gpus, gpu_memory_mb, seq_len
+def test_with_later_stages_the_list_is_every_configuration_nothing_cheaper_fits_as_well(
+    global_batch_size, max_gpus, gpu_memory_mb, seq_len, stages
 ):
     """Brute force over (N, stage, checkpointing, micro-batch): the largest micro-batch of each that fits,
-    its cost by hand (stage 2 reduces every micro-batch), and kept unless another at its N fits at least
-    as large a micro-batch for no more cost (a tie kept by the lower stage, then no checkpointing)."""
+    its cost by hand (stage 2 reduces every micro-batch; stage 3 makes 3 passes a micro-batch), and kept
+    unless another at its N fits at least as large a micro-batch for no more cost (a tie kept by the
+    lower stage, then no checkpointing)."""
     workload_of = workloads(SMALL_GPT, seq_len=seq_len)
     search = configurations.Search(
         global_batch_size=global_batch_size,
@@ -159,13 +161,13 @@ def test_with_stages_1_and_2_the_list_is_every_configuration_nothing_cheaper_fit
         gpu_memory_bytes=gpu_memory_mb * 10**6,
         checkpointing_applies=True,
         max_micro_batch_size=10**6,
-        stages=(1, 2),
+        stages=stages,
     )
     result = configurations.recommend(workload_of, search=search, cost_model=COST)
     psi = workload_of(1, False).num_params
     candidates = {}  # (n, stage, ckpt) -> (m, cost)
     for n in search.num_gpus_allowed():
-        for stage in (1, 2):
+        for stage in stages:
             for ckpt in (False, True):
                 fitting = [
                     m
@@ -176,7 +178,8 @@ def test_with_stages_1_and_2_the_list_is_every_configuration_nothing_cheaper_fit
                 if not fitting:
                     continue
                 m = max(fitting)
-                passes = 2 if stage == 1 else global_batch_size // (m * n) + 1
+                acc = global_batch_size // (m * n)
+                passes = {1: 2, 2: acc + 1, 3: 3 * acc}[stage]
                 compute = 6 * psi * search.num_tokens / n / 400e12 * (4 / 3 if ckpt else 1)
                 comm = passes * (n - 1) / n * psi * 2 / 100e9
                 candidates[n, stage, ckpt] = (m, n * (compute + comm))

@@ -224,7 +224,8 @@ class TrainConfig:
     precision: str = "bf16"
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     zero_stage: int = 1
-    """1: ZeRO1AdamW (the optimizer state sharded); 2: ZeRO2AdamW (the gradients too)."""
+    """1: ZeRO1AdamW (the optimizer state sharded); 2: ZeRO2AdamW (the gradients too); 3: the
+    parameters too (FSDP2 and ZeRO3AdamW, workers/zero/stage3.py)."""
     micro_batch_size: int = 1
     global_batch_size: int | None = None
     """Samples per step over all ranks; default micro_batch_size x world size
@@ -271,8 +272,8 @@ class TrainConfig:
             raise ValueError(f"need eval_every ({self.eval_every}) >= 0 and eval_batches ({self.eval_batches}) >= 1")
         if self.max_nonfinite_steps < 1:
             raise ValueError(f"need max_nonfinite_steps ({self.max_nonfinite_steps}) >= 1")
-        if self.zero_stage not in (1, 2):
-            raise ValueError(f"zero_stage must be 1 or 2, got {self.zero_stage!r}")
+        if self.zero_stage not in (1, 2, 3):
+            raise ValueError(f"zero_stage must be 1, 2 or 3, got {self.zero_stage!r}")
 
     def global_batch(self, world_size: int) -> int:
         return self.global_batch_size or self.micro_batch_size * world_size

@@ -98,7 +98,7 @@ def format_recommendations(body: dict) -> str:
     cost = body["cost_model"]
     lines = [
         f"{cost['num_params']:,} parameters, global batch {body['global_batch_size']:,} "
-        f"({cost['tokens_per_step']:,} tokens), ZeRO stages 1 and 2 on up to {body['max_gpus']:,} GPUs of "
+        f"({cost['tokens_per_step']:,} tokens), ZeRO stages 1-3 on up to {body['max_gpus']:,} GPUs of "
         f"{_gb(body['gpu_memory_bytes'])} GB (GB = 1e9 bytes): {body['count']} configurations that fit, cheapest first",
         f"cost in {cost['unit']} at {cost['gpu_tflops']:g} TFLOP/s and {cost['network_gb_per_s']:g} GB/s per GPU: "
         f"{cost['formula']}",

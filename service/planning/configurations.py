@@ -11,16 +11,18 @@ step's tokens, a stated per-GPU throughput and a stated per-GPU bandwidth:
     cost      = N · (compute_s + comm_s)
     compute_s = 6·Ψ·tokens / N / flops_per_gpu          x 4/3 with activation checkpointing
     comm_s    = passes·(N−1)/N · Ψ · p / bytes_per_s_per_gpu
-    passes    = 2 at stage 1; accumulation_steps + 1 at stage 2
+    passes    = 2 at stage 1; accumulation_steps + 1 at stage 2; 3·accumulation_steps at stage 3
 
 6·Ψ FLOPs per token are the forward (2Ψ) and the backward (4Ψ); checkpointing runs each block's
 forward again in the backward (+2Ψ, a third more). A pass is one ring collective over the Ψ·p-byte
 model, which sends (N−1)/N of it from every GPU. Stage 1 reduces the gradients once per step
 (they accumulate locally between micro-batches) and gathers the updated parameters once: 2 passes,
 the ZeRO paper's 2Ψ. Stage 2 keeps no full gradient to accumulate into, so every micro-batch's
-backward reduces its gradients: accumulation_steps reduces and one gather. At stage 1 the micro-batch
-does not enter the cost (it changes neither the FLOPs nor the bytes per step, only memory); at stage 2
-a smaller one means more reduces.
+backward reduces its gradients: accumulation_steps reduces and one gather. Stage 3 gathers the
+parameters for each micro-batch's forward and again for its backward, and reduce-scatters its
+gradients: 3 passes a micro-batch, the paper's 3Ψ. At stage 1 the micro-batch does not enter the cost
+(it changes neither the FLOPs nor the bytes per step, only memory); at stages 2 and 3 a smaller one
+means more passes.
 
 Standard library only, like the memory model it calls: the API, the CLI and tests load it alone.
 """
@@ -37,7 +39,8 @@ COST_UNIT = "GPU-seconds per optimizer step"
 COST_FORMULA = (
     "cost = N * (compute_s + comm_s); compute_s = 6 * num_params * tokens_per_step / N / (gpu_tflops * 1e12), "
     "x 4/3 with activation checkpointing; comm_s = passes * (N - 1) / N * num_params * bytes_per_param "
-    "/ (network_gb_per_s * 1e9), passes = 2 at zero_stage 1, accumulation_steps + 1 at zero_stage 2"
+    "/ (network_gb_per_s * 1e9), passes = 2 at zero_stage 1, accumulation_steps + 1 at zero_stage 2, "
+    "3 * accumulation_steps at zero_stage 3"
 )
 CHECKPOINTING_COMPUTE_FACTOR = 4 / 3
 """Forward 2Ψ + backward 4Ψ FLOPs per token; checkpointing recomputes the forward: 8Ψ / 6Ψ."""
@@ -115,7 +118,9 @@ def comm_passes(*, stage: int, accumulation_steps: int) -> int:
         return 2
     if stage == 2:
         return accumulation_steps + 1
-    raise ValueError(f"the cost is modelled at the stages zero1 trains at (1, 2), got {stage}")
+    if stage == 3:
+        return 3 * accumulation_steps
+    raise ValueError(f"the cost is modelled at the stages zero1 trains at (1, 2, 3), got {stage}")
 
 
 def comm_bytes_per_gpu(
@@ -267,8 +272,8 @@ class Search:
         if min(counts.values()) < 1 or self.gpu_memory_bytes < 0:
             given = ", ".join(f"{name} ({value})" for name, value in counts.items())
             raise ValueError(f"{given} must be >= 1 and gpu_memory_bytes ({self.gpu_memory_bytes}) >= 0")
-        if not self.stages or list(self.stages) != sorted(set(self.stages)) or not set(self.stages) <= {1, 2}:
-            raise ValueError(f"stages must be ascending, from (1, 2), got {self.stages}")
+        if not self.stages or list(self.stages) != sorted(set(self.stages)) or not set(self.stages) <= {1, 2, 3}:
+            raise ValueError(f"stages must be ascending, from (1, 2, 3), got {self.stages}")
 
     def num_gpus_allowed(self) -> list[int]:
         """The world sizes that can run the global batch: N <= max_gpus that divide it."""
@@ -411,8 +416,12 @@ def _why(choice: _Choice, *, search: Search, fewest: int | None, floor: dict[int
         earlier = choice.earlier_stage
         setting = " with checkpointing" if choice.activation_checkpointing else ""
         stages = " or ".join(str(s) for s in search.stages if s < choice.stage)
+        what = {
+            2: "gradients sharded too; a reduce every micro-batch",
+            3: "parameters sharded too; 3 passes a micro-batch",
+        }
         clauses.append(
-            f"ZeRO stage {choice.stage} (gradients sharded too; a reduce every micro-batch) "
+            f"ZeRO stage {choice.stage} ({what[choice.stage]}) "
             + (
                 f"is the first stage it fits at{setting}"
                 if earlier is None

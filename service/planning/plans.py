@@ -15,6 +15,7 @@ from service.schemas.model_specs import PythonModelSpec, TracedModelSpec
 from service.schemas.requests import PlanRequest
 from service.schemas.responses import PlanPublic
 from workers.memory import model as memory
+from workers.memory.model import GB
 
 
 def workload_for(request: PlanRequest, *, overhead_bytes: int, tracer: Traces | None = None) -> memory.Workload:
@@ -127,4 +128,20 @@ def plan_public(plan: memory.Plan, *, shape: tuple[int, int] | None = None) -> P
         sweep=[asdict(point) for point in plan.sweep],
         vocab_size=vocab_size,
         block_size=block_size,
+    )
+
+
+def fits_no_number(plan: memory.Plan, workload: memory.Workload) -> str:
+    """The clause of a 422 for a stage at which no number of GPUs fits, with the bytes no N shards away."""
+    if plan.stage >= 3:
+        floor = memory.floor_bytes(workload, stage=plan.stage)
+        return (
+            f"; ZeRO stage {plan.stage} fits on no number of GPUs: the units it gathers, its step and the "
+            f"overhead alone are {floor / GB:.2f} GB"
+        )
+    p, g = memory.bytes_per_param(plan.precision)
+    replicated, what = (p + g, "weights and gradients") if plan.stage < 2 else (p, "weights")
+    return (
+        f"; ZeRO stage {plan.stage} fits on no number of GPUs: the replicated {plan.precision} {what} "
+        f"alone are {replicated * plan.num_params / GB:.2f} GB"
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 from service.errors import ServiceError
 from service.planning import configurations
 from service.planning.capacity import ClusterCapacity
-from service.planning.plans import make_plan, plan_public, workload_for
+from service.planning.plans import fits_no_number, make_plan, plan_public, workload_for
 from service.schemas.model_specs import GPTModelSpec
 from service.schemas.requests import MAX_MICRO_BATCH_SIZE, RUNNABLE_STAGES, PlanRequest, RecommendRequest
 from service.schemas.responses import CostModelPublic, RecommendationPublic, RecommendationsPublic
@@ -136,24 +136,20 @@ def _does_not_fit(
         stage=search.stages[-1],
     )
     plan = make_plan(body, cluster=cluster, overhead_bytes=overhead_bytes)
+    workload = workload_for(body, overhead_bytes=overhead_bytes)
     setting = "micro-batch 1, with activation checkpointing" if search.checkpointing_applies else "micro-batch 1"
     setting += f", ZeRO stage {search.stages[-1]}"
     message = (
         f"nothing fits within max_gpus = {search.max_gpus}: the least per-GPU plan found is "
         f"{result.least_bytes / GB:.2f} GB (N = {result.least_bytes_num_gpus}, {setting}), above the "
-        f"{search.gpu_memory_bytes / GB:.2f} GB of each GPU" + _what_would(plan, search=search)
+        f"{search.gpu_memory_bytes / GB:.2f} GB of each GPU" + _what_would(plan, workload, search=search)
     )
     return ServiceError(message, status_code=422, error="does_not_fit", plan=plan_public(plan).model_dump(mode="json"))
 
 
-def _what_would(plan: memory.Plan, *, search: configurations.Search) -> str:
+def _what_would(plan: memory.Plan, workload: memory.Workload, *, search: configurations.Search) -> str:
     if plan.min_gpus is None:
-        p, g = memory.bytes_per_param(plan.precision)
-        replicated, what = (p + g, "weights and gradients") if plan.stage < 2 else (p, "weights")
-        return (
-            f"; ZeRO stage {plan.stage} fits on no number of GPUs: the replicated {plan.precision} {what} "
-            f"alone are {replicated * plan.num_params / GB:.2f} GB"
-        )
+        return fits_no_number(plan, workload)
     divides = f"N must also divide global_batch_size ({search.global_batch_size})"
     if plan.min_gpus > search.max_gpus:
         return f"; N >= {plan.min_gpus} would fit ({divides})"

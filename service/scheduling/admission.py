@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from service.errors import ServiceError, storage_unreachable
 from service.planning.capacity import ClusterCapacity
 from service.planning.dataset_checks import DatasetChecker, DatasetRequest, invalid_data
-from service.planning.plans import make_plan, model_shape, plan_public, trace_first, workload_for
+from service.planning.plans import fits_no_number, make_plan, model_shape, plan_public, trace_first, workload_for
 from service.planning.traces import Tracer, Traces
 from service.schemas.data_specs import DatasetDataSpec, TextDataSpec
 from service.schemas.requests import RUNNABLE_STAGES, JobSpec, PlanRequest
@@ -209,12 +209,7 @@ def _what_fits(
     workload = workload_for(request, overhead_bytes=overhead_bytes, tracer=tracer)
     stage = plan.stage
     if plan.min_gpus is None:
-        p, g = memory.bytes_per_param(plan.precision)
-        replicated, what = (p + g, "weights and gradients") if stage < 2 else (p, "weights")
-        text = (
-            f"; ZeRO stage {stage} fits on no number of GPUs: the replicated {plan.precision} {what} "
-            f"alone are {replicated * plan.num_params / GB:.2f} GB"
-        )
+        text = fits_no_number(plan, workload)
     elif plan.min_gpus > cluster.num_gpus:
         text = f"; it needs min_gpus = {plan.min_gpus} at stage {stage}, and the cluster has {cluster.num_gpus}"
     else:

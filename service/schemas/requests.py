@@ -28,8 +28,9 @@ if TYPE_CHECKING:
 
 Stage = Literal[0, 1, 2, 3]
 ZeroStage = Literal[1, 2, 3, "auto"]
-RUNNABLE_STAGES = (1, 2)
-"""The ZeRO stages a job trains at (workers/zero: ZeRO1AdamW, ZeRO2AdamW); the planner models 0-3."""
+RUNNABLE_STAGES = (1, 2, 3)
+"""The ZeRO stages a job trains at (workers/zero: ZeRO1AdamW, ZeRO2AdamW, ZeRO3AdamW on FSDP2); the
+planner models 0-3."""
 
 MAX_NUM_GPUS = 1 << 20
 MAX_GLOBAL_BATCH_SIZE = 100_000_000
@@ -212,8 +213,9 @@ class JobSpec(Body):
     zero_stage: ZeroStage = Field(
         1,
         description="The ZeRO stage it trains at: 1 shards the optimizer state, 2 the gradients too (per GPU "
-        "2Ψ + 14Ψ/N in fp16 instead of 4Ψ + 12Ψ/N); auto: the first of 1, 2 whose plan fits the cluster, "
-        "named in the job's plan and its first event. Stage 3 is planned (POST /v1/plan) but does not run yet.",
+        "2Ψ + 14Ψ/N in fp16 instead of 4Ψ + 12Ψ/N), 3 the parameters too (16Ψ/N and the units FSDP2 "
+        "gathers); auto: the first of 1, 2, 3 whose plan fits the cluster, named in the job's plan and its "
+        "first event.",
     )
     steps: Int = Field(ge=1, le=MAX_STEPS)
     micro_batch_size: Int = Field(_train("micro_batch_size"), ge=1, le=MAX_MICRO_BATCH_SIZE)

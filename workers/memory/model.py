@@ -6,7 +6,7 @@ gradient, K optimizer bytes per parameter (docs/memory-model.md):
     stage 0 (DDP)     (p + g + K)·Ψ
     stage 1 (ZeRO-1)  (p + g)·Ψ + K·Ψ/N        fp16 AdamW: 4Ψ + 12Ψ/N
     stage 2           p·Ψ + (g + K)·Ψ/N
-    stage 3           (p + g + K)·Ψ/N
+    stage 3           (p + g + K)·Ψ/N + p·(the units gathered at once)
 
 Shards hold whole elements, so a sharded term of b bytes per element costs
 b·⌈Ψ/N⌉ bytes on every rank: integer bytes, exact when N divides Ψ.
@@ -102,6 +102,10 @@ class Workload:
     """Elements of each flat buffer (one per group of trainable parameters)."""
     frozen_numel: int = 0
     """Parameters that are not trained: weights only, replicated below stage 3."""
+    gathered_numel: int = 0
+    """Parameters a stage-3 rank holds whole at once beside its shards (the units FSDP2 has gathered),
+    in the model dtype; 0 where the plan does not know the model's units (a plan by parameter count,
+    a traced model)."""
     precision: str = "fp16"
     optimizer: str = "adamw"
     alignment_numel: int | None = None
@@ -121,7 +125,7 @@ class Workload:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
         if not 1 <= self.num_params <= MAX_NUM_PARAMS:
             raise ValueError(f"num_params must be in [1, {MAX_NUM_PARAMS:.0e}], got {self.num_params}")
-        for name in ("frozen_numel", "activations_bytes", "temporaries_bytes", "overhead_bytes"):
+        for name in ("frozen_numel", "gathered_numel", "activations_bytes", "temporaries_bytes", "overhead_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -172,6 +176,7 @@ class Workload:
             activations_bytes=model.activation_bytes(**step),
             temporaries_bytes=model.temporaries_bytes(**step),
             overhead_bytes=overhead_bytes,
+            gathered_numel=model.gathered_numel(),
             method="model",
         )
 
@@ -288,8 +293,9 @@ def breakdown(workload: Workload, *, num_gpus: int, stage: int) -> Breakdown:
     sharded_p = stage >= 3
     sharded_g = stage >= 2
     frozen_params = -(-frozen // num_gpus) if sharded_p else frozen
+    gathered = p * workload.gathered_numel if sharded_p else 0  # the units FSDP2 holds whole
     return Breakdown(
-        params_bytes=p * ((exact if sharded_p else psi) + frozen_params),
+        params_bytes=p * ((exact if sharded_p else psi) + frozen_params) + gathered,
         grads_bytes=g * (exact if sharded_g else psi),
         optimizer_bytes=k * exact,
         padding_bytes=(
@@ -303,6 +309,20 @@ def breakdown(workload: Workload, *, num_gpus: int, stage: int) -> Breakdown:
 
 def total_bytes(workload: Workload, *, num_gpus: int, stage: int) -> int:
     return breakdown(workload, num_gpus=num_gpus, stage=stage).total_bytes
+
+
+def floor_bytes(workload: Workload, *, stage: int) -> int:
+    """Per-GPU bytes that no number of GPUs shards away at `stage`: the replicated model states (below
+    stage 3; frozen weights too), the units gathered at once (stage 3), the step and the overhead."""
+    _check_stage(stage)
+    p, g = bytes_per_param(workload.precision)
+    k = optimizer_bytes_per_param(workload.precision, workload.optimizer)
+    sharded = (k if stage >= 1 else 0) + (g if stage >= 2 else 0) + (p if stage >= 3 else 0)
+    replicated = p + g + k - sharded
+    frozen = workload.frozen_numel if stage < 3 else 0
+    gathered = workload.gathered_numel if stage >= 3 else 0
+    step = workload.activations_bytes + workload.temporaries_bytes + workload.overhead_bytes
+    return replicated * workload.num_trainable + p * (frozen + gathered) + step
 
 
 def min_gpus(workload: Workload, *, stage: int, gpu_memory_bytes: int) -> int | None:
@@ -320,12 +340,9 @@ def min_gpus(workload: Workload, *, stage: int, gpu_memory_bytes: int) -> int | 
     p, g = bytes_per_param(workload.precision)
     k = optimizer_bytes_per_param(workload.precision, workload.optimizer)
     sharded = k + (g if stage >= 2 else 0) + (p if stage >= 3 else 0)
-    replicated = p + g + k - sharded
     # frozen weights are replicated below stage 3; sharded at stage 3 they only add, so the
     # bound below stays a lower bound and the walk finds the first N that fits
-    frozen = workload.frozen_numel if stage < 3 else 0
-    step = workload.activations_bytes + workload.temporaries_bytes + workload.overhead_bytes
-    fixed = replicated * workload.num_trainable + p * frozen + step
+    fixed = floor_bytes(workload, stage=stage)
     if sharded == 0:  # fp32 plain SGD at stage 1: no state to shard, N does not matter
         if fixed > gpu_memory_bytes:
             return None

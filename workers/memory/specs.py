@@ -48,6 +48,13 @@ class GPTSpec:
         """Ψ = V·C + T·C + L·(12C² + 13C) + 2C (the LM head is tied)."""
         return sum(self.param_groups())
 
+    def gathered_numel(self) -> int:
+        """Parameters a ZeRO stage-3 rank holds whole at once (workers/zero/stage3.py): the root's
+        (embeddings, ln_f: gathered for the whole step) and two blocks (the one running and the
+        next, which FSDP2 prefetches)."""
+        c = self.n_embd
+        return self.vocab_size * c + self.block_size * c + 2 * c + min(2, self.n_layer) * (12 * c * c + 13 * c)
+
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
         """Name -> shape of every parameter, as the workers' GPT module must
         report them from named_parameters() (nanoGPT's names; nn.Linear
@@ -157,6 +164,11 @@ class MLPSpec:
     @property
     def num_params(self) -> int:
         return sum(self.param_groups())
+
+    def gathered_numel(self) -> int:
+        """Parameters a ZeRO stage-3 rank holds whole at once: its two largest layers (each a unit)."""
+        layers = sorted((a * b + b for a, b in itertools.pairwise(self.sizes)), reverse=True)
+        return sum(layers[:2])
 
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
         """Name -> shape of every parameter, as the workers' MLP reports them (weights (out, in))."""

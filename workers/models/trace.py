@@ -57,8 +57,9 @@ class LiveBytes(TorchDispatchMode):
             self.ignore(tensor)
 
     def ignore(self, tensor: Tensor) -> None:
-        """Stop counting `tensor`'s storage (and never count it): a model state."""
-        storage = tensor.untyped_storage()
+        """Stop counting `tensor`'s storage (and never count it): a model state (of a ZeRO stage-3
+        rank, a DTensor: its local shard)."""
+        storage = _local(tensor).untyped_storage()
         key = id(storage)
         if key not in self._counted:
             weakref.finalize(storage, self._free, key)
@@ -89,15 +90,22 @@ class LiveBytes(TorchDispatchMode):
         for tensor in outputs if all(isinstance(o, Tensor) for o in outputs) else tree_flatten(out)[0]:
             if not isinstance(tensor, Tensor):
                 continue
-            storage = tensor.untyped_storage()
+            storage = _local(tensor).untyped_storage()
             if id(storage) in self._counted:
                 continue
             if inputs is None:
-                inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)}
+                flat = tree_flatten((args, kwargs))[0]
+                inputs = {id(_local(t).untyped_storage()) for t in flat if isinstance(t, Tensor)}
             # a view or an in-place result shares an input's storage: nothing new was allocated
             if id(storage) not in inputs:
                 self._add(storage)
         return out
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """A DTensor's local shard (ZeRO stage 3's parameters and gradients); any other tensor itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return tensor if to_local is None else to_local()
 
 
 def model_states(model: nn.Module) -> list[Tensor]:

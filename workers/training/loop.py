@@ -38,6 +38,7 @@ from workers.training.schedule import lr_at
 from workers.training.writer import CheckpointIO, save_checkpoint, shared_directory
 from workers.zero.optimizer import ZeRO1AdamW, decay_param_groups
 from workers.zero.stage2 import ZeRO2AdamW
+from workers.zero.stage3 import ZeRO3AdamW, shard_model
 
 # the names other modules and tests import from here, wherever they live now
 __all__ = ["NonFiniteError", "resume", "save_checkpoint", "train"]
@@ -133,8 +134,8 @@ def _step_context(
     process_group: dist.ProcessGroup | None,
     device: torch.device,
 ) -> _StepContext:
-    """This rank's data, the model (from its seed) and its optimizer (ZeRO1AdamW, or ZeRO2AdamW at
-    stage 2), before any resume."""
+    """This rank's data, the model (from its seed) and its optimizer (ZeRO1AdamW; ZeRO2AdamW at stage 2;
+    at stage 3 the model sharded by FSDP2 and ZeRO3AdamW), before any resume."""
     batches = Batches(
         model=config.model,
         data=config.data,
@@ -145,19 +146,30 @@ def _step_context(
         rank=rank,
         world_size=world_size,
     )
-    model = _build(config, device=device)
     hyper = config.optimizer
-    optimizer_class = ZeRO2AdamW if config.zero_stage == 2 else ZeRO1AdamW
-    opt = optimizer_class(
-        decay_param_groups(model, weight_decay=hyper.weight_decay),
-        lr=hyper.lr,
-        betas=hyper.betas,
-        eps=hyper.eps,
-        process_group=process_group,
-        max_grad_norm=hyper.max_grad_norm,
-        overlap_comm=hyper.overlap_comm,
-        bucket_cap_mb=hyper.bucket_cap_mb,
-    )
+    common = {"lr": hyper.lr, "betas": hyper.betas, "eps": hyper.eps, "process_group": process_group}
+    if config.zero_stage == 3:  # an fp32 master copy, sharded; each unit gathered in the job's precision
+        model = shard_model(
+            _build(config, device=device, dtype=torch.float32),
+            compute_dtype=DTYPES[config.precision],
+            process_group=process_group,
+        )
+        opt = ZeRO3AdamW(
+            decay_param_groups(model, weight_decay=hyper.weight_decay),
+            **common,
+            compute_dtype=DTYPES[config.precision],
+            max_grad_norm=hyper.max_grad_norm,
+        )
+    else:
+        model = _build(config, device=device)
+        optimizer_class = ZeRO2AdamW if config.zero_stage == 2 else ZeRO1AdamW
+        opt = optimizer_class(
+            decay_param_groups(model, weight_decay=hyper.weight_decay),
+            **common,
+            max_grad_norm=hyper.max_grad_norm,
+            overlap_comm=hyper.overlap_comm,
+            bucket_cap_mb=hyper.bucket_cap_mb,
+        )
     return _StepContext(
         model=model,
         opt=opt,
@@ -226,8 +238,9 @@ def _evaluates(config: TrainConfig, step: int) -> bool:
     return config.eval_every > 0 and ((step + 1) % config.eval_every == 0 or step + 1 == config.steps)
 
 
-def _build(config: TrainConfig, *, device: torch.device) -> torch.nn.Module:
-    """The job's model, initialised from its seed (the same on every rank) or loaded (an hf path)."""
+def _build(config: TrainConfig, *, device: torch.device, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """The job's model, initialised from its seed (the same on every rank) or loaded (an hf path), in
+    the job's precision or `dtype`."""
     build = build_model
     if isinstance(config.model, HFSpec):
         from workers.models.hf import build_hf as build  # transformers loads in a second or two: only when needed
@@ -235,7 +248,7 @@ def _build(config: TrainConfig, *, device: torch.device) -> torch.nn.Module:
         from workers.models.usercode import build_python as build
     return build(
         config.model,
-        dtype=DTYPES[config.precision],
+        dtype=DTYPES[config.precision] if dtype is None else dtype,
         device=device,
         activation_checkpointing=config.activation_checkpointing,
         seed=config.seed,
@@ -257,13 +270,14 @@ def _check_skipped(skipped: int, row: MetricRow, *, limit: int) -> None:
 CPU_MEMORY_EVERY_STEPS = 10
 """On CPU a step's peak is counted op by op (a Python dispatch mode, which slows a small model's step
 severalfold), so it is counted on an attempt's first step and every this many steps after; the steps
-between report the last count. CUDA's allocator measures every step at no cost."""
+between report the last count (at ZeRO stage 3, the first count only). CUDA's allocator measures every
+step at no cost."""
 
 
 @dataclass(kw_only=True, slots=True)
 class _StepContext:
     model: torch.nn.Module
-    opt: ZeRO1AdamW
+    opt: ZeRO1AdamW | ZeRO3AdamW
     batches: Batches
     device: torch.device
     rank: int
@@ -319,7 +333,10 @@ class _StepContext:
         accumulation = self.batches.accumulation_steps
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         step_peak = 0
-        count = self.device.type != "cuda" and (self.cpu_peak_bytes is None or step % CPU_MEMORY_EVERY_STEPS == 0)
+        # at stage 3 only the first count sees FSDP2's gathered units: it keeps their storages and
+        # resizes them in place (no op makes them again), so a later count would leave them out
+        again = step % CPU_MEMORY_EVERY_STEPS == 0 and self.opt.stage < 3
+        count = self.device.type != "cuda" and (self.cpu_peak_bytes is None or again)
         for micro in range(accumulation):
             inputs, targets = (t.to(self.device) for t in self.batches.micro_batch(step, micro))
             # every micro-batch but the last accumulates locally; the last one's backward sends

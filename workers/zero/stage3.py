@@ -56,9 +56,10 @@ def mesh_of(process_group: dist.ProcessGroup | None, device: torch.device) -> De
 
 def units_of(model: nn.Module) -> list[nn.Module]:
     """The modules sharded one by one before the root: a transformer's blocks (the built-in GPT's
-    transformer.h, an HF decoder's model.layers), else the root's children that hold parameters
-    and share none with another child (a tied embedding and head stay in the root's unit)."""
-    for path in ("transformer.h", "model.layers", "layers"):
+    transformer.h; an hf model's lm.model.layers (Llama, Mistral, Qwen) or lm.transformer.h (GPT-2);
+    the built-in MLP's layers), else the root's children that hold parameters and share none with
+    another child (a tied embedding and head stay in the root's unit)."""
+    for path in ("transformer.h", "lm.model.layers", "lm.transformer.h", "model.layers", "layers"):
         blocks = model.get_submodule(path) if _has_submodule(model, path) else None
         if isinstance(blocks, nn.ModuleList):
             return list(blocks)
@@ -346,6 +347,8 @@ class Stage3Checkpoints:
 
 
 def _full_tensor(tensor: Tensor) -> Tensor:
+    """The whole tensor of a DTensor (an all-gather: every rank calls it), detached."""
+    tensor = tensor.detach()
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
