@@ -113,7 +113,8 @@ class SentBytes:
 
 
 def _tensor_bytes(tensors) -> int:
-    seen, total = set(), 0
+    seen = set()
+    total = 0
     for t in tensors:
         key = t.untyped_storage().data_ptr()
         if key not in seen:
@@ -146,7 +147,10 @@ def run_stage(stage: int, *, rank: int, world_size: int, args: argparse.Namespac
         opt = optimizer_class(groups, **HYPER, max_grad_norm=None)
     gen = torch.Generator().manual_seed(args.seed + rank)
     micro = args.micro_batch_size
-    times, sent, peaks, losses = [], [], [], []
+    times = []
+    sent = []
+    peaks = []
+    losses = []
     for step in range(args.warmup + args.steps):
         batches = [
             torch.randint(0, spec.vocab_size, (micro, spec.block_size + 1), generator=gen)
@@ -158,7 +162,8 @@ def run_stage(stage: int, *, rank: int, world_size: int, args: argparse.Namespac
         step_peak = 0
         with counter.installed():
             for i, batch in enumerate(batches):
-                inputs, targets = batch[:, :-1], batch[:, 1:]
+                inputs = batch[:, :-1]
+                targets = batch[:, 1:]
                 last = i == len(batches) - 1
                 sync = (
                     contextlib.nullcontext() if last or stage == 2 else (net.no_sync() if stage == 0 else opt.no_sync())
@@ -295,7 +300,8 @@ def main() -> None:
         print(table(json.loads(args.from_json.read_text())))
         return
     if args.quick:
-        args.model, args.steps = "2M", 3
+        args.model = "2M"
+        args.steps = 3
     result = measure(args)
     if not args.quick:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -275,7 +275,9 @@ def test_a_stage_2_run_stopped_on_2_ranks_resumes_at_stage_1_on_4_on_the_uninter
         run_ranks(2, _train_attempt, root, stage, 4, 3, str(tmp_path / f"first-{stage}.json"))
         run_ranks(4, _train_attempt, root, 1, 2, None, str(tmp_path / f"second-{stage}.json"))
     read = lambda name: json.loads((tmp_path / f"{name}.json").read_text())
-    whole, first, second = read("whole"), read("first-2"), read("second-2")
+    whole = read("whole")
+    first = read("first-2")
+    second = read("second-2")
     assert [step for step, _ in first] == [0, 1, 2, 3] and [step for step, _ in second] == [4, 5, 6, 7]
     assert [step for step, _ in whole] == list(range(8))
     torch.testing.assert_close([loss for _, loss in first + second], [loss for _, loss in whole], rtol=1e-5, atol=0)

@@ -173,7 +173,9 @@ def test_a_stage_3_run_stopped_on_2_ranks_resumes_at_stage_1_on_4_on_the_uninter
     run_ranks(2, _train_attempt, stopped, 3, 4, 3, str(tmp_path / "first.json"))
     run_ranks(4, _train_attempt, stopped, 1, 2, None, str(tmp_path / "second.json"))
     read = lambda name: json.loads((tmp_path / f"{name}.json").read_text())
-    whole, first, second = read("whole"), read("first"), read("second")
+    whole = read("whole")
+    first = read("first")
+    second = read("second")
     assert [step for step, _ in first] == [0, 1, 2, 3] and [step for step, _ in second] == [4, 5, 6, 7]
     torch.testing.assert_close([loss for _, loss in first + second], [loss for _, loss in whole], rtol=1e-5, atol=0)
     resumed = load_file(tmp_path / "stopped" / "final" / "model.safetensors")
