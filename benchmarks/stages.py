@@ -1,4 +1,4 @@
-"""ZeRO stages side by side: DDP (stage 0), ZeRO1AdamW (stage 1) and ZeRO2AdamW (stage 2) on one model.
+"""ZeRO stages side by side: DDP (stage 0), ZeRO1AdamW (1), ZeRO2AdamW (2) and FSDP2 + ZeRO3AdamW (3) on one model.
 
     .venv/bin/python benchmarks/stages.py                # docs/benchmarks.md's table: ~3 minutes here
     .venv/bin/python benchmarks/stages.py --quick        # a 2M model, 3 steps: ~30 s
@@ -15,7 +15,8 @@ the same tokens, one after another, and every rank reports:
 - the bytes it sends per step, counted at the collectives' calls, beside the ZeRO paper's volume:
   2Ψ elements per step at stages 0-2 (a ring all-reduce, or a reduce-scatter and an all-gather:
   passes·(N−1)/N·Ψ·p bytes from each GPU); stage 2 reduces every micro-batch, so with
-  accumulation it sends (accumulation + 1) passes.
+  accumulation it sends (accumulation + 1) passes; stage 3 gathers the parameters for each
+  micro-batch's forward and backward and reduce-scatters its gradients: 3Ψ, 3 passes a micro-batch.
 
 Counting: a point-to-point send counts its bytes; a collective counts what a ring sends from
 each rank (all-reduce 2(N−1)/N of the tensor, reduce-scatter and all-gather (N−1)/N of the whole,
@@ -49,12 +50,13 @@ from workers.models.builtin import build_model
 from workers.models.trace import loss_of, measure_step
 from workers.zero.optimizer import ZeRO1AdamW, decay_param_groups
 from workers.zero.stage2 import ZeRO2AdamW
+from workers.zero.stage3 import ZeRO3AdamW, shard_model
 
 MODELS = {
     "2M": memory.GPTSpec(vocab_size=2048, n_layer=2, n_head=4, n_embd=256, block_size=128),
     "10M": memory.GPTSpec(vocab_size=8192, n_layer=4, n_head=6, n_embd=384, block_size=128),
 }
-STAGES = (0, 1, 2)
+STAGES = (0, 1, 2, 3)
 HYPER = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8}
 WEIGHT_DECAY = 0.1
 RESULTS = Path(__file__).parent / "results" / "stages.json"
@@ -79,12 +81,19 @@ class SentBytes:
         def nbytes(t: torch.Tensor) -> int:
             return t.numel() * t.element_size()
 
+        def arg(args, kwargs, index: int, *names: str) -> torch.Tensor:
+            """A collective's tensor argument, given by position or by name."""
+            if len(args) > index:
+                return args[index]
+            return next(kwargs[name] for name in names if name in kwargs)
+
         wrappers = {
-            "all_reduce": lambda t, *a, **k: self.ring(nbytes(t), 2),
-            "reduce": lambda t, *a, **k: self.ring(nbytes(t), 1),
-            "reduce_scatter_single": lambda out, inp, *a, **k: self.ring(nbytes(inp), 1),
-            "all_gather_single": lambda out, inp, *a, **k: self.ring(nbytes(out), 1),
-            "all_gather_into_tensor": lambda out, inp, *a, **k: self.ring(nbytes(out), 1),
+            "all_reduce": lambda *a, **k: self.ring(nbytes(arg(a, k, 0, "tensor")), 2),
+            "reduce": lambda *a, **k: self.ring(nbytes(arg(a, k, 0, "tensor")), 1),
+            "reduce_scatter_single": lambda *a, **k: self.ring(nbytes(arg(a, k, 1, "input")), 1),
+            "reduce_scatter_tensor": lambda *a, **k: self.ring(nbytes(arg(a, k, 1, "input")), 1),
+            "all_gather_single": lambda *a, **k: self.ring(nbytes(arg(a, k, 0, "output")), 1),
+            "all_gather_into_tensor": lambda *a, **k: self.ring(nbytes(arg(a, k, 0, "output_tensor", "output")), 1),
         }
         originals = {name: getattr(dist, name) for name in (*wrappers, "batch_isend_irecv")}
 
@@ -126,7 +135,7 @@ def _tensor_bytes(tensors) -> int:
 def _kept_bytes(model: nn.Module, opt, stage: int) -> int:
     """Bytes kept between steps: ZeRO's flat buffers and state, or DDP's parameters, gradients and state."""
     if stage > 0:
-        return opt.model_state_bytes()
+        return opt.model_state_bytes()  # stage 3: its shards of the parameters, gradients and state
     state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     return _tensor_bytes([*model.parameters(), *grads, *state])
@@ -135,9 +144,14 @@ def _kept_bytes(model: nn.Module, opt, stage: int) -> int:
 def run_stage(stage: int, *, rank: int, world_size: int, args: argparse.Namespace) -> dict:
     spec = MODELS[args.model]
     model = build_model(spec, dtype=torch.float32, seed=args.seed)
+    if stage == 3:
+        shard_model(model, compute_dtype=torch.float32)
     groups = decay_param_groups(model, weight_decay=WEIGHT_DECAY)
     counter = SentBytes(world_size)
-    if stage == 0:
+    if stage == 3:
+        net = model
+        opt = ZeRO3AdamW(groups, **HYPER)
+    elif stage == 0:
         net = DDP(model, gradient_as_bucket_view=True)
         net.register_comm_hook(None, allreduce_hook)  # torch's default, through dist.all_reduce: counted
         opt = torch.optim.AdamW(groups, **HYPER, foreach=True)
@@ -172,8 +186,10 @@ def run_stage(stage: int, *, rank: int, world_size: int, args: argparse.Namespac
                 def forward(inputs=inputs, targets=targets):
                     return loss_of(net(inputs, targets)) / args.accumulation
 
+                # counted once, on the first step, as the workers count it (at stage 3 only the first step
+                # sees FSDP2's gathered units made: it resizes their storages in place after)
                 with sync:
-                    if step == args.warmup:  # counted once: op by op is slow
+                    if step == 0:
                         loss, used = measure_step(model, (inputs, targets), forward, lambda loss: loss.backward())
                         step_peak = max(step_peak, used.peak_bytes)
                     else:
@@ -182,7 +198,7 @@ def run_stage(stage: int, *, rank: int, world_size: int, args: argparse.Namespac
             opt.step()
         opt.zero_grad(set_to_none=stage != 0)
         elapsed = time.perf_counter() - start
-        if step == args.warmup:
+        if step == 0:
             peaks.append(_kept_bytes(model, opt, stage) + step_peak)
         if step >= args.warmup:
             times.append(elapsed)
@@ -255,9 +271,10 @@ def measure(args: argparse.Namespace) -> dict:
 
 def paper_bytes(cell: dict, *, accumulation: int) -> float:
     """The ZeRO paper's volume per GPU per step: 2Ψ elements at stages 0 and 1 (a ring all-reduce, or a
-    reduce-scatter and an all-gather); stage 2 reduces each micro-batch: accumulation + 1 passes."""
+    reduce-scatter and an all-gather); stage 2 reduces each micro-batch: accumulation + 1 passes;
+    stage 3: 3 passes a micro-batch."""
     n = cell["num_gpus"]
-    passes = accumulation + 1 if cell["stage"] == 2 else 2
+    passes = {0: 2, 1: 2, 2: accumulation + 1, 3: 3 * accumulation}[cell["stage"]]
     return passes * (n - 1) / n * cell["num_params"] * 4  # fp32: 4 bytes a parameter
 
 
@@ -270,7 +287,7 @@ def table(result: dict) -> str:
         f"{'N':>3}  {'stage':<10}{'step ms':>9}{'tokens/s':>10}{'peak MB':>10}{'plan MB':>10}{'peak/plan':>10}"
         f"{'sent MB':>10}{'paper MB':>10}{'sent/paper':>11}",
     ]
-    names = {0: "0 (DDP)", 1: "1", 2: "2"}
+    names = {0: "0 (DDP)", 1: "1", 2: "2", 3: "3 (FSDP2)"}
     for cell in result["cells"]:
         paper = paper_bytes(cell, accumulation=acc)
         lines.append(
