@@ -204,8 +204,7 @@ def check_storage(problems: dict[str, str], *, uri: str) -> None:
 def _what_fits(
     plan: memory.Plan, *, cluster: ClusterCapacity, request, overhead_bytes: int, tracer: Traces | None
 ) -> str:
-    """What would fit: this stage at more GPUs, or a later stage (its per-GPU bytes named), and whether
-    zero1 trains at it."""
+    """What would fit: this stage at more GPUs, or a later stage (its per-GPU bytes named)."""
     workload = workload_for(request, overhead_bytes=overhead_bytes, tracer=tracer)
     stage = plan.stage
     if plan.min_gpus is None:
@@ -215,18 +214,15 @@ def _what_fits(
     else:
         text = f"; min_gpus = {plan.min_gpus} at stage {stage} fits"
     higher = []
-    for later in range(stage + 1, max(memory.STAGES) + 1):
+    for later in (s for s in RUNNABLE_STAGES if s > stage):
         n = memory.min_gpus(workload, stage=later, gpu_memory_bytes=plan.gpu_memory_bytes)
         if n is None:
             continue
         at = max(n, request.num_gpus)
         per_gpu = memory.total_bytes(workload, num_gpus=at, stage=later) / GB
-        runs = (
-            f"zero_stage: {later} or auto"
-            if later in RUNNABLE_STAGES
-            else "planned only: zero1 does not train at it yet"
+        higher.append(
+            f"ZeRO stage {later} on N >= {n} ({per_gpu:.2f} GB per GPU at N = {at}; zero_stage: {later} or auto)"
         )
-        higher.append(f"ZeRO stage {later} on N >= {n} ({per_gpu:.2f} GB per GPU at N = {at}; {runs})")
     if higher and (plan.min_gpus is None or plan.min_gpus > cluster.num_gpus):
         text += "; " + ", or ".join(higher) + " would fit"
     return text

@@ -290,12 +290,6 @@ class JobSpec(Body):
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:
-        if self.zero_stage != "auto" and self.zero_stage not in RUNNABLE_STAGES:
-            raise FieldError(
-                "zero_stage",
-                f"zero_stage {self.zero_stage} is planned (POST /v1/plan) but zero1 does not train at it yet; "
-                f"it trains at {' or '.join(map(str, RUNNABLE_STAGES))}, or auto picks the first that fits",
-            )
         if self.min_gpus is None or self.min_gpus == self.num_gpus:
             per_step = self.micro_batch_size * self.num_gpus
             if self.global_batch_size is not None and self.global_batch_size % per_step:
