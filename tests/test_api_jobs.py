@@ -254,6 +254,31 @@ def test_zero_stage_admits_at_the_stage_asked_or_the_first_that_fits(fakes_clien
     assert small["plan"]["stage"] == 1  # the first stage that fits: it sends the least
 
 
+def test_where_only_stage_3_fits_zero_stage_1_is_a_422_naming_it_and_auto_trains_at_stage_3(ray_cluster, tmp_path):
+    """A 12-layer GPT on 4 GPUs of 2.5 MB (ZERO1_SIMULATED_GPU_MEMORY_GB, no overhead): per GPU at N = 4,
+    stage 1 needs 3.22 MB and stage 2 2.75 MB; stage 3 2.40 MB fits. zero_stage 1 is a 422 naming stage
+    3; auto is admitted at stage 3, says why in its first event, trains through Ray and succeeds."""
+    model = {"kind": "gpt", "vocab_size": 64, "n_layer": 12, "n_head": 2, "n_embd": 32, "block_size": 32}
+    body = job_body(model=model, num_gpus=4, micro_batch_size=2, steps=4)
+    with serve(make_settings(tmp_path, simulated_gpu_memory_gb=0.0025, gpu_overhead_gb=0)) as client:
+        refused = client.post("/v1/jobs", json={**body, "zero_stage": 1}).json()
+        assert refused["error"] == "does_not_fit" and refused["plan"]["stage"] == 1, refused
+        stages = refused["plan"]["stages"]
+        assert stages["3"] <= 2_500_000 < stages["2"] < stages["1"]
+        assert re.search(
+            r"ZeRO stage 3 on N >= \d+ \([\d.]+ GB per GPU at N = 4; zero_stage: 3 or auto\)", refused["message"]
+        )
+        job = client.post("/v1/jobs", json={**body, "zero_stage": "auto"}).json()
+        assert job["plan"]["stage"] == 3 and job["plan"]["per_gpu"]["total_bytes"] == stages["3"], job
+        done = wait_job(client, job["id"], lambda job: job["status"] in TERMINAL)
+        assert done["status"] == "succeeded", done["error"]
+        events = client.get(f"/v1/jobs/{job['id']}/events").json()["data"]
+        assert events[0]["reason"].startswith("submitted; zero_stage auto: stage 3 (stage 1 needs ")
+        assert "; stage 2 needs " in events[0]["reason"]
+        rows = client.get(f"/v1/jobs/{job['id']}/metrics").json()["data"]
+        assert [row["step"] for row in rows] == list(range(4))
+
+
 @pytest.mark.parametrize(
     ("value", "says"),
     [
