@@ -62,6 +62,7 @@ format: install
 bench: install
 	$(BIN)/python benchmarks/planner.py
 	$(BIN)/python benchmarks/optimizer.py
+	$(BIN)/python benchmarks/stages.py
 	$(BIN)/python benchmarks/control_plane.py
 	$(BIN)/python benchmarks/throughput.py
 	$(BIN)/python benchmarks/scheduling.py
