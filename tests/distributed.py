@@ -7,6 +7,7 @@ itself (fork) is not safe: it runs Ray's threads."""
 
 from __future__ import annotations
 
+import json
 import signal
 import tempfile
 from collections.abc import Callable
@@ -81,3 +82,16 @@ def run_ranks(world_size: int, fn: Callable, *args, backend: str = "gloo") -> No
             passed = all(Path(tmp, f"passed-{rank}").exists() for rank in range(world_size))
             if not (passed and exited.exit_code == -signal.SIGABRT):
                 raise
+
+
+def train_attempt(rank: int, world_size: int, root: str, stage: int, micro: int, stop_after, out: str) -> None:
+    """One attempt of small_run through the training loop at ZeRO `stage` with micro-batches of `micro`,
+    stopped with a checkpoint after step `stop_after` (None: to the end); rank 0 writes its
+    [step, loss] rows to `out` as JSON."""
+    from workers.training.loop import train  # the training loop's imports only in the ranks that train
+
+    rows = []
+    config = small_run(root, zero_stage=stage, micro_batch_size=micro)
+    train(config, rank=rank, world_size=world_size, on_metrics=rows.append, stop_at=lambda step, _: step == stop_after)
+    if rank == 0:
+        Path(out).write_text(json.dumps([[row.step, row.loss] for row in rows]))

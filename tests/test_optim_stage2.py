@@ -10,7 +10,6 @@ import contextlib
 import io
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -31,11 +30,10 @@ from test_optim import (
 from torch import nn
 
 from workers.memory import model as memory
-from workers.training.loop import train
 from workers.zero.optimizer import ZeRO1AdamW, decay_param_groups
 from workers.zero.stage2 import MAX_BUCKETS_IN_FLIGHT, ZeRO2AdamW, stage2_reduce_op
 
-from distributed import run_ranks, small_run
+from distributed import run_ranks, train_attempt
 
 
 class SmallBuckets2(ZeRO2AdamW):
@@ -253,27 +251,17 @@ def test_a_stage_2_checkpoint_resumes_at_stage_1_and_back():
     run_ranks(2, _resume_across_stages)
 
 
-def _train_attempt(rank: int, world_size: int, root: str, stage: int, micro: int, stop_after, out: str) -> None:
-    """One attempt of small_run through the training loop at `stage` with micro-batches of `micro`,
-    stopped with a checkpoint after step `stop_after` (None: to the end); rank 0 writes its losses."""
-    rows = []
-    config = small_run(root, zero_stage=stage, micro_batch_size=micro)
-    train(config, rank=rank, world_size=world_size, on_metrics=rows.append, stop_at=lambda step, _: step == stop_after)
-    if rank == 0:
-        Path(out).write_text(json.dumps([[row.step, row.loss] for row in rows]))
-
-
 def test_a_stage_2_run_stopped_on_2_ranks_resumes_at_stage_1_on_4_on_the_uninterrupted_curve(tmp_path):
     """The loop's checkpoints are one format across stages and world sizes: stage 2 at N = 2 for 4 steps,
     then stage 1 at N = 4 from its checkpoint, follows stage 1 at N = 2 throughout (fp32, losses within
     1e-5), and ends on the very weights of the same stop and resume at stage 1 (stage 2 without
     accumulation gives stage 1's bits; N = 4 sums in another order, which Adam's normalised update
     carries to the weights' last bits, so those are compared with the same resume)."""
-    run_ranks(2, _train_attempt, str(tmp_path / "whole"), 1, 4, None, str(tmp_path / "whole.json"))
+    run_ranks(2, train_attempt, str(tmp_path / "whole"), 1, 4, None, str(tmp_path / "whole.json"))
     for stage in (2, 1):
         root = str(tmp_path / f"stopped-{stage}")
-        run_ranks(2, _train_attempt, root, stage, 4, 3, str(tmp_path / f"first-{stage}.json"))
-        run_ranks(4, _train_attempt, root, 1, 2, None, str(tmp_path / f"second-{stage}.json"))
+        run_ranks(2, train_attempt, root, stage, 4, 3, str(tmp_path / f"first-{stage}.json"))
+        run_ranks(4, train_attempt, root, 1, 2, None, str(tmp_path / f"second-{stage}.json"))
     read = lambda name: json.loads((tmp_path / f"{name}.json").read_text())
     whole = read("whole")
     first = read("first-2")

@@ -28,11 +28,10 @@ from torch.testing import assert_close
 
 from workers.memory import model as memory
 from workers.models.builtin import build_model
-from workers.training.loop import train
 from workers.zero.optimizer import ZeRO1AdamW, decay_param_groups
 from workers.zero.stage3 import ZeRO3AdamW, shard_model, units_of
 
-from distributed import SMALL, run_ranks, small_run
+from distributed import SMALL, run_ranks, train_attempt
 
 
 def _full(param: torch.Tensor) -> torch.Tensor:
@@ -155,23 +154,13 @@ def test_a_checkpoint_resumes_across_stages_and_world_sizes(tmp_path, dtype, fir
     run_ranks(n_b, _second_half, stage_b, dtype, str(tmp_path), n_a)
 
 
-def _train_attempt(rank: int, world_size: int, root: str, stage: int, micro: int, stop_after, out: str) -> None:
-    """small_run through the training loop at `stage`, stopped with a checkpoint after step `stop_after`
-    (None: to the end); rank 0 writes its losses."""
-    rows = []
-    config = small_run(root, zero_stage=stage, micro_batch_size=micro)
-    train(config, rank=rank, world_size=world_size, on_metrics=rows.append, stop_at=lambda step, _: step == stop_after)
-    if rank == 0:
-        Path(out).write_text(json.dumps([[row.step, row.loss] for row in rows]))
-
-
 def test_a_stage_3_run_stopped_on_2_ranks_resumes_at_stage_1_on_4_on_the_uninterrupted_curve(tmp_path):
     """Through the training loop: stage 3 at N = 2 for 4 steps, then stage 1 at N = 4 from its checkpoint,
     follows stage 1 at N = 2 throughout (fp32, losses within 1e-5); final/ holds the same model."""
-    run_ranks(2, _train_attempt, str(tmp_path / "whole"), 1, 4, None, str(tmp_path / "whole.json"))
+    run_ranks(2, train_attempt, str(tmp_path / "whole"), 1, 4, None, str(tmp_path / "whole.json"))
     stopped = str(tmp_path / "stopped")
-    run_ranks(2, _train_attempt, stopped, 3, 4, 3, str(tmp_path / "first.json"))
-    run_ranks(4, _train_attempt, stopped, 1, 2, None, str(tmp_path / "second.json"))
+    run_ranks(2, train_attempt, stopped, 3, 4, 3, str(tmp_path / "first.json"))
+    run_ranks(4, train_attempt, stopped, 1, 2, None, str(tmp_path / "second.json"))
     read = lambda name: json.loads((tmp_path / f"{name}.json").read_text())
     whole = read("whole")
     first = read("first")
@@ -187,7 +176,7 @@ def test_a_stage_3_run_stopped_on_2_ranks_resumes_at_stage_1_on_4_on_the_uninter
 
 def test_a_stage_3_run_writes_the_final_model_of_its_master_weights(tmp_path):
     """final/ of a stage-3 run on 2 ranks: every parameter in fp32, loadable into the built-in GPT."""
-    run_ranks(2, _train_attempt, str(tmp_path / "s3"), 3, 4, None, str(tmp_path / "s3.json"))
+    run_ranks(2, train_attempt, str(tmp_path / "s3"), 3, 4, None, str(tmp_path / "s3.json"))
     model = build_model(SMALL, dtype=torch.float32)
     missing, unexpected = load_model(model, tmp_path / "s3" / "final" / "model.safetensors", strict=False)
     assert unexpected == [] and all(name.endswith("lm_head.weight") for name in missing)  # tied: saved once

@@ -111,18 +111,8 @@ def build_buffers(
     return buffers
 
 
-def _flat_buffer(
-    group_index: int,
-    named: list[tuple[str, Tensor]],
-    *,
-    first_index: int,
-    world_size: int,
-    rank: int,
-    alignment_numel: int,
-    full_grads: bool,
-) -> FlatBuffer:
-    dtype = named[0][1].dtype
-    device = named[0][1].device
+def layout_slots(named: list[tuple[str, Tensor]], *, first_index: int) -> list[Slot]:
+    """The parameters' places in one flat buffer, back to back in the order given (no memory moved)."""
     slots = []
     offset = 0
     for i, (name, param) in enumerate(named):
@@ -137,6 +127,23 @@ def _flat_buffer(
             )
         )
         offset += param.numel()
+    return slots
+
+
+def _flat_buffer(
+    group_index: int,
+    named: list[tuple[str, Tensor]],
+    *,
+    first_index: int,
+    world_size: int,
+    rank: int,
+    alignment_numel: int,
+    full_grads: bool,
+) -> FlatBuffer:
+    dtype = named[0][1].dtype
+    device = named[0][1].device
+    slots = layout_slots(named, first_index=first_index)
+    offset = slots[-1].offset + slots[-1].numel
     total = padded_numel(offset, num_gpus=world_size, alignment_numel=alignment_numel)
     shard = total // world_size
     params = torch.zeros(total, dtype=dtype, device=device)

@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from workers.memory.model import SHARD_ALIGNMENT_NUMEL, padded_numel
 from workers.zero.consolidated import CONSOLIDATED_FORMAT, hyperparameters, load_consolidated_state
-from workers.zero.flat import STATE_KINDS, FlatBuffer, Slot
+from workers.zero.flat import STATE_KINDS, FlatBuffer, layout_slots
 from workers.zero.loss_scale import DynamicLossScaler
 from workers.zero.sharded_state import (
     Piece,
@@ -126,20 +126,8 @@ def layout_buffers(
         named = [(name, p) for name, p in zip(names, group["params"], strict=True) if p.requires_grad]
         if not named:
             continue
-        slots = []
-        offset = 0
-        for i, (name, param) in enumerate(named):
-            slots.append(
-                Slot(
-                    name=name,
-                    param=param,
-                    index=index + i,
-                    offset=offset,
-                    numel=param.numel(),
-                    shape=tuple(param.shape),
-                )
-            )
-            offset += param.numel()
+        slots = layout_slots(named, first_index=index)
+        offset = slots[-1].offset + slots[-1].numel
         index += len(named)
         shard = padded_numel(offset, num_gpus=world_size, alignment_numel=alignment_numel) // world_size
         device = _local(named[0][1]).device
