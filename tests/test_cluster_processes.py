@@ -376,7 +376,12 @@ def test_a_job_spread_over_two_ray_nodes_trains_with_postgresql_and_shared_check
     # rank's shard from both nodes and the marker, in the shared directory
     job_dir = job_checkpoint_dir(database_url, checkpoints, job_id)
     expected = {f"step-{steps - 1:09d}"}
-    assert steps % every == 0 and {d.name for d in job_dir.glob("step-*")} == expected
+    assert steps % every == 0
+    wait_for(  # the retirement follows the commit of the job's end
+        lambda: {d.name for d in job_dir.glob("step-*")},
+        lambda names: names == expected,
+        what=f"job {job_id}'s retirement to {expected}",
+    )
     assert all((job_dir / name / "complete.json").is_file() for name in expected)
     for name in expected:
         shards = sorted(p.name for p in (job_dir / name).glob("rank-*.safetensors"))

@@ -36,7 +36,7 @@ from workers.training import confined, staging
 from workers.training.storage import DirectoryStore
 
 from figures import record
-from helpers import job_body
+from helpers import job_body, wait_for
 from marks import starts
 from served import ALICE, BOB, Served, running
 
@@ -113,6 +113,10 @@ def _exchange(a: Path, b: Path) -> None:
     assert libc.renameat2(-100, os.fsencode(str(a)), -100, os.fsencode(str(b)), 2) == 0, ctypes.get_errno()
 
 
+def _complete_steps(directory: Path) -> list[Path]:
+    return [p for p in directory.glob("step-*") if (p / "complete.json").exists()]
+
+
 def _owned_by(path: Path, uid: tuple[int, int]) -> None:
     for found, dirs, files in os.walk(path):
         for name in [found, *(os.path.join(found, n) for n in dirs + files)]:
@@ -141,13 +145,20 @@ def jobs(served) -> dict[str, dict]:
         job = served.wait(response.json()["id"], token)
         assert job["status"] == "succeeded", job["error"]
         (directory,) = served.checkpoints.glob(f"job-{job['id']}-*")
+        # the job reads as succeeded once its end is committed; its retirement (the newest
+        # checkpoint kept, ZERO1_CHECKPOINT_KEEP_FINISHED = 1) follows that commit
+        wait_for(
+            lambda: _complete_steps(directory),
+            lambda steps: len(steps) == 1,
+            what=f"job {job['id']}'s retirement to its newest checkpoint",
+        )
         found[user] = {"id": job["id"], "dir": directory}
     planted = found["alice"]["dir"] / f"step-{STEP:09d}"
     planted.mkdir()
     (planted / "complete.json").write_text(f'{{"step": {STEP}, "world_size": 1}}')
     (planted / SHARD).write_bytes(b"alice's own shard " * 100)
     _owned_by(planted, IDS["alice"])
-    (bob_step,) = [p for p in found["bob"]["dir"].glob("step-*") if (p / "complete.json").exists()]
+    (bob_step,) = _complete_steps(found["bob"]["dir"])
     found["bob"]["step"] = bob_step
     found["bob"]["shard"] = (bob_step / SHARD).read_bytes()
     return found
