@@ -21,6 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from service.api.job_responses import thinned_steps
 from service.main import create_app
+from service.scheduling.job_states import running_reason, stage_change
+from service.store.tables import Job
 
 import helpers
 from conftest import make_settings, serve, serve_on_fakes
@@ -252,6 +254,51 @@ def test_zero_stage_admits_at_the_stage_asked_or_the_first_that_fits(fakes_clien
 
     small = fakes_client.post("/v1/jobs", json=job_body(zero_stage="auto"), params={"dry_run": True}).json()
     assert small["plan"]["stage"] == 1  # the first stage that fits: it sends the least
+
+
+def test_an_elastic_auto_job_is_planned_a_stage_for_each_n_it_may_run_on(fakes_client):
+    """7.5B in bf16 on 2 to 4 GPUs of 80 GB: its plan is at its fewest GPUs, and auto names the first stage
+    that fits on each N (each GPU holds less on more of them); a job that is not elastic, or asks for a
+    stage, has none but its plan's."""
+    body = job_body(model=GPT_7B5, precision="bf16", steps=1, micro_batch_size=1, global_batch_size=4)
+    elastic = {**body, "num_gpus": 4, "min_gpus": 2, "zero_stage": "auto"}
+    plan = fakes_client.post("/v1/jobs", json=elastic, params={"dry_run": True}).json()["plan"]
+    fits = {
+        n: next(
+            stage
+            for stage in (1, 2, 3)
+            if fakes_client.post(
+                "/v1/plan",
+                json={"model": GPT_7B5, "num_gpus": n, "precision": "bf16", "stage": stage, "micro_batch_size": 1},
+            ).json()["fits"]
+        )
+        for n in (2, 4)
+    }
+    assert fits[2] > fits[4]  # the size was chosen so: the stage moves with N
+    assert plan["num_gpus"] == 2 and plan["stage"] == fits[2] and plan["stage_at"] == {"2": fits[2], "4": fits[4]}
+    for fixed in ({**elastic, "zero_stage": fits[2]}, {**elastic, "min_gpus": None}):
+        planned = fakes_client.post("/v1/jobs", json=fixed, params={"dry_run": True}).json()["plan"]
+        assert planned["stage_at"] is None, planned
+
+
+def test_a_resize_and_a_start_name_the_stage_an_elastic_auto_job_trains_at_on_its_n(fakes_client):
+    """The events of a job whose stage moves with N say which it trains at; others' read as before."""
+    body = job_body(model=GPT_7B5, precision="bf16", steps=1, micro_batch_size=1, global_batch_size=4)
+    plans = {
+        elastic: fakes_client.post(
+            "/v1/jobs",
+            json={**body, "num_gpus": 4, "min_gpus": 2 if elastic else None, "zero_stage": "auto"},
+            params={"dry_run": True},
+        ).json()["plan"]
+        for elastic in (True, False)
+    }
+    moving = Job(plan=plans[True], num_gpus=4, world_size=4, status="starting", attempt=0)
+    low, high = plans[True]["stage_at"]["2"], plans[True]["stage_at"]["4"]
+    assert running_reason(moving, nodes=2) == f"4 ranks placed on 2 node(s) and training at ZeRO stage {high}"
+    assert stage_change(moving, 4, 2) == f" (ZeRO stage {high} -> {low})"
+    fixed = Job(plan=plans[False], num_gpus=4, world_size=4, status="starting", attempt=0)
+    assert running_reason(fixed, nodes=2) == "4 ranks placed on 2 node(s) and training"
+    assert stage_change(fixed, 4, 2) == ""
 
 
 def test_where_only_stage_3_fits_zero_stage_1_is_a_422_naming_it_and_auto_trains_at_stage_3(ray_cluster, tmp_path):

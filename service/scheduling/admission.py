@@ -61,7 +61,22 @@ def admit(spec: JobSpec, *, cluster: ClusterCapacity, overhead_bytes: int, trace
             f"{plan.per_gpu.total_bytes / GB:.2f} GB, above the {plan.gpu_memory_bytes / GB:.2f} GB of each GPU"
             + _what_fits(plan, **fits),
         )
+    if spec.zero_stage == "auto" and len(spec.world_sizes()) > 1:
+        workload = workload_for(request, overhead_bytes=overhead_bytes, tracer=tracer)
+        public = public.model_copy(update={"stage_at": _stage_at(spec, plan, workload)})
     return public
+
+
+def _stage_at(spec: JobSpec, plan: memory.Plan, workload: memory.Workload) -> dict[str, int]:
+    """An elastic auto job's stage on each N it may run on: the first that fits there. At its fewest
+    GPUs that is the plan's; on more, each GPU holds less, and an earlier stage may fit."""
+    return {
+        str(n): next(
+            (s for s in spec.stages() if memory.total_bytes(workload, num_gpus=n, stage=s) <= plan.gpu_memory_bytes),
+            plan.stage,
+        )
+        for n in spec.world_sizes()
+    }
 
 
 def _plan_request(spec: JobSpec, *, cluster: ClusterCapacity, stage: int | None = None) -> PlanRequest:

@@ -12,6 +12,7 @@ from sqlalchemy.orm.attributes import set_committed_value
 
 from service.errors import ServiceError
 from service.schemas.fields import ACTIVE, TERMINAL
+from service.schemas.responses import PlanPublic
 from service.store.job_repository import get_job
 from service.store.tables import Job, JobEvent, utcnow
 
@@ -61,10 +62,22 @@ def still_active(session: Session, job: Job) -> Job | None:
 
 
 def running_reason(job: Job, *, nodes: int) -> str:
-    """The reason of a start's (or a relaunch's) transition to running."""
+    """The reason of a start's (or a relaunch's) transition to running; an elastic auto job's names the
+    stage it trains at on this N."""
+    ranks = job.world_size or job.num_gpus
+    plan = PlanPublic.model_validate(job.plan)
+    stage = "" if plan.stage_at is None else f" at ZeRO stage {plan.stage_for(ranks)}"
     if job.status == "restarting":
-        return f"attempt {job.attempt}: {job.world_size or job.num_gpus} ranks placed on {nodes} node(s), resumed"
-    return f"{job.world_size or job.num_gpus} ranks placed on {nodes} node(s) and training"
+        return f"attempt {job.attempt}: {ranks} ranks placed on {nodes} node(s), resumed{stage}"
+    return f"{ranks} ranks placed on {nodes} node(s) and training{stage}"
+
+
+def stage_change(job: Job, old: int, new: int) -> str:
+    """An elastic auto job's change of ZeRO stage as it resizes from `old` to `new` ranks, for the
+    event's reason: " (ZeRO stage 3 -> 1)"; "" where the stage stays."""
+    plan = PlanPublic.model_validate(job.plan)
+    before, after = plan.stage_for(old), plan.stage_for(new)
+    return "" if before == after else f" (ZeRO stage {before} -> {after})"
 
 
 def cancel_job(session: Session, job_id: int) -> Job:

@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 from service.scheduling import elastic
 from service.scheduling.dispatch import Dispatcher, Settled, Stop, resume_point
 from service.scheduling.failure import AttemptFailure, FailureAction, FailurePolicy
-from service.scheduling.job_states import running_reason, transition
+from service.scheduling.job_states import running_reason, stage_change, transition
 from service.schemas.requests import JobSpec
 from service.store.job_storage import JobStorage
 from service.store.log_lines import store_logs
@@ -158,7 +158,7 @@ class Outcomes:
         if new is None:  # its owner's quota no longer holds its fewest GPUs: the queue's policy decides
             return self._wait_again(session, job, "queued", cause=f"{cause}; past its owner's GPU quota")
         if new != old:
-            cause = f"resized {old} -> {new}: {cause}"
+            cause = f"resized {old} -> {new}{stage_change(job, old, new)}: {cause}"
         if job.status != "restarting" and not transition(
             session, job, "restarting", f"{cause}: attempt {job.attempt + 1} resumes from {where}{tail}"
         ):

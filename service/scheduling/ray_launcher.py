@@ -98,6 +98,7 @@ class RayLauncher:
             dataset_cache_dir=str(self.storage.dataset_cache_dir),
             model_roots=self.settings.model_roots,
             plan=PlanPublic.model_validate(job.plan),
+            world_size=job.world_size or job.num_gpus,
         )
         placement = Placement(
             num_workers=job.world_size or job.num_gpus,

@@ -341,15 +341,17 @@ class JobSpec(Body):
         dataset_cache_dir: str | None = None,
         model_roots: Sequence[str] = (),
         plan: PlanPublic | None = None,
+        world_size: int | None = None,
     ) -> TrainConfig:
         """The workers' view of this job: every field converted once, here. An hf or python model takes
         its vocab_size, block_size and planned bytes from the plan it was admitted by (its trace's).
-        `keep_last` is the server's default (ZERO1_CHECKPOINT_KEEP_LAST); the spec's own wins."""
+        `keep_last` is the server's default (ZERO1_CHECKPOINT_KEEP_LAST); the spec's own wins. The ZeRO stage
+        is the plan's at `world_size` (an elastic auto job's may differ by N), the plan's own without one."""
         traced = isinstance(self.model, TracedModelSpec)
         return TrainConfig(
             model=self.model_spec(plan=plan, model_roots=model_roots),
             planned_bytes=plan.per_gpu.total_bytes - plan.per_gpu.overhead_bytes if traced else None,
-            zero_stage=self.stages()[0] if plan is None else plan.stage,
+            zero_stage=self._stage(plan, world_size),
             steps=self.steps,
             data=self.data.to_spec(data_roots=data_roots, cache_dir=dataset_cache_dir),
             precision=self.precision,
@@ -369,6 +371,11 @@ class JobSpec(Body):
             resume=resume,
             init_from=None if self.init_from is None else self.init_from.to_spec(),
         )
+
+    def _stage(self, plan: PlanPublic | None, world_size: int | None) -> int:
+        if plan is None:
+            return self.stages()[0]
+        return plan.stage if world_size is None else plan.stage_for(world_size)
 
     def model_spec(self, *, plan: PlanPublic | None = None, model_roots: Sequence[str] = ()) -> ModelKind:
         """The workers' model: a built-in's spec, or an hf or python model's with the vocab_size and

@@ -58,6 +58,15 @@ class PlanPublic(BaseModel):
     block_size: int | None = Field(
         None, description="An hf model's max_position_embeddings (the default seq_len), likewise; null otherwise."
     )
+    stage_at: dict[str, int] | None = Field(
+        None,
+        description="An elastic job with zero_stage auto: the stage it trains at on each N it may run on, the "
+        "first that fits there (a resize may change it); null otherwise: `stage` at every N.",
+    )
+
+    def stage_for(self, world_size: int) -> int:
+        """The ZeRO stage an attempt on `world_size` ranks trains at."""
+        return self.stage if self.stage_at is None else self.stage_at.get(str(world_size), self.stage)
 
 
 class HealthPublic(BaseModel):
