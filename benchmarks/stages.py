@@ -196,10 +196,11 @@ def run_stage(stage: int, *, rank: int, world_size: int, args: argparse.Namespac
                         loss = forward()
                         loss.backward()
             opt.step()
+        kept = _kept_bytes(model, opt, stage) if step == 0 else 0  # gradients included, as the workers count
         opt.zero_grad(set_to_none=stage != 0)
         elapsed = time.perf_counter() - start
         if step == 0:
-            peaks.append(_kept_bytes(model, opt, stage) + step_peak)
+            peaks.append(kept + step_peak)
         if step >= args.warmup:
             times.append(elapsed)
             sent.append(counter.total)

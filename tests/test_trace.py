@@ -287,6 +287,36 @@ def test_a_tensor_counted_then_made_a_state_is_not_subtracted_again_when_freed()
     assert (meter.live_bytes, meter.peak_bytes) == (0, 400)
 
 
+def test_a_unit_fsdp2_frees_and_gathers_again_in_place_is_counted_while_gathered():
+    """FSDP2 (ZeRO stage 3) frees a gathered unit by resizing its storage to 0 bytes and gathers it again
+    into the same storage: no op makes it. A step that gathers a unit of 40,000 bytes for its forward
+    and again for its backward holds it in its peak, not when forward returns."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param as fsdp_param
+
+    model = nn.Linear(4, 4)
+    inputs = torch.randn(2, 4)
+    unit = torch.empty(10_000)  # made before the step, as FSDP2 makes a unit's storage once
+    fsdp_param.free_storage(unit)
+
+    def gathered(run):
+        fsdp_param.alloc_storage(unit)
+        try:
+            return run()
+        finally:
+            fsdp_param.free_storage(unit)
+
+    _, plain = measure_step(model, (inputs,), lambda: model(inputs).sum(), lambda loss: loss.backward())
+    _, used = measure_step(
+        model,
+        (inputs,),
+        lambda: gathered(lambda: model(inputs).sum()),
+        lambda loss: gathered(loss.backward),
+    )
+    assert used.activations_bytes == plain.activations_bytes  # freed by the time forward returns
+    assert used.peak_bytes == plain.peak_bytes + 40_000  # and counted while it was gathered
+    assert fsdp_param.alloc_storage.__name__ == "alloc_storage"  # FSDP2's own functions back after
+
+
 # --------------------------------------------------------------------------- the service's traced plans
 
 

@@ -244,7 +244,8 @@ def test_world_size_1_and_2_give_the_same_loss_curve(ray_cluster):
 
 def test_stages_2_and_3_train_stage_1s_curve_within_their_own_planned_memory(ray_cluster):
     """The same GPT job at ZeRO stages 1, 2 and 3 (fp32, N = 2, 100 steps): one loss curve (within 1e-5),
-    and each rank's measured peak within 2% of its stage's plan."""
+    and each rank's measured peak within 2% of its stage's plan at stages 1 and 2; at stage 3 under it,
+    within 5% (one block of this GPT's 2 is 3% of its plan)."""
     runs = {}
     for stage in (1, 2, 3):
         cfg = config(steps=100, zero_stage=stage)
@@ -253,7 +254,9 @@ def test_stages_2_and_3_train_stage_1s_curve_within_their_own_planned_memory(ray
         runs[stage] = rows
         for row in rows:
             planned = [row.mem_planned_bytes] * 2
-            assert row.mem_peak_bytes == pytest.approx(planned, rel=0.02), (
+            if stage == 3:  # at its peak one block is gathered, where the plan counts FSDP2's prefetch too
+                assert max(row.mem_peak_bytes) < row.mem_planned_bytes, (row.step, row.mem_peak_bytes, planned)
+            assert row.mem_peak_bytes == pytest.approx(planned, rel=0.02 if stage < 3 else 0.05), (
                 stage,
                 row.step,
                 row.mem_peak_bytes,

@@ -23,9 +23,10 @@ _should_skip_dynamo, which keeps a rank from loading torch._dynamo.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,7 @@ class LiveBytes(TorchDispatchMode):
         # id(storage) -> bytes counted for it (0: a state's); a finalizer drops the entry when the
         # storage is freed, so an id is never met again while its entry stands
         self._counted: dict[int, int] = {}
+        self._ignored: set[int] = set()
         self.live_bytes = 0
         self.peak_bytes = 0
         for tensor in ignore:
@@ -65,6 +67,7 @@ class LiveBytes(TorchDispatchMode):
             weakref.finalize(storage, self._free, key)
         self.live_bytes -= self._counted.get(key, 0)
         self._counted[key] = 0
+        self._ignored.add(key)
 
     def count(self, tensor: Tensor) -> None:
         """Count `tensor`'s storage while it lives, as if an op had made it (a step's input batch)."""
@@ -82,6 +85,20 @@ class LiveBytes(TorchDispatchMode):
 
     def _free(self, key: int) -> None:
         self.live_bytes -= self._counted.pop(key, 0)
+        self._ignored.discard(key)
+
+    def resized(self, storage: torch.UntypedStorage) -> None:
+        """`storage` was resized in place (FSDP2 frees a gathered unit so and gathers it again into the
+        same storage): count what it holds now."""
+        key = id(storage)
+        if key in self._ignored:
+            return
+        if key not in self._counted:
+            self._add(storage)
+            return
+        self.live_bytes += storage.nbytes() - self._counted[key]
+        self._counted[key] = storage.nbytes()
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -157,7 +174,7 @@ def measure_step(
         if p.requires_grad
     ]
     try:
-        with meter:
+        with meter, _storage_resizes(meter):
             loss = loss_of(run_forward())
             activations = meter.live_bytes
             run_backward(loss)
@@ -165,6 +182,35 @@ def measure_step(
         for hook in hooks:
             hook.remove()
     return loss, StepMemory(activations_bytes=activations, temporaries_bytes=meter.peak_bytes - activations)
+
+
+@contextlib.contextmanager
+def _storage_resizes(meter: LiveBytes) -> Iterator[None]:
+    """FSDP2 (ZeRO stage 3) frees a unit's gathered parameters by resizing their storages to 0 bytes and
+    gathers the unit again into the same storages: no op the dispatch mode sees. Its two functions that
+    do so (torch 2.13, `_fully_shard/_fsdp_param.py`, called through the module's globals) are wrapped
+    to tell `meter` while it counts; without them a step would count every unit gathered at once."""
+    fsdp_param = sys.modules.get("torch.distributed.fsdp._fully_shard._fsdp_param")
+    if fsdp_param is None:  # FSDP2 never imported: nothing resizes
+        yield
+        return
+    alloc = fsdp_param.alloc_storage
+    free = fsdp_param.free_storage
+
+    def told(resize: Callable[[Tensor], None]) -> Callable[[Tensor], None]:
+        def call(tensor: Tensor) -> None:
+            resize(tensor)
+            meter.resized(tensor.untyped_storage())
+
+        return call
+
+    fsdp_param.alloc_storage = told(alloc)
+    fsdp_param.free_storage = told(free)
+    try:
+        yield
+    finally:
+        fsdp_param.alloc_storage = alloc
+        fsdp_param.free_storage = free
 
 
 # --------------------------------------------------------------------------- tracing on fake tensors

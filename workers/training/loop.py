@@ -333,8 +333,8 @@ class _StepContext:
         accumulation = self.batches.accumulation_steps
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         step_peak = 0
-        # at stage 3 only the first count sees FSDP2's gathered units: it keeps their storages and
-        # resizes them in place (no op makes them again), so a later count would leave them out
+        # at stage 3 the count is dearest (the dispatch mode over FSDP2's gathers, casts and copies of
+        # every unit, twice a micro-batch): the first step's only
         again = step % CPU_MEMORY_EVERY_STEPS == 0 and self.opt.stage < 3
         count = self.device.type != "cuda" and (self.cpu_peak_bytes is None or again)
         for micro in range(accumulation):
@@ -345,6 +345,9 @@ class _StepContext:
             loss_sum += loss.detach()
             step_peak = max(step_peak, used)
         self.opt.step()
+        # what the rank keeps across the step's micro-batches, gradients included: at stage 3 they are
+        # made by the first micro-batch's backward and held through the others, then freed here
+        kept = self.opt.model_state_bytes() if count else 0
         self.opt.zero_grad()
         if self.world_size > 1:  # the global batch's loss: mean over ranks of each rank's mean
             dist.all_reduce(loss_sum, group=self.process_group)
@@ -355,7 +358,7 @@ class _StepContext:
             mem_peak = torch.cuda.max_memory_allocated(self.device)
         else:
             if count:
-                self.cpu_peak_bytes = self.opt.model_state_bytes() + step_peak
+                self.cpu_peak_bytes = kept + step_peak
             mem_peak = self.cpu_peak_bytes
         step_time_s = time.perf_counter() - start
         return MetricRow(
