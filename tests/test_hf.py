@@ -77,6 +77,40 @@ def test_every_rank_builds_the_same_model_and_its_loss_is_the_next_token_cross_e
     torch.testing.assert_close(first(inputs, targets), expected)
 
 
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_a_traced_plan_counts_what_a_stage_3_rank_gathers_the_root_and_two_decoder_layers(tied):
+    """The units an hf model is sharded by at stage 3 (its decoder layers) are found in its trace: the
+    root's parameters (embeddings, final norm, an untied head) and two layers, each tensor once."""
+    config = TINY_LLAMA | {"num_hidden_layers": 5, "tie_word_embeddings": tied}
+    request = {"config": config, "path": None}
+    traced = run_trace(
+        TraceRequest(
+            model={"kind": "hf", **request},
+            precision="bf16",
+            micro_batch_size=2,
+            seq_len=16,
+            activation_checkpointing=False,
+        )
+    )
+    model = build_hf(tiny_spec(**config), dtype=torch.float32)
+    layers = model.lm.model.layers
+    per_layer = sum(p.numel() for p in layers[0].parameters())
+    everything = sum(p.numel() for p in model.parameters())
+    root = everything - len(layers) * per_layer
+    assert root == 128 * 32 * (1 if tied else 2) + 32  # embeddings, an untied head, the final norm
+    assert traced.gathered_numel == root + 2 * per_layer
+    workload = Workload.from_trace(
+        group_numels=traced.group_numels,
+        frozen_numel=traced.frozen_numel,
+        gathered_numel=traced.gathered_numel,
+        activations_bytes=traced.activations_bytes,
+        temporaries_bytes=traced.temporaries_bytes,
+        precision="bf16",
+    )
+    shard = -(-sum(traced.group_numels) // 4)  # ⌈Ψ/N⌉
+    assert breakdown(workload, num_gpus=4, stage=3).params_bytes == 2 * (shard + traced.gathered_numel)
+
+
 def test_one_rank_trains_a_tied_model_with_activation_checkpointing_within_2_percent_of_its_traced_plan():
     traced = run_trace(
         TraceRequest(

@@ -81,6 +81,18 @@ SHAPES = [
 ]
 
 
+@pytest.mark.parametrize(
+    "spec",
+    [*SHAPES, MLPSpec(sizes=(16, 64, 8, 32)), MLPSpec(sizes=(8, 4))],
+    ids=["tiny", "small", "wide", "mlp", "mlp-one-layer"],
+)
+def test_what_a_stage_3_rank_gathers_is_found_in_the_built_model_as_its_closed_form_says(spec):
+    """The root's parameters and the two largest units (GPT blocks, MLP layers), counted on the model
+    the workers build (workers/models/units.py) and by the spec's closed form: one number."""
+    traced = trace_builtin(spec, precision="fp32", micro_batch_size=2)
+    assert traced.params.gathered_numel == spec.gathered_numel() > 0
+
+
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["full", "checkpointed"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("spec", SHAPES, ids=["tiny", "small", "wide"])

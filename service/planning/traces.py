@@ -42,6 +42,8 @@ class TracedStep:
     frozen_numel: int
     activations_bytes: int
     temporaries_bytes: int
+    gathered_numel: int = 0
+    """Parameters a ZeRO stage-3 rank holds whole at once (the root's and two units')."""
     vocab_size: int | None = None
     """An hf model's, resolved from its config; None for the built-in models."""
     max_position_embeddings: int | None = None
@@ -89,6 +91,7 @@ def run_trace(request: TraceRequest) -> TracedStep:
     return TracedStep(
         group_numels=(trace.params.decay_numel, trace.params.no_decay_numel),
         frozen_numel=trace.params.frozen_numel,
+        gathered_numel=trace.params.gathered_numel,
         activations_bytes=trace.memory.activations_bytes,
         temporaries_bytes=trace.memory.temporaries_bytes,
     )
@@ -116,6 +119,7 @@ def _run_hf_trace(request: TraceRequest) -> TracedStep:
     return TracedStep(
         group_numels=(trace.params.decay_numel, trace.params.no_decay_numel),
         frozen_numel=trace.params.frozen_numel,
+        gathered_numel=trace.params.gathered_numel,
         activations_bytes=trace.memory.activations_bytes,
         temporaries_bytes=trace.memory.temporaries_bytes,
         vocab_size=vocab_size,
@@ -141,6 +145,7 @@ def _run_python_trace(request: TraceRequest) -> TracedStep:
     return TracedStep(
         group_numels=(trace.params.decay_numel, trace.params.no_decay_numel),
         frozen_numel=trace.params.frozen_numel,
+        gathered_numel=trace.params.gathered_numel,
         activations_bytes=trace.memory.activations_bytes,
         temporaries_bytes=trace.memory.temporaries_bytes,
         vocab_size=traced.vocab_size,

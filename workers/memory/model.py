@@ -104,8 +104,7 @@ class Workload:
     """Parameters that are not trained: weights only, replicated below stage 3."""
     gathered_numel: int = 0
     """Parameters a stage-3 rank holds whole at once beside its shards (the units FSDP2 has gathered),
-    in the model dtype; 0 where the plan does not know the model's units (a plan by parameter count,
-    a traced model)."""
+    in the model dtype; 0 where the plan does not know the model's units (a plan by parameter count)."""
     precision: str = "fp16"
     optimizer: str = "adamw"
     alignment_numel: int | None = None
@@ -188,14 +187,17 @@ class Workload:
         frozen_numel: int,
         activations_bytes: int,
         temporaries_bytes: int,
+        gathered_numel: int = 0,
         precision: str = "fp16",
         optimizer: str = "adamw",
         overhead_bytes: int = 0,
     ) -> Workload:
-        """A traced model's plan: its parameter groups and step as counted on fake tensors."""
+        """A traced model's plan: its parameter groups, the units it gathers at stage 3 and its step as
+        counted on fake tensors."""
         return cls(
             group_numels=tuple(n for n in group_numels if n),
             frozen_numel=frozen_numel,
+            gathered_numel=gathered_numel,
             precision=precision,
             optimizer=optimizer,
             alignment_numel=SHARD_ALIGNMENT_NUMEL,

@@ -35,6 +35,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from workers.models.units import gathered_numel
+
 
 class LiveBytes(TorchDispatchMode):
     """Bytes of the storages ops create while the mode is on and that are still alive, and their peak."""
@@ -226,6 +228,8 @@ class ParamCounts:
     """Trainable vectors (biases, norms' weights)."""
     frozen_numel: int
     """requires_grad=False: weights alone, no gradient, no optimizer state."""
+    gathered_numel: int = 0
+    """Held whole at once by a ZeRO stage-3 rank: the root's and two units' (workers/models/units.py)."""
 
     @property
     def num_params(self) -> int:
@@ -239,6 +243,7 @@ class ParamCounts:
             decay_numel=sum(p.numel() for p in trainable if p.dim() >= 2),
             no_decay_numel=sum(p.numel() for p in trainable if p.dim() < 2),
             frozen_numel=sum(p.numel() for p in params if not p.requires_grad),
+            gathered_numel=gathered_numel(model),
         )
 
 

@@ -31,6 +31,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from workers.memory.model import SHARD_ALIGNMENT_NUMEL, padded_numel
+from workers.models.units import units_of
 from workers.zero.consolidated import CONSOLIDATED_FORMAT, hyperparameters, load_consolidated_state
 from workers.zero.flat import STATE_KINDS, FlatBuffer, layout_slots
 from workers.zero.loss_scale import DynamicLossScaler
@@ -52,34 +53,6 @@ def mesh_of(process_group: dist.ProcessGroup | None, device: torch.device) -> De
     """The 1-D device mesh of the data-parallel group (the default group when None)."""
     group = process_group if process_group is not None else dist.group.WORLD
     return DeviceMesh.from_group(group, device.type)
-
-
-def units_of(model: nn.Module) -> list[nn.Module]:
-    """The modules sharded one by one before the root: a transformer's blocks (the built-in GPT's
-    transformer.h; an hf model's lm.model.layers (Llama, Mistral, Qwen) or lm.transformer.h (GPT-2);
-    the built-in MLP's layers), else the root's children that hold parameters and share none with
-    another child (a tied embedding and head stay in the root's unit)."""
-    for path in ("transformer.h", "lm.model.layers", "lm.transformer.h", "model.layers", "layers"):
-        blocks = model.get_submodule(path) if _has_submodule(model, path) else None
-        if isinstance(blocks, nn.ModuleList):
-            return list(blocks)
-    owners: dict[int, int] = {}
-    for child in model.children():
-        for param in child.parameters():
-            owners[id(param)] = owners.get(id(param), 0) + 1
-    return [
-        child
-        for child in model.children()
-        if any(True for _ in child.parameters()) and all(owners[id(p)] == 1 for p in child.parameters())
-    ]
-
-
-def _has_submodule(model: nn.Module, path: str) -> bool:
-    try:
-        model.get_submodule(path)
-    except AttributeError:
-        return False
-    return True
 
 
 def shard_model(
