@@ -22,13 +22,16 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from service.concurrency import Slots
 from service.errors import ServiceError
 from service.planning.tasks import Isolation, run_task, run_task_async
 from workers.config import InvalidModelError
 from workers.records import RunAs
+
+if TYPE_CHECKING:
+    from workers.models.trace import StepTrace  # imports torch: the trace's process alone does
 
 CACHE_ENTRIES = 1024
 """Traces the service remembers, least recently used dropped first (each is a few integers)."""
@@ -48,6 +51,19 @@ class TracedStep:
     """An hf model's, resolved from its config; None for the built-in models."""
     max_position_embeddings: int | None = None
     """An hf model's longest sequence (its default seq_len), likewise."""
+
+    @classmethod
+    def of(cls, trace: StepTrace, **shape: int | None) -> TracedStep:
+        """What a plan needs of `trace`, with an hf or python model's vocab_size and
+        max_position_embeddings (`shape`)."""
+        return cls(
+            group_numels=(trace.params.decay_numel, trace.params.no_decay_numel),
+            frozen_numel=trace.params.frozen_numel,
+            gathered_numel=trace.params.gathered_numel,
+            activations_bytes=trace.memory.activations_bytes,
+            temporaries_bytes=trace.memory.temporaries_bytes,
+            **shape,
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -88,13 +104,7 @@ def run_trace(request: TraceRequest) -> TracedStep:
         seq_len=request.seq_len,
         activation_checkpointing=request.activation_checkpointing,
     )
-    return TracedStep(
-        group_numels=(trace.params.decay_numel, trace.params.no_decay_numel),
-        frozen_numel=trace.params.frozen_numel,
-        gathered_numel=trace.params.gathered_numel,
-        activations_bytes=trace.memory.activations_bytes,
-        temporaries_bytes=trace.memory.temporaries_bytes,
-    )
+    return TracedStep.of(trace)
 
 
 def _run_hf_trace(request: TraceRequest) -> TracedStep:
@@ -116,15 +126,7 @@ def _run_hf_trace(request: TraceRequest) -> TracedStep:
         seq_len=seq_len,
         activation_checkpointing=request.activation_checkpointing,
     )
-    return TracedStep(
-        group_numels=(trace.params.decay_numel, trace.params.no_decay_numel),
-        frozen_numel=trace.params.frozen_numel,
-        gathered_numel=trace.params.gathered_numel,
-        activations_bytes=trace.memory.activations_bytes,
-        temporaries_bytes=trace.memory.temporaries_bytes,
-        vocab_size=vocab_size,
-        max_position_embeddings=max_positions,
-    )
+    return TracedStep.of(trace, vocab_size=vocab_size, max_position_embeddings=max_positions)
 
 
 def _run_python_trace(request: TraceRequest) -> TracedStep:
@@ -142,15 +144,7 @@ def _run_python_trace(request: TraceRequest) -> TracedStep:
         vocab_size=request.model.get("vocab_size"),
     )
     trace = traced.trace
-    return TracedStep(
-        group_numels=(trace.params.decay_numel, trace.params.no_decay_numel),
-        frozen_numel=trace.params.frozen_numel,
-        gathered_numel=trace.params.gathered_numel,
-        activations_bytes=trace.memory.activations_bytes,
-        temporaries_bytes=trace.memory.temporaries_bytes,
-        vocab_size=traced.vocab_size,
-        max_position_embeddings=request.seq_len,
-    )
+    return TracedStep.of(trace, vocab_size=traced.vocab_size, max_position_embeddings=request.seq_len)
 
 
 class Traces(Protocol):
