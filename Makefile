@@ -49,7 +49,7 @@ test: install
 # The tests that start no Ray, S3 server, PostgreSQL database, browser nor slow process (tests/marks.py):
 # the API, the scheduler and the workers' code on stand-ins (tests/fakes.py).
 test-fast: install
-	$(BIN)/pytest -m "not ray and not s3 and not postgres and not browser and not slow"
+	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not ray and not s3 and not postgres and not browser and not slow"
 
 lint: install
 	$(BIN)/ruff format --check .

@@ -199,7 +199,8 @@ def ray_cluster(s3_endpoint):
     import ray
     from ray.cluster_utils import Cluster
 
-    node = {"num_cpus": 4, "num_gpus": 2, "include_dashboard": False}
+    # no log monitor: with log_to_driver=False no driver reads what it tails (it took 64 s of CPU a suite)
+    node = {"num_cpus": 4, "num_gpus": 2, "include_dashboard": False, "include_log_monitor": False}
     cluster = Cluster(initialize_head=True, head_node_args=node)
     try:
         cluster.add_node(num_cpus=4, num_gpus=2)

@@ -237,16 +237,15 @@ def test_healthz_says_degraded_while_the_scheduler_completes_no_tick(ray_cluster
         scheduler = client.app.state.runtime.scheduler
         # ok once a tick has completed (the first may take longer than 0.5 s on a loaded machine)
         wait_for(lambda: client.get("/healthz"), lambda r: r.status_code == 200, what="healthz ok")
-        admit = scheduler.dispatcher.admit
 
-        def database_unreachable(**_) -> None:
+        def database_unreachable():
             raise OSError("could not connect to the database")
 
-        scheduler.dispatcher.admit = database_unreachable
+        scheduler.db.session = database_unreachable  # every tick's first query raises (healthz asks none)
         try:
             r = wait_for(lambda: client.get("/healthz"), lambda r: r.status_code == 503, what="healthz 503")
         finally:
-            scheduler.dispatcher.admit = admit
+            del scheduler.db.session
         assert r.json()["status"] == "degraded" and r.json()["scheduler_tick_age_s"] > 0.5
         wait_for(lambda: client.get("/healthz"), lambda r: r.status_code == 200, what="healthz ok again")
 
@@ -493,3 +492,29 @@ def test_a_finished_job_keeps_no_checkpoint_but_its_final_model_with_keep_finish
         with client.app.state.runtime.db.session() as session:
             directory = client.app.state.runtime.storage.checkpoint_dir(session.get(Job, job_id))
     assert isinstance(directory, Path) and [p.name for p in directory.iterdir()] == ["final"]
+
+
+def test_an_idle_tick_asks_the_database_two_questions_and_a_queued_job_is_still_admitted(tmp_path):
+    """With nothing queued a tick neither admits nor grows (two queries: the active jobs, any queued);
+    a job submitted meanwhile is started by the next tick."""
+    from sqlalchemy import event
+
+    from conftest import serve_on_fakes
+
+    with serve_on_fakes(make_settings(tmp_path, scheduler_interval_s=60)) as client:
+        scheduler = client.app.state.runtime.scheduler
+        statements: list[str] = []
+        count = lambda *args: statements.append(args[2])  # before_cursor_execute(conn, cursor, statement, ...)
+        event.listen(scheduler.db.engine, "before_cursor_execute", count)
+        try:
+            scheduler.tick()
+            idle = len(statements)
+            job_id = client.post("/v1/jobs", json=job_body()).json()["id"]
+            statements.clear()
+            scheduler.tick()
+            busy = len(statements)
+        finally:
+            event.remove(scheduler.db.engine, "before_cursor_execute", count)
+        assert idle == 2, statements
+        assert busy > idle  # the queue is read and its head started
+        assert client.get(f"/v1/jobs/{job_id}").json()["status"] in ("starting", "running")
