@@ -4,7 +4,7 @@ fresh start's; 422s naming init_from.job for another shape, a source that has no
 owner's job), and in one process (a resumed run keeps its own checkpoint; bf16 takes the fp32 weights
 as its master copy; an hf model starts from its save_pretrained layout; a rank's parent hands its child
 only the file the service recorded, from a directory or an object store; a rank refuses weights of
-another shape).
+another shape; on 2 ranks, runs at stages 2 and 3 start from the weights where stage 1 does).
 
 Packages: workers.training, workers.memory, service.scheduling, service.schemas, service.api.
 """
@@ -312,3 +312,31 @@ def test_an_hf_model_starts_from_its_save_pretrained_weights(tmp_path):
     fresh: list = []
     train(config(tmp_path / "fresh", **hf, steps=1), on_metrics=fresh.append)
     assert rows[0].loss < fresh[0].loss - 0.5
+
+
+def _train_from(rank: int, world_size: int, root: str, stage: int, init: InitSpec | None, out: str) -> None:
+    """A 4-step run at ZeRO `stage` from `init`'s weights (None: from scratch); rank 0 writes its losses to `out`."""
+    import json
+
+    rows: list = []
+    run = config(Path(root), zero_stage=stage, init_from=init, micro_batch_size=1, global_batch_size=2)
+    train(run, rank=rank, world_size=world_size, on_metrics=rows.append)
+    if rank == 0:
+        Path(out).write_text(json.dumps([row.loss for row in rows]))
+
+
+def test_runs_at_stages_2_and_3_start_from_the_weights_where_stage_1_does(source, tmp_path):
+    """Stage 2 loads final/'s whole tensors into its flat shards, stage 3 into its FSDP2 shards: their
+    curves on 2 ranks are stage 1's from the same weights (fp32, stage 1's tolerance against them)."""
+    import json
+
+    from distributed import run_ranks
+
+    curves = {}
+    for name, stage, init in (("1", 1, source), ("2", 2, source), ("3", 3, source), ("fresh 3", 3, None)):
+        out = tmp_path / f"{name}.json"
+        run_ranks(2, _train_from, str(tmp_path / name), stage, init, str(out))
+        curves[name] = json.loads(out.read_text())
+    assert curves["2"] == pytest.approx(curves["1"], rel=1e-5)
+    assert curves["3"] == pytest.approx(curves["1"], rel=1e-5)
+    assert curves["3"][0] < curves["fresh 3"][0] - 0.5  # it did start from the trained weights

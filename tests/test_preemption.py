@@ -240,8 +240,9 @@ def test_an_elastic_auto_job_preempted_at_stage_3_resumes_at_stage_1_on_4_gpus(r
         preempt_min_runtime_s=0,
         elastic_grow_interval_s=3600,  # it grows by the preemption's relaunch alone
     )
-    steps = 40
-    shape = {"model": DEEP, "precision": "bf16", "micro_batch_size": 2, "global_batch_size": 8, "optimizer": COSINE}
+    steps = 20
+    cosine = COSINE | {"schedule": COSINE["schedule"] | {"warmup_steps": 5}}  # the decay within the 20 steps
+    shape = {"model": DEEP, "precision": "bf16", "micro_batch_size": 2, "global_batch_size": 8, "optimizer": cosine}
     elastic = job_body(**shape, steps=steps, checkpoint_every=2, zero_stage="auto", num_gpus=4, min_gpus=2)
     with serve(settings) as client:
         blocker = submit(client, job_body(steps=100_000, checkpoint_every=0, priority=50, name="blocker"))  # TINY
@@ -251,7 +252,7 @@ def test_an_elastic_auto_job_preempted_at_stage_3_resumes_at_stage_1_on_4_gpus(r
         assert plan["stage"] == 3 and plan["stage_at"] == {"2": 3, "4": 1}, plan
         running_past(client, victim, 5)  # on the 2 GPUs left, two checkpoints made
         assert client.post(f"/v1/jobs/{blocker}/cancel").status_code == 202
-        urgent = submit(client, job_body(**shape, steps=20, num_gpus=4, zero_stage="auto", priority=90, name="urgent"))
+        urgent = submit(client, job_body(**shape, steps=5, num_gpus=4, zero_stage="auto", priority=90, name="urgent"))
         done = wait_job(client, victim, lambda j: j["status"] in TERMINAL, what="the victim's end")
         assert done["status"] == "succeeded" and done["num_retries"] == 0 and done["attempt"] == 1, done
         reasons = [(e["to_status"], e["reason"]) for e in events(client, victim)]
