@@ -29,6 +29,7 @@ PRELOAD = [
     "workers.zero.optimizer",
     "workers.zero.sharded_state",
     "workers.models.builtin",
+    "transformers.modeling_utils",  # 2 s of CPU: once, not in every rank of an hf model
 ]
 """What the fork server imports before it forks a rank (what the ranks' functions import)."""
 mp.set_forkserver_preload(PRELOAD)  # read when the server starts: at the first run_ranks

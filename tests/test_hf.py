@@ -337,3 +337,64 @@ def test_a_job_fine_tunes_the_weights_of_a_save_pretrained_directory(hf_client, 
     expected = sum(losses) / 2
     assert first["loss"] == pytest.approx(expected, rel=1e-5)
     assert expected > 10  # nothing a fresh init gives (about ln 128 = 4.85)
+
+
+def _peaks_at_stages(rank: int, world_size: int, planned: dict[int, int], out: str) -> None:
+    """A few steps of TINY_LLAMA (fp32, micro-batches of 4 x 16 tokens) at each stage of `planned` (stage:
+    its plan's bytes); each rank writes {stage: its peaks} to out-<rank>.json."""
+    import json
+    from pathlib import Path
+
+    peaks = {}
+    for stage, planned_bytes in planned.items():
+        rows: list = []
+        config = TrainConfig(
+            model=tiny_spec(),
+            steps=3,
+            precision="fp32",
+            optimizer=OptimizerSpec(lr=0.01, weight_decay=0.0),
+            micro_batch_size=4,
+            seq_len=16,
+            seed=1,
+            zero_stage=stage,
+            planned_bytes=planned_bytes,
+        )
+        train(config, rank=rank, world_size=world_size, on_metrics=rows.append)
+        peaks[stage] = [row.mem_peak_bytes[0] for row in rows]
+    Path(f"{out}-{rank}.json").write_text(json.dumps(peaks))
+
+
+@pytest.mark.parametrize("num_gpus", [2, 4])
+def test_an_hf_llama_at_stages_2_and_3_holds_about_what_its_traced_plan_says(num_gpus, tmp_path):
+    """Each rank's peak, counted on its CPU tensors, against the traced plan at its stage and N. Stage 3
+    measures under its plan, within 10% (0.931 at N = 2, 0.919 at N = 4 here: the plan holds FSDP2's
+    prefetched second unit). Stage 2 measures over it by less than a whole fp32 gradient (1.036 and
+    1.040 here): the staging buffers of the buckets in flight, which the plan does not count yet."""
+    import json
+
+    from distributed import run_ranks
+
+    traced = run_trace(
+        TraceRequest(
+            model={"kind": "hf", "config": TINY_LLAMA, "path": None},
+            precision="fp32",
+            micro_batch_size=4,
+            seq_len=16,
+            activation_checkpointing=False,
+        )
+    )
+    workload = Workload.from_trace(
+        group_numels=traced.group_numels,
+        frozen_numel=traced.frozen_numel,
+        gathered_numel=traced.gathered_numel,
+        activations_bytes=traced.activations_bytes,
+        temporaries_bytes=traced.temporaries_bytes,
+        precision="fp32",
+    )
+    planned = {stage: breakdown(workload, num_gpus=num_gpus, stage=stage).total_bytes for stage in (2, 3)}
+    run_ranks(num_gpus, _peaks_at_stages, planned, str(tmp_path / "peaks"))
+    gradient = 4 * sum(traced.group_numels)
+    for rank in range(num_gpus):
+        peaks = json.loads((tmp_path / f"peaks-{rank}.json").read_text())
+        assert all(planned[2] <= peak < planned[2] + gradient for peak in peaks["2"]), (rank, peaks, planned)
+        assert all(0.9 * planned[3] <= peak < planned[3] for peak in peaks["3"]), (rank, peaks, planned)
