@@ -46,10 +46,10 @@ PYTEST_WORKERS ?= 2
 test: install
 	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile
 
-# The tests that start no Ray, S3 server, PostgreSQL database, browser nor slow process (tests/marks.py):
+# The tests that start no Ray, S3 server, PostgreSQL database, browser, slow process nor ranks (tests/marks.py):
 # the API, the scheduler and the workers' code on stand-ins (tests/fakes.py).
 test-fast: install
-	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not ray and not s3 and not postgres and not browser and not slow"
+	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not ray and not s3 and not postgres and not browser and not slow and not ranks"
 
 lint: install
 	$(BIN)/ruff format --check .

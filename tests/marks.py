@@ -14,10 +14,14 @@ from typing import TypeVar
 
 import pytest
 
-MARKERS = ("ray", "s3", "postgres", "browser", "slow")
+MARKERS = ("ray", "s3", "postgres", "browser", "slow", "ranks")
 MARKED_BY_PARAM = {"postgresql": "postgres", "s3": "s3"}
 """A parametrized test whose parameters include the value (a backend, a store) gets the marker: a
 fixture such a parameter asks for by name (request.getfixturevalue("s3_uri")) is not in its closure."""
+
+RUNS_RANKS = "run_ranks"
+"""A test whose own body calls tests/distributed.py's run_ranks (imported at the top or in the body) is
+marked `ranks`: it forks a process per rank and trains them together, seconds of CPU on 2 cores."""
 
 Function = TypeVar("Function", bound=Callable)
 
@@ -42,6 +46,9 @@ def marks_of(item: pytest.Item) -> set[str]:
     params = getattr(getattr(item, "callspec", None), "params", {})
     values = {value for value in params.values() if isinstance(value, str)}
     found |= {marker for value, marker in MARKED_BY_PARAM.items() if value in values}
+    function = getattr(item, "function", None)
+    if function is not None and RUNS_RANKS in function.__code__.co_names:
+        found.add("ranks")
     return found
 
 
