@@ -368,8 +368,9 @@ def _peaks_at_stages(rank: int, world_size: int, planned: dict[int, int], out: s
 def test_an_hf_llama_at_stages_2_and_3_holds_about_what_its_traced_plan_says(num_gpus, tmp_path):
     """Each rank's peak, counted on its CPU tensors, against the traced plan at its stage and N. Stage 3
     measures under its plan, within 10% (0.931 at N = 2, 0.919 at N = 4 here: the plan holds FSDP2's
-    prefetched second unit). Stage 2 measures over it by less than a whole fp32 gradient (1.036 and
-    1.040 here): the staging buffers of the buckets in flight, which the plan does not count yet."""
+    prefetched second layer, 5.7% of it on this model). Stage 2 measures over it, within 5% (1.036 and
+    1.040 here): the staging buffers of the buckets in flight, which the plan does not count yet. Counts
+    of bytes, not times: the same on any CPU."""
     import json
 
     from distributed import run_ranks
@@ -393,8 +394,7 @@ def test_an_hf_llama_at_stages_2_and_3_holds_about_what_its_traced_plan_says(num
     )
     planned = {stage: breakdown(workload, num_gpus=num_gpus, stage=stage).total_bytes for stage in (2, 3)}
     run_ranks(num_gpus, _peaks_at_stages, planned, str(tmp_path / "peaks"))
-    gradient = 4 * sum(traced.group_numels)
     for rank in range(num_gpus):
         peaks = json.loads((tmp_path / f"peaks-{rank}.json").read_text())
-        assert all(planned[2] <= peak < planned[2] + gradient for peak in peaks["2"]), (rank, peaks, planned)
+        assert all(planned[2] <= peak <= 1.05 * planned[2] for peak in peaks["2"]), (rank, peaks, planned)
         assert all(0.9 * planned[3] <= peak < planned[3] for peak in peaks["3"]), (rank, peaks, planned)
