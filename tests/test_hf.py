@@ -51,6 +51,28 @@ def tiny_spec(**overrides) -> HFSpec:
     return HFSpec(config=TINY_LLAMA | overrides, vocab_size=128, block_size=32)
 
 
+def traced_workload(config: dict, *, precision: str, micro_batch_size: int, activation_checkpointing: bool):
+    """The trace of an hf `config`'s step (16 tokens a sequence) and the planner's Workload of it."""
+    traced = run_trace(
+        TraceRequest(
+            model={"kind": "hf", "config": config, "path": None},
+            precision=precision,
+            micro_batch_size=micro_batch_size,
+            seq_len=16,
+            activation_checkpointing=activation_checkpointing,
+        )
+    )
+    workload = Workload.from_trace(
+        group_numels=traced.group_numels,
+        frozen_numel=traced.frozen_numel,
+        gathered_numel=traced.gathered_numel,
+        activations_bytes=traced.activations_bytes,
+        temporaries_bytes=traced.temporaries_bytes,
+        precision=precision,
+    )
+    return traced, workload
+
+
 def hf_config(fields: dict):
     from transformers import AutoConfig
 
@@ -82,16 +104,7 @@ def test_a_traced_plan_counts_what_a_stage_3_rank_gathers_the_root_and_two_decod
     """The units an hf model is sharded by at stage 3 (its decoder layers) are found in its trace: the
     root's parameters (embeddings, final norm, an untied head) and two layers, each tensor once."""
     config = TINY_LLAMA | {"num_hidden_layers": 5, "tie_word_embeddings": tied}
-    request = {"config": config, "path": None}
-    traced = run_trace(
-        TraceRequest(
-            model={"kind": "hf", **request},
-            precision="bf16",
-            micro_batch_size=2,
-            seq_len=16,
-            activation_checkpointing=False,
-        )
-    )
+    traced, workload = traced_workload(config, precision="bf16", micro_batch_size=2, activation_checkpointing=False)
     model = build_hf(tiny_spec(**config), dtype=torch.float32)
     layers = model.lm.model.layers
     per_layer = sum(p.numel() for p in layers[0].parameters())
@@ -99,35 +112,12 @@ def test_a_traced_plan_counts_what_a_stage_3_rank_gathers_the_root_and_two_decod
     root = everything - len(layers) * per_layer
     assert root == 128 * 32 * (1 if tied else 2) + 32  # embeddings, an untied head, the final norm
     assert traced.gathered_numel == root + 2 * per_layer
-    workload = Workload.from_trace(
-        group_numels=traced.group_numels,
-        frozen_numel=traced.frozen_numel,
-        gathered_numel=traced.gathered_numel,
-        activations_bytes=traced.activations_bytes,
-        temporaries_bytes=traced.temporaries_bytes,
-        precision="bf16",
-    )
     shard = -(-sum(traced.group_numels) // 4)  # ⌈Ψ/N⌉
     assert breakdown(workload, num_gpus=4, stage=3).params_bytes == 2 * (shard + traced.gathered_numel)
 
 
 def test_one_rank_trains_a_tied_model_with_activation_checkpointing_within_2_percent_of_its_traced_plan():
-    traced = run_trace(
-        TraceRequest(
-            model={"kind": "hf", "config": TINY_LLAMA, "path": None},
-            precision="fp32",
-            micro_batch_size=4,
-            seq_len=16,
-            activation_checkpointing=True,
-        )
-    )
-    workload = Workload.from_trace(
-        group_numels=traced.group_numels,
-        frozen_numel=traced.frozen_numel,
-        activations_bytes=traced.activations_bytes,
-        temporaries_bytes=traced.temporaries_bytes,
-        precision="fp32",
-    )
+    _, workload = traced_workload(TINY_LLAMA, precision="fp32", micro_batch_size=4, activation_checkpointing=True)
     planned = breakdown(workload, num_gpus=1, stage=1).total_bytes
     config = TrainConfig(
         model=tiny_spec(),
@@ -375,23 +365,7 @@ def test_an_hf_llama_at_stages_2_and_3_holds_about_what_its_traced_plan_says(num
 
     from distributed import run_ranks
 
-    traced = run_trace(
-        TraceRequest(
-            model={"kind": "hf", "config": TINY_LLAMA, "path": None},
-            precision="fp32",
-            micro_batch_size=4,
-            seq_len=16,
-            activation_checkpointing=False,
-        )
-    )
-    workload = Workload.from_trace(
-        group_numels=traced.group_numels,
-        frozen_numel=traced.frozen_numel,
-        gathered_numel=traced.gathered_numel,
-        activations_bytes=traced.activations_bytes,
-        temporaries_bytes=traced.temporaries_bytes,
-        precision="fp32",
-    )
+    _, workload = traced_workload(TINY_LLAMA, precision="fp32", micro_batch_size=4, activation_checkpointing=False)
     planned = {stage: breakdown(workload, num_gpus=num_gpus, stage=stage).total_bytes for stage in (2, 3)}
     run_ranks(num_gpus, _peaks_at_stages, planned, str(tmp_path / "peaks"))
     for rank in range(num_gpus):

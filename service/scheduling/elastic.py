@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 from service.scheduling.queue_policy import Quota, allowed_sizes, quota_room
 from service.schemas.fields import ACTIVE
 from service.schemas.requests import JobSpec
-from service.store.job_repository import QUEUE_ORDER, gpus_in_use, job_world_sizes
+from service.store.job_repository import QUEUE_ORDER, any_queued, gpus_in_use, job_world_sizes
 from service.store.tables import Job
 
 
@@ -69,7 +69,7 @@ def growable(session: Session, *, total: int, quota: Quota = lambda owner: None)
     checkpoints, while GPUs are free and no job is queued (the queue comes first: free GPUs are the
     head's to wait for), oldest first, each taking what the ones before it leave and its owner's
     quota allows (a borrowed job does not grow)."""
-    if session.scalar(select(Job.id).where(Job.status == "queued").limit(1)) is not None:
+    if any_queued(session):
         return []
     free = total - gpus_in_use(session)
     running = session.scalars(select(Job).where(Job.status == "running", Job.min_gpus < Job.num_gpus).order_by(Job.id))

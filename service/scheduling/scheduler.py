@@ -34,7 +34,7 @@ from service.scheduling.ray_launcher import RayLauncher
 from service.schemas.fields import ACTIVE
 from service.store.artifacts import record_final
 from service.store.db import Database
-from service.store.job_repository import poll_acks
+from service.store.job_repository import any_queued, poll_acks
 from service.store.job_storage import JobStorage
 from service.store.tables import Job
 from service.telemetry import Telemetry
@@ -137,7 +137,9 @@ class Scheduler:
         # a database that cannot be reached raises here: the tick does not count. With nothing
         # queued there is nothing to start nor to preempt for, and with no elastic job running none
         # to grow: an idle service's tick is two queries, not seven (it ticks 5 times a second)
-        if self._any_queued():
+        with self.db.session() as session:
+            queued = any_queued(session)
+        if queued:
             self.dispatcher.admit(launch=lambda job: self._launch(job, what="dispatch"))
         else:
             self.dispatcher.reasons = Reasons()
@@ -199,10 +201,6 @@ class Scheduler:
         """The active jobs as they are now; detached, to be read between transactions."""
         with self.db.session() as session:
             return list(session.scalars(select(Job).where(Job.status.in_(ACTIVE)).order_by(Job.id)))
-
-    def _any_queued(self) -> bool:
-        with self.db.session() as session:
-            return session.scalar(select(Job.id).where(Job.status == "queued").limit(1)) is not None
 
     def _isolated(self, job: Job, work: Callable[[], None]) -> None:
         """Run one job's work; whatever it raises fails that job alone, with the cause."""

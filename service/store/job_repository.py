@@ -84,6 +84,11 @@ def queue_positions(session: Session, *, fifo: bool = False) -> dict[int, int]:
     return {job_id: i + 1 for i, job_id in enumerate(queue)}
 
 
+def any_queued(session: Session) -> bool:
+    """Whether a job waits in the queue."""
+    return session.scalar(select(Job.id).where(Job.status == "queued").limit(1)) is not None
+
+
 def gpus_in_use(session: Session, *, besides: int | None = None) -> int:
     """GPUs the active jobs hold (each its current world size), not counting job `besides`."""
     held = func.coalesce(Job.world_size, Job.num_gpus)
