@@ -13,10 +13,13 @@ evaluation off and one checkpoint at the end.
   batches (workers.data.sources.Batches over the same token file), DistributedDataParallel and
   torch.optim.AdamW (foreach), timed per step the same way.
 
+Each runs twice, in the order zero1, DDP, DDP, zero1, and each one's steps are pooled: a run's few
+seconds of training may overlap the last server's Ray winding down, or a busier minute of the
+machine, and the symmetric order keeps that from always falling on one side.
+
 With `--before REF`, zero1 also runs the tree of git ref REF (checked out with `git worktree`, run
-with this venv: benchmarks/startup.py's way) in the same run, two jobs of each tree in the order
-before, this, this, before (a job's few seconds of training overlap the last server's Ray winding
-down: the order cancels it), their steps pooled: a change's cost in throughput, side by side.
+with this venv: benchmarks/startup.py's way) in the same run, in the order this, before, DDP, DDP,
+before, this: a change's cost in throughput, side by side.
 
 Prints one table, medians over the steps after the first 10 (warm-up), and the ratio.
 """
@@ -166,24 +169,26 @@ def _ddp_rank(rank: int, world_size: int, port: int, steps: int, cache_dir: str,
 
 
 def ddp_rates(*, steps: int, cache_dir: str, scratch: Path) -> list[float]:
+    scratch.mkdir(parents=True, exist_ok=True)
     out = scratch / "ddp.json"
     mp.spawn(_ddp_rank, args=(2, _free_port(), steps, cache_dir, str(out)), nprocs=2, join=True)
     return json.loads(out.read_text())
 
 
-def _side_by_side(before: Path, *, steps: int, scratch: Path) -> tuple[list[float], list[float], str]:
-    """(the earlier tree's rates, this tree's, this tree's token cache): two jobs of each, in the order
-    before, this, this, before, so that neither tree always runs while the last server's Ray winds
-    down; each tree's rates after warm-up pooled."""
-    rates: dict[str, list[float]] = {"before": [], "this": []}
-    cache_dir = ""
-    for round_, name in enumerate(("before", "this", "this", "before")):
-        found, cache = zero1_rates(
-            steps=steps, scratch=scratch / f"{name}-{round_}", tree=before if name == "before" else ROOT
-        )
+def _runs(order: tuple[str, ...], *, before: Path | None, steps: int, scratch: Path) -> dict[str, list[float]]:
+    """Each name's rates after warm-up, its runs pooled, run in `order`: "this" and "before" are zero1
+    jobs of this tree and the earlier one, "ddp" the DDP loop. A symmetric order (a, b, b, a) keeps any
+    one of them from always running while the last server's Ray winds down, or on a quieter machine."""
+    rates: dict[str, list[float]] = {name: [] for name in order}
+    cache_dir = ""  # the token file's cache, which a zero1 job writes first
+    for round_, name in enumerate(order):
+        if name == "ddp":
+            found = ddp_rates(steps=steps, cache_dir=cache_dir, scratch=scratch / f"ddp-{round_}")
+        else:
+            tree = before if name == "before" else ROOT
+            found, cache_dir = zero1_rates(steps=steps, scratch=scratch / f"{name}-{round_}", tree=tree)
         rates[name] += found[WARMUP_STEPS:]
-        cache_dir = cache if name == "this" else cache_dir
-    return [0.0] * WARMUP_STEPS + rates["before"], [0.0] * WARMUP_STEPS + rates["this"], cache_dir
+    return rates
 
 
 def main() -> None:
@@ -192,29 +197,32 @@ def main() -> None:
     parser.add_argument("--before", help="git ref of a tree whose zero1 runs the same job, for comparison")
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="zero1-throughput-"))
-    rows = []
     try:
         if args.before:
             from startup import worktree  # benchmarks/ is this script's directory, first on sys.path
 
+            order = ("this", "before", "ddp", "ddp", "before", "this")
             with worktree(args.before) as before:
-                earlier, ours, cache_dir = _side_by_side(before, steps=args.steps, scratch=scratch)
-            rows.append((f"zero1 before ({args.before})", earlier))
+                rates = _runs(order, before=before, steps=args.steps, scratch=scratch)
         else:
-            ours, cache_dir = zero1_rates(steps=args.steps, scratch=scratch / "this")
-        theirs = ddp_rates(steps=args.steps, cache_dir=cache_dir, scratch=scratch)
+            order = ("this", "ddp", "ddp", "this")
+            rates = _runs(order, before=None, steps=args.steps, scratch=scratch)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    rows += [("zero1 (service, Ray, ZeRO1AdamW)", ours), ("plain DDP + torch.optim.AdamW", theirs)]
+    rows = [(f"zero1 before ({args.before})", rates["before"])] if args.before else []
+    rows += [("zero1 (service, Ray, ZeRO1AdamW)", rates["this"]), ("plain DDP + torch.optim.AdamW", rates["ddp"])]
     header = f"{'tiny Llama, 2 gloo ranks, fp32':<36}{'steps':>7}{'tokens/s p50':>14}{'step p50':>11}{'vs DDP':>8}"
     print(header)
     print("-" * len(header))
-    base = statistics.median(theirs[WARMUP_STEPS:])
-    for label, rates in rows:
-        median = statistics.median(rates[WARMUP_STEPS:])
+    base = statistics.median(rates["ddp"])
+    for label, pooled in rows:
+        median = statistics.median(pooled)
         tokens = EXAMPLE["micro_batch_size"] * 2 * EXAMPLE["seq_len"]
-        print(f"{label:<36}{len(rates):>7}{median:>14,.0f}{1e3 * tokens / median:>9.1f}ms{median / base:>8.2f}")
-    print(f"(medians over steps {WARMUP_STEPS}..{args.steps - 1}; target: zero1 within 10% of DDP)")
+        print(f"{label:<36}{len(pooled):>7}{median:>14,.0f}{1e3 * tokens / median:>9.1f}ms{median / base:>8.2f}")
+    print(
+        f"(each row: two runs, in the order {' '.join(order)}; medians over steps {WARMUP_STEPS}..{args.steps - 1} "
+        "of each run, pooled; target: zero1 >= 0.98x DDP)"
+    )
 
 
 if __name__ == "__main__":

@@ -648,8 +648,10 @@ def _collectives_match_reference(rank: int, world_size: int, dtype: torch.dtype,
                 with opt.no_sync() if i < num_micro - 1 else contextlib.nullcontext():
                     opt.scale_loss(loss_on(model, x, y, step) * (len(x) / len(idx))).backward()
             assert calls["reduce_scatter_single"].call_count == (step * len(opt._buffers) if world_size > 1 else 0)
-            opt.step()
+            carried = torch.tensor([rank + 1.0, step])  # the training loop's loss rides on the norm's all-reduce
+            opt.step(also_sum=carried)
             opt.zero_grad()
+            assert carried.tolist() == [world_size * (world_size + 1) / 2, step * world_size]
             assert not opt.skipped
             norms.append(opt.grad_norm)
             # the norm of 16-bit gradients rounded in other places (each micro-batch's sum, each
@@ -669,9 +671,10 @@ def _collectives_match_reference(rank: int, world_size: int, dtype: torch.dtype,
     gathered = [c.args[0] for c in calls["all_gather_single"].call_args_list]
     assert len(gathered) == (steps + 1) * len(opt._buffers)
     assert _ptrs(gathered) == _ptrs(b.params for b in opt._buffers)
-    # all-reduce: only the norm and flags vector (1 + slots,) a step, never a flat buffer; no p2p sends
+    # all-reduce: only the norm, flags and carried vector (1 + slots + 2,) a step, never a flat buffer;
+    # no p2p sends
     summed = [c.args[0] for c in calls["all_reduce"].call_args_list]
-    assert len(summed) == steps and all(t.numel() == 1 + len(opt._slots) for t in summed)
+    assert len(summed) == steps and all(t.numel() == 1 + len(opt._slots) + 2 for t in summed)
     assert calls["batch_isend_irecv"].call_count == 0
 
 

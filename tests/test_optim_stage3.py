@@ -67,9 +67,11 @@ def _matches_reference(rank: int, world_size: int, dtype: torch.dtype, num_micro
         for x, y in micro:
             with opt.no_sync():
                 opt.scale_loss(loss_on(model, x, y, step) * (len(x) / len(idx))).backward()
-        opt.step()
+        carried = torch.tensor([rank + 1.0, step])  # summed over the ranks by the norm's all-reduce
+        opt.step(also_sum=carried)
         sched.step()
         opt.zero_grad()
+        assert carried.tolist() == [world_size * (world_size + 1) / 2, step * world_size]
         assert not opt.skipped
         norms.append(opt.grad_norm)
         rel = 2 * torch.finfo(dtype).eps if dtype != torch.float32 else 1e-5

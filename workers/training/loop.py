@@ -267,13 +267,6 @@ def _check_skipped(skipped: int, row: MetricRow, *, limit: int) -> None:
         )
 
 
-CPU_MEMORY_EVERY_STEPS = 10
-"""On CPU a step's peak is counted op by op (a Python dispatch mode, which slows a small model's step
-severalfold), so it is counted on an attempt's first step and every this many steps after; the steps
-between report the last count (at ZeRO stage 3, the first count only). CUDA's allocator measures every
-step at no cost."""
-
-
 @dataclass(kw_only=True, slots=True)
 class _StepContext:
     model: torch.nn.Module
@@ -286,7 +279,10 @@ class _StepContext:
     planned_bytes: int
     tokens_per_step: int
     cpu_peak_bytes: int | None = None
-    """The last CPU count of a step's peak (model states and the step's bytes beyond them)."""
+    """On CPU, the attempt's first step's peak (model states and the step's bytes beyond them), counted
+    op by op (a Python dispatch mode, which slows a small model's step severalfold): every later step
+    has the same shapes and allocates the same bytes, so it reports this count. CUDA's allocator
+    measures every step at no cost."""
 
     def micro_step(
         self, inputs: torch.Tensor, targets: torch.Tensor, *, accumulation: int, count: bool
@@ -333,10 +329,7 @@ class _StepContext:
         accumulation = self.batches.accumulation_steps
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         step_peak = 0
-        # at stage 3 the count is dearest (the dispatch mode over FSDP2's gathers, casts and copies of
-        # every unit, twice a micro-batch): the first step's only
-        again = step % CPU_MEMORY_EVERY_STEPS == 0 and self.opt.stage < 3
-        count = self.device.type != "cuda" and (self.cpu_peak_bytes is None or again)
+        count = self.device.type != "cuda" and self.cpu_peak_bytes is None
         for micro in range(accumulation):
             inputs, targets = (t.to(self.device) for t in self.batches.micro_batch(step, micro))
             # every micro-batch but the last accumulates locally; the last one's backward sends
@@ -344,15 +337,13 @@ class _StepContext:
                 loss, used = self.micro_step(inputs, targets, accumulation=accumulation, count=count)
             loss_sum += loss.detach()
             step_peak = max(step_peak, used)
-        self.opt.step()
+        # the global batch's loss, the mean over ranks of each rank's mean: summed by the step's all-reduce
+        self.opt.step(also_sum=loss_sum)
         # what the rank keeps across the step's micro-batches, gradients included: at stage 3 they are
         # made by the first micro-batch's backward and held through the others, then freed here
         kept = self.opt.model_state_bytes() if count else 0
         self.opt.zero_grad()
-        if self.world_size > 1:  # the global batch's loss: mean over ranks of each rank's mean
-            dist.all_reduce(loss_sum, group=self.process_group)
-            loss_sum /= self.world_size
-        loss_value = loss_sum.item()
+        loss_value = (loss_sum / self.world_size).item()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             mem_peak = torch.cuda.max_memory_allocated(self.device)

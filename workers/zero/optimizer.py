@@ -280,8 +280,11 @@ class ZeRO1AdamW(sharded_state.CheckpointMethods, torch.optim.Optimizer):
         return state_bytes(self._buffers)
 
     @torch.no_grad()
-    def step(self, closure=None):
-        """Reduce, update the local shard, cast, gather. Returns the closure's loss."""
+    def step(self, closure=None, *, also_sum: Tensor | None = None):
+        """Reduce, update the local shard, cast, gather. Returns the closure's loss.
+
+        also_sum: fp32 values summed over the ranks in place by the norm's all-reduce, which the
+        step makes anyway (the training loop's loss: one collective a step fewer)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -289,7 +292,7 @@ class ZeRO1AdamW(sharded_state.CheckpointMethods, torch.optim.Optimizer):
         scale = self.loss_scale
         clock = self._clock()
         self._reduce_gradients()  # 1. reduce: each buffer's grad_shard (S,) sums the ranks' gradients
-        grad_norm, active = self._global_grad_stats(scale)
+        grad_norm, active = self._global_grad_stats(scale, also_sum)
         clock("reduce")
         # the norm comes from one all-reduce, so every rank holds the same value and skips, or
         # steps, with the others: a nan or inf anywhere in any rank's gradients reaches the sum
@@ -337,16 +340,22 @@ class ZeRO1AdamW(sharded_state.CheckpointMethods, torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ the norm and the update
 
-    def _global_grad_stats(self, scale: float) -> tuple[float, list[bool]]:
+    def _global_grad_stats(self, scale: float, also_sum: Tensor | None) -> tuple[float, list[bool]]:
         """Global gradient norm (unscaled, averaged) and which parameters had a gradient
-        on any rank, from one all-reduce of [Σ g², flags...]. Padding is zero, so
-        summing whole shards sums the owned elements only."""
-        stats = torch.zeros(1 + len(self._slots), dtype=torch.float32, device=self.device)
+        on any rank, from one all-reduce of [Σ g², flags..., also_sum...]. Padding is zero,
+        so summing whole shards sums the owned elements only."""
+        flags = len(self._slots)
+        extra = 0 if also_sum is None else also_sum.numel()
+        stats = torch.zeros(1 + flags + extra, dtype=torch.float32, device=self.device)
         for buf in self._buffers:
             stats[0] += self._adamw.sum_of_squares(buf.grad_shard)
-        stats[1:] = torch.tensor(self._had_grad, dtype=torch.float32)
+        stats[1 : 1 + flags] = torch.tensor(self._had_grad, dtype=torch.float32)
+        if also_sum is not None:
+            stats[1 + flags :] = also_sum.reshape(-1)
         self._comm.all_reduce(stats)
-        values = stats.tolist()  # the one host sync of a step
+        if also_sum is not None:
+            also_sum.copy_(stats[1 + flags :].view_as(also_sum))
+        values = stats[: 1 + flags].tolist()  # the one host sync of a step
         grad_norm = math.sqrt(values[0]) / (self._comm.grad_divisor * scale)  # inf and nan pass through
         return grad_norm, [flag > 0 for flag in values[1:]]
 

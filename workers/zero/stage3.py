@@ -366,21 +366,27 @@ class ZeRO3AdamW(Stage3Checkpoints, torch.optim.AdamW):
         return [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
 
     @torch.no_grad()
-    def step(self, closure=None):
-        """Unscale, clip by the global norm, step; or skip it on every rank when the norm is not finite."""
+    def step(self, closure=None, *, also_sum: Tensor | None = None):
+        """Unscale, clip by the global norm, step; or skip it on every rank when the norm is not finite.
+        also_sum: fp32 values summed over the ranks in place by the norm's all-reduce (ZeRO1AdamW.step)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         grads = self._grads()
         device = grads[0].device if grads else torch.device("cpu")
-        total = torch.zeros((), dtype=torch.float32, device=device)
+        extra = 0 if also_sum is None else also_sum.numel()
+        stats = torch.zeros(1 + extra, dtype=torch.float32, device=device)
         for grad in grads:
-            total += _local(grad).float().square().sum()
+            stats[0] += _local(grad).float().square().sum()
+        if also_sum is not None:
+            stats[1:] = also_sum.reshape(-1)
         if self.world_size > 1:
-            dist.all_reduce(total, group=self.process_group)
+            dist.all_reduce(stats, group=self.process_group)
+        if also_sum is not None:
+            also_sum.copy_(stats[1:].view_as(also_sum))
         scale = self.loss_scale
-        self.grad_norm = math.sqrt(total.item()) / scale  # inf and nan pass through
+        self.grad_norm = math.sqrt(stats[0].item()) / scale  # inf and nan pass through
         self.skipped = not math.isfinite(self.grad_norm)
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow=self.skipped)
