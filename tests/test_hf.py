@@ -66,6 +66,7 @@ def traced_workload(config: dict, *, precision: str, micro_batch_size: int, acti
         group_numels=traced.group_numels,
         frozen_numel=traced.frozen_numel,
         gathered_numel=traced.gathered_numel,
+        gathered_bytes=traced.gathered_bytes,
         activations_bytes=traced.activations_bytes,
         temporaries_bytes=traced.temporaries_bytes,
         precision=precision,
@@ -100,9 +101,11 @@ def test_every_rank_builds_the_same_model_and_its_loss_is_the_next_token_cross_e
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-def test_a_traced_plan_counts_what_a_stage_3_rank_gathers_the_root_and_two_decoder_layers(tied):
+def test_a_traced_plan_counts_what_a_stage_3_rank_gathers_the_root_and_its_decoder_layers(tied):
     """The units an hf model is sharded by at stage 3 (its decoder layers) are found in its trace: the
-    root's parameters (embeddings, final norm, an untied head) and two layers, each tensor once."""
+    root's parameters (embeddings, final norm, an untied head) and two layers, each tensor once. The
+    plan holds what the trace's step held gathered at its peak: the root and at least one layer, at
+    most two and one layer's unsharded gradients (the peak of this model is at its head)."""
     config = TINY_LLAMA | {"num_hidden_layers": 5, "tie_word_embeddings": tied}
     traced, workload = traced_workload(config, precision="bf16", micro_batch_size=2, activation_checkpointing=False)
     model = build_hf(tiny_spec(**config), dtype=torch.float32)
@@ -112,8 +115,9 @@ def test_a_traced_plan_counts_what_a_stage_3_rank_gathers_the_root_and_two_decod
     root = everything - len(layers) * per_layer
     assert root == 128 * 32 * (1 if tied else 2) + 32  # embeddings, an untied head, the final norm
     assert traced.gathered_numel == root + 2 * per_layer
+    assert 2 * (root + per_layer) <= traced.gathered_bytes <= 2 * (root + 3 * per_layer)
     shard = -(-sum(traced.group_numels) // 4)  # ⌈Ψ/N⌉
-    assert breakdown(workload, num_gpus=4, stage=3).params_bytes == 2 * (shard + traced.gathered_numel)
+    assert breakdown(workload, num_gpus=4, stage=3).params_bytes == 2 * shard + traced.gathered_bytes
 
 
 def test_one_rank_trains_a_tied_model_with_activation_checkpointing_within_2_percent_of_its_traced_plan():
@@ -357,10 +361,11 @@ def _peaks_at_stages(rank: int, world_size: int, planned: dict[int, int], out: s
 @pytest.mark.parametrize("num_gpus", [2, 4])
 def test_an_hf_llama_at_stages_2_and_3_holds_about_what_its_traced_plan_says(num_gpus, tmp_path):
     """Each rank's peak, counted on its CPU tensors, against the traced plan at its stage and N. Stage 3
-    measures under its plan, within 10% (0.931 at N = 2, 0.919 at N = 4 here: the plan holds FSDP2's
-    prefetched second layer, 5.7% of it on this model). Stage 2 measures over it, within 5% (1.036 and
-    1.040 here): the staging buffers of the buckets in flight, which the plan does not count yet. Counts
-    of bytes, not times: the same on any CPU."""
+    measures under its plan, within 5% (0.986 at N = 2, 0.983 at N = 4 here: the trace plays FSDP2's
+    gathers and frees, and holds a unit until the next one's forward is done, as a GPU frees it; a CPU
+    frees it at once). Stage 2 measures over it, within 5% (1.036 and 1.040 here): the staging buffers
+    of the buckets in flight, which the plan does not count yet. Counts of bytes, not times: the same
+    on any CPU."""
     import json
 
     from distributed import run_ranks
@@ -371,4 +376,4 @@ def test_an_hf_llama_at_stages_2_and_3_holds_about_what_its_traced_plan_says(num
     for rank in range(num_gpus):
         peaks = json.loads((tmp_path / f"peaks-{rank}.json").read_text())
         assert all(planned[2] <= peak <= 1.05 * planned[2] for peak in peaks["2"]), (rank, peaks, planned)
-        assert all(0.9 * planned[3] <= peak < planned[3] for peak in peaks["3"]), (rank, peaks, planned)
+        assert all(0.95 * planned[3] <= peak <= planned[3] for peak in peaks["3"]), (rank, peaks, planned)

@@ -204,6 +204,22 @@ def test_model_plan_adds_activations_and_overhead():
         Workload.from_model(spec, seq_len=129)
 
 
+def test_a_traced_stage_3_plan_holds_its_traced_gathered_bytes_in_place_of_its_gathered_units():
+    """A traced model's stage-3 term is what its step was counted holding gathered (gathered_bytes); the
+    other stages and a plan without a trace's count keep the gathered units' weights."""
+    common = {"group_numels": (1000, 24), "frozen_numel": 0, "activations_bytes": 500, "temporaries_bytes": 50}
+    counted = Workload.from_trace(**common, gathered_numel=300, gathered_bytes=777, precision="bf16")
+    uncounted = Workload.from_trace(**common, gathered_numel=300, precision="bf16")
+    for n in (1, 2, 4):
+        with_count, without = (breakdown(w, num_gpus=n, stage=3) for w in (counted, uncounted))
+        assert with_count.params_bytes - without.params_bytes == 777 - 2 * 300
+        for stage in (0, 1, 2):
+            assert breakdown(counted, num_gpus=n, stage=stage) == breakdown(uncounted, num_gpus=n, stage=stage)
+    assert memory.floor_bytes(counted, stage=3) - memory.floor_bytes(uncounted, stage=3) == 777 - 600
+    with pytest.raises(ValueError, match="gathered_bytes must be >= 0, got -1"):
+        Workload.from_trace(**common, gathered_bytes=-1)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

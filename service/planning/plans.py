@@ -84,6 +84,7 @@ def _traced_workload(request: PlanRequest, *, overhead_bytes: int, tracer: Trace
         group_numels=traced.group_numels,
         frozen_numel=traced.frozen_numel,
         gathered_numel=traced.gathered_numel,
+        gathered_bytes=traced.gathered_bytes,
         activations_bytes=traced.activations_bytes,
         temporaries_bytes=traced.temporaries_bytes,
         precision=request.precision,

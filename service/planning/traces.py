@@ -47,6 +47,8 @@ class TracedStep:
     temporaries_bytes: int
     gathered_numel: int = 0
     """Parameters a ZeRO stage-3 rank holds whole at once (the root's and two units')."""
+    gathered_bytes: int | None = None
+    """A stage-3 rank's step peak beyond the stage-1 step's (what it holds gathered then)."""
     vocab_size: int | None = None
     """An hf model's, resolved from its config; None for the built-in models."""
     max_position_embeddings: int | None = None
@@ -60,6 +62,7 @@ class TracedStep:
             group_numels=(trace.params.decay_numel, trace.params.no_decay_numel),
             frozen_numel=trace.params.frozen_numel,
             gathered_numel=trace.params.gathered_numel,
+            gathered_bytes=trace.gathered_bytes,
             activations_bytes=trace.memory.activations_bytes,
             temporaries_bytes=trace.memory.temporaries_bytes,
             **shape,

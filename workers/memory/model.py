@@ -105,6 +105,10 @@ class Workload:
     gathered_numel: int = 0
     """Parameters a stage-3 rank holds whole at once beside its shards (the units FSDP2 has gathered),
     in the model dtype; 0 where the plan does not know the model's units (a plan by parameter count)."""
+    gathered_bytes: int | None = None
+    """A traced plan's: the bytes a stage-3 rank's step peaks at beyond the stage-1 step's (the units
+    gathered and the gradients unsharded at that moment, workers/models/trace.py), which stage 3
+    plans in place of the model dtype's bytes of gathered_numel; None: those."""
     precision: str = "fp16"
     optimizer: str = "adamw"
     alignment_numel: int | None = None
@@ -124,8 +128,9 @@ class Workload:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
         if not 1 <= self.num_params <= MAX_NUM_PARAMS:
             raise ValueError(f"num_params must be in [1, {MAX_NUM_PARAMS:.0e}], got {self.num_params}")
-        for name in ("frozen_numel", "gathered_numel", "activations_bytes", "temporaries_bytes", "overhead_bytes"):
-            if getattr(self, name) < 0:
+        counts = ("frozen_numel", "gathered_numel", "gathered_bytes", "activations_bytes", "temporaries_bytes")
+        for name in (*counts, "overhead_bytes"):
+            if (getattr(self, name) or 0) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     @property
@@ -188,16 +193,18 @@ class Workload:
         activations_bytes: int,
         temporaries_bytes: int,
         gathered_numel: int = 0,
+        gathered_bytes: int | None = None,
         precision: str = "fp16",
         optimizer: str = "adamw",
         overhead_bytes: int = 0,
     ) -> Workload:
-        """A traced model's plan: its parameter groups, the units it gathers at stage 3 and its step as
+        """A traced model's plan: its parameter groups, what it holds gathered at stage 3 and its step as
         counted on fake tensors."""
         return cls(
             group_numels=tuple(n for n in group_numels if n),
             frozen_numel=frozen_numel,
             gathered_numel=gathered_numel,
+            gathered_bytes=gathered_bytes,
             precision=precision,
             optimizer=optimizer,
             alignment_numel=SHARD_ALIGNMENT_NUMEL,
@@ -295,7 +302,7 @@ def breakdown(workload: Workload, *, num_gpus: int, stage: int) -> Breakdown:
     sharded_p = stage >= 3
     sharded_g = stage >= 2
     frozen_params = -(-frozen // num_gpus) if sharded_p else frozen
-    gathered = p * workload.gathered_numel if sharded_p else 0  # the units FSDP2 holds whole
+    gathered = _gathered_bytes(workload) if sharded_p else 0  # the units FSDP2 holds whole
     return Breakdown(
         params_bytes=p * ((exact if sharded_p else psi) + frozen_params) + gathered,
         grads_bytes=g * (exact if sharded_g else psi),
@@ -322,9 +329,16 @@ def floor_bytes(workload: Workload, *, stage: int) -> int:
     sharded = (k if stage >= 1 else 0) + (g if stage >= 2 else 0) + (p if stage >= 3 else 0)
     replicated = p + g + k - sharded
     frozen = workload.frozen_numel if stage < 3 else 0
-    gathered = workload.gathered_numel if stage >= 3 else 0
+    gathered = _gathered_bytes(workload) if stage >= 3 else 0
     step = workload.activations_bytes + workload.temporaries_bytes + workload.overhead_bytes
-    return replicated * workload.num_trainable + p * (frozen + gathered) + step
+    return replicated * workload.num_trainable + p * frozen + gathered + step
+
+
+def _gathered_bytes(workload: Workload) -> int:
+    """What a stage-3 rank holds gathered beside its shards: traced, or the gathered units' weights."""
+    if workload.gathered_bytes is not None:
+        return workload.gathered_bytes
+    return bytes_per_param(workload.precision)[0] * workload.gathered_numel
 
 
 def min_gpus(workload: Workload, *, stage: int, gpu_memory_bytes: int) -> int | None:

@@ -35,7 +35,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from workers.models.units import gathered_numel
+from workers.models.units import Stage3Schedule, gathered_numel
 
 
 class LiveBytes(TorchDispatchMode):
@@ -76,6 +76,12 @@ class LiveBytes(TorchDispatchMode):
         storage = tensor.untyped_storage()
         if id(storage) not in self._counted:
             self._add(storage)
+
+    def hold(self, nbytes: int) -> None:
+        """Count `nbytes` more (fewer, when negative) that no op made: a stage-3 unit's parameters,
+        gathered where the model is not sharded (workers/models/units.py's Stage3Schedule)."""
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
     def _add(self, storage: torch.UntypedStorage) -> None:
         key = id(storage)
@@ -160,23 +166,28 @@ def measure_step(
     inputs: Sequence[Tensor],
     run_forward: Callable[[], Tensor],
     run_backward: Callable[[Tensor], None],
+    *,
+    as_stage3: bool = False,
 ) -> tuple[Tensor, StepMemory]:
     """loss = run_forward(); run_backward(loss); counted by LiveBytes with the micro-batch's
     `inputs`. Returns the loss and its StepMemory.
 
     A gradient autograd accumulates into a parameter's `.grad` becomes a state from then on
-    (the trace has no flat buffer: its gradients are allocated as they arrive)."""
+    (the trace has no flat buffer: its gradients are allocated as they arrive). as_stage3: the
+    unsharded model counted as a ZeRO stage-3 rank would hold it, FSDP2's gathered units and
+    unsharded gradients included (units.Stage3Schedule)."""
     meter = LiveBytes(ignore=model_states(model))
     for tensor in inputs:
         meter.count(tensor)
+    schedule = Stage3Schedule(model, meter) if as_stage3 else None
     hooks = [
         # at ZeRO stage 2 the optimizer's hook (registered first) has taken the gradient into its bucket
         p.register_post_accumulate_grad_hook(lambda p: None if p.grad is None else meter.ignore(p.grad))
         for p in model.parameters()
-        if p.requires_grad
+        if p.requires_grad and (schedule is None or not schedule.keeps_grad(p))
     ]
     try:
-        with meter, _storage_resizes(meter):
+        with meter, _storage_resizes(meter), schedule or contextlib.nullcontext():
             loss = loss_of(run_forward())
             activations = meter.live_bytes
             run_backward(loss)
@@ -253,8 +264,19 @@ class StepTrace:
 
     params: ParamCounts
     memory: StepMemory
+    stage3_memory: StepMemory | None = None
+    """The same step counted as a ZeRO stage-3 rank holds it (measure_step's as_stage3): its peak beyond
+    `memory`'s is what the rank holds gathered then (units, unsharded gradients)."""
     traced_layers: tuple[int, ...] | None = None
     """The depths traced when the memory was extrapolated per layer; None: the whole model."""
+
+    @property
+    def gathered_bytes(self) -> int | None:
+        """What a stage-3 rank's step peaks at beyond this step's: the units it holds gathered and the
+        gradients it holds unsharded then (the memory model's stage-3 term for a traced model)."""
+        if self.stage3_memory is None:
+            return None
+        return max(0, self.stage3_memory.peak_bytes - self.memory.peak_bytes)
 
 
 class TraceError(ValueError):
@@ -278,11 +300,16 @@ def trace_step(
     with FakeTensorMode(allow_non_fake_inputs=True):
         materialize(model)
         inputs = tuple(make_inputs())
-        _, memory = _call(
-            "running forward and backward",
-            lambda: measure_step(model, inputs, lambda: model(*inputs), lambda loss: loss.backward()),
-        )
-    return StepTrace(params=params, memory=memory)
+        measured = {}
+        for as_stage3 in (False, True):
+            model.zero_grad(set_to_none=True)  # each count sees the gradients made
+            _, measured[as_stage3] = _call(
+                "running forward and backward",
+                lambda as_stage3=as_stage3: measure_step(
+                    model, inputs, lambda: model(*inputs), lambda loss: loss.backward(), as_stage3=as_stage3
+                ),
+            )
+    return StepTrace(params=params, memory=measured[False], stage3_memory=measured[True])
 
 
 def materialize(model: nn.Module) -> None:
@@ -322,16 +349,23 @@ def trace_layers(
         return trace_step(lambda: build(num_layers), make_inputs, dtype=dtype)
     with torch.device("meta"):
         params = ParamCounts.of(_call("building the model", lambda: build(num_layers)))
-    a, b = (trace_step(lambda n=n: build(n), make_inputs, dtype=dtype).memory for n in traced_layers)
+    a, b = (trace_step(lambda n=n: build(n), make_inputs, dtype=dtype) for n in traced_layers)
 
     def extrapolate(at_low: int, at_high: int) -> int:
         return at_low + (num_layers - low) * (at_high - at_low) // (high - low)
 
-    memory = StepMemory(
-        activations_bytes=extrapolate(a.activations_bytes, b.activations_bytes),
-        temporaries_bytes=extrapolate(a.temporaries_bytes, b.temporaries_bytes),
+    def extrapolated(at_low: StepMemory, at_high: StepMemory) -> StepMemory:
+        return StepMemory(
+            activations_bytes=extrapolate(at_low.activations_bytes, at_high.activations_bytes),
+            temporaries_bytes=extrapolate(at_low.temporaries_bytes, at_high.temporaries_bytes),
+        )
+
+    return StepTrace(
+        params=params,
+        memory=extrapolated(a.memory, b.memory),
+        stage3_memory=extrapolated(a.stage3_memory, b.stage3_memory),
+        traced_layers=traced_layers,
     )
-    return StepTrace(params=params, memory=memory, traced_layers=traced_layers)
 
 
 def _call(what: str, fn):

@@ -5,7 +5,8 @@ the planner's traces count (workers/models/trace.py).
 
 from __future__ import annotations
 
-from torch import nn
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
 
 GATHERED_UNITS = 2
 """Units a stage-3 rank holds gathered at once: the one running and the next, which FSDP2 prefetches."""
@@ -47,3 +48,112 @@ def gathered_numel(model: nn.Module) -> int:
     root = sum(p.numel() for p in model.parameters() if id(p) not in in_units)
     largest = sorted((sum(p.numel() for p in unit.parameters()) for unit in units), reverse=True)
     return root + sum(largest[:GATHERED_UNITS])
+
+
+class Stage3Schedule:
+    """FSDP2's gathers and frees during one micro-batch (workers/zero/stage3.py shards each unit with
+    reshard_after_forward, and the root), played on a model that is not sharded, for a meter with
+    hold(nbytes) and ignore(tensor) (workers/models/trace.py's LiveBytes) to count: the root's
+    parameters held for the whole step; a unit's gathered in its forward and freed after the next
+    unit's (as a GPU frees it, in stream order); in backward a unit gathered again with the next one
+    to run (FSDP2's prefetch) and, at its end, freed with its unsharded gradients (reduce-scattered
+    into their shards, a state)."""
+
+    def __init__(self, model: nn.Module, meter) -> None:
+        self.meter = meter
+        self.units = units_of(model)
+        self.params = [_unique(unit.parameters()) for unit in self.units]
+        in_units = {id(p) for params in self.params for p in params}
+        self.root_bytes = _nbytes(p for p in _unique(model.parameters()) if id(p) not in in_units)
+        self.unit_params = {id(p) for params in self.params for p in params}
+        self._gathered = [False] * len(self.units)
+        self._backward = [False] * len(self.units)  # its backward has begun and not ended
+        self._handles: list = []
+
+    def keeps_grad(self, param: Tensor) -> bool:
+        """Whether param's gradient stays unsharded (counted) until its unit's backward ends."""
+        return id(param) in self.unit_params
+
+    def __enter__(self) -> Stage3Schedule:
+        self.meter.hold(self.root_bytes)
+        for index, unit in enumerate(self.units):
+            self._handles.append(unit.register_forward_pre_hook(self._pre_forward(index), with_kwargs=True))
+            self._handles.append(unit.register_forward_hook(self._post_forward(index)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        for index in range(len(self.units)):
+            self._end_backward(index)
+            self._free(index)
+        self.meter.hold(-self.root_bytes)
+
+    def _pre_forward(self, index: int):
+        def hook(module, args, kwargs):
+            self._gather(index)
+            if self._backward[index]:  # recomputed in its backward (activation checkpointing)
+                return
+            first = _first_grad_tensor((args, kwargs))
+            if first is not None:  # the gradient of the unit's input: its backward is done
+                first.register_hook(lambda grad: self._end_backward(index))
+
+        return hook
+
+    def _post_forward(self, index: int):
+        def hook(module, args, output):
+            if self._backward[index]:  # recomputed in its backward: FSDP2 keeps it gathered
+                return
+            # FSDP2 frees a unit after its forward; on a GPU its memory returns in stream order, once
+            # the kernels that read it have run: counted here as held until the next unit's are done
+            self._free(index - 1)
+            first = _first_grad_tensor(output)
+            if first is not None:  # the gradient of the unit's output: its backward begins
+                first.register_hook(lambda grad: self._begin_backward(index))
+
+        return hook
+
+    def _begin_backward(self, index: int) -> None:
+        # FSDP2 ends the later unit's backward before this one's output gradient is complete
+        for later in range(index + 1, len(self.units)):
+            self._end_backward(later)
+        self._backward[index] = True
+        self._gather(index)
+        self._gather(index - 1)  # prefetched
+
+    def _end_backward(self, index: int) -> None:
+        if not self._backward[index]:
+            return
+        self._backward[index] = False
+        self._free(index)
+        for param in self.params[index]:
+            if param.grad is not None:
+                self.meter.ignore(param.grad)
+
+    def _gather(self, index: int) -> None:
+        if index >= 0 and not self._gathered[index]:
+            self._gathered[index] = True
+            self.meter.hold(_nbytes(self.params[index]))
+
+    def _free(self, index: int) -> None:
+        if index >= 0 and self._gathered[index]:
+            self._gathered[index] = False
+            self.meter.hold(-_nbytes(self.params[index]))
+
+
+def _unique(params) -> list[nn.Parameter]:
+    seen: dict[int, nn.Parameter] = {}
+    for param in params:
+        seen.setdefault(id(param), param)
+    return list(seen.values())
+
+
+def _nbytes(params) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def _first_grad_tensor(tree) -> Tensor | None:
+    for leaf in tree_flatten(tree)[0]:
+        if isinstance(leaf, Tensor) and leaf.requires_grad:
+            return leaf
+    return None
