@@ -22,6 +22,11 @@ with this venv: benchmarks/startup.py's way) in the same run, in the order this,
 before, this: a change's cost in throughput, side by side.
 
 Prints one table, medians over the steps after the first 10 (warm-up), and the ratio.
+
+With `--split`, no service: the training loop's step (workers/training/loop.py) and the DDP step
+run one after the other in the same two processes, each split into its phases (ZeRO1AdamW's
+record_phase_times), and a step that counts its memory op by op is timed apart: where the time
+between the two goes.
 """
 
 from __future__ import annotations
@@ -121,15 +126,14 @@ def _wait_healthy(client: httpx.Client, server: subprocess.Popen) -> None:
         time.sleep(0.2)
 
 
-def _ddp_rank(rank: int, world_size: int, port: int, steps: int, cache_dir: str, out: str) -> None:
+def _ddp_parts(steps: int, cache_dir: str, *, rank: int, world_size: int):
+    """(model in DDP, torch.optim.AdamW, Batches) of the benchmark's job on this rank."""
     from torch.nn.parallel import DistributedDataParallel
 
     from workers.config import DatasetSpec, HFSpec
     from workers.data.sources import Batches
     from workers.models.hf import build_hf
 
-    torch.set_num_threads(1)  # as a Ray actor of 1 CPU runs
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     job = _job(steps)
     spec = HFSpec(config=job["model"]["config"], vocab_size=512, block_size=128)
     model = DistributedDataParallel(build_hf(spec, dtype=torch.float32, seed=job["seed"]))
@@ -148,24 +152,131 @@ def _ddp_rank(rank: int, world_size: int, port: int, steps: int, cache_dir: str,
         rank=rank,
         world_size=world_size,
     )
-    tokens = job["micro_batch_size"] * world_size * job["seq_len"]
+    return model, opt, batches
+
+
+def _ddp_step(model, opt, batches, step: int, clock=lambda phase: None) -> None:
+    """One DDP step as the benchmark times it; clock(phase) after each phase."""
+    inputs, targets = batches.micro_batch(step, 0)
+    loss = model(inputs, targets)
+    loss.backward()  # DDP's all-reduce runs in its buckets as the gradients arrive, waited for here
+    clock("forward, backward (all-reduce overlapped)")
+    torch.nn.utils.clip_grad_norm_(model.parameters(), EXAMPLE["optimizer"]["max_grad_norm"])
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    clock("clip, AdamW")
+    reduced = loss.detach().clone()
+    dist.all_reduce(reduced)  # the global loss, as zero1 reports it each step
+    reduced.item()
+    clock("the loss's all-reduce")
+
+
+def _ddp_rank(rank: int, world_size: int, port: int, steps: int, cache_dir: str, out: str) -> None:
+    torch.set_num_threads(1)  # as a Ray actor of 1 CPU runs
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    model, opt, batches = _ddp_parts(steps, cache_dir, rank=rank, world_size=world_size)
+    tokens = EXAMPLE["micro_batch_size"] * world_size * EXAMPLE["seq_len"]
     rates = []
     for step in range(steps):
         dist.barrier()
         start = time.perf_counter()
-        inputs, targets = batches.micro_batch(step, 0)
-        loss = model(inputs, targets)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), hyper["max_grad_norm"])
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        reduced = loss.detach().clone()
-        dist.all_reduce(reduced)  # the global loss, as zero1 reports it each step
-        reduced.item()
+        _ddp_step(model, opt, batches, step)
         rates.append(tokens / (time.perf_counter() - start))
     if rank == 0:
         Path(out).write_text(json.dumps(rates))
     dist.destroy_process_group()
+
+
+def _split_rank(rank: int, world_size: int, port: int, steps: int, cache_dir: str, out: str) -> None:
+    """zero1's step (the training loop's, without the service) and DDP's, one after the other each step
+    in the same two processes, each split into its phases; every tenth zero1 step counts its memory
+    op by op, as a CPU rank did before 6300fca."""
+    from workers.config import DatasetSpec, HFSpec, OptimizerSpec, TrainConfig
+    from workers.training import loop
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    job = _job(steps)
+    hyper = job["optimizer"]
+    config = TrainConfig(
+        model=HFSpec(config=job["model"]["config"], vocab_size=512, block_size=128),
+        steps=steps,
+        data=DatasetSpec(**{k: job["data"][k] for k in ("format", "path", "tokenizer")}, cache_dir=cache_dir),
+        precision=job["precision"],
+        optimizer=OptimizerSpec(
+            lr=hyper["lr"], betas=tuple(hyper["betas"]), eps=hyper["eps"], weight_decay=0.0, max_grad_norm=1.0
+        ),
+        micro_batch_size=job["micro_batch_size"],
+        seq_len=job["seq_len"],
+        seed=job["seed"],
+        planned_bytes=0,  # the service's traced plan; nothing here reads it
+    )
+    context = loop._step_context(
+        config, rank=rank, world_size=world_size, process_group=None, device=torch.device("cpu")
+    )
+    context.opt.record_phase_times = True
+    ddp = _ddp_parts(steps, cache_dir, rank=rank, world_size=world_size)
+    names = [
+        "zero1: a step",
+        "  forward, backward, the loss",
+        "  reduce (p2p), norm/flags/loss all-reduce",
+        "  update, cast",
+        "  gather (p2p)",
+        "zero1: a step that counts its memory",
+        "DDP: a step",
+        "  forward, backward (all-reduce overlapped)",
+        "  clip, AdamW",
+        "  the loss's all-reduce",
+    ]
+    times: dict[str, list[float]] = {name: [] for name in names}  # the table's rows, in order
+    for step in range(steps):
+        counted = step % 10 == 0
+        context.cpu_peak_bytes = None if counted else context.cpu_peak_bytes
+        dist.barrier()
+        start = time.perf_counter()
+        context.run_step(step)
+        total = time.perf_counter() - start
+        if step >= WARMUP_STEPS and counted:
+            times["zero1: a step that counts its memory"].append(total)
+        elif step >= WARMUP_STEPS:
+            phases = context.opt.phase_times_s
+            times["zero1: a step"].append(total)
+            times["  forward, backward, the loss"].append(total - sum(phases.values()))
+            times["  reduce (p2p), norm/flags/loss all-reduce"].append(phases["reduce"])
+            times["  update, cast"].append(phases["update"])
+            times["  gather (p2p)"].append(phases["gather"])
+        dist.barrier()
+        ddp_start = time.perf_counter()
+        last = [ddp_start]
+
+        def clock(phase: str, last=last, step=step) -> None:
+            now = time.perf_counter()
+            if step >= WARMUP_STEPS:
+                times[f"  {phase}"].append(now - last[0])
+            last[0] = now
+
+        _ddp_step(*ddp, step, clock)
+        if step >= WARMUP_STEPS:
+            times["DDP: a step"].append(time.perf_counter() - ddp_start)
+    if rank == 0:
+        Path(out).write_text(json.dumps(times))
+    dist.destroy_process_group()
+
+
+def split(*, steps: int, scratch: Path) -> None:
+    """Print where a step's time goes, zero1's training loop beside DDP's (the --split table)."""
+    out = scratch / "split.json"
+    cache = str(scratch / "datasets")
+    mp.spawn(_split_rank, args=(2, _free_port(), steps, cache, str(out)), nprocs=2, join=True)
+    times = json.loads(out.read_text())
+    print(f"{'tiny Llama, 2 gloo ranks, fp32: one process a rank':<52}{'steps':>7}{'p50':>10}{'mean':>10}")
+    print("-" * 79)
+    for name, values in times.items():
+        median, mean = (1e3 * statistics.median(values), 1e3 * statistics.mean(values))
+        print(f"{name:<52}{len(values):>7}{median:>8.2f}ms{mean:>8.2f}ms")
+        if name == "zero1: a step that counts its memory":
+            print()
+    print(f"(steps {WARMUP_STEPS}..{steps - 1}; each step zero1's then DDP's; 'a step' leaves out the counting ones)")
 
 
 def ddp_rates(*, steps: int, cache_dir: str, scratch: Path) -> list[float]:
@@ -195,8 +306,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--before", help="git ref of a tree whose zero1 runs the same job, for comparison")
+    parser.add_argument(
+        "--split", action="store_true", help="where a step's time goes: the training loop beside DDP, no service"
+    )
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="zero1-throughput-"))
+    if args.split:
+        try:
+            split(steps=args.steps, scratch=scratch)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        return
     try:
         if args.before:
             from startup import worktree  # benchmarks/ is this script's directory, first on sys.path
