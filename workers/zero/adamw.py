@@ -21,6 +21,18 @@ from workers.zero.flat import FlatBuffer
 UPCAST_CHUNK_NUMEL = {"cpu": 1 << 16, "cuda": 1 << 22}
 
 
+def check_hyperparameters(*, lr, betas, eps, weight_decay) -> None:
+    """ValueError naming the first of AdamW's hyperparameters out of its range (torch.optim.AdamW's checks)."""
+    if not (isinstance(lr, Tensor) or lr >= 0):
+        raise ValueError(f"lr must be >= 0, got {lr}")
+    if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
+        raise ValueError(f"betas must be in [0, 1), got {tuple(betas)}")
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    if not weight_decay >= 0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+
+
 def step_runs(buf: FlatBuffer, active: list[bool]) -> list[tuple[int, int, int]]:
     """(lo, hi, step) ranges of the shard to update, after counting this step.
 

@@ -35,7 +35,7 @@ from torch import Tensor
 from workers.limits import DEFAULT_BUCKET_CAP_MB, MIN_BUCKET_CAP_MB
 from workers.memory.model import SHARD_ALIGNMENT_NUMEL
 from workers.zero import sharded_state
-from workers.zero.adamw import UPCAST_CHUNK_NUMEL, ShardAdamW, step_runs
+from workers.zero.adamw import UPCAST_CHUNK_NUMEL, ShardAdamW, check_hyperparameters, step_runs
 from workers.zero.buckets import Bucket
 from workers.zero.comm import (
     GatherOp,
@@ -132,7 +132,7 @@ class ZeRO1AdamW(sharded_state.CheckpointMethods, torch.optim.Optimizer):
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         record_phase_times: bool = False,
     ):
-        _check_hyperparameters(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        check_hyperparameters(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
         if alignment_numel < 1:
@@ -144,7 +144,7 @@ class ZeRO1AdamW(sharded_state.CheckpointMethods, torch.optim.Optimizer):
             )
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         for group in self.param_groups:
-            _check_hyperparameters(**{k: group[k] for k in ("lr", "betas", "eps", "weight_decay")})
+            check_hyperparameters(**{k: group[k] for k in ("lr", "betas", "eps", "weight_decay")})
 
         self.process_group = process_group
         ranks = Ranks.of(process_group)
@@ -393,14 +393,3 @@ class ZeRO1AdamW(sharded_state.CheckpointMethods, torch.optim.Optimizer):
     @property
     def _next_launch(self) -> int:
         return self._comm.reducer.next_launch
-
-
-def _check_hyperparameters(*, lr, betas, eps, weight_decay) -> None:
-    if not (isinstance(lr, Tensor) or lr >= 0):
-        raise ValueError(f"lr must be >= 0, got {lr}")
-    if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
-        raise ValueError(f"betas must be in [0, 1), got {tuple(betas)}")
-    if not eps >= 0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
-    if not weight_decay >= 0:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
