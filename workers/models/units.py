@@ -1,12 +1,24 @@
 """A model's units at ZeRO stage 3: the modules FSDP2 shards one by one before the root
-(workers/zero/stage3.py), and the parameters a rank holds whole at once beside its shards, which
-the planner's traces count (workers/models/trace.py).
+(workers/zero/stage3.py), the parameters a rank holds whole at once beside its shards (a closed
+form's count), and Stage3Schedule, which plays FSDP2's gathers and frees on a model that is not
+sharded, so that the planner's traces count a stage-3 step as a rank holds it (workers/models/trace.py).
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
+
+
+class Meter(Protocol):
+    """What Stage3Schedule tells: bytes held beyond what ops made, and a tensor no longer counted."""
+
+    def hold(self, nbytes: int) -> None: ...
+
+    def ignore(self, tensor: Tensor) -> None: ...
+
 
 GATHERED_UNITS = 2
 """Units a stage-3 rank holds gathered at once: the one running and the next, which FSDP2 prefetches."""
@@ -59,7 +71,7 @@ class Stage3Schedule:
     to run (FSDP2's prefetch) and, at its end, freed with its unsharded gradients (reduce-scattered
     into their shards, a state)."""
 
-    def __init__(self, model: nn.Module, meter) -> None:
+    def __init__(self, model: nn.Module, meter: Meter) -> None:
         self.meter = meter
         self.units = units_of(model)
         self.params = [_unique(unit.parameters()) for unit in self.units]
