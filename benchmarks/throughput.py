@@ -187,18 +187,13 @@ def _ddp_rank(rank: int, world_size: int, port: int, steps: int, cache_dir: str,
     dist.destroy_process_group()
 
 
-def _split_rank(rank: int, world_size: int, port: int, steps: int, cache_dir: str, out: str) -> None:
-    """zero1's step (the training loop's, without the service) and DDP's, one after the other each step
-    in the same two processes, each split into its phases; every tenth zero1 step counts its memory
-    op by op, as a CPU rank did before 6300fca."""
+def _zero1_config(steps: int, cache_dir: str):
+    """The benchmark's job as the training loop takes it (workers.config.TrainConfig)."""
     from workers.config import DatasetSpec, HFSpec, OptimizerSpec, TrainConfig
-    from workers.training import loop
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     job = _job(steps)
     hyper = job["optimizer"]
-    config = TrainConfig(
+    return TrainConfig(
         model=HFSpec(config=job["model"]["config"], vocab_size=512, block_size=128),
         steps=steps,
         data=DatasetSpec(**{k: job["data"][k] for k in ("format", "path", "tokenizer")}, cache_dir=cache_dir),
@@ -211,53 +206,74 @@ def _split_rank(rank: int, world_size: int, port: int, steps: int, cache_dir: st
         seed=job["seed"],
         planned_bytes=0,  # the service's traced plan; nothing here reads it
     )
+
+
+SPLIT_ROWS = (
+    "zero1: a step",
+    "  forward, backward, the loss",
+    "  reduce (p2p), norm/flags/loss all-reduce",
+    "  update, cast",
+    "  gather (p2p)",
+    "zero1: a step that counts its memory",
+    "DDP: a step",
+    "  forward, backward (all-reduce overlapped)",
+    "  clip, AdamW",
+    "  the loss's all-reduce",
+)
+"""The --split table's rows, in order; the indented ones split the step above them."""
+
+
+def _split_rank(rank: int, world_size: int, port: int, steps: int, cache_dir: str, out: str) -> None:
+    """zero1's step (the training loop's, without the service) and DDP's, one after the other each step
+    in the same two processes, each split into its phases; every tenth zero1 step counts its memory
+    op by op, as a CPU rank did before 6300fca."""
+    from workers.training import loop
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     context = loop._step_context(
-        config, rank=rank, world_size=world_size, process_group=None, device=torch.device("cpu")
+        _zero1_config(steps, cache_dir),
+        rank=rank,
+        world_size=world_size,
+        process_group=None,
+        device=torch.device("cpu"),
     )
     context.opt.record_phase_times = True
     ddp = _ddp_parts(steps, cache_dir, rank=rank, world_size=world_size)
-    names = [
-        "zero1: a step",
-        "  forward, backward, the loss",
-        "  reduce (p2p), norm/flags/loss all-reduce",
-        "  update, cast",
-        "  gather (p2p)",
-        "zero1: a step that counts its memory",
-        "DDP: a step",
-        "  forward, backward (all-reduce overlapped)",
-        "  clip, AdamW",
-        "  the loss's all-reduce",
-    ]
-    times: dict[str, list[float]] = {name: [] for name in names}  # the table's rows, in order
+    times: dict[str, list[float]] = {name: [] for name in SPLIT_ROWS}
     for step in range(steps):
         counted = step % 10 == 0
-        context.cpu_peak_bytes = None if counted else context.cpu_peak_bytes
+        if counted:
+            context.cpu_peak_bytes = None  # this step counts again
         dist.barrier()
         start = time.perf_counter()
         context.run_step(step)
         total = time.perf_counter() - start
-        if step >= WARMUP_STEPS and counted:
-            times["zero1: a step that counts its memory"].append(total)
-        elif step >= WARMUP_STEPS:
-            phases = context.opt.phase_times_s
-            times["zero1: a step"].append(total)
-            times["  forward, backward, the loss"].append(total - sum(phases.values()))
-            times["  reduce (p2p), norm/flags/loss all-reduce"].append(phases["reduce"])
-            times["  update, cast"].append(phases["update"])
-            times["  gather (p2p)"].append(phases["gather"])
+        phases = context.opt.phase_times_s
         dist.barrier()
         ddp_start = time.perf_counter()
         last = [ddp_start]
+        ddp_phases = {}
 
-        def clock(phase: str, last=last, step=step) -> None:
+        def clock(phase: str, last=last, ddp_phases=ddp_phases) -> None:
             now = time.perf_counter()
-            if step >= WARMUP_STEPS:
-                times[f"  {phase}"].append(now - last[0])
+            ddp_phases[f"  {phase}"] = now - last[0]
             last[0] = now
 
         _ddp_step(*ddp, step, clock)
-        if step >= WARMUP_STEPS:
-            times["DDP: a step"].append(time.perf_counter() - ddp_start)
+        if step < WARMUP_STEPS:
+            continue
+        times["DDP: a step"].append(time.perf_counter() - ddp_start)
+        for name, seconds in ddp_phases.items():
+            times[name].append(seconds)
+        if counted:
+            times["zero1: a step that counts its memory"].append(total)
+            continue
+        times["zero1: a step"].append(total)
+        times["  forward, backward, the loss"].append(total - sum(phases.values()))
+        times["  reduce (p2p), norm/flags/loss all-reduce"].append(phases["reduce"])
+        times["  update, cast"].append(phases["update"])
+        times["  gather (p2p)"].append(phases["gather"])
     if rank == 0:
         Path(out).write_text(json.dumps(times))
     dist.destroy_process_group()
@@ -272,7 +288,8 @@ def split(*, steps: int, scratch: Path) -> None:
     print(f"{'tiny Llama, 2 gloo ranks, fp32: one process a rank':<52}{'steps':>7}{'p50':>10}{'mean':>10}")
     print("-" * 79)
     for name, values in times.items():
-        median, mean = (1e3 * statistics.median(values), 1e3 * statistics.mean(values))
+        median = 1e3 * statistics.median(values)
+        mean = 1e3 * statistics.mean(values)
         print(f"{name:<52}{len(values):>7}{median:>8.2f}ms{mean:>8.2f}ms")
         if name == "zero1: a step that counts its memory":
             print()
