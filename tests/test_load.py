@@ -168,8 +168,8 @@ class Load:
 
 async def run_load(base: str) -> tuple[Load, float, int]:
     """The load, then cancel_all; the seconds the load took and the requests sent in them."""
-    # idle connections expire on this side first: uvicorn closes them after 5 s, and a request sent on
-    # one it is closing at that moment fails with a ReadError (httpx's own default is also 5 s)
+    # idle connections expire on this side first (the server keeps one 75 s: service/cli/server.py's
+    # KEEP_ALIVE_S); a request sent on one the server is closing would fail with a ReadError
     limits = httpx.Limits(
         max_connections=NUM_SUBMITS + NUM_READERS + 8, max_keepalive_connections=64, keepalive_expiry=1.0
     )

@@ -71,8 +71,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # X-Forwarded-* only from ZERO1_TRUSTED_PROXIES (uvicorn's default trusts loopback's)
         proxy_headers=bool(settings.trusted_proxies),
         forwarded_allow_ips=settings.trusted_proxies or None,
+        # an idle connection is the client's to close: at uvicorn's default (5 s, httpx's and the zero1
+        # client's idle expiry too) a request sent as the server closes it fails with "Server
+        # disconnected without sending a response" (a loaded test_load.py met it)
+        timeout_keep_alive=KEEP_ALIVE_S,
     )
     return 0
+
+
+KEEP_ALIVE_S = 75
+"""Seconds the server keeps an idle connection open: past any client's idle expiry (httpx: 5 s) and a
+load balancer's (60 s), so the client, not the server, ends an idle connection."""
 
 
 def one_line(error: ValueError) -> str:
