@@ -15,7 +15,7 @@ from service.main import create_app
 from service.planning.traces import TraceRequest, run_trace
 from workers.config import HFSpec, InvalidModelError, OptimizerSpec, SyntheticSpec, TrainConfig
 from workers.data.sources import Batches
-from workers.memory.model import Workload, breakdown
+from workers.memory.model import breakdown
 from workers.models.hf import build_hf
 from workers.training.loop import train
 
@@ -62,15 +62,7 @@ def traced_workload(config: dict, *, precision: str, micro_batch_size: int, acti
             activation_checkpointing=activation_checkpointing,
         )
     )
-    workload = Workload.from_trace(
-        group_numels=traced.group_numels,
-        frozen_numel=traced.frozen_numel,
-        gathered_numel=traced.gathered_numel,
-        gathered_bytes=traced.gathered_bytes,
-        activations_bytes=traced.activations_bytes,
-        temporaries_bytes=traced.temporaries_bytes,
-        precision=precision,
-    )
+    workload = traced.workload(precision=precision)
     return traced, workload
 
 

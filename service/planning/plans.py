@@ -80,17 +80,7 @@ def _traced_workload(request: PlanRequest, *, overhead_bytes: int, tracer: Trace
             status_code=422,
             error="invalid_model",
         )
-    return memory.Workload.from_trace(
-        group_numels=traced.group_numels,
-        frozen_numel=traced.frozen_numel,
-        gathered_numel=traced.gathered_numel,
-        gathered_bytes=traced.gathered_bytes,
-        activations_bytes=traced.activations_bytes,
-        temporaries_bytes=traced.temporaries_bytes,
-        precision=request.precision,
-        optimizer=request.optimizer,
-        overhead_bytes=overhead_bytes,
-    )
+    return traced.workload(precision=request.precision, optimizer=request.optimizer, overhead_bytes=overhead_bytes)
 
 
 def make_plan(

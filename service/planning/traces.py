@@ -28,6 +28,7 @@ from service.concurrency import Slots
 from service.errors import ServiceError
 from service.planning.tasks import Isolation, run_task, run_task_async
 from workers.config import InvalidModelError
+from workers.memory import model as memory
 from workers.records import RunAs
 
 if TYPE_CHECKING:
@@ -66,6 +67,20 @@ class TracedStep:
             activations_bytes=trace.memory.activations_bytes,
             temporaries_bytes=trace.memory.temporaries_bytes,
             **shape,
+        )
+
+    def workload(self, *, precision: str, optimizer: str = "adamw", overhead_bytes: int = 0) -> memory.Workload:
+        """The memory model's Workload of this trace, in `precision` with `optimizer`."""
+        return memory.Workload.from_trace(
+            group_numels=self.group_numels,
+            frozen_numel=self.frozen_numel,
+            gathered_numel=self.gathered_numel,
+            gathered_bytes=self.gathered_bytes,
+            activations_bytes=self.activations_bytes,
+            temporaries_bytes=self.temporaries_bytes,
+            precision=precision,
+            optimizer=optimizer,
+            overhead_bytes=overhead_bytes,
         )
 
 
