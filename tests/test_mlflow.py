@@ -27,6 +27,7 @@ from service.planning.capacity import ClusterCapacity
 from service.scheduling import admission
 from service.scheduling.submission import submit_job
 from service.schemas.requests import JobSpec
+from service.settings import Settings
 from service.store.db import Database, upgrade
 from service.store.job_storage import JobStorage
 from service.store.tables import Job, MlflowRun
@@ -112,17 +113,22 @@ class MlflowServer:
         return False
 
 
-@pytest.fixture(scope="module")
-def tracked(ray_cluster, mlflow_server, tmp_path_factory):
-    """The app exporting to the server: a short interval and backoff, so that tests wait little."""
-    settings = make_settings(
-        tmp_path_factory.mktemp("tracked"),
+def tracked_settings(directory: Path, mlflow_server: MlflowServer) -> Settings:
+    """An app's settings that export to the server: a short interval and backoff, so that tests wait little."""
+    return make_settings(
+        directory,
         mlflow_tracking_uri=mlflow_server.secret_uri,
         mlflow_experiment=EXPERIMENT,
         mlflow_interval_s=0.2,
         mlflow_max_backoff_s=2,
         public_url="https://zero1.example.com/",
     )
+
+
+@pytest.fixture(scope="module")
+def tracked(ray_cluster, mlflow_server, tmp_path_factory):
+    """The app exporting to the server, per module."""
+    settings = tracked_settings(tmp_path_factory.mktemp("tracked"), mlflow_server)
     with serve(settings) as client:
         yield client, settings
 
@@ -255,13 +261,16 @@ def test_with_mlflow_down_mid_job_the_job_succeeds_and_the_run_catches_up(tracke
     )
 
 
-def test_a_batch_sent_again_after_a_crash_is_stored_once(tracked, mlflow_server):
+def test_a_batch_sent_again_after_a_crash_is_stored_once(ray_cluster, mlflow_server, tmp_path):
     """A service that died after MLflow took a batch and before its cursor moved sends the batch
-    again at its kept timestamp: the server stores each point once."""
-    client, settings = tracked
-    job_id = client.post("/v1/jobs", json=job_body(steps=8, name="resent")).json()["id"]
-    assert wait_job(client, job_id, lambda j: j["status"] in TERMINAL)["status"] == "succeeded"
-    wait_for(lambda: caught_up(mlflow_server, client, job_id), bool, what="the run", timeout_s=60, interval_s=0.5)
+    again at its kept timestamp: the server stores each point once. The service that ran the job has
+    stopped, its exporter with it, before the cursor goes back: only the restarted one sends again."""
+    settings = tracked_settings(tmp_path, mlflow_server)
+    with serve(settings) as client:
+        job_id = client.post("/v1/jobs", json=job_body(steps=8, name="resent")).json()["id"]
+        assert wait_job(client, job_id, lambda j: j["status"] in TERMINAL)["status"] == "succeeded"
+        wait_for(lambda: caught_up(mlflow_server, client, job_id), bool, what="the run", timeout_s=60, interval_s=0.5)
+        rows = rows_of(client, job_id)
     database = Database(settings.database_url)
     try:
         with database.session() as session:
@@ -280,7 +289,6 @@ def test_a_batch_sent_again_after_a_crash_is_stored_once(tracked, mlflow_server)
             assert (session.get(MlflowRun, job_id).step, session.get(MlflowRun, job_id).done) == (7, True)
     finally:
         database.dispose()
-    rows = rows_of(client, job_id)
     assert history(mlflow_server, run_id, "loss") == [(r["step"], r["loss"]) for r in rows]
 
 
