@@ -113,12 +113,13 @@ class MlflowServer:
         return False
 
 
-def tracked_settings(directory: Path, mlflow_server: MlflowServer) -> Settings:
-    """An app's settings that export to the server: a short interval and backoff, so that tests wait little."""
+def tracked_settings(directory: Path, mlflow_server: MlflowServer, experiment: str = EXPERIMENT) -> Settings:
+    """An app's settings that export to the server: a short interval and backoff, so that tests wait little.
+    Each app's database numbers its jobs from 1: two apps on one server need experiments of their own."""
     return make_settings(
         directory,
         mlflow_tracking_uri=mlflow_server.secret_uri,
-        mlflow_experiment=EXPERIMENT,
+        mlflow_experiment=experiment,
         mlflow_interval_s=0.2,
         mlflow_max_backoff_s=2,
         public_url="https://zero1.example.com/",
@@ -158,9 +159,9 @@ def rows_of(client, job_id: int) -> list[dict]:
     return client.get(f"/v1/jobs/{job_id}/metrics", params={"limit": 10_000}).json()["data"]
 
 
-def caught_up(server: MlflowServer, client, job_id: int):
+def caught_up(server: MlflowServer, client, job_id: int, *, experiment: str = ANONYMOUS_EXPERIMENT):
     """The run once it is terminated with every row's loss; None until then."""
-    run = the_run(server, job_id)
+    run = the_run(server, job_id, experiment=experiment)
     if run is None or run.info.status == "RUNNING":
         return None
     rows = rows_of(client, job_id)
@@ -264,12 +265,20 @@ def test_with_mlflow_down_mid_job_the_job_succeeds_and_the_run_catches_up(tracke
 def test_a_batch_sent_again_after_a_crash_is_stored_once(ray_cluster, mlflow_server, tmp_path):
     """A service that died after MLflow took a batch and before its cursor moved sends the batch
     again at its kept timestamp: the server stores each point once. The service that ran the job has
-    stopped, its exporter with it, before the cursor goes back: only the restarted one sends again."""
-    settings = tracked_settings(tmp_path, mlflow_server)
+    stopped, its exporter with it, before the cursor goes back: only the restarted one sends again.
+    Its app's experiment is its own: the module's app has a job 1 too."""
+    settings = tracked_settings(tmp_path, mlflow_server, experiment=f"{EXPERIMENT}-resent")
+    experiment = f"{EXPERIMENT}-resent/{runs.ANONYMOUS}"
     with serve(settings) as client:
         job_id = client.post("/v1/jobs", json=job_body(steps=8, name="resent")).json()["id"]
         assert wait_job(client, job_id, lambda j: j["status"] in TERMINAL)["status"] == "succeeded"
-        wait_for(lambda: caught_up(mlflow_server, client, job_id), bool, what="the run", timeout_s=60, interval_s=0.5)
+        wait_for(
+            lambda: caught_up(mlflow_server, client, job_id, experiment=experiment),
+            bool,
+            what="the run",
+            timeout_s=60,
+            interval_s=0.5,
+        )
         rows = rows_of(client, job_id)
     database = Database(settings.database_url)
     try:
