@@ -1,5 +1,6 @@
-"""service/planning/configurations.py on its own: the cost model against hand arithmetic, and the search against a brute
-force over every (N, micro-batch, checkpointing) through the memory model.
+"""service/planning/configurations.py and service/planning/step_costs.py on their own: the cost model
+against hand arithmetic, and the search against a brute force over every (N, micro-batch,
+checkpointing) through the memory model.
 
 Packages: service.planning.
 """
@@ -14,12 +15,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from service.planning import configurations
+from service.planning import configurations, step_costs
 from workers.memory import model as memory
 from workers.memory.model import GB
 
 ROOT = Path(__file__).resolve().parents[1]
-COST = configurations.CostModel(gpu_tflops=400, network_gb_per_s=100)
+COST = step_costs.CostModel(gpu_tflops=400, network_gb_per_s=100)
 SMALL_GPT = memory.GPTSpec(vocab_size=512, n_layer=4, n_head=4, n_embd=128, block_size=256)
 
 
@@ -40,22 +41,20 @@ def workloads(spec, *, precision="bf16", seq_len=None, overhead_bytes=0):
 def test_the_cost_of_a_step_is_the_hand_arithmetic():
     # Ψ = 7.5e9, G = 64 x 2048 tokens, N = 8, bf16: 6·Ψ·tokens = 5.89824e15 FLOPs, 1/8 each at 400 TFLOP/s
     common = {"num_params": 7_500_000_000, "num_tokens": 64 * 2048, "bytes_per_param": 2, "cost_model": COST}
-    plain = configurations.step_cost(num_gpus=8, activation_checkpointing=False, **common)
+    plain = step_costs.step_cost(num_gpus=8, activation_checkpointing=False, **common)
     assert plain.compute_s == pytest.approx(1.8432)  # 5.89824e15 / 8 / 4e14
     assert plain.comm_s == pytest.approx(0.2625)  # 2 x 7/8 x 7.5e9 x 2 bytes = 26.25e9 bytes at 1e11 B/s
     assert plain.cost_gpu_s == pytest.approx(8 * (1.8432 + 0.2625))  # 16.8456 GPU-s
-    checkpointed = configurations.step_cost(num_gpus=8, activation_checkpointing=True, **common)
+    checkpointed = step_costs.step_cost(num_gpus=8, activation_checkpointing=True, **common)
     assert checkpointed.compute_s == pytest.approx(2.4576)  # the forward again: 8Ψ per token instead of 6Ψ
     assert checkpointed.comm_s == plain.comm_s
     assert checkpointed.cost_gpu_s == pytest.approx(21.7608)
 
 
 def test_one_gpu_communicates_nothing_and_fp32_sends_twice_the_bytes():
-    assert configurations.comm_bytes_per_gpu(num_params=1000, num_gpus=1, bytes_per_param=2) == 0
-    assert (
-        configurations.comm_bytes_per_gpu(num_params=1000, num_gpus=4, bytes_per_param=4) == 6000
-    )  # 2 x 3/4 x 1000 x 4
-    alone = configurations.step_cost(
+    assert step_costs.comm_bytes_per_gpu(num_params=1000, num_gpus=1, bytes_per_param=2) == 0
+    assert step_costs.comm_bytes_per_gpu(num_params=1000, num_gpus=4, bytes_per_param=4) == 6000  # 2 x 3/4 x 1000 x 4
+    alone = step_costs.step_cost(
         num_params=10**9,
         num_tokens=10**6,
         num_gpus=1,
@@ -68,7 +67,7 @@ def test_one_gpu_communicates_nothing_and_fp32_sends_twice_the_bytes():
 
 def test_a_cost_model_needs_positive_throughput_and_bandwidth():
     with pytest.raises(ValueError, match=r"gpu_tflops \(0\) and network_gb_per_s \(100\) must be > 0"):
-        configurations.CostModel(gpu_tflops=0, network_gb_per_s=100)
+        step_costs.CostModel(gpu_tflops=0, network_gb_per_s=100)
 
 
 # --------------------------------------------------------------------------- candidates

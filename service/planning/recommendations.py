@@ -4,7 +4,7 @@ workloads POST /v1/plan builds, or a 422 does_not_fit (the shape admission uses)
 from __future__ import annotations
 
 from service.errors import ServiceError
-from service.planning import configurations
+from service.planning import configurations, step_costs
 from service.planning.capacity import ClusterCapacity
 from service.planning.plans import fits_no_number, make_plan, plan_public, workload_for
 from service.schemas.model_specs import GPTModelSpec
@@ -15,11 +15,9 @@ from workers.memory import model as memory
 from workers.memory.model import GB
 
 
-def cost_model_of(settings: Settings) -> configurations.CostModel:
+def cost_model_of(settings: Settings) -> step_costs.CostModel:
     """The stated hardware of ZERO1_PLAN_GPU_TFLOPS and ZERO1_PLAN_NETWORK_GB_PER_S."""
-    return configurations.CostModel(
-        gpu_tflops=settings.plan_gpu_tflops, network_gb_per_s=settings.plan_network_gb_per_s
-    )
+    return step_costs.CostModel(gpu_tflops=settings.plan_gpu_tflops, network_gb_per_s=settings.plan_network_gb_per_s)
 
 
 def plan_request(
@@ -65,7 +63,7 @@ def search_of(request: RecommendRequest, *, cluster: ClusterCapacity) -> configu
 
 
 def recommend_public(
-    request: RecommendRequest, *, cluster: ClusterCapacity, overhead_bytes: int, cost_model: configurations.CostModel
+    request: RecommendRequest, *, cluster: ClusterCapacity, overhead_bytes: int, cost_model: step_costs.CostModel
 ) -> RecommendationsPublic:
     """The configurations that fit, cheapest first; a 422 does_not_fit when none does within max_gpus."""
     search = search_of(request, cluster=cluster)
@@ -88,8 +86,8 @@ def recommend_public(
         max_gpus=search.max_gpus,
         gpu_memory_bytes=search.gpu_memory_bytes,
         cost_model=CostModelPublic(
-            formula=configurations.COST_FORMULA,
-            unit=configurations.COST_UNIT,
+            formula=step_costs.COST_FORMULA,
+            unit=step_costs.COST_UNIT,
             gpu_tflops=cost_model.gpu_tflops,
             network_gb_per_s=cost_model.network_gb_per_s,
             num_params=workload.num_params,
