@@ -35,7 +35,8 @@ from service.planning.capacity import simulated_capacity
 from service.planning.plans import make_plan, plan_public
 from service.schemas.requests import PlanRequest
 from service.settings import Settings
-from workers.memory.model import GB, GPTSpec, Workload, plan
+from workers.memory.fit import plan
+from workers.memory.model import GB, GPTSpec, Workload
 
 GPT2_SMALL = {"kind": "gpt", "vocab_size": 50304, "n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024}
 DEEP = {"kind": "gpt", "vocab_size": 32000, "n_layer": 32, "n_head": 32, "n_embd": 4096, "block_size": 2048}

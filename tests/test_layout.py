@@ -207,7 +207,7 @@ def test_no_packed_assignments():
 
 _CITED_PATH = re.compile(r"(?<![\w./-])((?:service|workers)/[\w/]+\.py)\b")
 _CITED_NAME = re.compile(r"(?<![\w./-])((?:service|workers)\.(?!(?:py|db)\b)[a-z_]\w*(?:\.\w+)*)")
-"""A dotted name in the rooms, service.store.db or workers.memory.model.plan (not service.py, service.db: files)."""
+"""A dotted name in the rooms, service.store.db or workers.memory.fit.plan (not service.py, service.db: files)."""
 
 
 def _resolves(cited: str) -> bool:

@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from workers.memory import model as memory
-from workers.memory.model import GB, GPTSpec, MLPSpec, Workload, breakdown, min_gpus, plan, total_bytes
+from workers.memory.fit import SWEEP_NUM_GPUS, min_gpus, plan
+from workers.memory.model import GB, GPTSpec, MLPSpec, Workload, breakdown, total_bytes
 
 PSI_7B5 = 7_500_000_000
 
@@ -34,7 +35,7 @@ def test_sweep_melts_toward_the_4psi_floor():
     assert [p.num_gpus for p in result.sweep] == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
     totals = [p.total_bytes for p in result.sweep]
     assert totals[0] == 16 * PSI_7B5  # N = 1: no partition, stage 1 == stage 0
-    assert totals == [4 * PSI_7B5 + 12 * -(-PSI_7B5 // n) for n in memory.SWEEP_NUM_GPUS]
+    assert totals == [4 * PSI_7B5 + 12 * -(-PSI_7B5 // n) for n in SWEEP_NUM_GPUS]
     assert [p.fits for p in result.sweep] == [False] + [True] * 10
     assert all(t > 4 * PSI_7B5 for t in totals)
 

@@ -23,11 +23,12 @@ class RefuseThirdParty:
     def find_spec(self, name, path=None, target=None):
         top = name.partition(".")[0]
         if top not in sys.stdlib_module_names and top != "workers":
-            raise ImportError(f"workers.memory.model imported third-party module {name!r}")
+            raise ImportError(f"workers.memory imported third-party module {name!r}")
         return None
 
 sys.meta_path.insert(0, RefuseThirdParty())
-from workers.memory.model import GB, Workload, plan
+from workers.memory.fit import plan
+from workers.memory.model import GB, Workload
 result = plan(Workload.from_num_params(7_500_000_000), num_gpus=64, gpu_memory_bytes=80 * GB)
 assert result.per_gpu.total_bytes == 31_406_250_000, result
 import workers.limits  # service/schemas/requests.py takes its defaults and bounds from there

@@ -14,6 +14,7 @@ from service.planning.traces import KnownTrace, Tracer, TraceRequest, Traces
 from service.schemas.model_specs import PythonModelSpec, TracedModelSpec
 from service.schemas.requests import PlanRequest
 from service.schemas.responses import PlanPublic
+from workers.memory import fit
 from workers.memory import model as memory
 from workers.memory.model import GB
 
@@ -85,14 +86,14 @@ def _traced_workload(request: PlanRequest, *, overhead_bytes: int, tracer: Trace
 
 def make_plan(
     request: PlanRequest, *, cluster: ClusterCapacity, overhead_bytes: int, tracer: Traces | None = None
-) -> memory.Plan:
+) -> fit.Plan:
     """Plan `request`, filling num_gpus and gpu_memory_gb from the cluster when absent."""
     gpu_memory_bytes = (
         cluster.gpu_memory_bytes
         if request.gpu_memory_gb is None
         else memory.gpu_memory_bytes_from_gb(request.gpu_memory_gb)
     )
-    return memory.plan(
+    return fit.plan(
         workload_for(request, overhead_bytes=overhead_bytes, tracer=tracer),
         num_gpus=request.num_gpus or cluster.num_gpus,
         stage=request.stage,
@@ -100,7 +101,7 @@ def make_plan(
     )
 
 
-def plan_public(plan: memory.Plan, *, shape: tuple[int, int] | None = None) -> PlanPublic:
+def plan_public(plan: fit.Plan, *, shape: tuple[int, int] | None = None) -> PlanPublic:
     """The API's JSON shape of a plan (stage keys are strings, as JSON needs), with an hf model's
     (vocab_size, block_size) when given."""
     vocab_size, block_size = shape or (None, None)
@@ -123,7 +124,7 @@ def plan_public(plan: memory.Plan, *, shape: tuple[int, int] | None = None) -> P
     )
 
 
-def fits_no_number(plan: memory.Plan, workload: memory.Workload) -> str:
+def fits_no_number(plan: fit.Plan, workload: memory.Workload) -> str:
     """The clause of a 422 for a stage at which no number of GPUs fits, with the bytes no N shards away."""
     if plan.stage >= 3:
         floor = memory.floor_bytes(workload, stage=plan.stage)

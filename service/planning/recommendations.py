@@ -11,6 +11,7 @@ from service.schemas.model_specs import GPTModelSpec
 from service.schemas.requests import MAX_MICRO_BATCH_SIZE, RUNNABLE_STAGES, PlanRequest, RecommendRequest
 from service.schemas.responses import CostModelPublic, RecommendationPublic, RecommendationsPublic
 from service.settings import Settings
+from workers.memory import fit
 from workers.memory import model as memory
 from workers.memory.model import GB
 
@@ -145,7 +146,7 @@ def _does_not_fit(
     return ServiceError(message, status_code=422, error="does_not_fit", plan=plan_public(plan).model_dump(mode="json"))
 
 
-def _what_would(plan: memory.Plan, workload: memory.Workload, *, search: configurations.Search) -> str:
+def _what_would(plan: fit.Plan, workload: memory.Workload, *, search: configurations.Search) -> str:
     if plan.min_gpus is None:
         return fits_no_number(plan, workload)
     divides = f"N must also divide global_batch_size ({search.global_batch_size})"

@@ -23,6 +23,7 @@ from service.schemas.responses import PlanPublic
 from workers.config import ModelKind
 from workers.data import datafiles
 from workers.data.digests import tokenizer_digest
+from workers.memory import fit
 from workers.memory import model as memory
 from workers.memory.model import GB
 from workers.training import staging
@@ -67,7 +68,7 @@ def admit(spec: JobSpec, *, cluster: ClusterCapacity, overhead_bytes: int, trace
     return public
 
 
-def _stage_at(spec: JobSpec, plan: memory.Plan, workload: memory.Workload) -> dict[str, int]:
+def _stage_at(spec: JobSpec, plan: fit.Plan, workload: memory.Workload) -> dict[str, int]:
     """An elastic auto job's stage on each N it may run on: the first that fits there. At its fewest
     GPUs that is the plan's; on more, each GPU holds less, and an earlier stage may fit."""
     return {
@@ -216,9 +217,7 @@ def check_storage(problems: dict[str, str], *, uri: str) -> None:
         )
 
 
-def _what_fits(
-    plan: memory.Plan, *, cluster: ClusterCapacity, request, overhead_bytes: int, tracer: Traces | None
-) -> str:
+def _what_fits(plan: fit.Plan, *, cluster: ClusterCapacity, request, overhead_bytes: int, tracer: Traces | None) -> str:
     """What would fit: this stage at more GPUs, or a later stage (its per-GPU bytes named)."""
     workload = workload_for(request, overhead_bytes=overhead_bytes, tracer=tracer)
     stage = plan.stage
@@ -230,7 +229,7 @@ def _what_fits(
         text = f"; min_gpus = {plan.min_gpus} at stage {stage} fits"
     higher = []
     for later in (s for s in RUNNABLE_STAGES if s > stage):
-        n = memory.min_gpus(workload, stage=later, gpu_memory_bytes=plan.gpu_memory_bytes)
+        n = fit.min_gpus(workload, stage=later, gpu_memory_bytes=plan.gpu_memory_bytes)
         if n is None:
             continue
         at = max(n, request.num_gpus)
