@@ -33,7 +33,7 @@ import httpx
 
 from service.planning.capacity import simulated_capacity
 from service.planning.plans import make_plan, plan_public
-from service.schemas.requests import PlanRequest
+from service.schemas.plan_requests import PlanRequest
 from service.settings import Settings
 from workers.memory.fit import plan
 from workers.memory.model import GB, GPTSpec, Workload

@@ -1108,7 +1108,7 @@ def test_durations_and_significant_digits():
 
 def test_the_sweep_melts_toward_the_4_psi_floor_at_stage_1():
     from service.planning.plans import make_plan, plan_public
-    from service.schemas.requests import PlanRequest
+    from service.schemas.plan_requests import PlanRequest
 
     cluster = ClusterCapacity(num_gpus=64, num_gpus_free=64, gpu_memory_bytes=80 * GB, simulated=True)
 
@@ -1128,7 +1128,7 @@ def test_the_sweep_melts_toward_the_4_psi_floor_at_stage_1():
 
 def test_no_bar_label_sits_on_the_memory_line_and_a_small_models_bars_read_in_its_unit():
     from service.planning.plans import make_plan, plan_public
-    from service.schemas.requests import PlanRequest
+    from service.schemas.plan_requests import PlanRequest
 
     cluster = ClusterCapacity(num_gpus=64, num_gpus_free=64, gpu_memory_bytes=80 * GB, simulated=True)
 

@@ -119,7 +119,7 @@ def _recommend(args: argparse.Namespace) -> int:
     from service.errors import ServiceError, describe_validation_errors
     from service.planning.capacity import simulated_capacity
     from service.planning.recommendations import cost_model_of, recommend_public
-    from service.schemas.requests import RecommendRequest
+    from service.schemas.plan_requests import RecommendRequest
 
     settings = get_settings()
     try:
@@ -150,7 +150,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from service.planning.capacity import simulated_capacity
     from service.planning.plans import make_plan, plan_public
     from service.planning.traces import Tracer
-    from service.schemas.requests import PlanRequest
+    from service.schemas.plan_requests import PlanRequest
 
     if args.recommend:
         return _recommend(args)

@@ -33,8 +33,8 @@ from service.planning.plans import make_plan, plan_public
 from service.planning.recommendations import cost_model_of, recommend_public
 from service.scheduling import controls
 from service.schemas.fields import ACTIVE, JobStatus, resolved_roots, too_many_digits
+from service.schemas.plan_requests import PlanRequest, RecommendRequest
 from service.schemas.printable import MULTILINE, escape
-from service.schemas.requests import PlanRequest, RecommendRequest
 from service.schemas.responses import JobPublic
 from service.store import job_repository
 from service.store.checkpoint_files import stored_checkpoints

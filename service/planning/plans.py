@@ -12,7 +12,7 @@ from service.errors import ServiceError
 from service.planning.capacity import ClusterCapacity
 from service.planning.traces import KnownTrace, Tracer, TraceRequest, Traces
 from service.schemas.model_specs import PythonModelSpec, TracedModelSpec
-from service.schemas.requests import PlanRequest
+from service.schemas.plan_requests import PlanRequest
 from service.schemas.responses import PlanPublic
 from workers.memory import fit
 from workers.memory import model as memory

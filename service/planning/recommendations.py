@@ -8,7 +8,8 @@ from service.planning import configurations, step_costs
 from service.planning.capacity import ClusterCapacity
 from service.planning.plans import fits_no_number, make_plan, plan_public, workload_for
 from service.schemas.model_specs import GPTModelSpec
-from service.schemas.requests import MAX_MICRO_BATCH_SIZE, RUNNABLE_STAGES, PlanRequest, RecommendRequest
+from service.schemas.plan_requests import MAX_MICRO_BATCH_SIZE, PlanRequest, RecommendRequest
+from service.schemas.requests import RUNNABLE_STAGES
 from service.schemas.responses import CostModelPublic, RecommendationPublic, RecommendationsPublic
 from service.settings import Settings
 from workers.memory import fit

@@ -18,7 +18,8 @@ from service.planning.dataset_checks import DatasetChecker, DatasetRequest, inva
 from service.planning.plans import fits_no_number, make_plan, model_shape, plan_public, trace_first, workload_for
 from service.planning.traces import Tracer, Traces
 from service.schemas.data_specs import DatasetDataSpec, TextDataSpec
-from service.schemas.requests import RUNNABLE_STAGES, JobSpec, PlanRequest
+from service.schemas.plan_requests import PlanRequest
+from service.schemas.requests import RUNNABLE_STAGES, JobSpec
 from service.schemas.responses import PlanPublic
 from workers.config import ModelKind
 from workers.data import datafiles

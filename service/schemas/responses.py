@@ -1,5 +1,6 @@
 """What the REST API returns: one model per response body, built from the stored rows and the
-planner's results (the request bodies, which validate input, are service/schemas/requests.py)."""
+planner's results (the request bodies, which validate input, are service/schemas/plan_requests.py's
+and service/schemas/requests.py's)."""
 
 from __future__ import annotations
 

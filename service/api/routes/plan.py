@@ -9,7 +9,7 @@ from service.api.offload import in_file_thread, require_code
 from service.planning.hf_paths import check_model_path
 from service.planning.plans import make_plan, model_shape, plan_public, trace_first
 from service.planning.recommendations import cost_model_of, recommend_public
-from service.schemas.requests import PlanRequest, RecommendRequest
+from service.schemas.plan_requests import PlanRequest, RecommendRequest
 from service.schemas.responses import ErrorPublic, PlanPublic, RecommendationsPublic
 from workers.memory.model import GB
 
