@@ -16,7 +16,7 @@ from service.planning.traces import Tracer
 from service.scheduling.ray_launcher import RayLauncher
 from service.scheduling.scheduler import Scheduler
 from service.settings import Settings
-from service.store.code_bundles import code_store
+from service.store.code.stores import code_store
 from service.store.db import Database, upgrade
 from service.store.housekeeping import Housekeeper
 from service.store.job_storage import JobStorage

@@ -1,7 +1,7 @@
 """Code bundles through the API: POST /v1/code and GET /v1/code/{digest}, with auth off and on, and the
-check a job's admission makes (bundles.require_bundle) against the stored uploads.
+check a job's admission makes (uploads.require_bundle) against the stored uploads.
 
-Packages: service.api, service.store.
+Packages: service.api, service.store.code.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from sqlalchemy import func, select
 
 from service.auth import ANONYMOUS, PUBLIC, Principal
 from service.errors import ServiceError
-from service.store.code_bundles import code_dir
-from service.store.code_uploads import get_bundle, require_bundle
+from service.store.code.stores import code_dir
+from service.store.code.uploads import get_bundle, require_bundle
 from service.store.tables import CodeBundle
 
 from conftest import make_settings, serve_on_fakes

@@ -1,7 +1,7 @@
 """Code bundles without the API: what check_bundle refuses (and how fast), and the store's zips as Ray
 unpacks them.
 
-Packages: service.store.
+Packages: service.store.code.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import pytest
 from ray._private.runtime_env.packaging import unzip_package
 
 from service.errors import ServiceError
-from service.store.code_bundles import CodeStore, check_bundle, check_digest
+from service.store.code.checks import check_bundle, check_digest
+from service.store.code.stores import CodeStore
 
 from helpers import EIGHT_MIB, deflated_zeros, one_entry_zip, symlink_zip, zip_of
 

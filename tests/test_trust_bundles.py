@@ -9,7 +9,7 @@ directory; the children's environment and /proc hold no S3 key, while the job's 
 the bucket. Lower down: the unpacking of a stored zip for a child (workers/training/bundles.py),
 the start-up refusal of Ray's temporary directory, and what the embedded Ray keeps of the environment.
 
-Packages: workers.training, workers.runtime, service.planning, service.store.
+Packages: workers.training, workers.runtime, service.planning, service.store.code.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import httpx
 import pytest
 
 from service.planning.capacity import private_ray_temp_dir, without_service_secrets
-from service.store.code_bundles import CodeStore, ObjectCodeStore
+from service.store.code.stores import CodeStore, ObjectCodeStore
 from workers.training.bundles import BundleError, unpack_bundle
 from workers.training.checkpoints import latest_checkpoint
 from workers.training.storage import open_store

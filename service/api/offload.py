@@ -20,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 
 from service.app_state import AppState
 from service.auth import Principal
-from service.store.code_uploads import require_bundle
+from service.store.code.uploads import require_bundle
 
 T = TypeVar("T")
 FILE_THREADS = 4
@@ -35,7 +35,7 @@ async def in_file_thread(fn: Callable[..., T], /, *args, **kwargs) -> T:
 
 
 async def require_code(runtime: AppState, digest: str, *, principal: Principal) -> None:
-    """service.store.code_uploads.require_bundle (422 unknown, 403 someone else's) in a session of its own."""
+    """service.store.code.uploads.require_bundle (422 unknown, 403 someone else's) in a session of its own."""
 
     def check() -> None:
         with runtime.db.session() as session:

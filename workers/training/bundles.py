@@ -27,7 +27,7 @@ from urllib.parse import unquote, urlparse
 from workers.training.storage import open_store
 
 TOP_LEVEL_DIR = "bundle"
-"""Every entry of a stored zip is under it (service/store/code_bundles.py packs it so)."""
+"""Every entry of a stored zip is under it (service/store/code/checks.py packs it so)."""
 CODE_DIRS = ("working_dir_files", "code")
 """The unpacked files' place under the private directory: workers.records trims tracebacks by it."""
 MAX_ENTRIES = 10_000

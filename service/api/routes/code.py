@@ -10,8 +10,8 @@ from starlette.concurrency import run_in_threadpool
 from service.api.deps import AppStateDep, PrincipalDep, ReaderDep, SessionDep, SettingsDep, errors, json_response
 from service.errors import ServiceError
 from service.schemas.responses import CodeBundleDetailPublic, CodeBundlePublic, ErrorPublic
-from service.store import code_uploads
-from service.store.code_bundles import digest_of
+from service.store.code import uploads as code_uploads
+from service.store.code.checks import digest_of
 
 router = APIRouter(prefix="/code", tags=["code"])
 _ERRORS = errors(401, 403, 404, 413, 415, 422)

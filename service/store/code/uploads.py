@@ -1,7 +1,7 @@
 """Who uploaded which code bundle: an upload's record, a bundle's metadata, and the check that admits a
 job's `code` only for its uploaders (and admins).
 
-The bytes live in service.store.code_bundles's store, once per digest; these rows say who may use them.
+The bytes live in service.store.code.stores's store, once per digest; these rows say who may use them.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from sqlalchemy.orm import Session
 from service.auth import Principal
 from service.errors import ServiceError
 from service.schemas.responses import CodeBundleDetailPublic
-from service.store.code_bundles import BundleInfo, BundleStore, check_digest
+from service.store.code.checks import BundleInfo, check_digest
+from service.store.code.stores import BundleStore
 from service.store.tables import CodeBundle
 
 
