@@ -69,6 +69,7 @@ class AppState:
             storage=self.storage,
             total_gpus=lambda: self.cluster.capacity().num_gpus,
             interval_s=settings.scheduler_interval_s,
+            idle_interval_s=settings.scheduler_idle_interval_s,
             start_timeout_s=settings.start_timeout_s,
             grow_interval_s=settings.elastic_grow_interval_s,
             sweep_interval_s=settings.placement_sweep_interval_s,

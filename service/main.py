@@ -17,6 +17,7 @@ from fastapi.staticfiles import StaticFiles
 from service import dashboard
 from service.api import root, v1
 from service.api.limits import BodyLimit, BodySizeLimit
+from service.api.wake import WakeScheduler
 from service.app_state import AppState
 from service.auth import Authenticator, TokenTable, load_tokens, lockout_of
 from service.dashboard.login import install_login, require_page_reader
@@ -81,6 +82,7 @@ def create_app(
         default=BodyLimit(settings.max_request_bytes, "ZERO1_MAX_REQUEST_BYTES"),
         by_path={"/v1/code": BodyLimit(settings.max_code_bytes, "ZERO1_MAX_CODE_BYTES")},
     )
+    app.add_middleware(WakeScheduler)
     app.add_middleware(RequestTimer, telemetry=telemetry)  # added last, so outermost: a 413 is timed too
     install_error_handlers(app)
     app.include_router(root)

@@ -123,6 +123,10 @@ class Settings(BaseSettings):
     422 data_timeout; a dataset already in the cache is only hashed."""
     scheduler_interval_s: float = Field(0.2, gt=0, le=60)
     """How often the scheduler admits queued jobs and collects metrics."""
+    scheduler_idle_interval_s: float = Field(1.0, gt=0, le=60)
+    """How often the scheduler ticks while no job is active or queued (at least scheduler_interval_s);
+    a request that may change a job wakes it at once, so a submit is not kept waiting. Less than
+    scheduler_stale_s, so that an idle service is never reported stale."""
     placement_sweep_interval_s: float = Field(10.0, gt=0, le=3600)
     """How often the scheduler looks for placement groups of this deployment that no active
     attempt owns (a supervisor killed while it placed its ranks leaves one) and frees them."""
@@ -258,6 +262,15 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"start_timeout_s ({self.start_timeout_s:g}) must be at least placement_timeout_s "
                 f"({self.placement_timeout_s:g}) + rendezvous_timeout_s ({self.rendezvous_timeout_s:g}) = {floor:g}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _idle_ticks_not_stale(self) -> Settings:
+        if self.scheduler_idle_interval_s >= self.scheduler_stale_s:
+            raise ValueError(
+                f"scheduler_idle_interval_s ({self.scheduler_idle_interval_s:g}) must be less than "
+                f"scheduler_stale_s ({self.scheduler_stale_s:g}): an idle scheduler would be reported stale"
             )
         return self
 

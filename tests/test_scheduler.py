@@ -232,7 +232,7 @@ def test_one_jobs_error_fails_it_alone_and_the_others_and_the_queue_go_on(app):
 
 
 def test_healthz_says_degraded_while_the_scheduler_completes_no_tick(ray_cluster, tmp_path):
-    settings = make_settings(tmp_path, scheduler_stale_s=0.5)
+    settings = make_settings(tmp_path, scheduler_stale_s=0.5, scheduler_idle_interval_s=0.1)
     with TestClient(create_app(settings), raise_server_exceptions=False) as client:
         scheduler = client.app.state.runtime.scheduler
         # ok once a tick has completed (the first may take longer than 0.5 s on a loaded machine)
@@ -518,3 +518,24 @@ def test_an_idle_tick_asks_the_database_two_questions_and_a_queued_job_is_still_
         assert idle == 2, statements
         assert busy > idle  # the queue is read and its head started
         assert client.get(f"/v1/jobs/{job_id}").json()["status"] in ("starting", "running")
+
+
+def test_an_idle_scheduler_waits_its_idle_interval_and_a_submit_wakes_it(tmp_path):
+    """With nothing active nor queued the scheduler waits ZERO1_SCHEDULER_IDLE_INTERVAL_S (a minute here)
+    between ticks. A POST wakes it, so the job submitted starts at once (not a minute later); a GET does not."""
+    from conftest import serve_on_fakes
+
+    settings = make_settings(tmp_path, scheduler_interval_s=0.01, scheduler_idle_interval_s=60, scheduler_stale_s=600)
+    with serve_on_fakes(settings) as client:
+        scheduler = client.app.state.runtime.scheduler
+        woken: list[str] = []
+        wake = scheduler.wake
+        scheduler.wake = lambda: (woken.append("woken"), wake())
+        wait_for(lambda: scheduler._idle, bool, what="an idle tick", timeout_s=30)
+        assert client.get("/v1/jobs").status_code == 200
+        assert woken == []
+        job_id = client.post("/v1/jobs", json=job_body()).json()["id"]
+        assert woken == ["woken"]
+        status = lambda: client.get(f"/v1/jobs/{job_id}").json()["status"]
+        wait_for(status, lambda s: s == "running", what="the job, woken", timeout_s=30)  # the idle wait is 60 s
+        assert not scheduler._idle  # a job is active: it ticks every interval_s again

@@ -1,7 +1,9 @@
 """The scheduler: the tick, each attempt watched (start timeout, cancel, a stop past its grace),
 recovery at start-up, and the Ray and file work each job's transaction decided.
 
-One thread ticks every ZERO1_SCHEDULER_INTERVAL_S. A tick asks every active job's supervisor
+One thread ticks every ZERO1_SCHEDULER_INTERVAL_S while a job is active or queued, and every
+ZERO1_SCHEDULER_IDLE_INTERVAL_S while none is; a request that may change a job (any API call but a
+read) wakes it at once (wake()). A tick asks every active job's supervisor
 for its news at once (Ray, outside any transaction), then settles each job in a transaction of
 its own: its new metric rows and its transition, or what becomes of it once its attempt is over
 (service/scheduling/outcomes.py records both). An error while settling one job fails that
@@ -52,6 +54,7 @@ class Scheduler:
         storage: JobStorage,
         total_gpus: Callable[[], int],
         interval_s: float,
+        idle_interval_s: float | None = None,
         start_timeout_s: float = 300.0,
         grow_interval_s: float = 300.0,
         sweep_interval_s: float = 10.0,
@@ -62,6 +65,8 @@ class Scheduler:
         self.launcher = launcher
         self.total_gpus = total_gpus
         self.interval_s = interval_s
+        self.idle_interval_s = interval_s if idle_interval_s is None else max(interval_s, idle_interval_s)
+        """The wait between ticks while no job is active or queued; wake() ends it at once."""
         self.start_timeout_s = start_timeout_s
         self.grow_interval_s = grow_interval_s
         self.clock = clock
@@ -89,6 +94,8 @@ class Scheduler:
         self._starting_since: dict[tuple[int, int], float] = {}  # (job, attempt) -> clock() first seen starting
         self._swept_at = -float("inf")
         self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._idle = False  # the last tick found no job active nor queued
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -99,6 +106,7 @@ class Scheduler:
     def stop(self) -> None:
         """Stop ticking, then drain: store what the supervisors hold (SIGTERM ends here)."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=60)
         try:
@@ -115,8 +123,17 @@ class Scheduler:
         """Seconds since the last tick completed (or since start, before the first); None if never started."""
         return None if self.last_tick_at is None else self.clock() - self.last_tick_at
 
+    def wake(self) -> None:
+        """Tick now, not at the end of an idle wait: something that may change a job has happened (a
+        submit, a cancel, a resume). While jobs are active the next tick is at most interval_s away."""
+        self._wake.set()
+
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        while True:
+            self._wake.wait(self.idle_interval_s if self._idle else self.interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 self.tick()
             except Exception:
@@ -139,6 +156,7 @@ class Scheduler:
         # to grow: an idle service's tick is two queries, not seven (it ticks 5 times a second)
         with self.db.session() as session:
             queued = any_queued(session)
+        self._idle = not jobs and not queued  # nothing to watch nor to start: wait for wake() or idle_interval_s
         if queued:
             self.dispatcher.admit(launch=lambda job: self._launch(job, what="dispatch"))
         else:
