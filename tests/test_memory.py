@@ -271,7 +271,12 @@ def test_buckets_are_cut_from_a_buffers_end_of_whole_parameters():
     """The optimizer's cut (workers/zero/buckets.py takes it from here): at most the cap, a larger
     parameter alone, backward's order first."""
     cuts = cut_buckets([3, 5, 2, 9, 1], cap=8)
-    assert [(c.first, c.num_params, c.lo, c.hi) for c in cuts] == [(4, 1, 19, 20), (3, 1, 10, 19), (1, 2, 3, 10), (0, 1, 0, 3)]
+    assert [(c.first, c.num_params, c.lo, c.hi) for c in cuts] == [
+        (4, 1, 19, 20),
+        (3, 1, 10, 19),
+        (1, 2, 3, 10),
+        (0, 1, 0, 3),
+    ]
     assert sum(c.hi - c.lo for c in cuts) == 3 + 5 + 2 + 9 + 1
 
 
