@@ -146,7 +146,7 @@ class GPTSpec:
         block's moment less the blocks already freed behind it (one block's saved tensors each, its
         input with checkpointing); at the end the embeddings' gradients (the tied one, the lookup's and
         their sum, and the positions') beside what is staged then. Checked against a trace of the step
-        in tests/test_trace.py: never under, and within about 1% of the plan over it.
+        (tests/test_stage2_memory.py): never under it.
         """
         sb = micro_batch_size * seq_len
         e = bytes_per_element
@@ -157,7 +157,7 @@ class GPTSpec:
         tied_grad = self.vocab_size * c * e
         last_block = recomputed + (5 * sb * c + 4 * c * c + c) * e + tied_grad - self._head_bytes(sb, e)
         freed = sb * c * e if checkpointing else self._block_bytes(sb, e)
-        staging = Arrivals(self.parameter_shapes(), bytes_per_element=e, bucket_cap_mb=bucket_cap_mb)
+        staging = _Arrivals(self.parameter_shapes(), bytes_per_element=e, bucket_cap_mb=bucket_cap_mb)
         ln_f = staging.arrive(["transformer.ln_f.weight", "transformer.ln_f.bias"])  # before the last block's
         moments = [temporaries]
         for behind, layer in enumerate(reversed(range(self.n_layer))):
@@ -244,7 +244,7 @@ class MLPSpec:
         weight and bias gradients staged at the moment they are made."""
         del seq_len, checkpointing
         e = bytes_per_element
-        staging = Arrivals(self.parameter_shapes(), bytes_per_element=e, bucket_cap_mb=bucket_cap_mb)
+        staging = _Arrivals(self.parameter_shapes(), bytes_per_element=e, bucket_cap_mb=bucket_cap_mb)
         moments = self._moments(micro_batch_size, e)
         staged = []
         for _, layer in moments:
@@ -294,7 +294,7 @@ _BLOCK_GRADS = (
 """A GPT block's parameters in the order backward hands over their gradients (a Linear's bias first)."""
 
 
-class Arrivals:
+class _Arrivals:
     """A built-in model's staging buffers (workers/memory/buckets.py Staging), its gradients named as
     parameter_shapes() names them, over the optimizer's flat buffers: decayed (2 or more dimensions),
     then the rest, each in the model's order."""

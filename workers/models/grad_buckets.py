@@ -30,17 +30,6 @@ def flat_buffers(model: nn.Module) -> list[list[nn.Parameter]]:
     return buffers
 
 
-def staging_of(model: nn.Module, *, bucket_cap_mb: float) -> tuple[list[list[nn.Parameter]], Staging]:
-    """The optimizer's flat buffers of the model's trainable parameters, and their buckets' staging."""
-    buffers = flat_buffers(model)
-    staging = Staging(
-        [[p.numel() for p in params] for params in buffers],
-        bytes_per_element=[params[0].element_size() for params in buffers],
-        bucket_cap_mb=bucket_cap_mb,
-    )
-    return buffers, staging
-
-
 class Stage2Schedule:
     """GradientShards' staging buffers during one micro-batch's backward, told to a meter's hold(nbytes).
 
@@ -49,7 +38,12 @@ class Stage2Schedule:
 
     def __init__(self, model: nn.Module, meter: Meter, *, bucket_cap_mb: float) -> None:
         self.meter = meter
-        self.buffers, self.staging = staging_of(model, bucket_cap_mb=bucket_cap_mb)
+        self.buffers = flat_buffers(model)
+        self.staging = Staging(
+            [[p.numel() for p in params] for params in self.buffers],
+            bytes_per_element=[params[0].element_size() for params in self.buffers],
+            bucket_cap_mb=bucket_cap_mb,
+        )
         self.slot = {id(p): (b, i) for b, params in enumerate(self.buffers) for i, p in enumerate(params)}
         self._handles: list = []
 
