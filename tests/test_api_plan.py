@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 GPT2_XL = {"kind": "gpt", "vocab_size": 50257, "n_layer": 48, "n_head": 25, "n_embd": 1600, "block_size": 1024}
+MIB = 2**20
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +28,7 @@ def test_seed_example(client):
     assert body["per_gpu"] == {
         "params_bytes": 15_000_000_000,
         "grads_bytes": 15_000_000_000,
+        "buckets_bytes": 0,
         "optimizer_bytes": 1_406_250_000,
         "padding_bytes": 0,
         "activations_bytes": 0,
@@ -35,7 +37,13 @@ def test_seed_example(client):
         "total_bytes": 31_406_250_000,
     }
     assert body["method"] == "formula"
-    assert body["stages"] == {"0": 120_000_000_000, "1": 31_406_250_000, "2": 16_640_625_000, "3": 1_875_000_000}
+    buckets = 3 * 25 * MIB  # stage 2: two 25 MiB buckets in flight and one filling
+    assert body["stages"] == {
+        "0": 120_000_000_000,
+        "1": 31_406_250_000,
+        "2": 16_640_625_000 + buckets,
+        "3": 1_875_000_000,
+    }
     assert body["fits"] is True and body["min_gpus"] == 2
     assert body["gpu_memory_bytes"] == 80_000_000_000
     assert body["headroom_bytes"] == 80_000_000_000 - 31_406_250_000
@@ -64,6 +72,24 @@ def test_model_plan_has_activations_overhead_and_padding(client):
         json={"model": GPT2_XL, "num_gpus": 8, "micro_batch_size": 2, "activation_checkpointing": True},
     ).json()
     assert ckpt["per_gpu"]["activations_bytes"] < per_gpu["activations_bytes"]
+
+
+def test_a_stage_2_plan_lists_its_gradient_buckets_of_the_cap_asked(client):
+    """Stage 2's line: what the staging buffers of the buckets add at the step's peak (the built-in
+    model's closed form), smaller with smaller buckets; other stages have none. A wide GPT on short
+    sequences, whose peak is in backward's blocks (GPT-2 XL's, at its head, stages nothing)."""
+    wide = {"kind": "gpt", "vocab_size": 512, "n_layer": 6, "n_head": 8, "n_embd": 512, "block_size": 128}
+    common = {"model": wide, "num_gpus": 8, "micro_batch_size": 2, "stage": 2}
+    default, small = (client.post("/v1/plan", json=common | cap).json() for cap in ({}, {"bucket_cap_mb": 1}))
+    assert 0 < small["per_gpu"]["buckets_bytes"] < default["per_gpu"]["buckets_bytes"] <= 3 * 25 * MIB
+    for body in (default, small):
+        per_gpu = body["per_gpu"]
+        assert per_gpu["total_bytes"] == sum(v for k, v in per_gpu.items() if k != "total_bytes")
+        assert body["stages"]["2"] == per_gpu["total_bytes"]
+    stage1 = client.post("/v1/plan", json=common | {"stage": 1}).json()
+    assert stage1["per_gpu"]["buckets_bytes"] == 0 and stage1["stages"] == default["stages"]
+    r = client.post("/v1/plan", json=common | {"bucket_cap_mb": 0.5})
+    assert r.status_code == 422 and "bucket_cap_mb" in r.json()["message"]
 
 
 def test_a_model_that_does_not_fit_says_what_would(client):

@@ -46,8 +46,15 @@ def test_plan_prints_the_breakdown_and_sweep():
     assert "total             31.406        31,406,250,000" in lines
     assert "min_gpus at stage 1: 2" in lines
     assert "     2          75.000  yes" in lines and "     1         120.000  no" in lines
+    assert "buckets            0.000                     0" in lines  # stage 2's line, none at stage 1
     stages = lines[lines.index("stage       GB per GPU at N=64") + 1 :][:4]
-    assert [line.split() for line in stages] == [["0", "120.000"], ["1", "31.406"], ["2", "16.641"], ["3", "1.875"]]
+    stage2 = (16_640_625_000 + 3 * 25 * 2**20) / 1e9  # 2Ψ + 14Ψ/N and three 25 MiB buckets staged at once
+    assert [line.split() for line in stages] == [
+        ["0", "120.000"],
+        ["1", "31.406"],
+        ["2", f"{stage2:.3f}"],
+        ["3", "1.875"],
+    ]
 
 
 def test_plan_trace_counts_the_step_in_the_cli_process():

@@ -61,7 +61,7 @@ CHROMIUM_ARGS = [
     "--no-first-run",
 ]
 TINY_GPT = json.loads((ROOT / "examples" / "tiny-gpt.json").read_text())
-PARTS = ("params", "grads", "optimizer", "padding", "activations", "overhead", "total")
+PARTS = ("params", "grads", "buckets", "optimizer", "padding", "activations", "overhead", "total")
 SEEDED_JOBS = 100
 assert SEEDED_JOBS >= TABLE_LIMIT, "the table shows its whole TABLE_LIMIT rows"
 SEEDED_STEPS = 20
@@ -1120,6 +1120,8 @@ def test_the_sweep_melts_toward_the_4_psi_floor_at_stage_1():
     assert charts.floor_bytes(plan["per_gpu"], stage=1) == 30 * GB  # 4Ψ
     assert charts.floor_bytes(plan_at(0)["per_gpu"], stage=0) == 120 * GB  # plain DDP shards nothing: 16Ψ
     assert charts.floor_bytes(plan_at(3)["per_gpu"], stage=3) == 0
+    stage2 = plan_at(2)["per_gpu"]  # 2Ψ of weights and the gradient buckets staged at once, which no N shards
+    assert stage2["buckets_bytes"] > 0 and charts.floor_bytes(stage2, stage=2) == 15 * GB + stage2["buckets_bytes"]
     chart = charts.sweep_chart(plan["sweep"], gpu_memory_bytes=80 * GB, floor_bytes=30 * GB)
     heights = [bar.height for bar in chart.bars]
     assert heights == sorted(heights, reverse=True) and [bar.fits for bar in chart.bars][:2] == [False, True]

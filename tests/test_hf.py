@@ -355,17 +355,18 @@ def test_an_hf_llama_at_stages_2_and_3_holds_about_what_its_traced_plan_says(num
     """Each rank's peak, counted on its CPU tensors, against the traced plan at its stage and N. Stage 3
     measures under its plan, within 5% (0.986 at N = 2, 0.983 at N = 4 here: the trace plays FSDP2's
     gathers and frees, and holds a unit until the next one's forward is done, as a GPU frees it; a CPU
-    frees it at once). Stage 2 measures over it, within 5% (1.036 and 1.040 here): the staging buffers
-    of the buckets in flight, which the plan does not count yet. Counts of bytes, not times: the same
-    on any CPU."""
+    frees it at once). Stage 2 within 2% (0.988 and 0.987 here, as stage 1's): the trace plays the
+    staging buffers of its gradient buckets (buckets_bytes), which gloo's receive buffers, alive after
+    the step's peak here, do not change. Counts of bytes, not times: the same on any CPU."""
     import json
 
     from distributed import run_ranks
 
     _, workload = traced_workload(TINY_LLAMA, precision="fp32", micro_batch_size=4, activation_checkpointing=False)
     planned = {stage: breakdown(workload, num_gpus=num_gpus, stage=stage).total_bytes for stage in (2, 3)}
+    assert breakdown(workload, num_gpus=num_gpus, stage=2).buckets_bytes == workload.buckets_bytes > 0
     run_ranks(num_gpus, _peaks_at_stages, planned, str(tmp_path / "peaks"))
     for rank in range(num_gpus):
         peaks = json.loads((tmp_path / f"peaks-{rank}.json").read_text())
-        assert all(planned[2] <= peak <= 1.05 * planned[2] for peak in peaks["2"]), (rank, peaks, planned)
+        assert all(peak == pytest.approx(planned[2], rel=0.02) for peak in peaks["2"]), (rank, peaks, planned)
         assert all(0.95 * planned[3] <= peak <= planned[3] for peak in peaks["3"]), (rank, peaks, planned)

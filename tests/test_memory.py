@@ -6,23 +6,29 @@ Packages: workers.memory.
 from __future__ import annotations
 
 import math
+from collections import deque
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from workers.memory import model as memory
+from workers.memory.buckets import MAX_BUCKETS_IN_FLIGHT, MIB, Staging, cut_buckets
 from workers.memory.fit import SWEEP_NUM_GPUS, min_gpus, plan
 from workers.memory.model import GB, GPTSpec, MLPSpec, Workload, breakdown, total_bytes
 
 PSI_7B5 = 7_500_000_000
+BUCKETS_FP16 = (MAX_BUCKETS_IN_FLIGHT + 1) * 25 * MIB
+"""A plan by parameter count at stage 2, fp16: the buckets in flight and the one filling, of 25 MiB each."""
 
 
 def test_seed_worked_example():
-    """Ψ = 7.5e9, fp16 AdamW: 120 GB for DDP, 31.40625 GB at N = 64, floor 30 GB."""
+    """Ψ = 7.5e9, fp16 AdamW: 120 GB for DDP, 31.40625 GB at N = 64, floor 30 GB; stage 2 adds its
+    gradient buckets staged at once (3 x 25 MiB)."""
     result = plan(Workload.from_num_params(PSI_7B5), num_gpus=64, stage=1, gpu_memory_bytes=80 * GB)
     assert result.per_gpu.total_bytes == 31_406_250_000
-    assert result.stages == {0: 120 * GB, 1: 31_406_250_000, 2: 16_640_625_000, 3: 1_875_000_000}
+    assert result.stages == {0: 120 * GB, 1: 31_406_250_000, 2: 16_640_625_000 + BUCKETS_FP16, 3: 1_875_000_000}
+    assert result.per_gpu.buckets_bytes == 0  # stage 1's
     assert result.fits and result.headroom_bytes == 80 * GB - 31_406_250_000
     assert result.min_gpus == 2
     assert (result.per_gpu.params_bytes, result.per_gpu.grads_bytes) == (2 * PSI_7B5, 2 * PSI_7B5)
@@ -59,7 +65,9 @@ def test_design_tables(precision, optimizer, p, g, k):
     w = Workload.from_num_params(psi, precision=precision, optimizer=optimizer)
     assert total_bytes(w, num_gpus=n, stage=0) == (p + g + k) * psi
     assert total_bytes(w, num_gpus=n, stage=1) == (p + g) * psi + k * psi // n
-    assert total_bytes(w, num_gpus=n, stage=2) == p * psi + (g + k) * psi // n
+    cap = 25 * MIB // g
+    buckets = g * min(psi, (MAX_BUCKETS_IN_FLIGHT + 1) * cap)
+    assert total_bytes(w, num_gpus=n, stage=2) == p * psi + (g + k) * psi // n + buckets
     assert total_bytes(w, num_gpus=n, stage=3) == (p + g + k) * psi // n
 
 
@@ -221,6 +229,89 @@ def test_a_traced_stage_3_plan_holds_its_traced_gathered_bytes_in_place_of_its_g
         Workload.from_trace(**common, gathered_bytes=-1)
 
 
+def test_a_stage_2_plan_adds_its_counted_buckets_and_no_other_stage_does():
+    """A traced model's stage-2 term is what its step was counted staging (buckets_bytes); a plan by
+    parameter count bounds it by the buckets that can be staged at once, of the job's cap."""
+    common = {"group_numels": (1000, 24), "frozen_numel": 0, "activations_bytes": 500, "temporaries_bytes": 50}
+    counted = Workload.from_trace(**common, buckets_bytes=777, precision="bf16")
+    uncounted = Workload.from_trace(**common, precision="bf16")
+    for n in (1, 2, 4):
+        with_count, without = (breakdown(w, num_gpus=n, stage=2) for w in (counted, uncounted))
+        assert with_count.buckets_bytes == 777
+        assert without.buckets_bytes == 2 * (1000 + 24)  # the bound: every gradient, both buffers' one bucket
+        assert with_count.total_bytes - without.total_bytes == 777 - 2048
+        for stage in (0, 1, 3):
+            assert breakdown(counted, num_gpus=n, stage=stage).buckets_bytes == 0
+            assert breakdown(counted, num_gpus=n, stage=stage) == breakdown(uncounted, num_gpus=n, stage=stage)
+    assert memory.floor_bytes(counted, stage=2) - memory.floor_bytes(uncounted, stage=2) == 777 - 2048
+    assert memory.floor_bytes(counted, stage=1) == memory.floor_bytes(uncounted, stage=1)
+    small = Workload.from_num_params(PSI_7B5, bucket_cap_mb=1.0)  # 1 MiB buckets in fp16
+    assert breakdown(small, num_gpus=8, stage=2).buckets_bytes == (MAX_BUCKETS_IN_FLIGHT + 1) * MIB
+    with pytest.raises(ValueError, match="buckets_bytes must be >= 0, got -1"):
+        Workload.from_trace(**common, buckets_bytes=-1)
+    with pytest.raises(ValueError, match="bucket_cap_mb must be a finite number > 0, got 0"):
+        Workload.from_num_params(10, bucket_cap_mb=0)
+
+
+def test_a_model_plan_at_stage_2_counts_the_buckets_of_the_jobs_cap():
+    """A built-in model's term is its closed form's at the job's bucket_cap_mb: buckets of 1 MiB stage
+    less of this 12 MB model at once than its two 25 MiB buckets (all of it)."""
+    spec = GPTSpec(vocab_size=512, n_layer=6, n_head=8, n_embd=256, block_size=64)
+    step = {"micro_batch_size": 2, "seq_len": 64, "bytes_per_element": 2, "checkpointing": False}
+    terms = {}
+    for cap in (25.0, 1.0):
+        w = Workload.from_model(spec, micro_batch_size=2, bucket_cap_mb=cap)
+        terms[cap] = breakdown(w, num_gpus=4, stage=2).buckets_bytes
+        assert terms[cap] == spec.buckets_bytes(**step, bucket_cap_mb=cap) == w.buckets_bytes
+        assert breakdown(w, num_gpus=4, stage=1).buckets_bytes == 0
+    assert 0 < terms[1.0] < terms[25.0] <= 2 * spec.num_params
+
+
+def test_buckets_are_cut_from_a_buffers_end_of_whole_parameters():
+    """The optimizer's cut (workers/zero/buckets.py takes it from here): at most the cap, a larger
+    parameter alone, backward's order first."""
+    cuts = cut_buckets([3, 5, 2, 9, 1], cap=8)
+    assert [(c.first, c.num_params, c.lo, c.hi) for c in cuts] == [
+        (4, 1, 19, 20),
+        (3, 1, 10, 19),
+        (1, 2, 3, 10),
+        (0, 1, 0, 3),
+    ]
+    assert sum(c.hi - c.lo for c in cuts) == 3 + 5 + 2 + 9 + 1
+
+
+def test_staging_allocates_on_a_buckets_first_gradient_and_frees_it_when_a_later_launch_finishes_it():
+    """Four one-parameter buckets of 4 bytes, backward in reverse: at most MAX_BUCKETS_IN_FLIGHT
+    launched and one staging, then the oldest is finished before the next launch."""
+    staging = Staging([[4, 4, 4, 4]], bytes_per_element=1, bucket_cap_mb=4 / MIB)
+    live = []
+    for index in reversed(range(4)):
+        staging.stage(0, index)
+        live.append(staging.live_bytes)
+        staging.staged(0, index)
+        live.append(staging.live_bytes)
+    assert live == [4, 4, 8, 8, 12, 8, 12, 8]
+    assert staging.peak_bytes == (MAX_BUCKETS_IN_FLIGHT + 1) * 4
+    staging.end()
+    assert staging.live_bytes == 0
+
+
+def test_staging_holds_a_bucket_until_its_last_gradient_and_sends_one_without_any_at_the_end():
+    """Two buckets of 8 bytes ([2, 3] and [0, 1]) and one of 4 ([4] of a second buffer) whose parameter
+    gets no gradient: gradients of both buckets interleaved hold both; the end stages the third."""
+    staging = Staging([[4, 4, 4, 4], [4]], bytes_per_element=1, bucket_cap_mb=8 / MIB)
+    for index in (3, 0, 2):
+        staging.stage(0, index)
+        staging.staged(0, index)
+    assert staging.live_bytes == 16 and staging.in_flight == deque([0])  # [2, 3] launched, [0, 1] filling
+    staging.stage(0, 1)
+    staging.staged(0, 1)
+    assert staging.live_bytes == 16 and staging.in_flight == deque([0, 1])
+    staging.end()  # [4]'s zeroed buffer is allocated before the oldest in flight is finished, as the optimizer does
+    assert (staging.peak_bytes, staging.live_bytes) == (8 + 8 + 4, 0)
+    assert staging.arrived == [0, 0, 0] and not any(staging.launched)  # ready for the next backward
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -259,26 +350,30 @@ def test_monotone_non_increasing_in_n(w, n, stage):
 
 
 @given(w=workloads, n=gpus)
-def test_higher_stages_never_cost_more(w, n):
+def test_higher_stages_never_cost_more_but_stage_2s_buckets(w, n):
     t0, t1, t2, t3 = (total_bytes(w, num_gpus=n, stage=s) for s in memory.STAGES)
-    assert t3 <= t2 <= t1 <= t0
+    buckets = breakdown(w, num_gpus=n, stage=2).buckets_bytes
+    assert 0 < buckets <= memory.bytes_per_param(w.precision)[1] * w.num_params
+    assert t3 <= t2 - buckets <= t1 <= t0
 
 
 @given(w=workloads)
-def test_one_gpu_collapses_every_stage_to_ddp(w):
-    assert len({total_bytes(w, num_gpus=1, stage=s) for s in memory.STAGES}) == 1
+def test_one_gpu_collapses_every_stage_to_ddp_but_stage_2s_buckets(w):
+    """A stage-2 rank stages its gradients bucket by bucket even alone (workers/zero/stage2.py)."""
+    totals = [total_bytes(w, num_gpus=1, stage=s) for s in memory.STAGES]
+    assert totals[0] == totals[1] == totals[3] == totals[2] - breakdown(w, num_gpus=1, stage=2).buckets_bytes
 
 
 @given(w=workloads, n=gpus, stage=st.sampled_from(memory.STAGES))
 def test_integer_bytes_never_below_the_formula(w, n, stage):
     b = breakdown(w, num_gpus=n, stage=stage)
-    values = (b.params_bytes, b.grads_bytes, b.optimizer_bytes, b.padding_bytes, b.total_bytes)
+    values = (b.params_bytes, b.grads_bytes, b.buckets_bytes, b.optimizer_bytes, b.padding_bytes, b.total_bytes)
     assert all(type(v) is int and v >= 0 for v in values)
     p, g = memory.bytes_per_param(w.precision)
     k = memory.optimizer_bytes_per_param(w.precision, w.optimizer)
     sharded = {0: 0, 1: k, 2: g + k, 3: p + g + k}[stage]
     psi = w.num_params
-    exact_numerator = (p + g + k - sharded) * psi * n + sharded * psi  # formula x N, in integers
+    exact_numerator = (p + g + k - sharded) * psi * n + sharded * psi + b.buckets_bytes * n  # formula x N
     assert b.total_bytes * n >= exact_numerator
     assert b.total_bytes * n < exact_numerator + sharded * n + n  # at most one element of rounding
     if stage == 1:

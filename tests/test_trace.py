@@ -254,6 +254,7 @@ def test_a_hugging_face_model_extrapolated_per_layer_equals_its_full_trace():
     full = trace_step(lambda: build(6), make_inputs, dtype=torch.bfloat16)
     assert extrapolated.memory == full.memory and extrapolated.params == full.params
     assert extrapolated.stage3_memory == full.stage3_memory
+    assert extrapolated.stage2_memory == full.stage2_memory  # counted on the whole stack
     assert full.params.num_params == sum(p.numel() for p in build(6).parameters())
 
 

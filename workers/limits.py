@@ -1,19 +1,20 @@
 """Defaults and bounds of a job that the API checks and the workers apply, one source of each.
 
-Standard library only: service/schemas/requests.py takes them from here without loading torch.
+Standard library only (and workers.memory, which is too): service/schemas/requests.py takes them
+from here without loading torch.
 
-May import: the standard library only.
+May import: workers.memory.
 """
 
 from __future__ import annotations
+
+# the memory model counts a stage-2 rank's gradient buckets, so their default cap lives in its room
+from workers.memory.buckets import DEFAULT_BUCKET_CAP_MB as DEFAULT_BUCKET_CAP_MB
 
 DEFAULT_MAX_NONFINITE_STEPS = 50
 """Steps in a row whose global gradient norm may be nan or inf (each one skipped) before a run
 fails. Above the 16 that fp16's loss scaler may skip in a row while its scale comes down from
 2**16 to 1 (workers/zero/loss_scale.py, DynamicLossScaler), with room for a scale that has grown since."""
-
-DEFAULT_BUCKET_CAP_MB = 25.0
-"""Largest gradient bucket of ZeRO1AdamW's overlapped reduce, MiB (as DDP's bucket_cap_mb)."""
 
 MIN_BUCKET_CAP_MB = 1.0
 """Smallest bucket_cap_mb a job or ZeRO1AdamW accepts, MiB: DDP's first bucket, the smallest it

@@ -80,7 +80,17 @@ def format_plan(plan: dict) -> str:
         "",
         f"{'per GPU':<12}{'GB':>12}{'bytes':>22}",
     ]
-    for kind in ("params", "grads", "optimizer", "padding", "activations", "temporaries", "overhead", "total"):
+    for kind in (
+        "params",
+        "grads",
+        "buckets",
+        "optimizer",
+        "padding",
+        "activations",
+        "temporaries",
+        "overhead",
+        "total",
+    ):
         lines.append(f"{kind:<12}{_gb(per_gpu[f'{kind}_bytes']):>12}{per_gpu[f'{kind}_bytes']:>22,}")
     verdict = "fits" if plan["fits"] else "does NOT fit"
     lines.append(f"{verdict}: headroom {_gb(plan['headroom_bytes'])} GB of {_gb(memory)} GB")

@@ -28,7 +28,7 @@ SWEEP_LEGEND_Y = (HEIGHT + 34, HEIGHT + 56)
 VALUE_LABEL_H = 16
 
 # the plan's breakdown, in the order the stacked bar draws it (dashboard.js: PARTS)
-PARTS = ("params", "grads", "optimizer", "padding", "activations", "temporaries", "overhead")
+PARTS = ("params", "grads", "buckets", "optimizer", "padding", "activations", "temporaries", "overhead")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -177,12 +177,14 @@ def _y(num_bytes: int, y_max: int) -> float:
 
 
 def floor_bytes(per_gpu: dict, *, stage: int) -> int:
-    """Per-GPU bytes as N grows without bound: what the stage replicates, plus the step's and overhead.
+    """Per-GPU bytes as N grows without bound: what the stage replicates, plus stage 2's gradient buckets,
+    the step's bytes and the overhead.
 
     Stage 1 at fp16 + AdamW: the 4Ψ of fp16 weights and gradients, which 12Ψ/N melts toward.
     """
     replicated = {0: ("params", "grads", "optimizer", "padding"), 1: ("params", "grads"), 2: ("params",), 3: ()}
-    return sum(per_gpu[f"{part}_bytes"] for part in (*replicated[stage], "activations", "temporaries", "overhead"))
+    unsharded = ("buckets", "activations", "temporaries", "overhead")
+    return sum(per_gpu[f"{part}_bytes"] for part in (*replicated[stage], *unsharded))
 
 
 def stacked_shares(per_gpu: dict, *, scale_bytes: int) -> list[tuple[str, int, float]]:

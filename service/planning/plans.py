@@ -23,7 +23,10 @@ def workload_for(request: PlanRequest, *, overhead_bytes: int, tracer: Traces | 
     """The memory model's view of a request: the formula, a model's closed forms, or its traced step."""
     if request.model is None:
         return memory.Workload.from_num_params(
-            request.num_params, precision=request.precision, optimizer=request.optimizer
+            request.num_params,
+            precision=request.precision,
+            optimizer=request.optimizer,
+            bucket_cap_mb=request.bucket_cap_mb,
         )
     if request.method == "traced":
         assert tracer is not None, "a traced plan needs a Tracer"
@@ -36,6 +39,7 @@ def workload_for(request: PlanRequest, *, overhead_bytes: int, tracer: Traces | 
         seq_len=request.seq_len,
         activation_checkpointing=bool(request.activation_checkpointing),
         overhead_bytes=overhead_bytes,
+        bucket_cap_mb=request.bucket_cap_mb,
     )
 
 
@@ -50,6 +54,7 @@ def trace_request(request: PlanRequest) -> TraceRequest:
         micro_batch_size=request.micro_batch_size or 1,
         seq_len=request.seq_len,
         activation_checkpointing=bool(request.activation_checkpointing),
+        bucket_cap_mb=request.bucket_cap_mb,
     )
 
 

@@ -29,6 +29,7 @@ from service.errors import ServiceError
 from service.planning.tasks import Isolation, run_task, run_task_async
 from workers.config import InvalidModelError
 from workers.memory import model as memory
+from workers.memory.buckets import DEFAULT_BUCKET_CAP_MB
 from workers.records import RunAs
 
 if TYPE_CHECKING:
@@ -50,20 +51,26 @@ class TracedStep:
     """Parameters a ZeRO stage-3 rank holds whole at once (the root's and two units')."""
     gathered_bytes: int | None = None
     """A stage-3 rank's step peak beyond the stage-1 step's (what it holds gathered then)."""
+    buckets_bytes: int | None = None
+    """A stage-2 rank's step peak beyond the stage-1 step's (its gradient buckets staged then)."""
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
+    """The largest bucket the stage-2 count cut, MiB."""
     vocab_size: int | None = None
     """An hf model's, resolved from its config; None for the built-in models."""
     max_position_embeddings: int | None = None
     """An hf model's longest sequence (its default seq_len), likewise."""
 
     @classmethod
-    def of(cls, trace: StepTrace, **shape: int | None) -> TracedStep:
-        """What a plan needs of `trace`, with an hf or python model's vocab_size and
-        max_position_embeddings (`shape`)."""
+    def of(cls, trace: StepTrace, *, bucket_cap_mb: float, **shape: int | None) -> TracedStep:
+        """What a plan needs of `trace` (its stage-2 count cut buckets of bucket_cap_mb MiB), with an hf
+        or python model's vocab_size and max_position_embeddings (`shape`)."""
         return cls(
             group_numels=(trace.params.decay_numel, trace.params.no_decay_numel),
             frozen_numel=trace.params.frozen_numel,
             gathered_numel=trace.params.gathered_numel,
             gathered_bytes=trace.gathered_bytes,
+            buckets_bytes=trace.buckets_bytes,
+            bucket_cap_mb=bucket_cap_mb,
             activations_bytes=trace.memory.activations_bytes,
             temporaries_bytes=trace.memory.temporaries_bytes,
             **shape,
@@ -76,6 +83,8 @@ class TracedStep:
             frozen_numel=self.frozen_numel,
             gathered_numel=self.gathered_numel,
             gathered_bytes=self.gathered_bytes,
+            buckets_bytes=self.buckets_bytes,
+            bucket_cap_mb=self.bucket_cap_mb,
             activations_bytes=self.activations_bytes,
             temporaries_bytes=self.temporaries_bytes,
             precision=precision,
@@ -93,11 +102,14 @@ class TraceRequest:
     micro_batch_size: int
     seq_len: int | None
     activation_checkpointing: bool
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
+    """The job's largest gradient bucket, MiB, which a stage-2 step's count cuts its buckets by."""
 
     @property
     def digest(self) -> str:
+        step = [self.precision, self.micro_batch_size, self.seq_len, self.activation_checkpointing, self.bucket_cap_mb]
         canonical = json.dumps(
-            [self.model, self.precision, self.micro_batch_size, self.seq_len, self.activation_checkpointing],
+            [self.model, *step],
             sort_keys=True,
             separators=(",", ":"),
         )
@@ -121,8 +133,9 @@ def run_trace(request: TraceRequest) -> TracedStep:
         micro_batch_size=request.micro_batch_size,
         seq_len=request.seq_len,
         activation_checkpointing=request.activation_checkpointing,
+        bucket_cap_mb=request.bucket_cap_mb,
     )
-    return TracedStep.of(trace)
+    return TracedStep.of(trace, bucket_cap_mb=request.bucket_cap_mb)
 
 
 def _run_hf_trace(request: TraceRequest) -> TracedStep:
@@ -143,8 +156,11 @@ def _run_hf_trace(request: TraceRequest) -> TracedStep:
         micro_batch_size=request.micro_batch_size,
         seq_len=seq_len,
         activation_checkpointing=request.activation_checkpointing,
+        bucket_cap_mb=request.bucket_cap_mb,
     )
-    return TracedStep.of(trace, vocab_size=vocab_size, max_position_embeddings=max_positions)
+    return TracedStep.of(
+        trace, bucket_cap_mb=request.bucket_cap_mb, vocab_size=vocab_size, max_position_embeddings=max_positions
+    )
 
 
 def _run_python_trace(request: TraceRequest) -> TracedStep:
@@ -160,9 +176,15 @@ def _run_python_trace(request: TraceRequest) -> TracedStep:
         micro_batch_size=request.micro_batch_size,
         seq_len=request.seq_len,
         vocab_size=request.model.get("vocab_size"),
+        bucket_cap_mb=request.bucket_cap_mb,
     )
     trace = traced.trace
-    return TracedStep.of(trace, vocab_size=traced.vocab_size, max_position_embeddings=request.seq_len)
+    return TracedStep.of(
+        trace,
+        bucket_cap_mb=request.bucket_cap_mb,
+        vocab_size=traced.vocab_size,
+        max_position_embeddings=request.seq_len,
+    )
 
 
 class Traces(Protocol):

@@ -18,6 +18,7 @@ from service.schemas.model_specs import (
     PythonModelSpec,
     TracedModelSpec,
 )
+from workers import limits
 from workers.config import FieldError
 from workers.memory import model as memory
 
@@ -78,6 +79,13 @@ class PlanRequest(Body):
         None, ge=1, le=100_000_000, description="Default: block_size, or an hf model's max_position_embeddings."
     )
     activation_checkpointing: Bool | None = Field(None, description="Default false (model plans only).")
+    bucket_cap_mb: Float = Field(
+        limits.DEFAULT_BUCKET_CAP_MB,
+        ge=limits.MIN_BUCKET_CAP_MB,
+        le=4096,
+        allow_inf_nan=False,
+        description="The job's largest gradient bucket, MiB: stage 2 plans the buckets a rank stages at once.",
+    )
     code: Text | None = code_field()
     method: Literal["model", "traced"] | None = Field(
         None,

@@ -280,6 +280,7 @@ class JobSpec(Body):
             micro_batch_size=self.micro_batch_size,
             seq_len=self.seq_len,
             activation_checkpointing=None if isinstance(self.model, MLPModelSpec) else self.activation_checkpointing,
+            bucket_cap_mb=self.optimizer.bucket_cap_mb,
             code=self.code,
         )
 

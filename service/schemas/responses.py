@@ -16,6 +16,9 @@ from service.schemas.fields import JobStatus, OptimizerName, Precision
 class BreakdownPublic(BaseModel):
     params_bytes: int
     grads_bytes: int
+    buckets_bytes: int = Field(
+        description="Stage 2's: the staging buffers of its gradient buckets at the step's peak; 0 at other stages."
+    )
     optimizer_bytes: int
     padding_bytes: int
     activations_bytes: int = Field(

@@ -5,7 +5,7 @@ gradient, K optimizer bytes per parameter (docs/memory-model.md):
 
     stage 0 (DDP)     (p + g + K)·Ψ
     stage 1 (ZeRO-1)  (p + g)·Ψ + K·Ψ/N        fp16 AdamW: 4Ψ + 12Ψ/N
-    stage 2           p·Ψ + (g + K)·Ψ/N
+    stage 2           p·Ψ + (g + K)·Ψ/N + g·(the gradient buckets staged at once)
     stage 3           (p + g + K)·Ψ/N + p·(the units gathered at once)
 
 Shards hold whole elements, so a sharded term of b bytes per element costs
@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from workers.memory.buckets import DEFAULT_BUCKET_CAP_MB, cap_numel, staging_bound_numel
 from workers.memory.specs import GPTSpec, MLPSpec, ModelSpec
 
 __all__ = ["GPTSpec", "MLPSpec", "ModelSpec"]  # the built-in models' shapes, planned here (workers/memory/specs.py)
@@ -109,6 +110,13 @@ class Workload:
     """A traced plan's: the bytes a stage-3 rank's step peaks at beyond the stage-1 step's (the units
     gathered and the gradients unsharded at that moment, workers/models/trace.py), which stage 3
     plans in place of the model dtype's bytes of gathered_numel; None: those."""
+    buckets_bytes: int | None = None
+    """What a stage-2 rank's step peaks at beyond the stage-1 step's: the staging buffers of its gradient
+    buckets alive then (workers/memory/buckets.py), less the gradients they hold, which stage 1 counts
+    among the states; a trace's stage-2 count (workers/models/trace.py) or a built-in model's closed
+    form. None: the bound of a plan by parameter count, every bucket that can be staged at once."""
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
+    """The job's largest gradient bucket, MiB: what buckets_bytes was counted with, or bounds."""
     precision: str = "fp16"
     optimizer: str = "adamw"
     alignment_numel: int | None = None
@@ -128,7 +136,10 @@ class Workload:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
         if not 1 <= self.num_params <= MAX_NUM_PARAMS:
             raise ValueError(f"num_params must be in [1, {MAX_NUM_PARAMS:.0e}], got {self.num_params}")
-        counts = ("frozen_numel", "gathered_numel", "gathered_bytes", "activations_bytes", "temporaries_bytes")
+        if not 0 < self.bucket_cap_mb < math.inf:
+            raise ValueError(f"bucket_cap_mb must be a finite number > 0, got {self.bucket_cap_mb}")
+        counts = ("frozen_numel", "gathered_numel", "gathered_bytes", "buckets_bytes", "activations_bytes")
+        counts = (*counts, "temporaries_bytes")
         for name in (*counts, "overhead_bytes"):
             if (getattr(self, name) or 0) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -143,9 +154,17 @@ class Workload:
         return sum(self.group_numels)
 
     @classmethod
-    def from_num_params(cls, num_params: int, *, precision: str = "fp16", optimizer: str = "adamw") -> Workload:
-        """The seed's formula: Ψ parameters, no layout, activations or overhead."""
-        return cls(group_numels=(num_params,), precision=precision, optimizer=optimizer)
+    def from_num_params(
+        cls,
+        num_params: int,
+        *,
+        precision: str = "fp16",
+        optimizer: str = "adamw",
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+    ) -> Workload:
+        """The seed's formula: Ψ parameters, no layout, activations or overhead (at stage 2, the
+        bound on the gradient buckets of bucket_cap_mb MiB staged at once)."""
+        return cls(group_numels=(num_params,), precision=precision, optimizer=optimizer, bucket_cap_mb=bucket_cap_mb)
 
     @classmethod
     def from_model(
@@ -158,8 +177,10 @@ class Workload:
         seq_len: int | None = None,
         activation_checkpointing: bool = False,
         overhead_bytes: int = 0,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
     ) -> Workload:
-        """A built-in model's plan: the optimizer's real layout, the closed forms of the step, overhead."""
+        """A built-in model's plan: the optimizer's real layout, the closed forms of the step (and of a
+        stage-2 step's gradient buckets of bucket_cap_mb MiB), overhead."""
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         if isinstance(model, GPTSpec):
@@ -181,6 +202,8 @@ class Workload:
             temporaries_bytes=model.temporaries_bytes(**step),
             overhead_bytes=overhead_bytes,
             gathered_numel=model.gathered_numel(),
+            buckets_bytes=model.buckets_bytes(**step, bucket_cap_mb=bucket_cap_mb),
+            bucket_cap_mb=bucket_cap_mb,
             method="model",
         )
 
@@ -194,17 +217,21 @@ class Workload:
         temporaries_bytes: int,
         gathered_numel: int = 0,
         gathered_bytes: int | None = None,
+        buckets_bytes: int | None = None,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         precision: str = "fp16",
         optimizer: str = "adamw",
         overhead_bytes: int = 0,
     ) -> Workload:
-        """A traced model's plan: its parameter groups, what it holds gathered at stage 3 and its step as
-        counted on fake tensors."""
+        """A traced model's plan: its parameter groups, what it holds gathered at stage 3, what its
+        gradient buckets (of bucket_cap_mb MiB) stage at stage 2, and its step as counted on fake tensors."""
         return cls(
             group_numels=tuple(n for n in group_numels if n),
             frozen_numel=frozen_numel,
             gathered_numel=gathered_numel,
             gathered_bytes=gathered_bytes,
+            buckets_bytes=buckets_bytes,
+            bucket_cap_mb=bucket_cap_mb,
             precision=precision,
             optimizer=optimizer,
             alignment_numel=SHARD_ALIGNMENT_NUMEL,
@@ -221,6 +248,8 @@ class Breakdown:
 
     params_bytes: int
     grads_bytes: int
+    buckets_bytes: int
+    """Stage 2's: the staging buffers of the gradient buckets at the step's peak (0 at other stages)."""
     optimizer_bytes: int
     padding_bytes: int
     activations_bytes: int
@@ -232,6 +261,7 @@ class Breakdown:
         return (
             self.params_bytes
             + self.grads_bytes
+            + self.buckets_bytes
             + self.optimizer_bytes
             + self.padding_bytes
             + self.activations_bytes
@@ -266,7 +296,12 @@ def breakdown(workload: Workload, *, num_gpus: int, stage: int) -> Breakdown:
     if stage == 0:
         # plain DDP keeps everything replicated and needs no flat-buffer padding
         return Breakdown(
-            params_bytes=p * (psi + frozen), grads_bytes=g * psi, optimizer_bytes=k * psi, padding_bytes=0, **step
+            params_bytes=p * (psi + frozen),
+            grads_bytes=g * psi,
+            buckets_bytes=0,
+            optimizer_bytes=k * psi,
+            padding_bytes=0,
+            **step,
         )
     exact = -(-psi // num_gpus)  # ⌈Ψ/N⌉: the formula's shard, in whole elements
     shard = shard_numel(workload, num_gpus=num_gpus)
@@ -279,6 +314,7 @@ def breakdown(workload: Workload, *, num_gpus: int, stage: int) -> Breakdown:
     return Breakdown(
         params_bytes=p * ((exact if sharded_p else psi) + frozen_params) + gathered,
         grads_bytes=g * (exact if sharded_g else psi),
+        buckets_bytes=_buckets_bytes(workload) if stage == 2 else 0,  # stage 3 reduce-scatters in FSDP2's units
         optimizer_bytes=k * exact,
         padding_bytes=(
             p * ((shard - exact) if sharded_p else (full - psi))
@@ -295,7 +331,8 @@ def total_bytes(workload: Workload, *, num_gpus: int, stage: int) -> int:
 
 def floor_bytes(workload: Workload, *, stage: int) -> int:
     """Per-GPU bytes that no number of GPUs shards away at `stage`: the replicated model states (below
-    stage 3; frozen weights too), the units gathered at once (stage 3), the step and the overhead."""
+    stage 3; frozen weights too), the gradient buckets staged at once (stage 2), the units gathered at
+    once (stage 3), the step and the overhead."""
     check_stage(stage)
     p, g = bytes_per_param(workload.precision)
     k = optimizer_bytes_per_param(workload.precision, workload.optimizer)
@@ -303,8 +340,9 @@ def floor_bytes(workload: Workload, *, stage: int) -> int:
     replicated = p + g + k - sharded
     frozen = workload.frozen_numel if stage < 3 else 0
     gathered = _gathered_bytes(workload) if stage >= 3 else 0
+    buckets = _buckets_bytes(workload) if stage == 2 else 0
     step = workload.activations_bytes + workload.temporaries_bytes + workload.overhead_bytes
-    return replicated * workload.num_trainable + p * frozen + gathered + step
+    return replicated * workload.num_trainable + p * frozen + buckets + gathered + step
 
 
 def _gathered_bytes(workload: Workload) -> int:
@@ -312,6 +350,16 @@ def _gathered_bytes(workload: Workload) -> int:
     if workload.gathered_bytes is not None:
         return workload.gathered_bytes
     return bytes_per_param(workload.precision)[0] * workload.gathered_numel
+
+
+def _buckets_bytes(workload: Workload) -> int:
+    """What a stage-2 rank's staging buffers add to its step's peak: counted, or (a plan by parameter
+    count, which knows no step) every byte of buckets that can be staged at once."""
+    if workload.buckets_bytes is not None:
+        return workload.buckets_bytes
+    g = bytes_per_param(workload.precision)[1]
+    cap = cap_numel(workload.bucket_cap_mb, bytes_per_element=g)
+    return g * staging_bound_numel(workload.group_numels, cap=cap)
 
 
 def _check_num_gpus(num_gpus: int) -> None:

@@ -8,7 +8,10 @@ Standard library only, as workers/memory/model.py, which plans with them.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
+
+from workers.memory.buckets import Staging
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -132,6 +135,41 @@ class GPTSpec:
         tied_grad = self.vocab_size * c * e
         return max(head_peak, recomputed + c_proj_grads + tied_grad - self._head_bytes(sb, e))
 
+    def buckets_bytes(
+        self, *, micro_batch_size: int, seq_len: int, bytes_per_element: int, checkpointing: bool, bucket_cap_mb: float
+    ) -> int:
+        """Bytes a ZeRO stage-2 rank's step peaks at beyond temporaries_bytes: the staging buffers of its
+        gradient buckets (workers/memory/buckets.py), played over backward's order of the gradients.
+
+        A bound, by phase of backward: the head's moment stages nothing (the tied head's gradient waits
+        for the embedding's); in each block (the last with ln_f) the most staged at once beside the last
+        block's moment less the blocks already freed behind it (one block's saved tensors each, its
+        input with checkpointing); at the end the embeddings' gradients (the tied one, the lookup's and
+        their sum, and the positions') beside what is staged then. Checked against a trace of the step
+        (tests/test_stage2_memory.py): never under it.
+        """
+        sb = micro_batch_size * seq_len
+        e = bytes_per_element
+        c = self.n_embd
+        step = {"micro_batch_size": micro_batch_size, "seq_len": seq_len, "bytes_per_element": e}
+        temporaries = self.temporaries_bytes(**step, checkpointing=checkpointing)
+        recomputed = self._block_bytes(sb, e) if checkpointing else 0
+        tied_grad = self.vocab_size * c * e
+        last_block = recomputed + (5 * sb * c + 4 * c * c + c) * e + tied_grad - self._head_bytes(sb, e)
+        freed = sb * c * e if checkpointing else self._block_bytes(sb, e)
+        staging = _Arrivals(self.parameter_shapes(), bytes_per_element=e, bucket_cap_mb=bucket_cap_mb)
+        ln_f = staging.arrive(["transformer.ln_f.weight", "transformer.ln_f.bias"])  # before the last block's
+        moments = [temporaries]
+        for behind, layer in enumerate(reversed(range(self.n_layer))):
+            staged = staging.arrive([f"transformer.h.{layer}.{name}" for name in _BLOCK_GRADS])
+            moments.append(last_block - behind * freed + max(staged, ln_f if behind == 0 else 0))
+        activations = self.activation_bytes(**step, checkpointing=checkpointing)
+        inputs = 2 * 8 * sb + 8 * seq_len
+        embeddings = (sb * c + self.block_size * c + 2 * self.vocab_size * c) * e + tied_grad
+        staged = staging.arrive(["transformer.wpe.weight", "transformer.wte.weight"])
+        moments.append(inputs + embeddings - activations + staged)
+        return max(moments) - temporaries
+
     def _block_bytes(self, sb: int, e: int) -> int:
         """What one block saves for backward (activation_bytes' per-layer term)."""
         fp32 = 4
@@ -196,29 +234,89 @@ class MLPSpec:
         Linear's gradients for its input, weight and bias beside the one arriving; each ReLU's
         new gradient beside the old), as the saved tensors behind it are freed."""
         del seq_len, checkpointing
-        b = micro_batch_size
+        return max(moment for moment, _ in self._moments(micro_batch_size, bytes_per_element))
+
+    def buckets_bytes(
+        self, *, micro_batch_size: int, seq_len: int, bytes_per_element: int, checkpointing: bool, bucket_cap_mb: float
+    ) -> int:
+        """Bytes a ZeRO stage-2 rank's step peaks at beyond temporaries_bytes: the staging buffers of its
+        gradient buckets (workers/memory/buckets.py) beside each of backward's moments, a layer's
+        weight and bias gradients staged at the moment they are made."""
+        del seq_len, checkpointing
         e = bytes_per_element
+        staging = _Arrivals(self.parameter_shapes(), bytes_per_element=e, bucket_cap_mb=bucket_cap_mb)
+        moments = self._moments(micro_batch_size, e)
+        staged = []
+        for _, layer in moments:
+            names = [] if layer is None else [f"layers.{layer}.bias", f"layers.{layer}.weight"]  # bias first
+            staged.append(staging.arrive(names))
+        return max(m + s for (m, _), s in zip(moments, staged, strict=True)) - max(m for m, _ in moments)
+
+    def _moments(self, b: int, e: int) -> list[tuple[int, int | None]]:
+        """(bytes beyond the activations, the layer whose weight and bias gradients are made then, if
+        any) at each of backward's moments."""
         out = self.sizes[-1]
-        moments = [2 * 4 * b * out]  # nll's and log-softmax's fp32 gradients beside the saved log-softmax
+        moments: list[tuple[int, int | None]] = [(2 * 4 * b * out, None)]  # nll's and log-softmax's fp32 grads
         live = -4 * b * out  # then the saved log-softmax is freed
         grad = b * out * e  # the logits' gradient in the model's dtype
         if e != 4:  # cast down from fp32, both alive a moment
-            moments.append(live + 4 * b * out + grad)
+            moments.append((live + 4 * b * out + grad, None))
         live += grad
         for i in range(len(self.sizes) - 2, -1, -1):
             fan_in = self.sizes[i]
             fan_out = self.sizes[i + 1]
             grad_input = b * fan_in * e if i else 0  # the first layer's input needs no gradient
-            moments.append(live + grad_input + (fan_in * fan_out + fan_out) * e)
+            moments.append((live + grad_input + (fan_in * fan_out + fan_out) * e, i))
             live += grad_input - grad
             grad = grad_input
             if i:  # the ReLU before it: a new gradient beside the old, then its saved output freed
-                moments.append(live + grad)
+                moments.append((live + grad, None))
                 live -= b * fan_in * e
-        return max(moments)
+        return moments
 
 
 ModelSpec = GPTSpec | MLPSpec
+
+_BLOCK_GRADS = (
+    "mlp.c_proj.bias",
+    "mlp.c_proj.weight",
+    "mlp.c_fc.bias",
+    "mlp.c_fc.weight",
+    "ln_2.weight",
+    "ln_2.bias",
+    "attn.c_proj.bias",
+    "attn.c_proj.weight",
+    "attn.c_attn.bias",
+    "attn.c_attn.weight",
+    "ln_1.weight",
+    "ln_1.bias",
+)
+"""A GPT block's parameters in the order backward hands over their gradients (a Linear's bias first)."""
+
+
+class _Arrivals:
+    """A built-in model's staging buffers (workers/memory/buckets.py Staging), its gradients named as
+    parameter_shapes() names them, over the optimizer's flat buffers: decayed (2 or more dimensions),
+    then the rest, each in the model's order."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], *, bytes_per_element: int, bucket_cap_mb: float) -> None:
+        buffers = [
+            [n for n, shape in shapes.items() if len(shape) >= 2],
+            [n for n, shape in shapes.items() if len(shape) < 2],
+        ]
+        buffers = [names for names in buffers if names]
+        self.place = {name: (b, i) for b, names in enumerate(buffers) for i, name in enumerate(names)}
+        numels = [[math.prod(shapes[name]) for name in names] for names in buffers]
+        self.staging = Staging(numels, bytes_per_element=bytes_per_element, bucket_cap_mb=bucket_cap_mb)
+
+    def arrive(self, names: list[str]) -> int:
+        """The named gradients are made, in turn, and each staged: the most the buffers hold meanwhile."""
+        most = self.staging.live_bytes
+        for name in names:
+            self.staging.stage(*self.place[name])
+            most = max(most, self.staging.live_bytes)
+            self.staging.staged(*self.place[name])
+        return most
 
 
 def first_mismatch(

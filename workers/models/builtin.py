@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
+from workers.memory.buckets import DEFAULT_BUCKET_CAP_MB
 from workers.memory.model import GPTSpec, MLPSpec
 from workers.models.trace import StepTrace, trace_layers, trace_step
 
@@ -173,9 +174,10 @@ def trace_builtin(
     micro_batch_size: int,
     seq_len: int | None = None,
     activation_checkpointing: bool = False,
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
 ) -> StepTrace:
     """One micro-batch of a built-in model's training step, traced on fake tensors (workers/models/trace.py);
-    a GPT's depth is extrapolated from two shallow traces."""
+    a GPT's depth is extrapolated from two shallow traces; stage 2's buckets are of bucket_cap_mb MiB."""
     dtype = DTYPES[precision]
     if isinstance(spec, MLPSpec):
         return trace_step(
@@ -185,6 +187,7 @@ def trace_builtin(
                 torch.zeros(micro_batch_size, dtype=torch.long),
             ),
             dtype=dtype,
+            bucket_cap_mb=bucket_cap_mb,
         )
     seq_len = seq_len or spec.block_size
     return trace_layers(
@@ -194,4 +197,5 @@ def trace_builtin(
         lambda: tuple(torch.zeros(micro_batch_size, seq_len, dtype=torch.long) for _ in range(2)),  # ids, targets
         dtype=dtype,
         num_layers=spec.n_layer,
+        bucket_cap_mb=bucket_cap_mb,
     )

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from workers.config import HFSpec, InvalidModelError
 from workers.data.digests import check_digest, directory_digest
+from workers.memory.buckets import DEFAULT_BUCKET_CAP_MB
 from workers.models.trace import StepTrace, trace_layers
 
 MAX_LAYERS = 10_000
@@ -164,9 +165,11 @@ def trace_hf(
     micro_batch_size: int,
     seq_len: int,
     activation_checkpointing: bool = False,
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
 ) -> StepTrace:
     """One micro-batch of `config`'s training step on fake tensors, its depth extrapolated from
-    two shallow traces (workers/models/trace.py); the parameters counted on the whole model."""
+    two shallow traces (workers/models/trace.py); the parameters and stage 2's buckets (of
+    bucket_cap_mb MiB) counted on the whole model."""
     num_layers = getattr(config, "num_hidden_layers", None)
     if not isinstance(num_layers, int) or not 1 <= num_layers <= MAX_LAYERS:
         raise InvalidModelError("model.config", f"needs num_hidden_layers in [1, {MAX_LAYERS}], got {num_layers!r}")
@@ -179,6 +182,7 @@ def trace_hf(
         lambda: tuple(torch.zeros(micro_batch_size, seq_len, dtype=torch.long) for _ in range(2)),  # ids, labels
         dtype=precision_dtype,
         num_layers=num_layers,
+        bucket_cap_mb=bucket_cap_mb,
     )
 
 

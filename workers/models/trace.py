@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +35,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from workers.models.units import Stage3Schedule, gathered_numel
+from workers.memory.buckets import DEFAULT_BUCKET_CAP_MB
+from workers.models.grad_buckets import Stage2Schedule
+from workers.models.units import Stage3Schedule, gathered_numel, storage_resizes
 
 
 class LiveBytes(TorchDispatchMode):
@@ -167,19 +169,25 @@ def measure_step(
     run_forward: Callable[[], Tensor],
     run_backward: Callable[[Tensor], None],
     *,
-    as_stage3: bool = False,
+    as_stage: int = 1,
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
 ) -> tuple[Tensor, StepMemory]:
     """loss = run_forward(); run_backward(loss); counted by LiveBytes with the micro-batch's
     `inputs`. Returns the loss and its StepMemory.
 
     A gradient autograd accumulates into a parameter's `.grad` becomes a state from then on
-    (the trace has no flat buffer: its gradients are allocated as they arrive). as_stage3: the
-    unsharded model counted as a ZeRO stage-3 rank would hold it, FSDP2's gathered units and
-    unsharded gradients included (units.Stage3Schedule)."""
+    (the trace has no flat buffer: its gradients are allocated as they arrive). as_stage 2 or 3:
+    the unsharded model counted as a ZeRO rank of that stage holds it: each gradient copied into
+    its bucket's staging buffer, of bucket_cap_mb MiB (grad_buckets.Stage2Schedule); FSDP2's
+    gathered units and unsharded gradients (units.Stage3Schedule)."""
     meter = LiveBytes(ignore=model_states(model))
     for tensor in inputs:
         meter.count(tensor)
-    schedule = Stage3Schedule(model, meter) if as_stage3 else None
+    schedule: Stage2Schedule | Stage3Schedule | None = None
+    if as_stage == 2:
+        schedule = Stage2Schedule(model, meter, bucket_cap_mb=bucket_cap_mb)
+    elif as_stage == 3:
+        schedule = Stage3Schedule(model, meter)
     hooks = [
         # at ZeRO stage 2 the optimizer's hook (registered first) has taken the gradient into its bucket
         p.register_post_accumulate_grad_hook(lambda p: None if p.grad is None else meter.ignore(p.grad))
@@ -187,7 +195,7 @@ def measure_step(
         if p.requires_grad and (schedule is None or not schedule.keeps_grad(p))
     ]
     try:
-        with meter, _storage_resizes(meter), schedule or contextlib.nullcontext():
+        with meter, storage_resizes(meter), schedule or contextlib.nullcontext():
             loss = loss_of(run_forward())
             activations = meter.live_bytes
             run_backward(loss)
@@ -195,35 +203,6 @@ def measure_step(
         for hook in hooks:
             hook.remove()
     return loss, StepMemory(activations_bytes=activations, temporaries_bytes=meter.peak_bytes - activations)
-
-
-@contextlib.contextmanager
-def _storage_resizes(meter: LiveBytes) -> Iterator[None]:
-    """FSDP2 (ZeRO stage 3) frees a unit's gathered parameters by resizing their storages to 0 bytes and
-    gathers the unit again into the same storages: no op the dispatch mode sees. Its two functions that
-    do so (torch 2.13, `_fully_shard/_fsdp_param.py`, called through the module's globals) are wrapped
-    to tell `meter` while it counts; without them a step would count every unit gathered at once."""
-    fsdp_param = sys.modules.get("torch.distributed.fsdp._fully_shard._fsdp_param")
-    if fsdp_param is None:  # FSDP2 never imported: nothing resizes
-        yield
-        return
-    alloc = fsdp_param.alloc_storage
-    free = fsdp_param.free_storage
-
-    def told(resize: Callable[[Tensor], None]) -> Callable[[Tensor], None]:
-        def call(tensor: Tensor) -> None:
-            resize(tensor)
-            meter.resized(tensor.untyped_storage())
-
-        return call
-
-    fsdp_param.alloc_storage = told(alloc)
-    fsdp_param.free_storage = told(free)
-    try:
-        yield
-    finally:
-        fsdp_param.alloc_storage = alloc
-        fsdp_param.free_storage = free
 
 
 # --------------------------------------------------------------------------- tracing on fake tensors
@@ -264,11 +243,23 @@ class StepTrace:
 
     params: ParamCounts
     memory: StepMemory
+    stage2_memory: StepMemory | None = None
+    """The same step counted as a ZeRO stage-2 rank holds it (measure_step's as_stage 2): its peak beyond
+    `memory`'s is what the rank's staging buffers of its gradient buckets add then."""
     stage3_memory: StepMemory | None = None
-    """The same step counted as a ZeRO stage-3 rank holds it (measure_step's as_stage3): its peak beyond
+    """The same step counted as a ZeRO stage-3 rank holds it (measure_step's as_stage 3): its peak beyond
     `memory`'s is what the rank holds gathered then (units, unsharded gradients)."""
     traced_layers: tuple[int, ...] | None = None
     """The depths traced when the memory was extrapolated per layer; None: the whole model."""
+
+    @property
+    def buckets_bytes(self) -> int | None:
+        """What a stage-2 rank's step peaks at beyond this step's: its gradient buckets' staging buffers,
+        less the gradients they hold, which this step counts as states (the memory model's stage-2 term
+        for a traced model)."""
+        if self.stage2_memory is None:
+            return None
+        return max(0, self.stage2_memory.peak_bytes - self.memory.peak_bytes)
 
     @property
     def gathered_bytes(self) -> int | None:
@@ -288,28 +279,48 @@ def trace_step(
     make_inputs: Callable[[], Sequence[Tensor]],
     *,
     dtype: torch.dtype,
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
 ) -> StepTrace:
-    """One forward and backward of build()'s model on make_inputs(), on fake tensors.
+    """One forward and backward of build()'s model on make_inputs(), on fake tensors, counted as
+    a ZeRO stage-1, stage-2 (gradient buckets of bucket_cap_mb MiB) and stage-3 rank holds it.
 
     build() must construct the model on the meta device (`torch.device("meta")` is current
     while it runs); it is cast to `dtype` there and materialised as fake tensors, uninitialised."""
+    params, measured = _counted(build, make_inputs, dtype=dtype, stages=(1, 2, 3), bucket_cap_mb=bucket_cap_mb)
+    return StepTrace(params=params, memory=measured[1], stage2_memory=measured[2], stage3_memory=measured[3])
+
+
+def _counted(
+    build: Callable[[], nn.Module],
+    make_inputs: Callable[[], Sequence[Tensor]],
+    *,
+    dtype: torch.dtype,
+    stages: tuple[int, ...],
+    bucket_cap_mb: float,
+) -> tuple[ParamCounts, dict[int, StepMemory]]:
+    """build()'s parameters, and its step counted on fake tensors as a rank of each of `stages` holds it."""
     with torch.device("meta"):
         model = _call("building the model", build)
     model = model.to(dtype)  # on meta: tied weights stay tied, nothing is allocated
     params = ParamCounts.of(model)
+    measured = {}
     with FakeTensorMode(allow_non_fake_inputs=True):
         materialize(model)
         inputs = tuple(make_inputs())
-        measured = {}
-        for as_stage3 in (False, True):
+        for stage in stages:
             model.zero_grad(set_to_none=True)  # each count sees the gradients made
-            _, measured[as_stage3] = _call(
+            _, measured[stage] = _call(
                 "running forward and backward",
-                lambda as_stage3=as_stage3: measure_step(
-                    model, inputs, lambda: model(*inputs), lambda loss: loss.backward(), as_stage3=as_stage3
+                lambda stage=stage: measure_step(
+                    model,
+                    inputs,
+                    lambda: model(*inputs),
+                    lambda loss: loss.backward(),
+                    as_stage=stage,
+                    bucket_cap_mb=bucket_cap_mb,
                 ),
             )
-    return StepTrace(params=params, memory=measured[False], stage3_memory=measured[True])
+    return params, measured
 
 
 def materialize(model: nn.Module) -> None:
@@ -337,33 +348,40 @@ def trace_layers(
     dtype: torch.dtype,
     num_layers: int,
     traced_layers: tuple[int, int] = (2, 3),
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
 ) -> StepTrace:
     """trace_step of a stack of `num_layers` identical layers, from traces of two shallower stacks.
 
     Activations and temporaries are affine in the depth L once L >= 2: forward adds one layer's
     saved tensors per layer, and the peak falls in the head or the last layer's backward, which
-    do not depend on L. So m(L) = m(a) + (L - a)·(m(b) - m(a)) for traced depths a < b; the
-    parameters are counted on the whole model, built on the meta device (which costs nothing)."""
+    do not depend on L. So m(L) = m(a) + (L - a)·(m(b) - m(a)) for traced depths a < b. A stage-2
+    rank's staging buffers are not (a deeper stack cuts more buckets, and stages more of them as the
+    layers before hold less): that count runs on the whole stack, whose parameters are counted too."""
     low, high = traced_layers
     if num_layers <= high:
-        return trace_step(lambda: build(num_layers), make_inputs, dtype=dtype)
-    with torch.device("meta"):
-        params = ParamCounts.of(_call("building the model", lambda: build(num_layers)))
-    a, b = (trace_step(lambda n=n: build(n), make_inputs, dtype=dtype) for n in traced_layers)
+        return trace_step(lambda: build(num_layers), make_inputs, dtype=dtype, bucket_cap_mb=bucket_cap_mb)
+    a, b = (
+        _counted(lambda n=n: build(n), make_inputs, dtype=dtype, stages=(1, 3), bucket_cap_mb=bucket_cap_mb)[1]
+        for n in traced_layers
+    )
+    params, deep = _counted(
+        lambda: build(num_layers), make_inputs, dtype=dtype, stages=(2,), bucket_cap_mb=bucket_cap_mb
+    )
 
     def extrapolate(at_low: int, at_high: int) -> int:
         return at_low + (num_layers - low) * (at_high - at_low) // (high - low)
 
-    def extrapolated(at_low: StepMemory, at_high: StepMemory) -> StepMemory:
+    def extrapolated(stage: int) -> StepMemory:
         return StepMemory(
-            activations_bytes=extrapolate(at_low.activations_bytes, at_high.activations_bytes),
-            temporaries_bytes=extrapolate(at_low.temporaries_bytes, at_high.temporaries_bytes),
+            activations_bytes=extrapolate(a[stage].activations_bytes, b[stage].activations_bytes),
+            temporaries_bytes=extrapolate(a[stage].temporaries_bytes, b[stage].temporaries_bytes),
         )
 
     return StepTrace(
         params=params,
-        memory=extrapolated(a.memory, b.memory),
-        stage3_memory=extrapolated(a.stage3_memory, b.stage3_memory),
+        memory=extrapolated(1),
+        stage2_memory=deep[2],
+        stage3_memory=extrapolated(3),
         traced_layers=traced_layers,
     )
 

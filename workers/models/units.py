@@ -1,13 +1,18 @@
 """A model's units at ZeRO stage 3: the modules FSDP2 shards one by one before the root
 (workers/zero/stage3.py), the parameters a rank holds whole at once beside its shards (a closed
 form's count), and Stage3Schedule, which plays FSDP2's gathers and frees on a model that is not
-sharded, so that the planner's traces count a stage-3 step as a rank holds it (workers/models/trace.py).
+sharded, so that the planner's traces count a stage-3 step as a rank holds it (workers/models/trace.py);
+and storage_resizes, which tells a counting meter of FSDP2's own gathers and frees on a sharded one.
 """
 
 from __future__ import annotations
 
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
+import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
@@ -18,6 +23,8 @@ class Meter(Protocol):
     def hold(self, nbytes: int) -> None: ...
 
     def ignore(self, tensor: Tensor) -> None: ...
+
+    def resized(self, storage: torch.UntypedStorage) -> None: ...
 
 
 GATHERED_UNITS = 2
@@ -169,3 +176,32 @@ def _first_grad_tensor(tree) -> Tensor | None:
         if isinstance(leaf, Tensor) and leaf.requires_grad:
             return leaf
     return None
+
+
+@contextlib.contextmanager
+def storage_resizes(meter: Meter) -> Iterator[None]:
+    """FSDP2 (ZeRO stage 3) frees a unit's gathered parameters by resizing their storages to 0 bytes and
+    gathers the unit again into the same storages: no op the dispatch mode sees. Its two functions that
+    do so (torch 2.13, `_fully_shard/_fsdp_param.py`, called through the module's globals) are wrapped
+    to tell `meter` while it counts; without them a step would count every unit gathered at once."""
+    fsdp_param = sys.modules.get("torch.distributed.fsdp._fully_shard._fsdp_param")
+    if fsdp_param is None:  # FSDP2 never imported: nothing resizes
+        yield
+        return
+    alloc = fsdp_param.alloc_storage
+    free = fsdp_param.free_storage
+
+    def told(resize: Callable[[Tensor], None]) -> Callable[[Tensor], None]:
+        def call(tensor: Tensor) -> None:
+            resize(tensor)
+            meter.resized(tensor.untyped_storage())
+
+        return call
+
+    fsdp_param.alloc_storage = told(alloc)
+    fsdp_param.free_storage = told(free)
+    try:
+        yield
+    finally:
+        fsdp_param.alloc_storage = alloc
+        fsdp_param.free_storage = free

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from workers.config import InvalidModelError, PythonSpec
+from workers.memory.buckets import DEFAULT_BUCKET_CAP_MB
 from workers.models.trace import StepTrace, TraceError, trace_step
 
 ENTRYPOINT = "model.entrypoint"
@@ -89,9 +90,10 @@ def trace_python(
     micro_batch_size: int,
     seq_len: int,
     vocab_size: int | None = None,
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
 ) -> PythonTrace:
     """One micro-batch of the model's step on fake tensors (workers/models/trace.py), the whole model
-    traced (user code has no depth to extrapolate by).
+    traced (user code has no depth to extrapolate by), stage 2's buckets of bucket_cap_mb MiB.
 
     The model's vocabulary is read off the embedding that looks up input_ids: every nn.Embedding
     called with input_ids itself is seen during the traced forward, and the smallest bounds the
@@ -114,7 +116,7 @@ def trace_python(
         return ids_box[0], torch.zeros(micro_batch_size, seq_len, dtype=torch.long)  # input_ids, labels
 
     try:
-        trace = trace_step(lambda: module, make_inputs, dtype=precision_dtype)
+        trace = trace_step(lambda: module, make_inputs, dtype=precision_dtype, bucket_cap_mb=bucket_cap_mb)
     except TraceError as exc:
         raise _user_error(str(exc), exc.__cause__ or exc, quote=False) from None
     finally:

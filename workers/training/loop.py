@@ -62,6 +62,7 @@ def planned_bytes(config: TrainConfig, *, world_size: int) -> int:
         micro_batch_size=config.micro_batch_size,
         seq_len=config.seq_len,
         activation_checkpointing=config.activation_checkpointing,
+        bucket_cap_mb=config.optimizer.bucket_cap_mb,
     )
     return memory.breakdown(workload, num_gpus=world_size, stage=config.zero_stage).total_bytes
 

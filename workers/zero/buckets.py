@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from workers.memory.buckets import cap_numel, cut_buckets
 from workers.zero.flat import FlatBuffer
 
 RECV_BUFFERS = 2  # receive buffers per dtype for p2p reduces in flight; a third bucket waits for one
@@ -54,24 +55,13 @@ class Bucket:
 
 def build_buckets(buffers: list[FlatBuffer], *, bucket_cap_mb: float) -> list[Bucket]:
     """Buckets of whole parameters, at most bucket_cap_mb each (a larger parameter is one
-    bucket), each buffer from its end: the order in which backward produces gradients."""
+    bucket), each buffer from its end: the order in which backward produces gradients. The cut is
+    the planner's (workers/memory/buckets.py), so a plan counts the buckets the optimizer makes."""
     buckets: list[Bucket] = []
     for buf in buffers:
-        cap = max(1, int(bucket_cap_mb * 2**20) // buf.params.element_size())
-        lo = 0
-        hi = None
-        count = 0
-        for slot in reversed(buf.slots):
-            if hi is not None and hi - slot.offset > cap:
-                buckets.append(Bucket(tag=len(buckets), buf=buf, lo=lo, hi=hi, num_slots=count))
-                hi = None
-            if hi is None:
-                hi = slot.offset + slot.numel
-                count = 0
-            lo = slot.offset
-            count = count + 1
-        if hi is not None:
-            buckets.append(Bucket(tag=len(buckets), buf=buf, lo=lo, hi=hi, num_slots=count))
+        cap = cap_numel(bucket_cap_mb, bytes_per_element=buf.params.element_size())
+        for cut in cut_buckets([slot.numel for slot in buf.slots], cap=cap):
+            buckets.append(Bucket(tag=len(buckets), buf=buf, lo=cut.lo, hi=cut.hi, num_slots=cut.num_params))
     return buckets
 
 

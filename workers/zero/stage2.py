@@ -46,17 +46,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from workers.memory.buckets import MAX_BUCKETS_IN_FLIGHT
 from workers.zero.buckets import Bucket, build_buckets, p2p_op
 from workers.zero.comm import Ranks
 from workers.zero.flat import FlatBuffer, Slot
 from workers.zero.optimizer import ZeRO1AdamW
 
 Stage2ReduceOp = Literal["auto", "p2p", "reduce", "all_reduce"]
-MAX_BUCKETS_IN_FLIGHT = 2
-"""Buckets whose reduce may be outstanding at once: launching one more first waits for the oldest, so
-a rank's gradient memory during backward is bounded by the buckets in flight and the ones filling
-(one a flat buffer, where backward runs through each buffer's parameters in reverse), not the whole
-model's gradient."""
 
 
 def stage2_reduce_op(backend: str, reduce_op: str) -> str:

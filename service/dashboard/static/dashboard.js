@@ -11,7 +11,7 @@
   const POLL_MS = 1000;
   const ACTIVE = ["starting", "running", "restarting"];
   const TERMINAL = new Set(["succeeded", "failed", "cancelled"]);
-  const PARTS = ["params", "grads", "optimizer", "padding", "activations", "temporaries", "overhead"];
+  const PARTS = ["params", "grads", "buckets", "optimizer", "padding", "activations", "temporaries", "overhead"];
   const CHART = { WIDTH: 640, HEIGHT: 200, LEFT: 64, RIGHT: 12, TOP: 12, BOTTOM: 26 };
   CHART.PLOT_W = CHART.WIDTH - CHART.LEFT - CHART.RIGHT;
   CHART.PLOT_H = CHART.HEIGHT - CHART.TOP - CHART.BOTTOM;
@@ -167,9 +167,10 @@
 
   // ------------------------------------------------------------------ the planner's charts (charts.py)
 
-  function floorBytes(perGpu, stage) {  // what sharding cannot remove, plus the step's bytes and overhead
+  function floorBytes(perGpu, stage) {  // what sharding cannot remove: stage 2's buckets, the step's bytes, overhead
     const replicated = [["params", "grads", "optimizer", "padding"], ["params", "grads"], ["params"], []][stage];
-    return [...replicated, "activations", "temporaries", "overhead"].reduce((sum, part) => sum + perGpu[`${part}_bytes`], 0);
+    const unsharded = ["buckets", "activations", "temporaries", "overhead"];
+    return [...replicated, ...unsharded].reduce((sum, part) => sum + perGpu[`${part}_bytes`], 0);
   }
 
   // a bar's value label sits 3 above the bar, or 3 above the memory line when that would cross it
