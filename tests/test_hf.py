@@ -353,11 +353,12 @@ def _peaks_at_stages(rank: int, world_size: int, planned: dict[int, int], out: s
 @pytest.mark.parametrize("num_gpus", [2, 4])
 def test_an_hf_llama_at_stages_2_and_3_holds_about_what_its_traced_plan_says(num_gpus, tmp_path):
     """Each rank's peak, counted on its CPU tensors, against the traced plan at its stage and N. Stage 3
-    measures under its plan, within 5% (0.986 at N = 2, 0.983 at N = 4 here: the trace plays FSDP2's
-    gathers and frees, and holds a unit until the next one's forward is done, as a GPU frees it; a CPU
-    frees it at once). Stage 2 within 2% (0.988 and 0.987 here, as stage 1's): the trace plays the
-    staging buffers of its gradient buckets (buckets_bytes), which gloo's receive buffers, alive after
-    the step's peak here, do not change. Counts of bytes, not times: the same on any CPU."""
+    within 5%, as issue 42 asks (0.986 at N = 2, 0.983 at N = 4 on a quiet machine: the trace plays
+    FSDP2's gathers and frees, and holds a unit until the next one's forward is done, as a GPU frees it;
+    a CPU frees it at once. Once, on a loaded machine, 1.011 at N = 4: where FSDP2's asynchronous gather
+    of the next unit lands against the free of the last one depends on timing). Stage 2 within 2%
+    (0.988 and 0.987 here, as stage 1's): the trace plays the staging buffers of its gradient buckets
+    (buckets_bytes), which gloo's receive buffers, alive after the step's peak here, do not change."""
     import json
 
     from distributed import run_ranks
@@ -369,4 +370,4 @@ def test_an_hf_llama_at_stages_2_and_3_holds_about_what_its_traced_plan_says(num
     for rank in range(num_gpus):
         peaks = json.loads((tmp_path / f"peaks-{rank}.json").read_text())
         assert all(peak == pytest.approx(planned[2], rel=0.02) for peak in peaks["2"]), (rank, peaks, planned)
-        assert all(0.95 * planned[3] <= peak <= planned[3] for peak in peaks["3"]), (rank, peaks, planned)
+        assert all(peak == pytest.approx(planned[3], rel=0.05) for peak in peaks["3"]), (rank, peaks, planned)
