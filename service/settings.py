@@ -124,9 +124,7 @@ class Settings(BaseSettings):
     scheduler_interval_s: float = Field(0.2, gt=0, le=60)
     """How often the scheduler admits queued jobs and collects metrics."""
     scheduler_idle_interval_s: float = Field(1.0, gt=0, le=60)
-    """How often the scheduler ticks while no job is active or queued (at least scheduler_interval_s);
-    a request that may change a job wakes it at once, so a submit is not kept waiting. Less than
-    scheduler_stale_s, so that an idle service is never reported stale."""
+    """How often the scheduler ticks while no job is active or queued; a request that may change one wakes it."""
     placement_sweep_interval_s: float = Field(10.0, gt=0, le=3600)
     """How often the scheduler looks for placement groups of this deployment that no active
     attempt owns (a supervisor killed while it placed its ranks leaves one) and frees them."""
@@ -267,11 +265,8 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _idle_ticks_not_stale(self) -> Settings:
-        if self.scheduler_idle_interval_s >= self.scheduler_stale_s:
-            raise ValueError(
-                f"scheduler_idle_interval_s ({self.scheduler_idle_interval_s:g}) must be less than "
-                f"scheduler_stale_s ({self.scheduler_stale_s:g}): an idle scheduler would be reported stale"
-            )
+        if (idle := self.scheduler_idle_interval_s) >= (stale := self.scheduler_stale_s):
+            raise ValueError(f"scheduler_idle_interval_s ({idle:g}) must be less than scheduler_stale_s ({stale:g})")
         return self
 
     @field_validator("checkpoint_uri")
