@@ -520,9 +520,25 @@ def test_an_idle_tick_asks_the_database_two_questions_and_a_queued_job_is_still_
         assert client.get(f"/v1/jobs/{job_id}").json()["status"] in ("starting", "running")
 
 
+class _RecordedEvent(threading.Event):
+    """A threading.Event that records how each wait on it ended: True woken (set), False timed out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = 0
+        self.ends: list[bool] = []
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waiting += 1
+        woken = super().wait(timeout)
+        self.ends.append(woken)
+        return woken
+
+
 def test_an_idle_scheduler_waits_its_idle_interval_and_a_submit_wakes_it(tmp_path):
     """With nothing active nor queued the scheduler waits ZERO1_SCHEDULER_IDLE_INTERVAL_S (a minute here)
-    between ticks. A POST wakes it, so the job submitted starts at once (not a minute later); a GET does not."""
+    between ticks. A POST wakes it: the idle wait under way ends woken, not timed out, and the job
+    submitted starts; a GET does not wake it. Asserted as an order of events, not a time."""
     from conftest import serve_on_fakes
 
     settings = make_settings(tmp_path, scheduler_interval_s=0.01, scheduler_idle_interval_s=60, scheduler_stale_s=600)
@@ -531,11 +547,14 @@ def test_an_idle_scheduler_waits_its_idle_interval_and_a_submit_wakes_it(tmp_pat
         woken: list[str] = []
         wake = scheduler.wake
         scheduler.wake = lambda: (woken.append("woken"), wake())
-        wait_for(lambda: scheduler._idle, bool, what="an idle tick", timeout_s=30)
+        recorded, started = _RecordedEvent(), scheduler._wake
+        scheduler._wake = recorded
+        started.set()  # the loop leaves its wait on the first event; it waits on the recorded one from now on
+        wait_for(lambda: recorded.waiting and scheduler._idle, bool, what="an idle wait on the recorded event")
         assert client.get("/v1/jobs").status_code == 200
         assert woken == []
         job_id = client.post("/v1/jobs", json=job_body()).json()["id"]
         assert woken == ["woken"]
-        status = lambda: client.get(f"/v1/jobs/{job_id}").json()["status"]
-        wait_for(status, lambda s: s == "running", what="the job, woken", timeout_s=30)  # the idle wait is 60 s
+        wait_for(lambda: client.get(f"/v1/jobs/{job_id}").json()["status"], lambda s: s == "running", what="the job")
+        assert recorded.ends[0] is True, recorded.ends  # the idle wait the POST found ended by the wake
         assert not scheduler._idle  # a job is active: it ticks every interval_s again

@@ -138,8 +138,14 @@ class Workload:
             raise ValueError(f"num_params must be in [1, {MAX_NUM_PARAMS:.0e}], got {self.num_params}")
         if not 0 < self.bucket_cap_mb < math.inf:
             raise ValueError(f"bucket_cap_mb must be a finite number > 0, got {self.bucket_cap_mb}")
-        counts = ("frozen_numel", "gathered_numel", "gathered_bytes", "buckets_bytes", "activations_bytes")
-        counts = (*counts, "temporaries_bytes")
+        counts = (
+            "frozen_numel",
+            "gathered_numel",
+            "gathered_bytes",
+            "buckets_bytes",
+            "activations_bytes",
+            "temporaries_bytes",
+        )
         for name in (*counts, "overhead_bytes"):
             if (getattr(self, name) or 0) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
