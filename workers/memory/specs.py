@@ -7,6 +7,7 @@ Standard library only, as workers/memory/model.py, which plans with them.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -157,17 +158,14 @@ class GPTSpec:
         tied_grad = self.vocab_size * c * e
         last_block = recomputed + (5 * sb * c + 4 * c * c + c) * e + tied_grad - self._head_bytes(sb, e)
         freed = sb * c * e if checkpointing else self._block_bytes(sb, e)
-        staging = _Arrivals(self.parameter_shapes(), bytes_per_element=e, bucket_cap_mb=bucket_cap_mb)
-        ln_f = staging.arrive(["transformer.ln_f.weight", "transformer.ln_f.bias"])  # before the last block's
+        ln_f, per_layer, at_embeddings = _gpt_staged(self, e, bucket_cap_mb)
         moments = [temporaries]
-        for behind, layer in enumerate(reversed(range(self.n_layer))):
-            staged = staging.arrive([f"transformer.h.{layer}.{name}" for name in _BLOCK_GRADS])
+        for behind, staged in enumerate(per_layer):
             moments.append(last_block - behind * freed + max(staged, ln_f if behind == 0 else 0))
         activations = self.activation_bytes(**step, checkpointing=checkpointing)
         inputs = 2 * 8 * sb + 8 * seq_len
         embeddings = (sb * c + self.block_size * c + 2 * self.vocab_size * c) * e + tied_grad
-        staged = staging.arrive(["transformer.wpe.weight", "transformer.wte.weight"])
-        moments.append(inputs + embeddings - activations + staged)
+        moments.append(inputs + embeddings - activations + at_embeddings)
         return max(moments) - temporaries
 
     def _block_bytes(self, sb: int, e: int) -> int:
@@ -292,6 +290,20 @@ _BLOCK_GRADS = (
     "ln_1.bias",
 )
 """A GPT block's parameters in the order backward hands over their gradients (a Linear's bias first)."""
+
+
+@functools.lru_cache(maxsize=64)
+def _gpt_staged(spec: GPTSpec, bytes_per_element: int, bucket_cap_mb: float) -> tuple[int, tuple[int, ...], int]:
+    """The most a GPT's staging buffers hold while ln_f's gradients are made, during each block's (the
+    last block first), and during the embeddings'. They depend on the shapes and the cap only, so the
+    recommender, which weighs many micro-batches and checkpointings of one model, plays them once."""
+    staging = _Arrivals(spec.parameter_shapes(), bytes_per_element=bytes_per_element, bucket_cap_mb=bucket_cap_mb)
+    ln_f = staging.arrive(["transformer.ln_f.weight", "transformer.ln_f.bias"])  # before the last block's
+    per_layer = tuple(
+        staging.arrive([f"transformer.h.{layer}.{name}" for name in _BLOCK_GRADS])
+        for layer in reversed(range(spec.n_layer))
+    )
+    return ln_f, per_layer, staging.arrive(["transformer.wpe.weight", "transformer.wte.weight"])
 
 
 class _Arrivals:
