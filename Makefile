@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX_URL ?=
 
-.PHONY: install run test test-fast lint format bench clean
+.PHONY: install run test test-fast test-durations lint format bench clean
 
 install: $(VENV)/.installed
 
@@ -40,16 +40,21 @@ run: install
 # Two pytest-xdist workers, each with its own Ray cluster, a test file each at a time: on 2 cores a
 # single process left the machine idle between a job's processes (a clean clone of fdc7eb1 on
 # 2026-12-06: one process 838 s of tests; two workers 743 s, the machine 95% busy). PYTEST_WORKERS=0
-# runs in one process (a debugger, a test's output as it happens).
+# runs in one process (a debugger, a test's output as it happens). The files go longest first, by
+# tests/durations.json (tests/ordering.py); `make test-durations` measures them again.
 PYTEST_WORKERS ?= 2
+PYTEST := $(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: install
-	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile
+	$(PYTEST)
+
+test-durations: install
+	$(PYTEST) --store-durations
 
 # The tests that start no Ray, S3 server, PostgreSQL database, browser, slow process nor ranks (tests/marks.py):
 # the API, the scheduler and the workers' code on stand-ins (tests/fakes.py).
 test-fast: install
-	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not ray and not s3 and not postgres and not browser and not slow and not ranks"
+	$(PYTEST) -m "not ray and not s3 and not postgres and not browser and not slow and not ranks"
 
 lint: install
 	$(BIN)/ruff format --check .

@@ -34,6 +34,7 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 from fakes import state_on_fakes  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
+from ordering import DURATIONS, StoreDurations, longest_first, read_durations  # noqa: E402
 
 from service.main import create_app  # noqa: E402
 from service.settings import Settings  # noqa: E402
@@ -375,9 +376,24 @@ def mlflow_server(tmp_path_factory):
             server.stop()
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--store-durations",
+        action="store_true",
+        help="write each file's seconds to tests/durations.json after a passing run (tests/ordering.py)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("store_durations"):
+        config.pluginmanager.register(StoreDurations(DURATIONS), "zero1-store-durations")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark each test by what it starts (tests/marks.py): `make test-fast` leaves those out."""
+    """Mark each test by what it starts (tests/marks.py): `make test-fast` leaves those out. Then put
+    the longest files first (tests/ordering.py), the order xdist hands them to its workers in."""
     apply_marks(items)
+    items[:] = longest_first(items, read_durations())
 
 
 RAY_UP_BEFORE = pytest.StashKey[bool]()

@@ -2,7 +2,8 @@
 it holds and what it may import ("May import: ..."), and the imports keep to it; no module imports
 another in a circle; no folder holds more than a dozen modules, nor a module more than 400 lines;
 no assignment packs three values, or an attribute, into one line; every path and dotted name the code
-and the docs cite exists; each test file names what it tests.
+and the docs cite exists; each test file names what it tests; the suite hands xdist its longest files
+first (tests/ordering.py).
 
 Packages: every one, service.main to workers.memory.
 """
@@ -11,11 +12,16 @@ from __future__ import annotations
 
 import ast
 import io
+import json
 import re
 import tokenize
 import warnings
 from functools import cache
 from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from ordering import StoreDurations, file_of, longest_first, read_durations
 
 ROOT = Path(__file__).resolve().parents[1]
 ROOMS = ("service", "workers")
@@ -286,3 +292,62 @@ def test_docs_architecture_maps_every_package():
     the_map = text[text.index("## The map") : text.index("### A job's path")]
     packages = [p.parent.name for p in modules().values() if p.name == "__init__.py" and p.parent.parent.name in ROOMS]
     assert [p for p in packages if f"  {p}/ " not in the_map] == []
+
+
+def collected_items(*nodeids: str) -> list[SimpleNamespace]:
+    return [SimpleNamespace(nodeid=nodeid) for nodeid in nodeids]
+
+
+def test_files_go_longest_first_each_keeping_its_tests_order_and_an_unknown_file_sorts_as_the_median():
+    collected = collected_items(
+        "tests/test_a.py::one",
+        "tests/test_a.py::two",
+        "tests/test_b.py::one",
+        "tests/test_new.py::one",
+        "tests/test_c.py::one",
+        "tests/test_c.py::two[x]",
+        "tests/test_d.py::one",
+    )
+    durations = {"tests/test_a.py": 1.0, "tests/test_b.py": 50.0, "tests/test_c.py": 20.0, "tests/test_d.py": 10.0}
+    ordered = [item.nodeid for item in longest_first(collected, durations)]
+    assert ordered == [
+        "tests/test_b.py::one",
+        "tests/test_c.py::one",
+        "tests/test_c.py::two[x]",
+        "tests/test_new.py::one",  # the median of 1, 10, 20, 50: 15, between test_c and test_d
+        "tests/test_d.py::one",
+        "tests/test_a.py::one",
+        "tests/test_a.py::two",
+    ]
+    assert sorted(ordered) == sorted(item.nodeid for item in collected)  # nothing lost nor doubled
+
+
+def test_without_durations_the_collected_order_stands():
+    collected = collected_items("tests/test_z.py::one", "tests/test_a.py::one", "tests/test_z.py::two")
+    assert [i.nodeid for i in longest_first(collected, {})] == [
+        "tests/test_z.py::one",
+        "tests/test_z.py::two",
+        "tests/test_a.py::one",
+    ]
+
+
+def test_a_passing_run_stores_each_files_summed_seconds_longest_first_and_a_failing_one_stores_nothing(tmp_path):
+    path = tmp_path / "durations.json"
+    store = StoreDurations(path)
+    for nodeid, seconds in [("tests/test_a.py::x", 1.25), ("tests/test_b.py::y[1]", 3.0), ("tests/test_a.py::z", 2.5)]:
+        for phase in ("setup", "call", "teardown"):
+            store.pytest_runtest_logreport(SimpleNamespace(nodeid=nodeid, duration=seconds if phase == "call" else 0.0))
+    controller = SimpleNamespace(config=SimpleNamespace())
+    store.pytest_sessionfinish(controller, exitstatus=pytest.ExitCode.TESTS_FAILED)
+    assert not path.exists()
+    worker = SimpleNamespace(config=SimpleNamespace(workerinput={}))
+    store.pytest_sessionfinish(worker, exitstatus=pytest.ExitCode.OK)
+    assert not path.exists()  # a worker saw only its share
+    store.pytest_sessionfinish(controller, exitstatus=pytest.ExitCode.OK)
+    assert list(json.loads(path.read_text()).items()) == [("tests/test_a.py", 3.8), ("tests/test_b.py", 3.0)]
+    assert read_durations(path) == {"tests/test_a.py": 3.8, "tests/test_b.py": 3.0}
+    assert read_durations(tmp_path / "absent.json") == {}
+
+
+def test_a_node_ids_file_is_the_part_before_its_first_double_colon():
+    assert file_of("tests/test_x.py::TestY::test_z[a::b]") == "tests/test_x.py"
