@@ -31,6 +31,7 @@ if OWN_RAY_TMPDIR:
 from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import httpx  # noqa: E402
 import pytest  # noqa: E402
 from fakes import state_on_fakes  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
@@ -374,6 +375,32 @@ def mlflow_server(tmp_path_factory):
     finally:
         if server.process is not None and server.process.poll() is None:
             server.stop()
+
+
+@pytest.fixture
+def cli_as(api, monkeypatch):
+    """as_user(token): the CLI's client commands send that token to the module's `api` (a TestClient;
+    each request handed to it as it came: the same app, routes and database, without a socket)."""
+    from service.cli import jobs as cli_jobs
+    from service.cli import queue as cli_queue
+    from zero1 import Client
+
+    def forward(request: httpx.Request) -> httpx.Response:
+        path = request.url.raw_path.decode()
+        answer = api.request(request.method, path, content=request.content, headers=dict(request.headers))
+        return httpx.Response(answer.status_code, headers=answer.headers, content=answer.content)
+
+    def as_user(token: str) -> None:
+        def client(args, **_):
+            transport = httpx.MockTransport(forward)
+            return Client(
+                http=httpx.Client(base_url=args.url, transport=transport, headers={"Authorization": f"Bearer {token}"})
+            )
+
+        monkeypatch.setattr(cli_jobs, "_client", client)
+        monkeypatch.setattr(cli_queue, "_client", client)
+
+    return as_user
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -82,8 +82,13 @@ LOG_STEPS = 40
 # --------------------------------------------------------------------------- the server
 
 
+TAGGED = "sevenths"
+"""The tag of every seventh seeded job."""
+
+
 def seed_jobs(database_url: str, *, count: int) -> None:
-    """`count` finished jobs, as the service stores them: succeeded (with metrics), failed, cancelled."""
+    """`count` finished jobs, as the service stores them: succeeded (with metrics), failed, cancelled;
+    every seventh tagged TAGGED."""
     upgrade(database_url)
     db = Database(database_url)
     cluster = ClusterCapacity(num_gpus=4, num_gpus_free=4, gpu_memory_bytes=80 * GB, simulated=True)
@@ -91,7 +96,8 @@ def seed_jobs(database_url: str, *, count: int) -> None:
         with db.session() as session:
             for i in range(count):
                 name = f"history-{i:03d}" if i < count - 1 else HTML_NAME  # the newest: shown as text, never run
-                spec = JobSpec.model_validate({**TINY_GPT, "name": name})
+                tags = [TAGGED] if i % 7 == 0 else []
+                spec = JobSpec.model_validate({**TINY_GPT, "name": name, "tags": tags})
                 plan = admit(spec, cluster=cluster, overhead_bytes=GB)
                 job, _ = submit_job(session, spec=spec, plan=plan, idempotency_key=None)
                 end = ("succeeded", "failed", "cancelled")[i % 3]
@@ -998,6 +1004,31 @@ def test_the_status_filter_updates_the_table_in_place(ui, server):
     ui.assert_no_console_errors()
 
 
+def test_the_tag_filter_shows_the_tagged_jobs_in_place_and_a_jobs_tag_links_to_them(ui, server):
+    tagged = server.api.get("/v1/jobs", params={"tag": TAGGED, "limit": 100}).json()["data"]
+    assert 1 < len(tagged) < TABLE_LIMIT and all(job["tags"] == [TAGGED] for job in tagged)
+    page = ui.open("/")
+    page.evaluate("window.zero1FirstLoad = true")
+    rows = page.locator("#jobs tbody tr")
+    page.get_by_label("Tag").fill(TAGGED)
+    page.get_by_label("Tag").press("Enter")
+    expect(page).to_have_url(re.compile(rf"/\?tag={TAGGED}$"))
+    expect(rows).to_have_count(len(tagged))
+    assert rows.evaluate_all("rows => rows.map(r => Number(r.dataset.id))") == [job["id"] for job in tagged]
+    expect(rows.first.locator(".job-tag")).to_have_text(TAGGED)
+    page.get_by_label("Status").select_option("failed")  # both filters at once
+    expect(page).to_have_url(re.compile(rf"/\?status=failed&tag={TAGGED}$"))
+    expect(rows).to_have_count(sum(job["status"] == "failed" for job in tagged))
+    assert page.evaluate("window.zero1FirstLoad") is True, "the page reloaded"
+
+    page = ui.open(f"/jobs/{tagged[0]['id']}")
+    page.locator(".job-tags .job-tag").click()  # the job page's tag: the table of its jobs, from the first paint
+    expect(page).to_have_url(re.compile(rf"/\?tag={TAGGED}$"))
+    expect(page.locator("#jobs tbody tr")).to_have_count(len(tagged))
+    expect(page.get_by_label("Tag")).to_have_value(TAGGED)
+    ui.assert_no_console_errors()
+
+
 def test_without_javascript_every_page_reads_from_the_first_paint(ui, server):
     page = ui.open("/", javascript=False)
     rows = page.locator("#jobs tbody tr")
@@ -1009,7 +1040,7 @@ def test_without_javascript_every_page_reads_from_the_first_paint(ui, server):
     expect(page.locator(f"#job-{SEEDED_JOBS} .job-name")).to_have_text(HTML_NAME)  # escaped by the server
     page.get_by_label("Status").select_option("cancelled")
     page.get_by_role("button", name="Filter").click()  # a plain GET form
-    expect(page).to_have_url(re.compile(r"/\?status=cancelled$"))
+    expect(page).to_have_url(re.compile(r"/\?status=cancelled&tag=$"))  # the form sends its empty tag too
     assert set(rows.evaluate_all("rows => rows.map(r => r.dataset.status)")) == {"cancelled"}
     ui.screenshot(page, "nojs-dashboard")
 

@@ -26,6 +26,7 @@ TABLES = {
     "artifacts",
     "mlflow_runs",
     "owner_uids",
+    "job_tags",
     "alembic_version",
 }
 GIB = 2**30
@@ -70,7 +71,7 @@ def _schema(url: str) -> tuple[set[str], str | None]:
         engine.dispose()
 
 
-HEAD = "0015"
+HEAD = "0016"
 
 
 def _count(database: Database, model: type[Base], job_id: int) -> int:
@@ -85,6 +86,7 @@ def test_one_linear_history(database_url):
     assert (
         revisions
         == [
+            "0016",
             "0015",
             "0014",
             "0013",

@@ -13,7 +13,6 @@ import re
 import secrets
 from collections.abc import Iterator
 
-import httpx
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
@@ -163,7 +162,7 @@ def test_an_owner_changes_a_priority_within_the_ceiling_and_the_queue_reorders(a
         ({"priority": 101}, "priority: Input should be less than or equal to 100"),
         ({"priority": -1}, "priority: Input should be greater than or equal to 0"),
         ({"priority": "90"}, "priority: Input should be a number, not a string"),
-        ({}, "priority: Field required"),
+        ({}, "priority: give at least one of priority, tags and notes"),
         ({"priority": 60, "name": "x"}, "name: Extra inputs are not permitted"),
     ],
 )
@@ -369,30 +368,6 @@ def test_metrics_count_each_owners_gpus_and_the_preemptions(api):
 
 
 # --------------------------------------------------------------------------- the CLI
-
-
-@pytest.fixture
-def cli_as(api, monkeypatch):
-    """as_user(token): the CLI's client commands send that token to the app (each request handed to the
-    TestClient as it came: the same app, routes and database, without a socket)."""
-    from service.cli import jobs as cli_jobs
-    from service.cli import queue as cli_queue
-    from zero1 import Client
-
-    def forward(request: httpx.Request) -> httpx.Response:
-        path = request.url.raw_path.decode()
-        answer = api.request(request.method, path, content=request.content, headers=dict(request.headers))
-        return httpx.Response(answer.status_code, headers=answer.headers, content=answer.content)
-
-    def as_user(token: str) -> None:
-        def client(args, **_):
-            transport = httpx.MockTransport(forward)
-            return Client(http=httpx.Client(base_url=args.url, transport=transport, headers=bearer(token)))
-
-        monkeypatch.setattr(cli_jobs, "_client", client)
-        monkeypatch.setattr(cli_queue, "_client", client)
-
-    return as_user
 
 
 def test_the_cli_submits_with_a_priority_changes_it_suspends_resumes_and_lists_the_queue(cli_as, api, tmp_path, capsys):

@@ -44,6 +44,8 @@ def job_public(job: Job, *, position: int | None, principal: Principal) -> JobPu
         owner=job.owner,
         priority=job.priority,
         borrowed=job.borrowed,
+        tags=job.tags,
+        notes=job.notes if mine else None,
     )
 
 
@@ -60,9 +62,11 @@ def list_jobs(
     cursor: int | None,
     principal: Principal,
     fifo: bool = False,
+    tags: list[str] | None = None,
 ) -> tuple[list[JobPublic], str | None]:
-    """Newest first, as `principal` sees them; the cursor is the id the next page starts below."""
-    jobs, more = newest_jobs(session, statuses=statuses, limit=limit, cursor=cursor)
+    """Newest first, as `principal` sees them, only those with every one of `tags`; the cursor is the id
+    the next page starts below."""
+    jobs, more = newest_jobs(session, statuses=statuses, limit=limit, cursor=cursor, tags=tags)
     positions: dict[int, int] = {}
     if any(j.status == "queued" for j in jobs):
         positions = queue_positions(session, fifo=fifo)

@@ -13,7 +13,16 @@ import os
 import sys
 from decimal import Decimal, InvalidOperation
 
-from service.cli.jobs import cmd_cancel, cmd_download, cmd_jobs, cmd_status, cmd_submit, cmd_watch, print_api_error
+from service.cli.jobs import (
+    cmd_cancel,
+    cmd_download,
+    cmd_jobs,
+    cmd_status,
+    cmd_submit,
+    cmd_tag,
+    cmd_watch,
+    print_api_error,
+)
 from service.cli.logs import cmd_logs
 from service.cli.plans import cmd_plan
 from service.cli.queue import cmd_priority, cmd_queue, cmd_resume, cmd_suspend
@@ -100,9 +109,12 @@ def _parser() -> argparse.ArgumentParser:
         ".gitignore lists), uploaded, and set as the job's code",
     )
     submit.add_argument("--priority", type=int, metavar="N", help="0-100, highest first (default: the service's, 50)")
+    submit.add_argument("--tag", action="append", metavar="TAG", help="a tag to find it by (repeatable)")
+    submit.add_argument("--notes", metavar="TEXT", help="notes on the job (its owner and admins see them)")
     submit.add_argument("--url", **url)
     jobs = commands.add_parser("jobs", help="list jobs, newest first")
     jobs.add_argument("--status", action="append", help="only these statuses (repeatable)")
+    jobs.add_argument("--tag", action="append", metavar="TAG", help="only jobs with this tag (repeatable: all of them)")
     jobs.add_argument("--limit", type=int, default=20)
     jobs.add_argument("--url", **url)
     for name, text in (
@@ -121,6 +133,11 @@ def _parser() -> argparse.ArgumentParser:
     priority.add_argument("job_id", type=int)
     priority.add_argument("priority", type=int, help="the new priority, up to your ceiling")
     priority.add_argument("--url", **url)
+    for name, text in (("tag", "add tags to a job"), ("untag", "remove tags from a job")):
+        command = commands.add_parser(name, help=text)
+        command.add_argument("job_id", type=int)
+        command.add_argument("tags", nargs="+", metavar="TAG")
+        command.add_argument("--url", **url)
     queue = commands.add_parser("queue", help="the queued jobs in the order they start, why each waits")
     queue.add_argument("--limit", type=int, default=100, help="the first N queued jobs (default 100)")
     queue.add_argument("--url", **url)
@@ -170,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         "suspend": cmd_suspend,
         "resume": cmd_resume,
         "priority": cmd_priority,
+        "tag": cmd_tag,
+        "untag": cmd_tag,
         "db": cmd_db,
     }
     from zero1 import ApiError

@@ -48,7 +48,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
                 state = "stored" if bundle.created else "already stored"
                 print(f"code {bundle.code} ({state})", file=sys.stderr)
                 code = bundle.code
-            answer = client.submit(body, code=code, dry_run=args.dry_run, priority=args.priority)
+            answer = client.submit(
+                body, code=code, dry_run=args.dry_run, priority=args.priority, tags=args.tag, notes=args.notes
+            )
         except ApiError as error:
             if error.status == 422 and error.error == "does_not_fit":  # the answer, as a fit's plan is: to stdout
                 print(f"does not fit: {escape(error.message, keep=MULTILINE)}")
@@ -74,7 +76,7 @@ def _job_cells(job: dict) -> dict[str, str]:
         "steps": str(job["steps"]),
         "gpus": _gpus(job),
         "loss": "-" if loss is None else f"{loss:.4f}",
-        "name": escape(job["name"]),
+        "name": escape(job["name"]) + (f"  [{', '.join(job['tags'])}]" if job.get("tags") else ""),
     }
 
 
@@ -96,7 +98,8 @@ def _gpus(job: dict) -> str:
 
 def cmd_jobs(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        jobs = [job.info.model_dump(mode="json") for job in client.jobs(status=args.status, limit=args.limit)]
+        listed = client.jobs(status=args.status, limit=args.limit, tag=args.tag)
+        jobs = [job.info.model_dump(mode="json") for job in listed]
     if (console := terminal()) is not None:
         console.print(_jobs_table(jobs))
         return 0
@@ -187,4 +190,15 @@ def cmd_download(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"zero1 download: {exc}", file=sys.stderr)
             return 1
+    return 0
+
+
+def cmd_tag(args: argparse.Namespace) -> int:
+    """`zero1 tag ID TAG...` adds the tags, `zero1 untag ID TAG...` removes them; prints the job's tags."""
+    with _client(args) as client:
+        job = client.job(args.job_id)
+        tags = set(job.info.tags)
+        tags = tags | set(args.tags) if args.command == "tag" else tags - set(args.tags)
+        info = job.set_tags(sorted(tags)).info
+    print(f"job {args.job_id}: tags {', '.join(info.tags) or '(none)'}")
     return 0

@@ -80,19 +80,25 @@ class Client:
         dry_run: bool = False,
         *,
         priority: int | None = None,
+        tags: list[str] | None = None,
+        notes: str | None = None,
         progress: bool = False,
     ) -> Job | DryRunPublic:
         """POST /v1/jobs: a job spec (a dict, or the path of a JSON file) admitted and queued; its Job.
         `code` is a python model's code: a directory (zipped and uploaded, a bar on stderr if
         `progress`) or the digest of an uploaded bundle. With `dry_run` nothing is stored: the answer
-        is the plan and whether it would be admitted. A job that does not fit is an ApiError
-        "does_not_fit" whose `body["plan"]` is the plan."""
+        is the plan and whether it would be admitted. `tags` are added to the spec's, `notes` replace its. A
+        job that does not fit is an ApiError "does_not_fit" whose `body["plan"]` is the plan."""
         body = dict(spec) if isinstance(spec, dict) else json.loads(Path(spec).read_text())
         if code is not None:
             digest = str(code) if str(code).startswith("sha256:") else self.upload_code(code, progress=progress).code
             body["code"] = digest
         if priority is not None:
             body["priority"] = priority
+        if tags is not None:
+            body["tags"] = sorted({*body.get("tags", []), *tags})
+        if notes is not None:
+            body["notes"] = notes
         answer = self._post("/v1/jobs", json=body, params={"dry_run": str(dry_run).lower()}, timeout=SUBMIT_TIMEOUT_S)
         if dry_run:
             return DryRunPublic.model_validate(answer)
@@ -120,11 +126,16 @@ class Client:
         """GET /v1/jobs/{id}."""
         return Job(self, JobPublic.model_validate(self._get(f"/v1/jobs/{job_id}")))
 
-    def jobs(self, status: str | list[str] | None = None, limit: int = 20) -> list[Job]:
-        """GET /v1/jobs: the newest first, `limit` of them, only these statuses if given."""
+    def jobs(
+        self, status: str | list[str] | None = None, limit: int = 20, tag: str | list[str] | None = None
+    ) -> list[Job]:
+        """GET /v1/jobs: the newest first, `limit` of them, only these statuses if given, only those with
+        every tag given."""
         params: dict[str, Any] = {"limit": limit}
         if status:
             params["status"] = [status] if isinstance(status, str) else list(status)
+        if tag:
+            params["tag"] = [tag] if isinstance(tag, str) else list(tag)
         return [Job(self, JobPublic.model_validate(j)) for j in self._get("/v1/jobs", params=params)["data"]]
 
     def queue(self, limit: int = 100) -> QueuePublic:

@@ -172,6 +172,14 @@ class Job:
         """0-100, up to your ceiling: the queue runs the highest first."""
         return self._update("patch", "", json={"priority": priority})
 
+    def set_tags(self, tags: list[str]) -> Job:
+        """Its tags, all of them (the set replaced; [] clears it); at any time, as its notes."""
+        return self._update("patch", "", json={"tags": list(tags)})
+
+    def set_notes(self, notes: str) -> Job:
+        """Its notes, replaced ("" clears them)."""
+        return self._update("patch", "", json={"notes": notes})
+
     def artifacts(self) -> list[ArtifactPublic]:
         """The files of a succeeded job's final model, each with its size and sha256."""
         return [ArtifactPublic.model_validate(a) for a in self._get(f"/v1/jobs/{self.id}/artifacts")["data"]]

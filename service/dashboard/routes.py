@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from datetime import UTC, datetime
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
@@ -32,7 +33,7 @@ from service.errors import ServiceError, describe_validation_errors
 from service.planning.plans import make_plan, plan_public
 from service.planning.recommendations import cost_model_of, recommend_public
 from service.scheduling import controls
-from service.schemas.fields import ACTIVE, JobStatus, resolved_roots, too_many_digits
+from service.schemas.fields import ACTIVE, TAG_PATTERN, JobStatus, resolved_roots, too_many_digits
 from service.schemas.plan_requests import PlanRequest, RecommendRequest
 from service.schemas.printable import MULTILINE, escape
 from service.schemas.responses import JobPublic
@@ -96,9 +97,13 @@ def table_order(job: JobPublic) -> tuple[int, int, int]:
     return group, job.queue_position or 0, -job.id
 
 
-def table_jobs(session: Session, *, status: str | None, principal: Principal, fifo: bool = False) -> list[JobPublic]:
-    """The newest TABLE_LIMIT jobs (of `status`, if given) and every active one, in table order."""
+def table_jobs(
+    session: Session, *, status: str | None, principal: Principal, fifo: bool = False, tag: str | None = None
+) -> list[JobPublic]:
+    """The newest TABLE_LIMIT jobs (of `status`, with `tag`, each if given) and every active one (with
+    `tag`), in table order."""
     statuses = [status] if status else None
+    tags = [tag] if tag else None
     recent, _ = job_responses.list_jobs(
         session,
         statuses=statuses,
@@ -106,6 +111,7 @@ def table_jobs(session: Session, *, status: str | None, principal: Principal, fi
         cursor=None,
         principal=principal,
         fifo=fifo,
+        tags=tags,
     )
     active_statuses = [s for s in ACTIVE if status in (None, s)]
     # active jobs hold GPUs, so there are never more of them than GPUs; 500 is the API's page limit
@@ -117,6 +123,7 @@ def table_jobs(session: Session, *, status: str | None, principal: Principal, fi
             cursor=None,
             principal=principal,
             fifo=fifo,
+            tags=tags,
         )[0]
         if active_statuses
         else []
@@ -133,10 +140,12 @@ def jobs_page(
     runtime: AppStateDep,
     settings: SettingsDep,
     status: str | None = None,
+    tag: str | None = None,
 ):
-    """The cluster strip, the queue (GET /v1/queue's) and the jobs table, filtered by ?status= (an unknown
-    status shows all)."""
+    """The cluster strip, the queue (GET /v1/queue's) and the jobs table, filtered by ?status= and ?tag= (an
+    unknown status, or text that is no tag, shows all)."""
     status = status if status in STATUSES else None
+    tag = tag if tag is not None and re.fullmatch(TAG_PATTERN, tag) else None
     queue = controls.queue_view(
         session, reasons=runtime.scheduler.queue_reasons(), settings=settings, limit=QUEUE_LIMIT
     )
@@ -150,7 +159,8 @@ def jobs_page(
         "queue": queue,
         "queue_limit": QUEUE_LIMIT,
         "status": status,
-        "jobs": table_jobs(session, status=status, principal=principal, fifo=settings.queue_policy == "fifo"),
+        "tag": tag,
+        "jobs": table_jobs(session, status=status, principal=principal, fifo=settings.queue_policy == "fifo", tag=tag),
         "statuses": STATUSES,
         "now": datetime.now(UTC),
         "elapsed_s": elapsed_s,

@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 from service.errors import ServiceError
 from service.schemas.requests import JobSpec
 from service.schemas.responses import PlanPublic
-from service.store.tables import Job, JobEvent
+from service.store.tables import Job, JobEvent, JobTag
 from workers.memory.model import GB
 
 
@@ -72,6 +72,8 @@ def submit_job(
         request_hash=digest,
         owner=owner,
         priority=priority,
+        notes=spec.notes,
+        tag_rows=[JobTag(tag=tag) for tag in spec.tags],
     )
     try:
         # the job and its first event in one savepoint: on SQLite, whose driver opens no

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from decimal import Decimal
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, StrictBool
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, StrictBool, StringConstraints
 
 from service.schemas.printable import escape, first_control
 
@@ -74,6 +74,36 @@ Bool = StrictBool
 Text = Annotated[str, AfterValidator(no_control)]
 """Text a request names something by (a job's name, a path, a column, an entrypoint): no control or
 format characters."""
+
+
+def lines_only(text: str) -> str:
+    # notes may run over lines; every other control or format character is refused, as in a name
+    no_nul(text)
+    if (index := first_control(text.replace("\n", " ").replace("\t", " "))) is None:
+        return text
+    raise ValueError(
+        f"must not contain a control or format character ({escape(text[index])} at {index}): newline and tab "
+        "are the only ones allowed"
+    )
+
+
+MAX_NOTES_CHARS = 20_000
+Notes = Annotated[str, StringConstraints(max_length=MAX_NOTES_CHARS), AfterValidator(lines_only)]
+"""A job's notes: text of several lines (newlines and tabs, no other control or format character)."""
+
+TAG_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:=/+-]{0,63}$"
+Tag = Annotated[str, StringConstraints(pattern=TAG_PATTERN)]
+"""A job's tag: 1-64 letters, digits and . _ : = / + -, not starting with a punctuation mark
+("baseline", "lr=3e-4", "sweep:7")."""
+MAX_TAGS = 32
+
+
+def distinct(tags: list[str]) -> list[str]:
+    """A job's tags are a set: each once, in alphabetical order."""
+    return sorted(set(tags))
+
+
+Tags = Annotated[list[Tag], AfterValidator(distinct)]
 
 
 class Body(BaseModel):

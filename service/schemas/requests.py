@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field, model_validator
 
 from service.schemas.data_specs import DataSpec, SyntheticDataSpec
-from service.schemas.fields import Body, Bool, Int, Precision, Text
+from service.schemas.fields import MAX_TAGS, Body, Bool, Int, Notes, Precision, Tags, Text
 from service.schemas.model_specs import (
     MLPModelSpec,
     ModelSpec,
@@ -145,6 +145,12 @@ class JobSpec(Body):
         description="Steps in a row with a nan or inf gradient norm (each skipped) after which the job fails; "
         "fp16's loss scaler may skip up to 16 in a row at the start.",
     )
+    tags: Tags = Field(
+        [],
+        max_length=MAX_TAGS,
+        description="Labels to find it by (GET /v1/jobs?tag=); PATCH /v1/jobs/{id} replaces them.",
+    )
+    notes: Notes | None = Field(None, description="Free text for its owner; PATCH /v1/jobs/{id} replaces it.")
 
     @property
     def batch_size(self) -> int:
@@ -285,7 +291,18 @@ class JobSpec(Body):
         )
 
 
-class PriorityPatch(Body):
-    """PATCH /v1/jobs/{id}: a new priority for a queued, running or suspended job."""
+class JobPatch(Body):
+    """PATCH /v1/jobs/{id}: what its owner may change, each field left as it is when absent (at least one).
+    The priority of a queued, running or suspended job only; tags and notes at any time."""
 
-    priority: Int = Field(ge=0, le=100, description="0-100, within the owner's ceiling (ZERO1_PRIORITY_LIMITS).")
+    priority: Int | None = Field(
+        None, ge=0, le=100, description="0-100, within the owner's ceiling (ZERO1_PRIORITY_LIMITS)."
+    )
+    tags: Tags | None = Field(None, max_length=MAX_TAGS, description="Its tags, all of them (replaces the set).")
+    notes: Notes | None = Field(None, description='Its notes ("" clears them).')
+
+    @model_validator(mode="after")
+    def _something(self) -> JobPatch:
+        if self.priority is None and self.tags is None and self.notes is None:
+            raise FieldError("priority", "give at least one of priority, tags and notes")
+        return self

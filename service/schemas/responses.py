@@ -142,6 +142,10 @@ class JobPublic(BaseModel):
     queue_position: int | None = Field(description="1 for the next job to start; null unless queued.")
     owner: str | None = Field(None, description="The user whose token submitted it; null while auth is off.")
     priority: int = Field(50, description="0-100: the queue runs the highest first; a job may preempt lower ones.")
+    tags: list[str] = Field([], description="Its tags, in alphabetical order (GET /v1/jobs?tag= finds it by one).")
+    notes: str | None = Field(
+        None, description="Its notes; null unless set and the caller owns the job or is an admin."
+    )
     borrowed: bool = Field(
         False, description="It runs past its owner's GPU quota on idle GPUs: the first to be preempted."
     )

@@ -6,8 +6,8 @@ submission (service/scheduling/submission.py) change rows.
 
 from __future__ import annotations
 
-from sqlalchemy import func, select
-from sqlalchemy.orm import Session
+from sqlalchemy import delete, func, insert, select
+from sqlalchemy.orm import Session, selectinload
 
 from service.auth import Principal
 from service.errors import ServiceError
@@ -15,7 +15,7 @@ from service.schemas.fields import ACTIVE
 from service.schemas.requests import world_sizes
 from service.schemas.responses import EventPublic
 from service.store.log_lines import log_acks
-from service.store.tables import Job, JobEvent, Metric
+from service.store.tables import Job, JobEvent, JobTag, Metric
 
 
 def get_job(session: Session, job_id: int) -> Job:
@@ -46,16 +46,32 @@ def get_visible_job(session: Session, job_id: int, *, principal: Principal) -> J
 
 
 def newest_jobs(
-    session: Session, *, statuses: list[str] | None, limit: int, cursor: int | None
+    session: Session, *, statuses: list[str] | None, limit: int, cursor: int | None, tags: list[str] | None = None
 ) -> tuple[list[Job], bool]:
-    """A page of jobs, newest first, below id `cursor`; (jobs, whether more follow)."""
-    query = select(Job).order_by(Job.id.desc()).limit(limit + 1)
+    """A page of jobs, newest first, below id `cursor`, each with every one of `tags`; (jobs, whether
+    more follow). Their tags are read in one more query."""
+    query = select(Job).options(selectinload(Job.tag_rows)).order_by(Job.id.desc()).limit(limit + 1)
     if statuses:
         query = query.where(Job.status.in_(statuses))
+    for tag in set(tags or ()):
+        query = query.where(Job.id.in_(select(JobTag.job_id).where(JobTag.tag == tag)))
     if cursor is not None:
         query = query.where(Job.id < cursor)
     jobs = list(session.scalars(query))
     return jobs[:limit], len(jobs) > limit
+
+
+def set_labels(session: Session, job: Job, *, tags: list[str] | None, notes: str | None) -> None:
+    """Replace the job's tags (when given) and its notes (when given; "" clears them). The tags are
+    deleted and written again under the job's row lock: two requests at once leave one's set whole."""
+    if tags is not None:
+        session.execute(select(Job.id).where(Job.id == job.id).with_for_update())
+        session.execute(delete(JobTag).where(JobTag.job_id == job.id))
+        if tags:
+            session.execute(insert(JobTag), [{"job_id": job.id, "tag": tag} for tag in sorted(set(tags))])
+        session.expire(job, ["tag_rows"])
+    if notes is not None:
+        job.notes = notes or None
 
 
 QUEUE_ORDER = (Job.priority.desc(), Job.id)

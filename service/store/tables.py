@@ -26,7 +26,7 @@ from sqlalchemy import (
     UniqueConstraint,
     false,
 )
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
 
 # SQLite wants INTEGER for its auto-incrementing rowid keys; elsewhere 64 bits.
@@ -123,6 +123,24 @@ class Job(Base):
     artifacts_recorded_at: Mapped[datetime | None] = mapped_column(default=None)
     """When the service read its final/ directory and recorded its artifacts (service.store.artifacts);
     null before, and for jobs that succeeded before artifacts were recorded (read on first listing)."""
+    notes: Mapped[str | None] = mapped_column(Text, default=None)
+    """Its owner's free text (set at submit, or by PATCH /v1/jobs/{id}); null: none."""
+    tag_rows: Mapped[list[JobTag]] = relationship(order_by="JobTag.tag", cascade="all, delete-orphan")
+
+    @property
+    def tags(self) -> list[str]:
+        """Its tags, in alphabetical order."""
+        return [row.tag for row in self.tag_rows]
+
+
+class JobTag(Base):
+    """One tag of a job: a job's tags are a set (PATCH /v1/jobs/{id} replaces it); the jobs of a tag are
+    found by its index (GET /v1/jobs?tag=)."""
+
+    __tablename__ = "job_tags"
+
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    tag: Mapped[str] = mapped_column(String(64), primary_key=True, index=True)
 
 
 class JobEvent(Base):

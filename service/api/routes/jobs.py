@@ -31,7 +31,7 @@ from service.auth import Principal, check_can_steer
 from service.planning.hf_paths import check_model_path
 from service.scheduling import admission, controls, job_states, submission
 from service.scheduling.init_from import resolve_init_from
-from service.schemas.fields import TERMINAL, JobStatus
+from service.schemas.fields import MAX_TAGS, TERMINAL, JobStatus, Tag
 from service.schemas.requests import JobSpec
 from service.schemas.responses import (
     ArtifactPublic,
@@ -149,10 +149,20 @@ def list_jobs(
     status: Annotated[list[JobStatus] | None, Query()] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     cursor: Annotated[int | None, Query(ge=0, le=MAX_ID, description="next_cursor of the previous page")] = None,
+    tag: Annotated[
+        list[Tag] | None, Query(max_length=MAX_TAGS, description="Only jobs with this tag (repeat: all of them)")
+    ] = None,
 ) -> Response:
-    """Newest first, optionally only some statuses (repeat ?status=); others' jobs without their details."""
+    """Newest first, optionally only some statuses (repeat ?status=) and only jobs with every ?tag= given;
+    others' jobs without their details."""
     data, next_cursor = job_responses.list_jobs(
-        session, statuses=status, limit=limit, cursor=cursor, principal=principal, fifo=settings.queue_policy == "fifo"
+        session,
+        statuses=status,
+        limit=limit,
+        cursor=cursor,
+        principal=principal,
+        fifo=settings.queue_policy == "fifo",
+        tags=tag,
     )
     return json_response(JobsPublic(data=data, next_cursor=next_cursor))
 

@@ -1,5 +1,5 @@
 """The queue and a job's place in it: GET /v1/queue (the queued jobs in the order they start, why each
-waits, and each owner's GPUs against their quota), a job's priority (PATCH /v1/jobs/{id}), suspend and
+waits, and each owner's GPUs against their quota), a job's priority, tags and notes (PATCH /v1/jobs/{id}), suspend and
 resume. The rules are service/scheduling/controls.py's."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from service.api import job_responses
 from service.api.deps import AppStateDep, JobId, PrincipalDep, ReaderDep, SessionDep, SettingsDep, errors, json_response
 from service.auth import check_can_steer
 from service.scheduling import controls
-from service.schemas.requests import PriorityPatch
+from service.schemas.requests import JobPatch
 from service.schemas.responses import JobPublic, QueuePublic
 from service.store import job_repository
 
@@ -37,13 +37,18 @@ def queue(
 
 @router.patch("/jobs/{job_id}", response_model=JobPublic, responses=_ERRORS)
 def patch_job(
-    job_id: JobId, body: PriorityPatch, session: SessionDep, settings: SettingsDep, principal: PrincipalDep
+    job_id: JobId, body: JobPatch, session: SessionDep, settings: SettingsDep, principal: PrincipalDep
 ) -> Response:
     """A new priority for a queued, running or suspended job, up to the caller's ceiling (a 403
-    forbidden_priority above it; 409 once the job has ended). Its owner or an admin only."""
+    forbidden_priority above it; 409 once the job has ended); new tags (the whole set) or notes at any
+    time. Its owner or an admin only."""
     job = job_repository.get_job(session, job_id)
-    check_can_steer(principal, job_id=job.id, owner=job.owner, action="change the priority of")
-    controls.set_priority(session, job, body.priority, settings=settings, principal=principal)
+    what = "change the priority of" if body.priority is not None else "change the tags or notes of"
+    check_can_steer(principal, job_id=job.id, owner=job.owner, action=what)
+    if body.priority is not None:
+        controls.set_priority(session, job, body.priority, settings=settings, principal=principal)
+    if body.tags is not None or body.notes is not None:
+        job_repository.set_labels(session, job, tags=body.tags, notes=body.notes)
     return json_response(
         job_responses.job_public(
             job,

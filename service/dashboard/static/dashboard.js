@@ -267,6 +267,13 @@
     if (link.getAttribute("href") !== `/jobs/${job.id}`) link.setAttribute("href", `/jobs/${job.id}`);
     setText($(".job-id", tr), `#${job.id}`);
     setText($(".job-name", tr), job.name);
+    const tags = $(".tags", tr), shownTags = (job.tags || []).join(" ");
+    if (tags.dataset.tags !== shownTags) {
+      tags.dataset.tags = shownTags;
+      tags.replaceChildren(...(job.tags || []).map((t) => Object.assign(document.createElement("a"), {
+        className: "job-tag", href: `/?tag=${encodeURIComponent(t)}`, textContent: t,
+      })));
+    }
     setBadge($('[data-field="status"]', tr), job.status);
     const progress = $("progress", tr);
     progress.setAttribute("aria-label", `Progress of job ${job.id}`);
@@ -308,12 +315,14 @@
     return tr;
   }
 
+  const TAG = /^[A-Za-z0-9][A-Za-z0-9._:=/+-]{0,63}$/;  // service/schemas/fields.py TAG_PATTERN
+
   function jobsPage() {
     const table = $("#jobs"), tbody = table.tBodies[0], template = $("#row-template");
-    const filter = $("#filter"), select = $("#status-filter"), announcer = $("#announcer");
+    const filter = $("#filter"), select = $("#status-filter"), tagInput = $("#tag-filter"), announcer = $("#announcer");
     const limit = Number(table.dataset.limit) || 100;
     const seen = new Map($$("tr[data-id]", tbody).map((tr) => [Number(tr.dataset.id), tr.dataset.status]));
-    let status = table.dataset.status || "";
+    let status = table.dataset.status || "", tag = table.dataset.tag || "";
 
     function announce(job) {
       const before = seen.get(job.id);
@@ -371,10 +380,10 @@
       ]);
       const waiting = queue.data.map((entry) => `${entry.id}:queued:${entry.position}`);
       const now = [...active.data.map((job) => `${job.id}:${job.status}`), ...waiting, queue.count].join();
-      if (recentFor !== status || now !== live || ticks % 10 === 0) {
-        const filter = status, only = filter ? `&status=${encodeURIComponent(filter)}` : "";
-        recent = (await api(`/v1/jobs?limit=${limit}${only}`)).data;
-        recentFor = filter;
+      const wanted = filterQuery();
+      if (recentFor !== wanted || now !== live || ticks % 10 === 0) {
+        recent = (await api(`/v1/jobs?limit=${limit}${wanted ? `&${wanted}` : ""}`)).data;
+        recentFor = wanted;
       }
       live = now;
       ticks += 1;
@@ -387,15 +396,26 @@
       renderQueue(queue);
       setText($('[data-field="nodes"]', strip), cluster.nodes);
       const byId = new Map(recent.map((job) => [job.id, job]));
-      for (const job of active.data) if (!status || job.status === status) byId.set(job.id, job);
+      for (const job of active.data) {
+        if ((!status || job.status === status) && (!tag || job.tags.includes(tag))) byId.set(job.id, job);
+      }
       render(Array.from(byId.values()));
+    }
+
+    function filterQuery() {  // the table's filter as a query string: status=…&tag=…, "" for none
+      return new URLSearchParams([...(status ? [["status", status]] : []), ...(tag ? [["tag", tag]] : [])]).toString();
     }
 
     const refreshNow = poll(refresh);
     function applyFilter() {
       status = select.value;
+      const typed = tagInput.value.trim();
+      tag = TAG.test(typed) ? typed : "";  // not a tag: no filter, as the server reads ?tag=
+      tagInput.setCustomValidity(typed && !tag ? "a tag: letters, digits and . _ : = / + -, up to 64" : "");
       table.dataset.status = status;
-      history.replaceState(null, "", status ? `/?status=${encodeURIComponent(status)}` : "/");
+      table.dataset.tag = tag;
+      const query = filterQuery();
+      history.replaceState(null, "", query ? `/?${query}` : "/");
       refreshNow();
     }
     select.addEventListener("change", applyFilter);
