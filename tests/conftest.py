@@ -377,12 +377,9 @@ def mlflow_server(tmp_path_factory):
             server.stop()
 
 
-@pytest.fixture
-def cli_as(api, monkeypatch):
-    """as_user(token): the CLI's client commands send that token to the module's `api` (a TestClient;
-    each request handed to it as it came: the same app, routes and database, without a socket)."""
-    from service.cli import jobs as cli_jobs
-    from service.cli import queue as cli_queue
+def client_on(api: TestClient, token: str | None = None, *, base_url: str = "http://zero1"):
+    """A zero1 Client whose requests go to the TestClient `api`, each handed to it as it came (the same
+    app, routes and database, without a socket), with `token` as its bearer token if given."""
     from zero1 import Client
 
     def forward(request: httpx.Request) -> httpx.Response:
@@ -390,12 +387,20 @@ def cli_as(api, monkeypatch):
         answer = api.request(request.method, path, content=request.content, headers=dict(request.headers))
         return httpx.Response(answer.status_code, headers=answer.headers, content=answer.content)
 
-    def as_user(token: str) -> None:
+    headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+    return Client(http=httpx.Client(base_url=base_url, transport=httpx.MockTransport(forward), headers=headers))
+
+
+@pytest.fixture
+def cli_as(api, monkeypatch):
+    """as_user(token): the CLI's client commands send that token (None: none) to the module's `api` (a
+    TestClient), through client_on."""
+    from service.cli import jobs as cli_jobs
+    from service.cli import queue as cli_queue
+
+    def as_user(token: str | None) -> None:
         def client(args, **_):
-            transport = httpx.MockTransport(forward)
-            return Client(
-                http=httpx.Client(base_url=args.url, transport=transport, headers={"Authorization": f"Bearer {token}"})
-            )
+            return client_on(api, token, base_url=args.url)
 
         monkeypatch.setattr(cli_jobs, "_client", client)
         monkeypatch.setattr(cli_queue, "_client", client)

@@ -27,6 +27,7 @@ TABLES = {
     "mlflow_runs",
     "owner_uids",
     "job_tags",
+    "job_dependencies",
     "alembic_version",
 }
 GIB = 2**30
@@ -71,7 +72,7 @@ def _schema(url: str) -> tuple[set[str], str | None]:
         engine.dispose()
 
 
-HEAD = "0016"
+HEAD = "0017"
 
 
 def _count(database: Database, model: type[Base], job_id: int) -> int:
@@ -86,6 +87,7 @@ def test_one_linear_history(database_url):
     assert (
         revisions
         == [
+            "0017",
             "0016",
             "0015",
             "0014",

@@ -12,7 +12,6 @@ import re
 import secrets
 from collections.abc import Iterator
 
-import httpx
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
@@ -21,7 +20,7 @@ from service.cli import main
 from service.store.tables import JobTag
 
 import helpers
-from conftest import make_settings, serve_on_fakes
+from conftest import client_on, make_settings, serve_on_fakes
 
 ALICE, BOB, ROOT = (f"{user}-{secrets.token_urlsafe(24)}" for user in ("alice", "bob", "root"))
 TOKENS = f"alice:{ALICE},bob:{BOB},root:{ROOT}:admin"
@@ -114,7 +113,7 @@ def test_a_finished_jobs_tags_change_though_its_priority_cannot(api):
         ({"tags": [f"t{i}" for i in range(33)]}, "tags", "at most 32 items"),
         ({"notes": "a\n\x1bb"}, "notes", "must not contain a control or format character (\\x1b at 2)"),
         ({"notes": "x" * 20_001}, "notes", "at most 20000 characters"),
-        ({}, "priority", "give at least one of priority, tags and notes"),
+        ({}, "priority", "give at least one of priority, tags, notes and depends_on"),
     ],
 )
 def test_a_bad_tag_or_note_is_a_422_naming_the_field(api, body, field, says):
@@ -157,16 +156,7 @@ def test_the_cli_submits_with_tags_lists_by_tag_and_adds_and_removes_them(cli_as
 
 
 def test_the_client_submits_tags_finds_jobs_by_them_and_sets_tags_and_notes(api):
-    from zero1 import Client
-
-    def forward(request: httpx.Request) -> httpx.Response:
-        answer = api.request(
-            request.method, request.url.raw_path.decode(), content=request.content, headers=request.headers
-        )
-        return httpx.Response(answer.status_code, headers=answer.headers, content=answer.content)
-
-    http = httpx.Client(base_url="http://zero1", transport=httpx.MockTransport(forward), headers=bearer(ALICE))
-    with Client(http=http) as client:
+    with client_on(api, ALICE) as client:
         job = client.submit(helpers.job_body(steps=1_000_000), tags=["a", "b"], notes="first")
         assert (job.info.tags, job.info.notes) == (["a", "b"], "first")
         assert [j.id for j in client.jobs(tag=["a", "b"])] == [job.id]

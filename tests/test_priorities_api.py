@@ -162,7 +162,7 @@ def test_an_owner_changes_a_priority_within_the_ceiling_and_the_queue_reorders(a
         ({"priority": 101}, "priority: Input should be less than or equal to 100"),
         ({"priority": -1}, "priority: Input should be greater than or equal to 0"),
         ({"priority": "90"}, "priority: Input should be a number, not a string"),
-        ({}, "priority: give at least one of priority, tags and notes"),
+        ({}, "priority: give at least one of priority, tags, notes and depends_on"),
         ({"priority": 60, "name": "x"}, "name: Extra inputs are not permitted"),
     ],
 )

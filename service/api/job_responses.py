@@ -45,6 +45,7 @@ def job_public(job: Job, *, position: int | None, principal: Principal) -> JobPu
         priority=job.priority,
         borrowed=job.borrowed,
         tags=job.tags,
+        depends_on=job.depends_on,
         notes=job.notes if mine else None,
     )
 

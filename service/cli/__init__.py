@@ -111,6 +111,13 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument("--priority", type=int, metavar="N", help="0-100, highest first (default: the service's, 50)")
     submit.add_argument("--tag", action="append", metavar="TAG", help="a tag to find it by (repeatable)")
     submit.add_argument("--notes", metavar="TEXT", help="notes on the job (its owner and admins see them)")
+    submit.add_argument(
+        "--depends-on",
+        type=int,
+        action="append",
+        metavar="ID",
+        help="start only once job ID has succeeded (repeatable)",
+    )
     submit.add_argument("--url", **url)
     jobs = commands.add_parser("jobs", help="list jobs, newest first")
     jobs.add_argument("--status", action="append", help="only these statuses (repeatable)")

@@ -49,7 +49,13 @@ def cmd_submit(args: argparse.Namespace) -> int:
                 print(f"code {bundle.code} ({state})", file=sys.stderr)
                 code = bundle.code
             answer = client.submit(
-                body, code=code, dry_run=args.dry_run, priority=args.priority, tags=args.tag, notes=args.notes
+                body,
+                code=code,
+                dry_run=args.dry_run,
+                priority=args.priority,
+                tags=args.tag,
+                notes=args.notes,
+                depends_on=args.depends_on,
             )
         except ApiError as error:
             if error.status == 422 and error.error == "does_not_fit":  # the answer, as a fit's plan is: to stdout

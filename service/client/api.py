@@ -82,13 +82,15 @@ class Client:
         priority: int | None = None,
         tags: list[str] | None = None,
         notes: str | None = None,
+        depends_on: list[int] | None = None,
         progress: bool = False,
     ) -> Job | DryRunPublic:
         """POST /v1/jobs: a job spec (a dict, or the path of a JSON file) admitted and queued; its Job.
         `code` is a python model's code: a directory (zipped and uploaded, a bar on stderr if
         `progress`) or the digest of an uploaded bundle. With `dry_run` nothing is stored: the answer
-        is the plan and whether it would be admitted. `tags` are added to the spec's, `notes` replace its. A
-        job that does not fit is an ApiError "does_not_fit" whose `body["plan"]` is the plan."""
+        is the plan and whether it would be admitted. `tags` and `depends_on` are added to the spec's,
+        `notes` replace its. A job that does not fit is an ApiError "does_not_fit" whose `body["plan"]` is
+        the plan."""
         body = dict(spec) if isinstance(spec, dict) else json.loads(Path(spec).read_text())
         if code is not None:
             digest = str(code) if str(code).startswith("sha256:") else self.upload_code(code, progress=progress).code
@@ -99,6 +101,8 @@ class Client:
             body["tags"] = sorted({*body.get("tags", []), *tags})
         if notes is not None:
             body["notes"] = notes
+        if depends_on is not None:
+            body["depends_on"] = sorted({*body.get("depends_on", []), *depends_on})
         answer = self._post("/v1/jobs", json=body, params={"dry_run": str(dry_run).lower()}, timeout=SUBMIT_TIMEOUT_S)
         if dry_run:
             return DryRunPublic.model_validate(answer)

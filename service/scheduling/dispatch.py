@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Literal
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
+from service.scheduling import dependencies
 from service.scheduling.elastic import growable
 from service.scheduling.job_states import transition
 from service.scheduling.queue_policy import Holding, Preempt, Start, Waiting, decide, decide_fifo
@@ -40,12 +41,14 @@ _QUEUE_BATCH = 256
 
 
 def waiting(session: Session, *, fifo: bool = False) -> Iterator[Waiting]:
-    """The queued jobs in the queue's order (submission order for `fifo`), read lazily."""
+    """The queued jobs in the queue's order (submission order for `fifo`), read lazily; those whose
+    dependencies have not all succeeded left out."""
     # the two numbers of the spec the sizes need, read by the database: not every row's whole spec decoded
     micro = Job.spec["micro_batch_size"].as_integer()
     batch = Job.spec["global_batch_size"].as_integer()
     columns = (Job.id, Job.priority, Job.owner, Job.num_gpus, Job.min_gpus, micro, batch)
-    query = select(*columns).where(Job.status == "queued").order_by(*queue_order(fifo=fifo))
+    queued = select(*columns).where(Job.status == "queued", dependencies.all_succeeded())
+    query = queued.order_by(*queue_order(fifo=fifo))
     for job_id, priority, owner, num_gpus, min_gpus, micro, batch in session.execute(
         query.execution_options(yield_per=_QUEUE_BATCH)
     ):
@@ -256,6 +259,9 @@ class Dispatcher:
         settings = self.launcher.settings
         fifo = settings.queue_policy == "fifo"
         with self.db.session() as session:
+            for job_id in dependencies.cancel_unreachable(session):
+                log.info("job %s: cancelled, a job it depends on failed or was cancelled", job_id)
+        with self.db.session() as session:
             held = holding(session, age_s=self.age_s)
             queue = waiting(session, fifo=fifo)
             if fifo:
@@ -270,7 +276,6 @@ class Dispatcher:
                     min_runtime_s=settings.preempt_min_runtime_s,
                     in_flight=self.stops.preemptions(),
                 )
-        self.reasons = Reasons(decision.reasons, decision.behind)
         for start in decision.starts:
             with self.db.session() as session:
                 job = commit_start(session, start)
@@ -278,6 +283,9 @@ class Dispatcher:
                 self.telemetry.queue_waited((job.started_at - job.created_at).total_seconds())
                 self.started(job.id)
                 launch(job)
+        with self.db.session() as session:  # as the starts left them
+            unmet = dependencies.waiting_reasons(session)
+        self.reasons = Reasons({**decision.reasons, **unmet}, decision.behind)
         if decision.preempts:
             with self.db.session() as session:
                 victims = {job.id: job for job in session.scalars(select(Job).where(Job.status == "running"))}

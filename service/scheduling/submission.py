@@ -15,9 +15,10 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from service.errors import ServiceError
+from service.scheduling import dependencies
 from service.schemas.requests import JobSpec
 from service.schemas.responses import PlanPublic
-from service.store.tables import Job, JobEvent, JobTag
+from service.store.tables import Job, JobDependency, JobEvent, JobTag
 from workers.memory.model import GB
 
 
@@ -60,6 +61,7 @@ def submit_job(
             return _replay(existing, digest, idempotency_key, owner=owner), False
     if max_queued is not None:
         _check_queue_limit(session, owner=owner, max_queued=max_queued)
+    dependencies.check(session, spec.depends_on)
     job = Job(
         name=spec.name,
         status="queued",
@@ -74,6 +76,7 @@ def submit_job(
         priority=priority,
         notes=spec.notes,
         tag_rows=[JobTag(tag=tag) for tag in spec.tags],
+        needs_rows=[JobDependency(needs_id=needed) for needed in spec.depends_on],
     )
     try:
         # the job and its first event in one savepoint: on SQLite, whose driver opens no

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from decimal import Decimal
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, StrictBool, StringConstraints
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StringConstraints
 
 from service.schemas.printable import escape, first_control
 
@@ -98,12 +98,17 @@ Tag = Annotated[str, StringConstraints(pattern=TAG_PATTERN)]
 MAX_TAGS = 32
 
 
-def distinct(tags: list[str]) -> list[str]:
-    """A job's tags are a set: each once, in alphabetical order."""
-    return sorted(set(tags))
+def distinct(values: list) -> list:
+    """A set given as a list (a job's tags, its dependencies): each once, in order."""
+    return sorted(set(values))
 
 
 Tags = Annotated[list[Tag], AfterValidator(distinct)]
+MAX_DEPENDENCIES = 32
+JobIds = Annotated[
+    list[Annotated[int, BeforeValidator(_a_number), Field(ge=1, le=2**63 - 1)]], AfterValidator(distinct)
+]
+"""Ids of jobs, each once, ascending."""
 
 
 class Body(BaseModel):

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field, model_validator
 
 from service.schemas.data_specs import DataSpec, SyntheticDataSpec
-from service.schemas.fields import MAX_TAGS, Body, Bool, Int, Notes, Precision, Tags, Text
+from service.schemas.fields import MAX_DEPENDENCIES, MAX_TAGS, Body, Bool, Int, JobIds, Notes, Precision, Tags, Text
 from service.schemas.model_specs import (
     MLPModelSpec,
     ModelSpec,
@@ -151,6 +151,12 @@ class JobSpec(Body):
         description="Labels to find it by (GET /v1/jobs?tag=); PATCH /v1/jobs/{id} replaces them.",
     )
     notes: Notes | None = Field(None, description="Free text for its owner; PATCH /v1/jobs/{id} replaces it.")
+    depends_on: JobIds = Field(
+        [],
+        max_length=MAX_DEPENDENCIES,
+        description="Jobs (ids) that must succeed before it starts: it waits in the queue meanwhile, and is "
+        "cancelled if one fails or is cancelled.",
+    )
 
     @property
     def batch_size(self) -> int:
@@ -300,9 +306,12 @@ class JobPatch(Body):
     )
     tags: Tags | None = Field(None, max_length=MAX_TAGS, description="Its tags, all of them (replaces the set).")
     notes: Notes | None = Field(None, description='Its notes ("" clears them).')
+    depends_on: JobIds | None = Field(
+        None, max_length=MAX_DEPENDENCIES, description="A queued or suspended job's depends_on, all of it (replaced)."
+    )
 
     @model_validator(mode="after")
     def _something(self) -> JobPatch:
-        if self.priority is None and self.tags is None and self.notes is None:
-            raise FieldError("priority", "give at least one of priority, tags and notes")
+        if self.priority is None and self.tags is None and self.notes is None and self.depends_on is None:
+            raise FieldError("priority", "give at least one of priority, tags, notes and depends_on")
         return self

@@ -143,6 +143,7 @@ class JobPublic(BaseModel):
     owner: str | None = Field(None, description="The user whose token submitted it; null while auth is off.")
     priority: int = Field(50, description="0-100: the queue runs the highest first; a job may preempt lower ones.")
     tags: list[str] = Field([], description="Its tags, in alphabetical order (GET /v1/jobs?tag= finds it by one).")
+    depends_on: list[int] = Field([], description="The jobs that must succeed before it starts.")
     notes: str | None = Field(
         None, description="Its notes; null unless set and the caller owns the job or is an admin."
     )

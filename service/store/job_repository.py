@@ -50,7 +50,12 @@ def newest_jobs(
 ) -> tuple[list[Job], bool]:
     """A page of jobs, newest first, below id `cursor`, each with every one of `tags`; (jobs, whether
     more follow). Their tags are read in one more query."""
-    query = select(Job).options(selectinload(Job.tag_rows)).order_by(Job.id.desc()).limit(limit + 1)
+    query = (
+        select(Job)
+        .options(selectinload(Job.tag_rows), selectinload(Job.needs_rows))
+        .order_by(Job.id.desc())
+        .limit(limit + 1)
+    )
     if statuses:
         query = query.where(Job.status.in_(statuses))
     for tag in set(tags or ()):

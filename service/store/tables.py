@@ -126,11 +126,29 @@ class Job(Base):
     notes: Mapped[str | None] = mapped_column(Text, default=None)
     """Its owner's free text (set at submit, or by PATCH /v1/jobs/{id}); null: none."""
     tag_rows: Mapped[list[JobTag]] = relationship(order_by="JobTag.tag", cascade="all, delete-orphan")
+    needs_rows: Mapped[list[JobDependency]] = relationship(
+        foreign_keys="JobDependency.job_id", order_by="JobDependency.needs_id", cascade="all, delete-orphan"
+    )
+
+    @property
+    def depends_on(self) -> list[int]:
+        """The jobs that must succeed before it starts, by id."""
+        return [row.needs_id for row in self.needs_rows]
 
     @property
     def tags(self) -> list[str]:
         """Its tags, in alphabetical order."""
         return [row.tag for row in self.tag_rows]
+
+
+class JobDependency(Base):
+    """Job `job_id` starts only once job `needs_id` has succeeded (and is cancelled if it fails or is
+    cancelled): a job's depends_on, one row each."""
+
+    __tablename__ = "job_dependencies"
+
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    needs_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True, index=True)
 
 
 class JobTag(Base):

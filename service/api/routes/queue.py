@@ -11,7 +11,7 @@ from fastapi import APIRouter, Query, Response
 from service.api import job_responses
 from service.api.deps import AppStateDep, JobId, PrincipalDep, ReaderDep, SessionDep, SettingsDep, errors, json_response
 from service.auth import check_can_steer
-from service.scheduling import controls
+from service.scheduling import controls, dependencies
 from service.schemas.requests import JobPatch
 from service.schemas.responses import JobPublic, QueuePublic
 from service.store import job_repository
@@ -41,7 +41,7 @@ def patch_job(
 ) -> Response:
     """A new priority for a queued, running or suspended job, up to the caller's ceiling (a 403
     forbidden_priority above it; 409 once the job has ended); new tags (the whole set) or notes at any
-    time. Its owner or an admin only."""
+    time; a new depends_on (all of it) before it starts (409 after). Its owner or an admin only."""
     job = job_repository.get_job(session, job_id)
     what = "change the priority of" if body.priority is not None else "change the tags or notes of"
     check_can_steer(principal, job_id=job.id, owner=job.owner, action=what)
@@ -49,6 +49,8 @@ def patch_job(
         controls.set_priority(session, job, body.priority, settings=settings, principal=principal)
     if body.tags is not None or body.notes is not None:
         job_repository.set_labels(session, job, tags=body.tags, notes=body.notes)
+    if body.depends_on is not None:
+        dependencies.set_needs(session, job, body.depends_on)
     return json_response(
         job_responses.job_public(
             job,
