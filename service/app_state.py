@@ -23,6 +23,7 @@ from service.store.job_storage import JobStorage
 from service.store.owner_uids import OwnerUids
 from service.telemetry import Telemetry
 from service.tracking.exporter import Exporter
+from service.tracking.webhooks import Webhooks
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,8 @@ class AppState:
             else Exporter(db=self.db, settings=settings, storage=self.storage)
         )
         """Each job's MLflow run, exported in the background (ZERO1_MLFLOW_TRACKING_URI); None when unset."""
+        self.webhooks = None if settings.webhook_url is None else Webhooks(db=self.db, settings=settings)
+        """Each job's end POSTed in the background (ZERO1_WEBHOOK_URL); None when unset."""
 
     def start(self) -> None:
         """Migrate the database, connect to (or start) Ray, start scheduling."""
@@ -91,12 +94,16 @@ class AppState:
         self.housekeeper.start()
         if self.exporter is not None:
             self.exporter.start()
+        if self.webhooks is not None:
+            self.webhooks.start()
         log.info("zero1 is up: %s", self.cluster.capacity())
 
     def stop(self) -> None:
         """Stop scheduling and drain the metrics the supervisors hold, then let Ray go."""
         if self.exporter is not None:
             self.exporter.stop()
+        if self.webhooks is not None:
+            self.webhooks.stop()
         self.housekeeper.stop()
         self.scheduler.stop()
         self.cluster.disconnect()

@@ -252,6 +252,13 @@ class Settings(BaseSettings):
     mlflow_max_backoff_s: float = Field(30.0, gt=0, le=86_400)
     """The longest wait between tries while MLflow does not answer (the wait doubles from
     ZERO1_MLFLOW_INTERVAL_S): a run catches up within about this long after MLflow is back."""
+    webhook_url: str | None = Field(None, pattern=r"^https?://[^\s]+$", max_length=2000)
+    """An http(s) URL that is POSTed each job's end (succeeded, failed, cancelled) as JSON with a Slack
+    `text`, in order, each once, retried with backoff while it does not answer (docs/api.md, Webhooks)."""
+    webhook_secret: SecretStr | None = None
+    """The key of the HMAC-SHA256 of each webhook body, sent as `X-Zero1-Signature: sha256=<hex>`; unset: unsigned."""
+    webhook_max_backoff_s: float = Field(60.0, gt=0, le=86_400)
+    """The longest wait between tries while the webhook does not answer (doubling from 1 s)."""
 
     @model_validator(mode="after")
     def _start_after_placement(self) -> Settings:

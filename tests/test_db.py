@@ -28,6 +28,7 @@ TABLES = {
     "owner_uids",
     "job_tags",
     "job_dependencies",
+    "webhook_cursors",
     "alembic_version",
 }
 GIB = 2**30
@@ -72,7 +73,7 @@ def _schema(url: str) -> tuple[set[str], str | None]:
         engine.dispose()
 
 
-HEAD = "0017"
+HEAD = "0018"
 
 
 def _count(database: Database, model: type[Base], job_id: int) -> int:
@@ -87,6 +88,7 @@ def test_one_linear_history(database_url):
     assert (
         revisions
         == [
+            "0018",
             "0017",
             "0016",
             "0015",

@@ -301,3 +301,14 @@ class OwnerUid(Base):
     owner: Mapped[str] = mapped_column(String(200), primary_key=True)
     uid: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class WebhookCursor(Base):
+    """How far the service has sent the job events to a webhook (service.tracking.webhooks): the last
+    event delivered, by the URL's digest, so a restart sends none twice and skips none."""
+
+    __tablename__ = "webhook_cursors"
+
+    url_sha256: Mapped[str] = mapped_column(String(64), primary_key=True)
+    event_id: Mapped[int] = mapped_column(BigInteger)
+    """The last job event handled (delivered, or refused with a 4xx); the next sent is the first after it."""

@@ -1,0 +1,172 @@
+"""The webhook: a thread of the service that POSTs each job's end (succeeded, failed, cancelled) to
+ZERO1_WEBHOOK_URL as JSON, in the order the events were stored, each once, resuming from its cursor
+(service.store.tables.WebhookCursor) after a restart.
+
+It reads the events in short transactions and POSTs with none open, from its own thread: a slow or
+absent receiver never holds up the scheduler. While the receiver does not answer (no connection, a
+timeout, a 5xx or a 429) it waits, doubling from 1 s to ZERO1_WEBHOOK_MAX_BACKOFF_S, and sends the
+same event again; the events wait in the database meanwhile. An event the receiver refuses with
+another 4xx is logged and passed over: sending it again would not change the answer.
+
+Each body is signed with ZERO1_WEBHOOK_SECRET (`X-Zero1-Signature: sha256=<HMAC-SHA256 of the body,
+hex>`), and names its event (`X-Zero1-Delivery`, the event's id: a receiver that gets one twice, when
+the service stopped between a delivery and its record, drops the second). Its `text` is a line a
+Slack incoming webhook posts as it is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import threading
+
+import httpx
+from sqlalchemy import func, select
+
+from service.schemas.fields import TERMINAL
+from service.settings import Settings
+from service.store.db import Database
+from service.store.tables import Job, JobEvent, WebhookCursor
+from service.tracking.runs import job_url
+
+log = logging.getLogger(__name__)
+
+EVENTS_PER_PASS = 100
+FIRST_WAIT_S = 1.0
+"""Between passes, and the first wait of a backoff."""
+TIMEOUT_S = 10.0
+"""How long one POST may take before it counts as not answered."""
+
+
+class Unreachable(Exception):
+    """The receiver did not take the event: the pass stops, and the sender backs off."""
+
+
+def signature(body: bytes, secret: str) -> str:
+    """The X-Zero1-Signature of `body`: sha256=<HMAC-SHA256 keyed by `secret`, hex>."""
+    return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+
+
+def slack_escaped(text: str) -> str:
+    """`text` as Slack shows it literally: its control characters &, < and > escaped (a job's name
+    is its submitter's: no <!channel> from it)."""
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def payload(event: JobEvent, job: Job, *, settings: Settings) -> dict:
+    """What the webhook is sent of a job's end."""
+    done = 0 if job.step is None else job.step + 1
+    loss = (job.latest or {}).get("loss")
+    said = f"{done:,}/{job.steps:,} steps" + ("" if loss is None else f", loss {loss:.4g}")
+    url = job_url(job.id, settings)
+    return {
+        "event": f"job.{event.to_status}",
+        "delivery": event.id,
+        "at": event.at.isoformat(),
+        "reason": event.reason,
+        "job": {
+            "id": job.id,
+            "name": job.name,
+            "owner": job.owner,
+            "status": event.to_status,
+            "steps_done": done,
+            "steps": job.steps,
+            "tags": job.tags,
+            "url": url,
+        },
+        "text": slack_escaped(f"zero1: job #{job.id} “{job.name}” {event.to_status} ({said}): {event.reason}")
+        + f" <{url}|open>",
+    }
+
+
+class Webhooks:
+    def __init__(self, *, db: Database, settings: Settings, http: httpx.Client | None = None) -> None:
+        assert settings.webhook_url is not None
+        self.db = db
+        self.settings = settings
+        self.url = settings.webhook_url
+        self.key = hashlib.sha256(self.url.encode()).hexdigest()
+        self.secret = None if settings.webhook_secret is None else settings.webhook_secret.get_secret_value()
+        self.http = http or httpx.Client(timeout=TIMEOUT_S)
+        self.backoff_s = FIRST_WAIT_S
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._cursor()  # from the events after now, for a URL new to this database
+        self._thread = threading.Thread(target=self._loop, name="zero1-webhook", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=TIMEOUT_S + 5)
+        self.http.close()
+
+    def _loop(self) -> None:
+        delay = 0.0
+        while not self._stop.wait(delay):
+            try:
+                more = self.run_once()
+            except Unreachable as error:
+                log.warning("webhook: %s; trying again in %.3g s", error, self.backoff_s)
+                delay = self.backoff_s
+                self.backoff_s = min(2 * self.backoff_s, self.settings.webhook_max_backoff_s)
+                continue
+            except Exception:  # the database, most likely: the scheduler's problem too; try again
+                log.exception("webhook: the pass failed")
+                more = False
+            self.backoff_s = FIRST_WAIT_S
+            delay = 0.0 if more else FIRST_WAIT_S
+
+    def run_once(self) -> bool:
+        """Send the job ends after the cursor, in order, each recorded once the receiver took it (or
+        refused it for good); whether more wait. Unreachable when the receiver did not answer."""
+        after = self._cursor()
+        with self.db.session() as session:
+            rows = session.execute(
+                select(JobEvent, Job)
+                .join(Job, Job.id == JobEvent.job_id)
+                .where(JobEvent.id > after, JobEvent.to_status.in_(TERMINAL))
+                .order_by(JobEvent.id)
+                .limit(EVENTS_PER_PASS)
+            ).all()
+            bodies = [(event.id, event.to_status, payload(event, job, settings=self.settings)) for event, job in rows]
+        for event_id, status, body in bodies:
+            if self._stop.is_set():
+                return False
+            self._send(event_id, status, body)
+            with self.db.session() as session:
+                session.get(WebhookCursor, self.key).event_id = event_id
+        return len(bodies) == EVENTS_PER_PASS
+
+    def _send(self, event_id: int, status: str, body: dict) -> None:
+        content = json.dumps(body, separators=(",", ":")).encode()
+        headers = {
+            "Content-Type": "application/json",
+            "X-Zero1-Event": f"job.{status}",
+            "X-Zero1-Delivery": str(event_id),
+        }
+        if self.secret is not None:
+            headers["X-Zero1-Signature"] = signature(content, self.secret)
+        try:
+            response = self.http.post(self.url, content=content, headers=headers)
+        except httpx.TransportError as error:
+            raise Unreachable(f"event {event_id}: {type(error).__name__}") from error
+        if response.status_code >= 500 or response.status_code == 429:
+            raise Unreachable(f"event {event_id}: HTTP {response.status_code}")
+        if response.status_code >= 400:
+            log.warning("webhook: event %s refused with HTTP %s; passed over", event_id, response.status_code)
+
+    def _cursor(self) -> int:
+        """The last event handled; for a URL new to this database, the newest event now (the ends before
+        it configured are not sent)."""
+        with self.db.session() as session:
+            cursor = session.get(WebhookCursor, self.key)
+            if cursor is None:
+                newest = session.scalar(select(func.coalesce(func.max(JobEvent.id), 0)))
+                cursor = WebhookCursor(url_sha256=self.key, event_id=newest)
+                session.add(cursor)
+            return cursor.event_id
