@@ -29,6 +29,8 @@ TABLES = {
     "job_tags",
     "job_dependencies",
     "webhook_cursors",
+    "sweeps",
+    "sweep_trials",
     "alembic_version",
 }
 GIB = 2**30
@@ -73,7 +75,7 @@ def _schema(url: str) -> tuple[set[str], str | None]:
         engine.dispose()
 
 
-HEAD = "0018"
+HEAD = "0019"
 
 
 def _count(database: Database, model: type[Base], job_id: int) -> int:
@@ -88,6 +90,7 @@ def test_one_linear_history(database_url):
     assert (
         revisions
         == [
+            "0019",
             "0018",
             "0017",
             "0016",

@@ -495,14 +495,16 @@ def test_a_finished_job_keeps_no_checkpoint_but_its_final_model_with_keep_finish
 
 
 def test_an_idle_tick_asks_the_database_two_questions_and_a_queued_job_is_still_admitted(tmp_path):
-    """With nothing queued a tick neither admits nor grows (two queries: the active jobs, any queued);
-    a job submitted meanwhile is started by the next tick."""
+    """With nothing queued a tick neither admits nor grows (two queries: the active jobs, any queued; the
+    first tick after a start also looks for a running sweep); a job submitted meanwhile is started by
+    the next tick."""
     from sqlalchemy import event
 
     from conftest import serve_on_fakes
 
     with serve_on_fakes(make_settings(tmp_path, scheduler_interval_s=60)) as client:
         scheduler = client.app.state.runtime.scheduler
+        scheduler.tick()  # the first: no sweep running, none to advance until one is created
         statements: list[str] = []
         count = lambda *args: statements.append(args[2])  # before_cursor_execute(conn, cursor, statement, ...)
         event.listen(scheduler.db.engine, "before_cursor_execute", count)

@@ -16,10 +16,12 @@ from service.schemas.responses import (
     QueuePublic,
     RecommendationsPublic,
 )
+from service.schemas.sweeps import SweepPublic
 
 from .bundle import upload_chunks, zip_directory
 from .errors import raise_for
 from .jobs import Job
+from .sweeps import Sweep
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 
@@ -141,6 +143,16 @@ class Client:
         if tag:
             params["tag"] = [tag] if isinstance(tag, str) else list(tag)
         return [Job(self, JobPublic.model_validate(j)) for j in self._get("/v1/jobs", params=params)["data"]]
+
+    def sweep(self, spec: dict | str | Path) -> Sweep:
+        """POST /v1/sweeps: a sweep (a dict, or the path of a JSON file) planned whole and stored; its trials
+        start from the scheduler's next tick. A trial that does not fit is an ApiError naming it."""
+        body = dict(spec) if isinstance(spec, dict) else json.loads(Path(spec).read_text())
+        return Sweep(self, SweepPublic.model_validate(self._post("/v1/sweeps", json=body, timeout=SUBMIT_TIMEOUT_S)))
+
+    def sweeps(self) -> list[Sweep]:
+        """GET /v1/sweeps: yours (an admin: everyone's), newest first."""
+        return [Sweep(self, SweepPublic.model_validate(s)) for s in self._get("/v1/sweeps")["data"]]
 
     def queue(self, limit: int = 100) -> QueuePublic:
         """GET /v1/queue: the queued jobs in the order they start, why each waits, and who holds the GPUs."""

@@ -29,6 +29,7 @@ from dataclasses import replace
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from service.scheduling import sweeps
 from service.scheduling.dispatch import Dispatcher, Reasons, Settled, Stop
 from service.scheduling.job_states import still_active
 from service.scheduling.outcomes import Outcomes
@@ -96,6 +97,7 @@ class Scheduler:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._idle = False  # the last tick found no job active nor queued
+        self._sweeping = True  # a sweep may be running: the first tick looks (sweep_created() sets it again)
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -122,6 +124,12 @@ class Scheduler:
     def tick_age_s(self) -> float | None:
         """Seconds since the last tick completed (or since start, before the first); None if never started."""
         return None if self.last_tick_at is None else self.clock() - self.last_tick_at
+
+    def sweep_created(self) -> None:
+        """A sweep was stored: the next tick submits its first trials (and each tick after, until every
+        running sweep has ended)."""
+        self._sweeping = True
+        self.wake()
 
     def wake(self) -> None:
         """Tick now, not at the end of an idle wait: something that may change a job has happened (a
@@ -155,6 +163,8 @@ class Scheduler:
         # queued there is nothing to start nor to preempt for, and with no elastic job running none
         # to grow: an idle service's tick is two queries, not seven (it ticks 5 times a second)
         with self.db.session() as session:
+            if self._sweeping:  # a running sweep's next trials, queued before this tick admits
+                self._sweeping = sweeps.advance(session)
             queued = any_queued(session)
         self._idle = not jobs and not queued  # nothing to watch nor to start: wait for wake() or idle_interval_s
         if queued:

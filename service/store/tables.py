@@ -312,3 +312,37 @@ class WebhookCursor(Base):
     url_sha256: Mapped[str] = mapped_column(String(64), primary_key=True)
     event_id: Mapped[int] = mapped_column(BigInteger)
     """The last job event handled (delivered, or refused with a 4xx); the next sent is the first after it."""
+
+
+class Sweep(Base):
+    """A search: a base job spec and a space over its fields, run as one job per trial (SweepTrial),
+    at most max_concurrent at once, by the scheduler (service.scheduling.sweeps)."""
+
+    __tablename__ = "sweeps"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(200))
+    owner: Mapped[str | None] = mapped_column(String(200), default=None)
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    """running, then succeeded (a trial succeeded), failed (none did) or cancelled."""
+    spec: Mapped[dict[str, Any]]
+    """The request as validated (service.schemas.sweeps.SweepSpec)."""
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(default=None)
+
+
+class SweepTrial(Base):
+    """One trial of a sweep: its values, and its job once submitted (null while it waits its turn, and
+    for a trial skipped as unfit)."""
+
+    __tablename__ = "sweep_trials"
+
+    sweep_id: Mapped[int] = mapped_column(ForeignKey("sweeps.id", ondelete="CASCADE"), primary_key=True)
+    index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    values: Mapped[dict[str, Any]]
+    """Each searched field's path -> its value in this trial."""
+    job_id: Mapped[int | None] = mapped_column(ForeignKey("jobs.id", ondelete="SET NULL"), default=None, index=True)
+    plan: Mapped[dict[str, Any] | None] = mapped_column(default=None)
+    """The plan it was admitted by when the sweep was planned, its job's; null for a skipped trial."""
+    skipped: Mapped[str | None] = mapped_column(Text, default=None)
+    """Why the trial does not run (its plan does not fit, with skip_unfit; the sweep was cancelled first)."""

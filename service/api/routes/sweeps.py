@@ -1,0 +1,107 @@
+"""Sweeps: POST /v1/sweeps (a job spec searched over some of its fields, planned whole before any trial
+starts), GET /v1/sweeps and /v1/sweeps/{id} (the trials, their values, status and metric; the best),
+POST /v1/sweeps/{id}/cancel. The rules are service/scheduling/sweeps.py's."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Response
+from sqlalchemy import select
+from starlette.concurrency import run_in_threadpool
+
+from service.api.deps import (
+    MAX_ID,
+    AppStateDep,
+    ClusterDep,
+    PrincipalDep,
+    ReaderDep,
+    SessionDep,
+    SettingsDep,
+    errors,
+    json_response,
+)
+from service.auth import Principal, check_can_steer
+from service.errors import ServiceError
+from service.scheduling import admission, controls, sweeps
+from service.schemas.requests import JobSpec
+from service.schemas.responses import PlanPublic
+from service.schemas.sweeps import SweepPublic, SweepSpec, SweepsPublic
+from service.store.tables import Sweep
+from workers.memory.model import GB
+
+router = APIRouter(prefix="/sweeps", tags=["sweeps"])
+_ERRORS = errors(401, 403, 404, 409, 422)
+SweepId = Annotated[int, Path(ge=1, le=MAX_ID)]
+
+
+def _admitter(runtime, cluster, settings, principal: Principal):
+    """A trial's spec -> its plan, checked as POST /v1/jobs checks a job that needs no task of Ray: the
+    priority and the quota, the plan, the data's paths."""
+
+    def admit(spec: JobSpec) -> PlanPublic:
+        unsupported = "code" if spec.code else "init_from" if spec.init_from else None
+        if unsupported is None and spec.data.kind == "dataset":
+            unsupported = "data of kind dataset"
+        if unsupported is not None:
+            why = f"a sweep of jobs with {unsupported} is not supported yet: submit its trials as jobs"
+            detail = [{"field": "base", "message": why, "type": "value_error"}]
+            raise ServiceError(f"base: {why}", status_code=422, error="invalid_request", detail=detail)
+        controls.check_priority(spec, settings=settings, principal=principal)
+        controls.check_quota(spec, settings=settings, owner=principal.user)
+        admission.check_data(spec, data_roots=settings.data_roots)
+        overhead = round(settings.gpu_overhead_gb * GB)
+        return admission.admit(spec, cluster=cluster, overhead_bytes=overhead, tracer=runtime.tracer)
+
+    return admit
+
+
+@router.post("", status_code=201, response_model=SweepPublic, responses=_ERRORS)
+async def create_sweep(
+    spec: SweepSpec, cluster: ClusterDep, settings: SettingsDep, principal: PrincipalDep, runtime: AppStateDep
+) -> Response:
+    """Plan every trial (a 422 naming the first that is not valid or does not fit, unless skip_unfit);
+    store the sweep. The scheduler submits its trials from its next tick, max_concurrent at a time."""
+    admit = _admitter(runtime, cluster, settings, principal)
+    planned = await run_in_threadpool(sweeps.plan_trials, spec, admit=admit)
+
+    def store() -> SweepPublic:
+        with runtime.db.session() as session:
+            sweep = sweeps.create(session, spec, planned, owner=principal.user)
+            return sweeps.public(session, sweep)
+
+    created = await run_in_threadpool(store)
+    runtime.scheduler.sweep_created()
+    return json_response(created, status_code=201)
+
+
+def _visible(session, sweep_id: int, principal: Principal) -> Sweep:
+    sweep = session.get(Sweep, sweep_id)
+    if sweep is None or not (principal.admin or (principal.user is not None and principal.user == sweep.owner)):
+        raise ServiceError(f"no sweep with id {sweep_id}", status_code=404, error="not_found")
+    return sweep
+
+
+@router.get("", response_model=SweepsPublic, responses=_ERRORS)
+def list_sweeps(session: SessionDep, principal: ReaderDep) -> Response:
+    """The caller's sweeps (an admin: everyone's), newest first."""
+    query = select(Sweep).order_by(Sweep.id.desc()).limit(500)
+    if not principal.admin:
+        query = query.where(Sweep.owner == principal.user) if principal.user is not None else query.where(False)
+    return json_response(SweepsPublic(data=[sweeps.public(session, sweep) for sweep in session.scalars(query)]))
+
+
+@router.get("/{sweep_id}", response_model=SweepPublic, responses=_ERRORS)
+def get_sweep(sweep_id: SweepId, session: SessionDep, principal: ReaderDep) -> Response:
+    """Its trials (values, job, status, steps, metric) and the best; its owner's and admins' only."""
+    return json_response(sweeps.public(session, _visible(session, sweep_id, principal)))
+
+
+@router.post("/{sweep_id}/cancel", status_code=202, response_model=SweepPublic, responses=_ERRORS)
+def cancel_sweep(sweep_id: SweepId, session: SessionDep, principal: PrincipalDep) -> Response:
+    """Cancel every trial's job that has not ended, and the trials not yet submitted; 409 once it ended."""
+    sweep = _visible(session, sweep_id, principal)
+    check_can_steer(principal, job_id=sweep.id, owner=sweep.owner)
+    sweeps.cancel(session, sweep)
+    session.flush()
+    return json_response(sweeps.public(session, sweep), status_code=202)
