@@ -1,21 +1,24 @@
 """Sweeps: a job spec searched over its fields by path, planned whole before any trial starts (a 422
 naming the trial that does not fit, or skip_unfit), its trials run as jobs tagged with it, at most
-max_concurrent at once, the best the succeeded trial with the least metric; cancel; who sees one; the client.
-Through the API and the real scheduler on stand-ins for Ray (tests/fakes.py), ticked by the test,
-whose attempts the test ends; on SQLite and PostgreSQL.
+max_concurrent at once, the best the succeeded trial with the least metric; cancel; who sees one.
+Through the API, the client and the CLI, and the real scheduler on stand-ins for Ray (tests/fakes.py),
+ticked by the test, whose attempts the test ends; on SQLite and PostgreSQL.
 
-Packages: service.scheduling, service.api, service.schemas, service.client.
+Packages: service.scheduling, service.api, service.schemas, service.client, service.cli.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from collections.abc import Iterator
 
 import pytest
 from fakes import FakeClock
 from fastapi.testclient import TestClient
 
+from service.cli import main
 from service.store.metric_rows import store_metrics
 from service.store.tables import Job
 from workers.records import AttemptPoll, AttemptStatus, MetricRow
@@ -195,3 +198,31 @@ def test_the_client_runs_a_sweep_waits_for_it_and_opens_its_best_trials_job(api)
         other = client.sweep(grid(name="other"))
         assert other.cancel().status == "cancelled"
         assert [s.id for s in client.sweeps()] == [other.id, sweep.id]
+
+
+def test_the_cli_starts_a_sweep_and_shows_its_trials_and_best(api, cli_as, tmp_path, capsys):
+    spec = tmp_path / "sweep.json"
+    spec.write_text(json.dumps(grid(space={"optimizer.lr": [0.001, 0.01]})))
+    cli_as(ALICE)
+    assert main(["sweep", str(spec)]) == 0, capsys.readouterr().err
+    lines = capsys.readouterr().out.splitlines()
+    sweep_id = int(re.match(r"sweep (\d+) lr-grid: running, best none yet; its jobs are tagged sweep:\1$", lines[0])[1])
+    assert lines[1].split() == ["trial", "job", "status", "eval_loss", "values"]
+    assert [line.split() for line in lines[2:]] == [
+        ["0", "-", "pending", "-", "optimizer.lr=0.001"],
+        ["1", "-", "pending", "-", "optimizer.lr=0.01"],
+    ]
+    tick(api, 2)
+    jobs = [t["job_id"] for t in api.get(f"/v1/sweeps/{sweep_id}").json()["trials"]]
+    finish(api, jobs[0], 2.5)
+    finish(api, jobs[1], 2.25)
+    tick(api, 2)
+    assert main(["sweeps", str(sweep_id)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"sweep {sweep_id} lr-grid: succeeded, best trial 1 (job {jobs[1]}, eval_loss 2.2500)")
+    assert out[3].split() == ["1", str(jobs[1]), "succeeded", "2.2500", "optimizer.lr=0.01"]
+    assert main(["sweeps"]) == 0
+    assert capsys.readouterr().out.splitlines()[1].split() == [str(sweep_id), "succeeded", "2", "lr-grid"]
+    cli_as(BOB)
+    assert main(["sweeps", str(sweep_id)]) == 1
+    assert f"404 no sweep with id {sweep_id}" in capsys.readouterr().err

@@ -19,6 +19,8 @@ from service.cli.jobs import (
     cmd_jobs,
     cmd_status,
     cmd_submit,
+    cmd_sweep,
+    cmd_sweeps,
     cmd_tag,
     cmd_watch,
     print_api_error,
@@ -140,6 +142,12 @@ def _parser() -> argparse.ArgumentParser:
     priority.add_argument("job_id", type=int)
     priority.add_argument("priority", type=int, help="the new priority, up to your ceiling")
     priority.add_argument("--url", **url)
+    sweep = commands.add_parser("sweep", help="plan and run a sweep: a job spec searched over its fields")
+    sweep.add_argument("spec", help="a JSON file: name, base, space, max_trials, max_concurrent, metric (docs/api.md)")
+    sweep.add_argument("--url", **url)
+    sweeps = commands.add_parser("sweeps", help="your sweeps; with ID, one with its trials and the best")
+    sweeps.add_argument("sweep_id", type=int, nargs="?")
+    sweeps.add_argument("--url", **url)
     for name, text in (("tag", "add tags to a job"), ("untag", "remove tags from a job")):
         command = commands.add_parser(name, help=text)
         command.add_argument("job_id", type=int)
@@ -195,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         "resume": cmd_resume,
         "priority": cmd_priority,
         "tag": cmd_tag,
+        "sweep": cmd_sweep,
+        "sweeps": cmd_sweeps,
         "untag": cmd_tag,
         "db": cmd_db,
     }

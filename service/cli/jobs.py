@@ -208,3 +208,51 @@ def cmd_tag(args: argparse.Namespace) -> int:
         info = job.set_tags(sorted(tags)).info
     print(f"job {args.job_id}: tags {', '.join(info.tags) or '(none)'}")
     return 0
+
+
+def _trial_line(trial: dict) -> str:
+    values = ", ".join(
+        f"{path}={value:.4g}" if isinstance(value, float) else f"{path}={value}"
+        for path, value in trial["values"].items()
+    )
+    metric = "-" if trial["metric"] is None else f"{trial['metric']:.4f}"
+    job = "-" if trial["job_id"] is None else str(trial["job_id"])
+    return f"{trial['index']:>5}  {job:>6}  {trial['status']:<10}  {metric:>8}  {escape(values)}"
+
+
+def _print_sweep(sweep: dict) -> None:
+    best = sweep["best"]
+    said = (
+        "none yet"
+        if best is None
+        else f"trial {best['index']} (job {best['job_id']}, {sweep['metric']} {best['metric']:.4f})"
+    )
+    where = f"its jobs are tagged {sweep['tag']}"
+    print(f"sweep {sweep['id']} {escape(sweep['name'])}: {sweep['status']}, best {said}; {where}")
+    print(f"{'trial':>5}  {'job':>6}  {'status':<10}  {sweep['metric']:>8}  values")
+    for trial in sweep["trials"]:
+        print(_trial_line(trial))
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    """`zero1 sweep SPEC.json`: plan and store a sweep, print its trials."""
+    try:
+        body = json.loads(Path(args.spec).read_text())
+    except (OSError, ValueError) as exc:
+        print(f"zero1 sweep: cannot read {args.spec}: {exc}", file=sys.stderr)
+        return 2
+    with _client(args) as client:
+        _print_sweep(client.sweep(body).info.model_dump(mode="json"))
+    return 0
+
+
+def cmd_sweeps(args: argparse.Namespace) -> int:
+    """`zero1 sweeps`: yours, newest first; `zero1 sweeps ID`: one, with its trials."""
+    with _client(args) as client:
+        if args.sweep_id is not None:  # a 404 for one not yours, as an ApiError (main prints it)
+            _print_sweep(client.get_sweep(args.sweep_id).info.model_dump(mode="json"))
+            return 0
+        print(f"{'id':>6}  {'status':<10}  {'trials':>6}  name")
+        for sweep in client.sweeps():
+            print(f"{sweep.id:>6}  {sweep.status:<10}  {len(sweep.info.trials):>6}  {escape(sweep.info.name)}")
+    return 0

@@ -150,6 +150,10 @@ class Client:
         body = dict(spec) if isinstance(spec, dict) else json.loads(Path(spec).read_text())
         return Sweep(self, SweepPublic.model_validate(self._post("/v1/sweeps", json=body, timeout=SUBMIT_TIMEOUT_S)))
 
+    def get_sweep(self, sweep_id: int) -> Sweep:
+        """GET /v1/sweeps/{id}: one of yours (an admin: anyone's), with its trials."""
+        return Sweep(self, SweepPublic.model_validate(self._get(f"/v1/sweeps/{sweep_id}")))
+
     def sweeps(self) -> list[Sweep]:
         """GET /v1/sweeps: yours (an admin: everyone's), newest first."""
         return [Sweep(self, SweepPublic.model_validate(s)) for s in self._get("/v1/sweeps")["data"]]
