@@ -31,11 +31,17 @@ def print_api_error(error: ApiError) -> int:
     return 1
 
 
-def cmd_submit(args: argparse.Namespace) -> int:
+def _read_json(path: str, *, command: str) -> dict | None:
+    """The JSON file a command was given, or None with why on stderr."""
     try:
-        body = json.loads(Path(args.spec).read_text())
+        return json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
-        print(f"zero1 submit: cannot read {args.spec}: {exc}", file=sys.stderr)
+        print(f"zero1 {command}: cannot read {path}: {exc}", file=sys.stderr)
+        return None
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    if (body := _read_json(args.spec, command="submit")) is None:
         return 2
     code = args.code
     if code is not None and not Path(code).is_dir():
@@ -236,10 +242,7 @@ def _print_sweep(sweep: dict) -> None:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     """`zero1 sweep SPEC.json`: plan and store a sweep, print its trials."""
-    try:
-        body = json.loads(Path(args.spec).read_text())
-    except (OSError, ValueError) as exc:
-        print(f"zero1 sweep: cannot read {args.spec}: {exc}", file=sys.stderr)
+    if (body := _read_json(args.spec, command="sweep")) is None:
         return 2
     with _client(args) as client:
         _print_sweep(client.sweep(body).info.model_dump(mode="json"))

@@ -2,7 +2,8 @@
 credentials), on a thread of its own, from the rows the database already holds; what a run holds
 (runs), how MLflow is called (mlflow_client), the exporter that resumes from its cursor (exporter), and
 the tracking URI without its credentials, as it is shown and logged (uris). Each job's end POSTed to
-a webhook, on a thread of its own too, from its cursor (webhooks).
+a webhook, on a thread of its own too, from its cursor (webhooks). Both loop, and back off while
+their receiver does not answer, alike (backoff).
 
 May import: service.settings, service.store, service.schemas.
 """

@@ -30,6 +30,7 @@ from service.store.db import Database
 from service.store.job_storage import JobStorage
 from service.store.tables import Job, Metric, MlflowRun
 from service.tracking import runs
+from service.tracking.backoff import Unreachable, run_until_stopped
 from service.tracking.mlflow_client import MAX_METRICS_PER_BATCH, Mlflow, is_unreachable
 from service.tracking.uris import scrubbed
 
@@ -39,10 +40,6 @@ ROWS_PER_BATCH = MAX_METRICS_PER_BATCH // runs.POINTS_PER_ROW
 JOBS_PER_PASS = 100
 SLICE_S = 2.0
 """How long one job's catching up may go on before the next job's turn (the pass then goes round again)."""
-
-
-class Unreachable(Exception):
-    """MLflow did not answer: the pass stops, and the exporter backs off."""
 
 
 def _ms(at: datetime | None) -> int | None:
@@ -56,7 +53,6 @@ class Exporter:
         self.settings = settings
         self.storage = storage  # where each job's final/ is read
         self.mlflow = mlflow or Mlflow(settings.mlflow_tracking_uri)
-        self.backoff_s = settings.mlflow_interval_s
         self._experiments: dict[str, str] = {}  # name -> id, as found or made
         self._job_retry_at: dict[int, tuple[float, float]] = {}  # a job MLflow refused: when next, and its wait
         self._stop = threading.Event()
@@ -72,20 +68,16 @@ class Exporter:
             self._thread.join(timeout=30)
 
     def _loop(self) -> None:
-        delay = 0.0
-        while not self._stop.wait(delay):
-            try:
-                more = self.run_once()
-            except Unreachable as error:
-                log.warning("mlflow: %s; trying again in %.3g s", self._said(error), self.backoff_s)
-                delay = self.backoff_s
-                self.backoff_s = min(2 * self.backoff_s, self.settings.mlflow_max_backoff_s)
-                continue
-            except Exception:  # the database, most likely: the scheduler's problem too; try again
-                log.exception("mlflow: the export pass failed")
-                more = False
-            self.backoff_s = self.settings.mlflow_interval_s
-            delay = 0.0 if more else self.settings.mlflow_interval_s
+        settings = self.settings
+        run_until_stopped(
+            self._stop,
+            self.run_once,
+            interval_s=settings.mlflow_interval_s,
+            max_backoff_s=settings.mlflow_max_backoff_s,
+            log=log,
+            what="mlflow",
+            said=self._said,
+        )
 
     # ----------------------------------------------------------------------- one pass
 

@@ -29,6 +29,7 @@ from service.schemas.fields import TERMINAL
 from service.settings import Settings
 from service.store.db import Database
 from service.store.tables import Job, JobEvent, WebhookCursor
+from service.tracking.backoff import Unreachable, run_until_stopped
 from service.tracking.runs import job_url
 
 log = logging.getLogger(__name__)
@@ -38,10 +39,6 @@ FIRST_WAIT_S = 1.0
 """Between passes, and the first wait of a backoff."""
 TIMEOUT_S = 10.0
 """How long one POST may take before it counts as not answered."""
-
-
-class Unreachable(Exception):
-    """The receiver did not take the event: the pass stops, and the sender backs off."""
 
 
 def signature(body: bytes, secret: str) -> str:
@@ -90,7 +87,6 @@ class Webhooks:
         self.key = hashlib.sha256(self.url.encode()).hexdigest()
         self.secret = None if settings.webhook_secret is None else settings.webhook_secret.get_secret_value()
         self.http = http or httpx.Client(timeout=TIMEOUT_S)
-        self.backoff_s = FIRST_WAIT_S
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -106,20 +102,10 @@ class Webhooks:
         self.http.close()
 
     def _loop(self) -> None:
-        delay = 0.0
-        while not self._stop.wait(delay):
-            try:
-                more = self.run_once()
-            except Unreachable as error:
-                log.warning("webhook: %s; trying again in %.3g s", error, self.backoff_s)
-                delay = self.backoff_s
-                self.backoff_s = min(2 * self.backoff_s, self.settings.webhook_max_backoff_s)
-                continue
-            except Exception:  # the database, most likely: the scheduler's problem too; try again
-                log.exception("webhook: the pass failed")
-                more = False
-            self.backoff_s = FIRST_WAIT_S
-            delay = 0.0 if more else FIRST_WAIT_S
+        max_s = self.settings.webhook_max_backoff_s
+        run_until_stopped(
+            self._stop, self.run_once, interval_s=FIRST_WAIT_S, max_backoff_s=max_s, log=log, what="webhook"
+        )
 
     def run_once(self) -> bool:
         """Send the job ends after the cursor, in order, each recorded once the receiver took it (or
