@@ -226,3 +226,15 @@ def test_the_cli_starts_a_sweep_and_shows_its_trials_and_best(api, cli_as, tmp_p
     cli_as(BOB)
     assert main(["sweeps", str(sweep_id)]) == 1
     assert f"404 no sweep with id {sweep_id}" in capsys.readouterr().err
+
+
+def test_a_trial_that_cannot_be_submitted_when_its_turn_comes_is_skipped_saying_why_and_the_tick_goes_on(api):
+    base = helpers.job_body(num_gpus=1, steps=100, depends_on=[10**9])  # checked as each trial is submitted
+    sweep = api.post("/v1/sweeps", json=grid(base=base, space={"optimizer.lr": [0.001, 0.01]})).json()
+    other = api.post("/v1/jobs", json=helpers.job_body(num_gpus=1)).json()["id"]
+    tick(api, 2)
+    shown = api.get(f"/v1/sweeps/{sweep['id']}").json()
+    assert [t["status"] for t in shown["trials"]] == ["skipped", "skipped"]
+    assert shown["trials"][0]["skipped"] == "could not be submitted: depends_on: no job with id 1000000000"
+    assert shown["status"] == "failed"  # every trial ended (none ran), none succeeded
+    assert api.get(f"/v1/jobs/{other}").json()["status"] == "running"  # the ticks went on

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import logging
 import math
 import random
 from collections.abc import Callable
@@ -28,6 +29,8 @@ from service.schemas.requests import JobSpec
 from service.schemas.responses import PlanPublic
 from service.schemas.sweeps import IntUniform, LogUniform, SweepPublic, SweepSpec, TrialPublic, Uniform
 from service.store.tables import Job, Metric, Sweep, SweepTrial, utcnow
+
+log = logging.getLogger(__name__)
 
 Admit = Callable[[JobSpec], PlanPublic]
 """A trial's spec -> its plan, or a ServiceError (does_not_fit: admission.admit on the cluster)."""
@@ -132,8 +135,15 @@ def advance(session: Session) -> bool:
         live = sum(1 for t in trials if t.job_id is not None and statuses.get(t.job_id) not in TERMINAL)
         waiting = [t for t in trials if t.job_id is None and t.skipped is None]
         for trial in waiting[: max(0, spec.max_concurrent - live)]:
-            trial.job_id = _submit(session, sweep, spec, trial)
-            live += 1
+            try:
+                with session.begin_nested():  # a trial that cannot be submitted now is skipped, saying why
+                    trial.job_id = _submit(session, sweep, spec, trial)
+                live += 1
+            except Exception as error:  # noqa: BLE001 - one trial's, never the scheduler's tick
+                why = error.message if isinstance(error, ServiceError) else f"{type(error).__name__}: {error}"
+                log.warning("sweep %s: trial %s could not be submitted: %s", sweep.id, trial.index, why)
+                trial.skipped = f"could not be submitted: {why}"[:2000]
+        waiting = [t for t in waiting if t.job_id is None and t.skipped is None]
         if not waiting and live == 0:
             succeeded = any(statuses.get(t.job_id) == "succeeded" for t in trials if t.job_id is not None)
             sweep.status = "succeeded" if succeeded else "failed"
