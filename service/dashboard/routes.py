@@ -28,6 +28,7 @@ from service.api import job_responses
 from service.api.deps import AppStateDep, ClusterDep, ReaderDep, SessionDep, SettingsDep
 from service.auth import Principal
 from service.dashboard import charts
+from service.dashboard.curves import MAX_POINTS, job_curves
 from service.dashboard.format import FILTERS, elapsed_s
 from service.errors import ServiceError, describe_validation_errors
 from service.planning.plans import make_plan, plan_public
@@ -52,8 +53,6 @@ TABLE_LIMIT = 100
 """Jobs the table shows, newest first, besides every active one (dashboard.js reads it from data-limit)."""
 QUEUE_LIMIT = 50
 """Queued jobs the queue panel lists, in the order they start (dashboard.js reads it from data-limit)."""
-MAX_POINTS = 200
-"""Points a chart asks the metrics endpoint for (dashboard.js reads it from data-max-points)."""
 LOG_LINES = 1000
 """Log lines the job page draws first (the newest), and asks for at a time after them (data-limit)."""
 LOG_KEEP = 5000
@@ -211,10 +210,9 @@ def job_page(
         position=job_repository.queue_position(session, job, fifo=settings.queue_policy == "fifo"),
         principal=principal,
     )
-    metrics, _ = job_responses.job_metrics(session, job, after_step=None, limit=10 * MAX_POINTS, max_points=MAX_POINTS)
-    evaluated, _ = job_responses.job_metrics(
-        session, job, after_step=None, limit=10 * MAX_POINTS, max_points=None, evaluated=True
-    )
+    curves = job_curves(session, job)
+    metrics = curves.metrics
+    evaluated = curves.evaluated
     checkpointed, _ = job_responses.job_metrics(
         session, job, after_step=None, limit=10 * MAX_POINTS, max_points=None, checkpointed=True
     )
