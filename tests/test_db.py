@@ -31,6 +31,7 @@ TABLES = {
     "webhook_cursors",
     "sweeps",
     "sweep_trials",
+    "mlflow_sweep_runs",
     "alembic_version",
 }
 GIB = 2**30
@@ -75,7 +76,7 @@ def _schema(url: str) -> tuple[set[str], str | None]:
         engine.dispose()
 
 
-HEAD = "0019"
+HEAD = "0020"
 
 
 def _count(database: Database, model: type[Base], job_id: int) -> int:
@@ -90,6 +91,7 @@ def test_one_linear_history(database_url):
     assert (
         revisions
         == [
+            "0020",
             "0019",
             "0018",
             "0017",

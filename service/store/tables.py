@@ -346,3 +346,20 @@ class SweepTrial(Base):
     """The plan it was admitted by when the sweep was planned, its job's; null for a skipped trial."""
     skipped: Mapped[str | None] = mapped_column(Text, default=None)
     """Why the trial does not run (its plan does not fit, with skip_unfit; the sweep was cancelled first)."""
+
+
+class MlflowSweepRun(Base):
+    """A sweep's parent MLflow run, its trials' runs nested under it (service.tracking.sweep_runs): made
+    when the first trial's run is, found again by its tag after a crash between making and recording it,
+    and ended once the sweep and every trial's run have."""
+
+    __tablename__ = "mlflow_sweep_runs"
+
+    sweep_id: Mapped[int] = mapped_column(ForeignKey("sweeps.id", ondelete="CASCADE"), primary_key=True)
+    experiment_id: Mapped[str | None] = mapped_column(String(64), default=None)
+    run_id: Mapped[str | None] = mapped_column(String(64), default=None)
+    """MLflow's id of the sweep's parent run; null until the run is created."""
+    done: Mapped[bool] = mapped_column(Boolean, default=False)
+    """The run is ended with the sweep's status and its best trial: nothing more to export."""
+    last_error: Mapped[str | None] = mapped_column(Text, default=None)
+    """Why the last try failed (a refused request); null after a success."""
