@@ -1,10 +1,18 @@
-"""The dashboard: live pages of the cluster, its jobs and the planner, served by the app itself.
+"""The dashboard: live pages of the cluster, its jobs and the planner, served by the app itself; jobs side by
+side and the sweeps (experiments.py).
 
 May import: service.settings, service.errors, service.auth, service.lockout, service.api,
 service.schemas, service.store, service.planning, service.scheduling, service.tracking,
 workers.memory.
 """
 
-from service.dashboard.routes import STATIC_DIR, router
+from fastapi import APIRouter
+
+from service.dashboard import experiments, routes
+
+STATIC_DIR = routes.STATIC_DIR
+router = APIRouter(include_in_schema=False)
+router.include_router(routes.router)
+router.include_router(experiments.router)
 
 __all__ = ["STATIC_DIR", "router"]

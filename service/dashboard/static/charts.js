@@ -1,4 +1,4 @@
-// zero1 dashboard: the job page's training curves, drawn by uPlot (static/vendor/uplot, served by this
+// zero1 dashboard: the job page's training curves, and the compare and sweep pages' overlays and scatters, drawn by uPlot (static/vendor/uplot, served by this
 // server: nothing comes from a CDN). dashboard.js fetches the /v1 metrics and events and hands them to
 // window.zero1Charts.jobCharts(...).update(...); this file only draws. Each chart's .uplot root keeps
 // its uPlot as `.uplot` on its container (.u-chart) and the markers it drew in data-markers.
@@ -259,5 +259,68 @@
     };
   }
 
-  window.zero1Charts = { jobCharts, ema, markersOf };
+  // ------------------------------------------------------------------ the compare and sweep pages
+
+  // A series' colour: dashboard.css's --c0 ... --c11, the swatches' beside each job's name
+  const PALETTE_SIZE = 12;
+  const colour = (i) => getComputedStyle(document.documentElement).getPropertyValue(`--c${i % PALETTE_SIZE}`).trim();
+
+  function valuesAt(xs, steps, values) {  // a series' values at the shared steps xs; null where it has no row
+    const at = new Map(steps.map((step, i) => [step, values[i]]));
+    return xs.map((x) => (at.has(x) ? at.get(x) ?? null : null));
+  }
+
+  // One line a job on shared steps: each series' [steps, values] are its fields `spec.steps` and `spec.values`.
+  function overlay(container, list, spec) {
+    const xs = union(...list.map((s) => s[spec.steps]));
+    const columns = list.map((s) => valuesAt(xs, s[spec.steps], s[spec.values]));
+    const c = chart(container, { markers: [] }, () => ({
+      scales: { x: { time: false } },
+      axes: [xAxis(), yAxis(short)],
+      series: [{ label: "step", value: (u, v) => (v == null ? "—" : String(v)) },
+        ...list.map((s, i) => ({ label: s.label, stroke: colour(i), width: 2, spanGaps: true,
+          points: { show: (u, si) => columns[si - 1].filter((v) => v != null).length < 3 },
+          value: (u, v) => short(v) }))],
+    }));
+    c.set([xs, ...columns]);
+    container.closest("figure").classList.toggle("no-data", !columns.some((col) => col.some((v) => v != null)));
+  }
+
+  const padded = (u, min, max) => (max > min ? [min - (max - min) * 0.06, max + (max - min) * 0.06] : [min - 1, max + 1]);
+
+  // A searched field's value (x) against each trial's metric (y): points only, the best a large amber one. A
+  // field by category is drawn at its categories' places, labelled; `field.log`: a log x scale.
+  function scatter(container, field) {
+    const points = [...field.points].sort((a, b) => a.x - b.x);
+    const cats = field.categories;
+    const decade = (v) => Math.abs(Math.log10(v) - Math.round(Math.log10(v))) < 1e-9;
+    const xLabel = (v) => (v == null ? "" : cats ? (Number.isInteger(v) && cats[v] != null ? cats[v] : "") : short(v));
+    const tick = (v) => (field.log && v != null && !decade(v) ? "" : xLabel(v));  // a log axis: its decades labelled
+    const xScale = field.log ? { time: false, distr: 3, log: 10 }
+      : { time: false, range: cats ? () => [-0.5, cats.length - 0.5] : padded };
+    const c = chart(container, { markers: [] }, () => ({
+      mode: 1,
+      scales: { x: xScale, y: { range: padded } },
+      axes: [{ font: FONT, labelFont: FONT, label: field.path, labelSize: 18, size: 36, space: 40,
+        ...(cats ? { splits: () => cats.map((_, i) => i) } : {}), values: (u, splits) => splits.map(tick) },
+      yAxis(short)],
+      series: [{ label: field.path, value: (u, v) => (v == null ? "—" : xLabel(v)) },
+        { label: field.metric, stroke: colour(0), fill: colour(0), paths: () => null,
+          points: { show: true, size: 8, fill: colour(0) }, value: (u, v) => short(v) },
+        { label: "best", stroke: "#b45309", paths: () => null,
+          points: { show: true, size: 16, width: 2, fill: "#fbbf24" }, value: (u, v) => short(v) }],
+    }));
+    c.set([points.map((p) => p.x), points.map((p) => p.y), points.map((p) => (p.best ? p.y : null))]);
+    container.closest("figure").classList.toggle("no-data", !points.length);
+  }
+
+  // compare.html and sweep.html: the overlays and scatters the server described in #chart-data
+  function experimentCharts(root, data) {
+    const el = (id) => root.querySelector(`#${id} .u-chart`);
+    for (const spec of data.overlays) if (el(spec.figure)) overlay(el(spec.figure), data.series, spec);
+    for (const field of data.scatters) scatter(el(field.figure), field);
+    root.body.dataset.drawn = String(data.overlays.length + data.scatters.length);
+  }
+
+  window.zero1Charts = { jobCharts, ema, markersOf, experimentCharts };
 })();

@@ -799,7 +799,13 @@
     });
   }
 
-  const pages = { jobs: jobsPage, job: jobPage, plan: planPage };
+  // ------------------------------------------------------------------ compare and sweep (experiments.py)
+
+  function experimentsPage() {  // their tables are the server's; charts.js draws the JSON it wrote
+    window.zero1Charts.experimentCharts(document, JSON.parse($("#chart-data").textContent));
+  }
+
+  const pages = { jobs: jobsPage, job: jobPage, plan: planPage, compare: experimentsPage, sweep: experimentsPage };
   const start = pages[document.body.dataset.page];
   if (start) start();
 })();
