@@ -27,6 +27,7 @@ from sqlalchemy import update
 
 from service.auth import TOKEN_COOKIE
 from service.dashboard.experiments import MAX_COMPARED, differing_fields, flatten
+from service.schemas.fields import TERMINAL
 from service.store.metric_rows import store_metrics
 from service.store.tables import Job, Metric
 from workers.records import AttemptPoll, AttemptStatus, MetricRow
@@ -380,4 +381,29 @@ def test_in_chromium_the_sweep_page_draws_the_trials_curves_a_scatter_a_field_an
     page.locator("#compare-link").click()
     _wait_drawn(page, 3)
     assert len(_labels(page, "loss-figure")) == len(jobs)  # trial 3's job too: a series with no row yet
+    pages.check()
+
+
+def test_in_chromium_a_job_stopped_early_wears_its_own_badge_and_is_final(pages, api):
+    """stopped_early (a sweep's trial that early stopping ended) is drawn in its own muted amber, not as
+    cancelled; once the service knows it as terminal, its job page offers no Cancel."""
+    job = submit(api, ALICE, name="stopped-at-a-rung")
+    tick(api)
+    train(api, job["id"], scale=1.0)
+    with api.app.state.runtime.db.session() as session:  # as early stopping leaves it
+        session.get(Job, job["id"]).status = "stopped_early"
+    page = pages.open(f"/compare?jobs={job['id']},{job['id'] - 1}")
+    badge = page.locator(f'#compared tr[data-id="{job["id"]}"] .badge')
+    expect(badge).to_have_text("stopped_early")
+    expect(badge).to_have_css("background-color", "rgb(254, 243, 199)")
+    cancelled = page.evaluate(
+        "(() => { const b = Object.assign(document.createElement('span'), { className: 'badge s-cancelled' });"
+        " document.body.append(b); return getComputedStyle(b).backgroundColor; })()"
+    )
+    assert cancelled != "rgb(254, 243, 199)"
+    if "stopped_early" in TERMINAL:  # service/schemas/fields.py's: the job page reads the job as the API does
+        job_page = pages.open(f"/jobs/{job['id']}")
+        expect(job_page.locator('[data-field="status"]')).to_have_text("stopped_early")
+        expect(job_page.locator("#curves")).to_have_attribute("data-points", str(STEPS))  # the first poll is done
+        expect(job_page.locator("#cancel")).to_be_hidden()
     pages.check()

@@ -10,7 +10,7 @@
 
   const POLL_MS = 1000;
   const ACTIVE = ["starting", "running", "restarting"];
-  const TERMINAL = new Set(["succeeded", "failed", "cancelled"]);
+  const TERMINAL = new Set(["succeeded", "failed", "cancelled", "stopped_early"]);
   const PARTS = ["params", "grads", "buckets", "optimizer", "padding", "activations", "temporaries", "overhead"];
   const CHART = { WIDTH: 640, HEIGHT: 200, LEFT: 64, RIGHT: 12, TOP: 12, BOTTOM: 26 };
   CHART.PLOT_W = CHART.WIDTH - CHART.LEFT - CHART.RIGHT;
