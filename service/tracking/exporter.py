@@ -8,7 +8,8 @@ answer, it waits, doubling from ZERO1_MLFLOW_INTERVAL_S to ZERO1_MLFLOW_MAX_BACK
 catches up: the rows are in the database meanwhile. A request MLflow refuses (a 4xx) backs off that
 job alone, and its cursor says why.
 
-Each owner's runs go to an experiment of its own (runs.experiment_name). What it logs or stores of an
+Each owner's runs go to an experiment of its own (runs.experiment_name). A sweep's trial's run is nested
+under the sweep's parent run, which the pass ends after the sweep (sweep_runs). What it logs or stores of an
 MLflow error has the tracking URI's credentials cut out (service/tracking/uris.py).
 """
 
@@ -18,7 +19,9 @@ import logging
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 
 from sqlalchemy import case, select
@@ -32,6 +35,7 @@ from service.store.tables import Job, Metric, MlflowRun
 from service.tracking import runs
 from service.tracking.backoff import Unreachable, run_until_stopped
 from service.tracking.mlflow_client import MAX_METRICS_PER_BATCH, Mlflow, is_unreachable
+from service.tracking.sweep_runs import SweepRuns
 from service.tracking.uris import scrubbed
 
 log = logging.getLogger(__name__)
@@ -54,7 +58,10 @@ class Exporter:
         self.storage = storage  # where each job's final/ is read
         self.mlflow = mlflow or Mlflow(settings.mlflow_tracking_uri)
         self._experiments: dict[str, str] = {}  # name -> id, as found or made
-        self._job_retry_at: dict[int, tuple[float, float]] = {}  # a job MLflow refused: when next, and its wait
+        self.sweeps = SweepRuns(db=db, mlflow=self.mlflow)  # each sweep's parent run
+        self._retry_at: dict[
+            tuple[str, int], tuple[float, float]
+        ] = {}  # a job or sweep MLflow refused: when next, and its wait
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -82,28 +89,39 @@ class Exporter:
     # ----------------------------------------------------------------------- one pass
 
     def run_once(self) -> bool:
-        """One pass over the jobs not fully exported, active ones first; whether work is left."""
+        """One pass over the jobs not fully exported, active ones first, then the ended sweeps' parent
+        runs (sweep_runs); whether work is left."""
         more = False
         for job, cursor in self._pending():
             if self._stop.is_set():
                 return False
-            retry = self._job_retry_at.get(job.id)
-            if retry is not None and time.monotonic() < retry[0]:
-                continue
-            try:
-                more |= self._export(job, cursor)
-                self._job_retry_at.pop(job.id, None)
-            except Unreachable:
-                raise
-            except Exception as error:
-                self._note(job.id, f"{type(error).__name__}: {self._said(error)}"[:2000])
-                if is_unreachable(error):
-                    raise Unreachable(f"job {job.id}: {self._said(error)}") from error
-                wait = (
-                    min(2 * retry[1], self.settings.mlflow_max_backoff_s) if retry else self.settings.mlflow_interval_s
-                )
-                self._job_retry_at[job.id] = (time.monotonic() + wait, wait)
-                log.warning("mlflow: job %s refused (%s); trying it again in %.3g s", job.id, self._said(error), wait)
+            more |= self._attempt(("job", job.id), partial(self._export, job, cursor), partial(self._note, job.id))
+        for sweep_id in self.sweeps.ending():
+            if self._stop.is_set():
+                return False
+            note = partial(self._note_sweep, sweep_id)
+            more |= self._attempt(("sweep", sweep_id), partial(self.sweeps.end, sweep_id), note)
+        return more
+
+    def _attempt(self, key: tuple[str, int], work: Callable[[], bool], note: Callable[[str], None]) -> bool:
+        """work() for a job or a sweep unless it waits out a refusal; a refusal (4xx) backs off that one
+        alone, doubling, and its cursor says why; an unanswered request stops the pass (Unreachable)."""
+        retry = self._retry_at.get(key)
+        if retry is not None and time.monotonic() < retry[0]:
+            return False
+        try:
+            more = work()
+        except Unreachable:
+            raise
+        except Exception as error:
+            note(f"{type(error).__name__}: {self._said(error)}"[:2000])
+            if is_unreachable(error):
+                raise Unreachable(f"{key[0]} {key[1]}: {self._said(error)}") from error
+            wait = min(2 * retry[1], self.settings.mlflow_max_backoff_s) if retry else self.settings.mlflow_interval_s
+            self._retry_at[key] = (time.monotonic() + wait, wait)
+            log.warning("mlflow: %s %s refused (%s); trying it again in %.3g s", *key, self._said(error), wait)
+            return False
+        self._retry_at.pop(key, None)
         return more
 
     def _said(self, error: BaseException) -> str:
@@ -143,12 +161,13 @@ class Exporter:
         """Bring the job's run up to the database; whether more is left after this job's slice."""
         if cursor.run_id is None:
             experiment_id = self._experiment(job.owner)
+            nested = self.sweeps.tags_for(job, experiment_id=experiment_id)  # a sweep's trial: under its parent
             cursor.run_id = self.mlflow.find_or_create_run(
                 experiment_id,
                 key=runs.job_key(job),
                 name=job.name,
                 start_time_ms=_ms(job.created_at),
-                tags=runs.run_tags(job, self.settings),
+                tags=runs.run_tags(job, self.settings) | nested,
                 params=runs.flat_params(job.spec),
             )
             self._save(job.id, experiment_id=experiment_id, run_id=cursor.run_id, status=job.status)
@@ -227,6 +246,12 @@ class Exporter:
             self._save(job_id, last_error=error)
         except Exception:
             log.exception("mlflow: could not note job %s's error", job_id)
+
+    def _note_sweep(self, sweep_id: int, error: str) -> None:
+        try:
+            self.sweeps.save(sweep_id, last_error=error)
+        except Exception:
+            log.exception("mlflow: could not note sweep %s's error", sweep_id)
 
 
 def _update(session: Session, job_id: int, values: dict[str, object]) -> None:

@@ -1,6 +1,6 @@
 """MLflow as the exporter calls it: a fail-fast client (one try per request, a short timeout: the
 exporter's own backoff retries, so a down server costs seconds, never minutes of MLflow's retries),
-the experiment and the job's run found or made, and batches within MLflow's limits.
+the experiment and a job's (or a sweep's) run found or made, and batches within MLflow's limits.
 
 mlflow (the package of the extra zero1[mlflow], mlflow-skinny) is imported here only, and only once
 ZERO1_MLFLOW_TRACKING_URI is set.
@@ -81,9 +81,11 @@ class Mlflow:
         start_time_ms: int,
         tags: dict[str, str],
         params: dict[str, str],
+        key_tag: str = "zero1.job_key",
     ) -> str:
-        """The run tagged zero1.job_key=`key`, else a new one with these tags and params; its id."""
-        key_filter = "tags.`zero1.job_key` = '{}'".format(key.replace("'", ""))
+        """The run tagged `key_tag`=`key` (a job's zero1.job_key, a sweep's zero1.sweep_key), else a new
+        one with these tags and params; its id."""
+        key_filter = "tags.`{}` = '{}'".format(key_tag, key.replace("'", ""))
         found = self.client.search_runs([experiment_id], filter_string=key_filter, max_results=1)
         if found:
             return found[0].info.run_id
