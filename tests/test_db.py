@@ -76,7 +76,7 @@ def _schema(url: str) -> tuple[set[str], str | None]:
         engine.dispose()
 
 
-HEAD = "0020"
+HEAD = "0021"
 
 
 def _count(database: Database, model: type[Base], job_id: int) -> int:
@@ -91,6 +91,7 @@ def test_one_linear_history(database_url):
     assert (
         revisions
         == [
+            "0021",
             "0020",
             "0019",
             "0018",

@@ -178,7 +178,7 @@ def test_cancel_ends_the_running_trials_and_skips_the_rest_and_only_the_owner_se
     assert {api.get(f"/v1/jobs/{job_id}").json()["status"] for job_id in running} == {"cancelled"}
     assert len(api.get("/v1/jobs").json()["data"]) == 2  # no trial submitted after the cancel
     again = api.post(f"/v1/sweeps/{sweep['id']}/cancel")
-    assert again.status_code == 409 and "only a running sweep can be cancelled" in again.text
+    assert again.status_code == 409 and "only a running or suspended sweep can be cancelled" in again.text
 
 
 def test_the_client_runs_a_sweep_waits_for_it_and_opens_its_best_trials_job(api):
@@ -196,7 +196,9 @@ def test_the_client_runs_a_sweep_waits_for_it_and_opens_its_best_trials_job(api)
         best = sweep.best()
         assert best is not None and best.id == sweep.info.trials[3].job_id and best.status == "succeeded"
         other = client.sweep(grid(name="other"))
-        assert other.cancel().status == "cancelled"
+        assert (other.suspend().status, other.done) == ("suspended", False)
+        assert (other.resume().status, other.refresh().status) == ("running", "running")
+        assert (other.cancel().status, other.done) == ("cancelled", True)
         assert [s.id for s in client.sweeps()] == [other.id, sweep.id]
 
 
@@ -208,10 +210,11 @@ def test_the_cli_starts_a_sweep_and_shows_its_trials_and_best(api, cli_as, tmp_p
     lines = capsys.readouterr().out.splitlines()
     sweep_id = int(re.match(r"sweep (\d+) lr-grid: running, best none yet; its jobs are tagged sweep:\1$", lines[0])[1])
     assert lines[1].split() == ["trial", "job", "status", "eval_loss", "values"]
-    assert [line.split() for line in lines[2:]] == [
+    assert [line.split()[:5] for line in lines[2:]] == [
         ["0", "-", "pending", "-", "optimizer.lr=0.001"],
         ["1", "-", "pending", "-", "optimizer.lr=0.01"],
     ]
+    assert lines[2].endswith("(waits its turn: 0 of the sweep's trials have not ended (max_concurrent 2))")
     tick(api, 2)
     jobs = [t["job_id"] for t in api.get(f"/v1/sweeps/{sweep_id}").json()["trials"]]
     finish(api, jobs[0], 2.5)
@@ -227,6 +230,14 @@ def test_the_cli_starts_a_sweep_and_shows_its_trials_and_best(api, cli_as, tmp_p
     assert main(["sweeps", str(sweep_id)]) == 1
     assert f"404 no sweep with id {sweep_id}" in capsys.readouterr().err
 
+    cli_as(ALICE)
+    other = api.post("/v1/sweeps", json=grid(name="other")).json()["id"]
+    for action, status in [("--suspend", "suspended"), ("--resume", "running"), ("--cancel", "cancelled")]:
+        assert main(["sweeps", str(other), action]) == 0, capsys.readouterr().err
+        assert capsys.readouterr().out.startswith(f"sweep {other} other: {status},")
+    assert main(["sweeps", "--resume"]) == 2
+    assert "--resume needs a sweep's ID" in capsys.readouterr().err
+
 
 def test_a_trial_that_cannot_be_submitted_when_its_turn_comes_is_skipped_saying_why_and_the_tick_goes_on(api):
     base = helpers.job_body(num_gpus=1, steps=100, depends_on=[10**9])  # checked as each trial is submitted
@@ -238,3 +249,138 @@ def test_a_trial_that_cannot_be_submitted_when_its_turn_comes_is_skipped_saying_
     assert shown["trials"][0]["skipped"] == "could not be submitted: depends_on: no job with id 1000000000"
     assert shown["status"] == "failed"  # every trial ended (none ran), none succeeded
     assert api.get(f"/v1/jobs/{other}").json()["status"] == "running"  # the ticks went on
+
+
+def train(api: TestClient, job_id: int, *, through: int, eval_loss: float, eval_at: int) -> None:
+    """The job's rows for steps 0..through, its loss falling, evaluated at step `eval_at` only."""
+    runtime = api.app.state.runtime
+    with runtime.db.session() as session:
+        job = session.get(Job, job_id)
+        rows = [
+            MetricRow(
+                step=step, loss=3.0 - step / 100, grad_norm=1.0, loss_scale=1.0, skipped=False, step_time_s=0.1,
+                tokens_per_s=1.0, mem_peak_bytes=(1,), mem_planned_bytes=1,
+                eval_loss=eval_loss if step == eval_at else None,
+            )
+            for step in range((job.step or -1) + 1, through + 1)
+        ]  # fmt: skip
+        store_metrics(session, job, rows)
+
+
+def asha(**fields) -> dict:
+    """lr 1e-3 and 3e-3 train; 0.3 and 1.0 diverge (the test says so by their eval loss at the rung)."""
+    return grid(
+        space={"optimizer.lr": [0.001, 0.003, 0.3, 1.0, 0.01]},
+        early_stopping={"kind": "asha", "rungs": [5], "eta": 3},
+        **fields,
+    )
+
+
+def test_asha_stops_the_trials_behind_at_a_rung_saying_why_and_the_next_trial_takes_their_gpus_in_that_tick(api):
+    sweep = api.post("/v1/sweeps", json=asha()).json()
+    assert sweep["early_stopping"] == {"kind": "asha", "rungs": [5], "eta": 3, "bootstrap_count": None}
+    url = f"/v1/sweeps/{sweep['id']}"
+    tick(api, 2)
+    first = live_jobs(api.get(url).json())
+    assert len(first) == 2
+    for job_id, at_rung in zip(first, (2.0, 2.1), strict=True):  # the second worse, but judged by one value only
+        train(api, job_id, through=5, eval_loss=at_rung, eval_at=4)
+    tick(api)
+    sweep = api.get(url).json()
+    assert [t["rungs"] for t in sweep["trials"][:2]] == [{"5": 2.0}, {"5": 2.1}]
+    assert [api.get(f"/v1/jobs/{job_id}").json()["status"] for job_id in first] == ["running", "running"]
+    for job_id, final in zip(first, (1.5, 1.4), strict=True):
+        finish(api, job_id, final)
+    tick(api, 2)
+    sweep = api.get(url).json()
+    assert [t["status"] for t in sweep["trials"]][:2] == ["succeeded", "succeeded"]
+    bad = live_jobs(sweep)
+    assert [t["index"] for t in sweep["trials"] if t["job_id"] in bad] == [2, 3]
+    for job_id, at_rung in zip(bad, (4.0, 9.0), strict=True):
+        train(api, job_id, through=6, eval_loss=at_rung, eval_at=4)
+    tick(api)  # the rung judged: both asked to stop, at their next step with a checkpoint
+    tick(api)  # the stop asked of each attempt
+    assert [api.get(f"/v1/jobs/{job_id}").json()["status"] for job_id in bad] == ["running", "running"]
+    tick(api)  # each attempt stopped: both end stopped_early, and trial 4 is submitted and starts
+    sweep = api.get(url).json()
+    assert [t["status"] for t in sweep["trials"]][2:4] == ["stopped_early", "stopped_early"]
+    assert sweep["trials"][4]["status"] in ("starting", "running")
+    cut = 2.0 + (2.1 - 2.0) / 3  # the 100/3-th percentile of the two values before, interpolated
+    assert sweep["trials"][2]["rungs"] == {"5": 4.0} and sweep["trials"][3]["rungs"] == {"5": 9.0}
+    reasons = [api.get(f"/v1/jobs/{job_id}/events").json()["data"][-1]["reason"] for job_id in bad]
+    assert reasons[0] == (
+        "stopped early by ASHA at the rung of 5 steps: eval_loss 4 is past the best 1/3 of the 2 trial(s) "
+        f"before it there (cutoff {cut:.4g})"
+    )
+    assert reasons[1].startswith(
+        "stopped early by ASHA at the rung of 5 steps: eval_loss 9 is past the best 1/3 of the 3"
+    )
+    assert [api.get(f"/v1/jobs/{job_id}").json()["num_retries"] for job_id in bad] == [0, 0]
+
+    finish(api, sweep["trials"][4]["job_id"], 1.6)
+    tick(api, 2)
+    sweep = api.get(url).json()
+    assert sweep["status"] == "succeeded" and sweep["best"]["index"] == 1
+    assert sweep["gpu_seconds"] >= 0
+
+
+def test_asha_cutoff_is_ray_tunes_percentile_once_bootstrap_count_values_are_recorded():
+    import numpy as np
+
+    from service.scheduling.early_stopping import cutoff
+
+    draw = np.random.default_rng(3)
+    for eta in (2, 3, 4):
+        for count in (1, 2, 5, 9):
+            values = draw.normal(size=count).tolist()
+            assert cutoff(values, eta) == pytest.approx(np.percentile(values, 100 / eta))
+            assert cutoff(values, eta, bootstrap=count + 1) is None  # too few values recorded before
+            assert cutoff(values, eta, bootstrap=count) == cutoff(values, eta)
+    assert cutoff([], 3) is None
+
+
+def test_a_rung_at_or_past_the_trials_steps_or_not_increasing_is_a_422(api):
+    late = api.post("/v1/sweeps", json=grid(early_stopping={"rungs": [10, 100]}))
+    assert late.status_code == 422
+    assert "early_stopping.rungs: its last rung (100) must be < steps (100)" in late.json()["message"]
+    unordered = api.post("/v1/sweeps", json=grid(early_stopping={"rungs": [10, 5]}))
+    assert unordered.status_code == 422 and "give increasing step counts >= 1, not [10, 5]" in unordered.text
+
+
+def test_a_suspended_sweep_suspends_its_trials_and_submits_none_until_it_resumes(api):
+    sweep = api.post("/v1/sweeps", json=grid()).json()
+    url = f"/v1/sweeps/{sweep['id']}"
+    tick(api, 2)
+    running = live_jobs(api.get(url).json())
+    waiting = api.get(url).json()["trials"][2]
+    assert waiting["reason"] == "waits its turn: 2 of the sweep's trials have not ended (max_concurrent 2)"
+    assert api.post(f"{url}/resume").status_code == 409
+    suspended = api.post(f"{url}/suspend")
+    assert suspended.status_code == 202 and suspended.json()["status"] == "suspended"
+    tick(api, 3)
+    sweep = api.get(url).json()
+    assert [t["status"] for t in sweep["trials"]] == ["suspended"] * 2 + ["pending"] * 4
+    assert sweep["trials"][0]["reason"] == "suspended with the sweep"
+    assert sweep["trials"][2]["reason"] == "the sweep is suspended"
+    assert api.post(f"{url}/suspend").status_code == 409
+    bob = {"Authorization": f"Bearer {BOB}"}
+    assert api.post(f"{url}/resume", headers=bob).status_code == 404
+
+    resumed = api.post(f"{url}/resume")
+    assert resumed.status_code == 202 and resumed.json()["status"] == "running"
+    tick(api, 2)
+    sweep = api.get(url).json()
+    assert live_jobs(sweep) == running and len(api.get("/v1/jobs").json()["data"]) == 2
+
+
+def test_a_trial_whose_job_waits_in_the_queue_says_why_as_the_queue_does(api):
+    blocker = api.post("/v1/jobs", json=helpers.job_body(num_gpus=4, steps=100, priority=90)).json()
+    tick(api, 2)
+    sweep = api.post("/v1/sweeps", json=grid()).json()
+    tick(api, 2)
+    sweep = api.get(f"/v1/sweeps/{sweep['id']}").json()
+    queued = [t for t in sweep["trials"] if t["status"] == "queued"]
+    assert len(queued) == 2 and api.get(f"/v1/jobs/{blocker['id']}").json()["status"] == "running"
+    in_queue = {entry["id"]: entry["reason"] for entry in api.get("/v1/queue").json()["data"]}
+    assert [t["reason"] for t in queued] == [in_queue[t["job_id"]] for t in queued]
+    assert all(t["reason"] for t in queued)

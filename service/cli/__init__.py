@@ -147,6 +147,13 @@ def _parser() -> argparse.ArgumentParser:
     sweep.add_argument("--url", **url)
     sweeps = commands.add_parser("sweeps", help="your sweeps; with ID, one with its trials and the best")
     sweeps.add_argument("sweep_id", type=int, nargs="?")
+    steer = sweeps.add_mutually_exclusive_group()
+    for action, what in [
+        ("cancel", "its trials' jobs cancelled, the rest skipped"),
+        ("suspend", "no further trial; its trials' jobs suspended"),
+        ("resume", "its suspended trials back in the queue"),
+    ]:
+        steer.add_argument(f"--{action}", dest="action", action="store_const", const=action, help=what)
     sweeps.add_argument("--url", **url)
     for name, text in (("tag", "add tags to a job"), ("untag", "remove tags from a job")):
         command = commands.add_parser(name, help=text)

@@ -223,7 +223,8 @@ def _trial_line(trial: dict) -> str:
     )
     metric = "-" if trial["metric"] is None else f"{trial['metric']:.4f}"
     job = "-" if trial["job_id"] is None else str(trial["job_id"])
-    return f"{trial['index']:>5}  {job:>6}  {trial['status']:<10}  {metric:>8}  {escape(values)}"
+    why = f"  ({escape(trial['reason'])})" if trial.get("reason") else ""
+    return f"{trial['index']:>5}  {job:>6}  {trial['status']:<13}  {metric:>8}  {escape(values)}{why}"
 
 
 def _print_sweep(sweep: dict) -> None:
@@ -235,7 +236,7 @@ def _print_sweep(sweep: dict) -> None:
     )
     where = f"its jobs are tagged {sweep['tag']}"
     print(f"sweep {sweep['id']} {escape(sweep['name'])}: {sweep['status']}, best {said}; {where}")
-    print(f"{'trial':>5}  {'job':>6}  {'status':<10}  {sweep['metric']:>8}  values")
+    print(f"{'trial':>5}  {'job':>6}  {'status':<13}  {sweep['metric']:>8}  values")
     for trial in sweep["trials"]:
         print(_trial_line(trial))
 
@@ -250,11 +251,18 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_sweeps(args: argparse.Namespace) -> int:
-    """`zero1 sweeps`: yours, newest first; `zero1 sweeps ID`: one, with its trials."""
+    """`zero1 sweeps`: yours, newest first; `zero1 sweeps ID`: one, with its trials; `--cancel`,
+    `--suspend` or `--resume` it first."""
     with _client(args) as client:
         if args.sweep_id is not None:  # a 404 for one not yours, as an ApiError (main prints it)
-            _print_sweep(client.get_sweep(args.sweep_id).info.model_dump(mode="json"))
+            sweep = client.get_sweep(args.sweep_id)
+            if args.action is not None:
+                getattr(sweep, args.action)()
+            _print_sweep(sweep.info.model_dump(mode="json"))
             return 0
+        if args.action is not None:
+            print(f"zero1 sweeps: --{args.action} needs a sweep's ID", file=sys.stderr)
+            return 2
         print(f"{'id':>6}  {'status':<10}  {'trials':>6}  name")
         for sweep in client.sweeps():
             print(f"{sweep.id:>6}  {sweep.status:<10}  {len(sweep.info.trials):>6}  {escape(sweep.info.name)}")

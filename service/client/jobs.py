@@ -27,7 +27,7 @@ from .output import terminal
 from .progress import progress_display
 from .streams import follow_lines
 
-TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
+TERMINAL = frozenset({"succeeded", "failed", "cancelled", "stopped_early"})
 """The statuses a job never leaves."""
 
 

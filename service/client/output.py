@@ -22,6 +22,7 @@ STATUS_STYLES = {
     "succeeded": "green",
     "failed": "red",
     "cancelled": "yellow",
+    "stopped_early": "blue",
 }
 """A job status's colour in a table or bar (an unknown one is drawn unstyled)."""
 

@@ -10,6 +10,9 @@ from service.schemas.sweeps import SweepPublic
 from .errors import raise_for
 from .jobs import Job
 
+ENDED = frozenset({"succeeded", "failed", "cancelled"})
+"""The statuses a sweep never leaves."""
+
 
 class Sweep:
     """A sweep of the service behind `client`: `info` is the last SweepPublic it answered."""
@@ -28,7 +31,8 @@ class Sweep:
 
     @property
     def done(self) -> bool:
-        return self.info.status != "running"
+        """Every trial has ended (a suspended sweep has not: it waits for a resume)."""
+        return self.info.status in ENDED
 
     def refresh(self) -> Sweep:
         """Asks again; the sweep."""
@@ -51,5 +55,17 @@ class Sweep:
 
     def cancel(self) -> Sweep:
         """Its trials' jobs cancelled and the rest skipped; the sweep as the API answered."""
-        self.info = SweepPublic.model_validate(raise_for(self.client.http.post(f"/v1/sweeps/{self.id}/cancel")).json())
+        return self._steer("cancel")
+
+    def suspend(self) -> Sweep:
+        """No further trial submitted, its trials' jobs suspended (a running one with a checkpoint)."""
+        return self._steer("suspend")
+
+    def resume(self) -> Sweep:
+        """Its suspended trials' jobs back in the queue, its next trials submitted again."""
+        return self._steer("resume")
+
+    def _steer(self, action: str) -> Sweep:
+        answer = raise_for(self.client.http.post(f"/v1/sweeps/{self.id}/{action}"))
+        self.info = SweepPublic.model_validate(answer.json())
         return self

@@ -18,7 +18,7 @@ from service.scheduling.job_states import transition
 from service.store.tables import Job, JobDependency
 
 FIELD = "depends_on"
-NEVER_STARTS = ("failed", "cancelled")
+NEVER_STARTS = ("failed", "cancelled", "stopped_early")
 """A dependency that ended so: the job that needs it can never start."""
 CHANGEABLE = ("queued", "suspended")
 """The statuses in which a job's depends_on may change: it has not started yet."""

@@ -140,7 +140,7 @@ class Reasons:
         return self.by_job.get(job_id) or self.behind or "waiting for the scheduler's next tick"
 
 
-StopKind = Literal["preempt", "suspend"]
+StopKind = Literal["preempt", "suspend", "stop_early"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +169,8 @@ class Stop:
         return cls(kind=stored["kind"], attempt=stored["attempt"], asked_at=asked_at, preempt=preempt)
 
     def cause(self) -> str:
+        if self.kind == "stop_early":
+            return "stopped early by its sweep"
         if self.preempt is None:
             return "suspended by request"
         return f"preempted by job {self.preempt.by} (priority {self.preempt.by_priority})"

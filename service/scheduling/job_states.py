@@ -17,12 +17,30 @@ from service.store.job_repository import get_job
 from service.store.tables import Job, JobEvent, utcnow
 
 _TRANSITIONS = {
-    "queued": {"starting", "cancelled", "suspended"},
-    "starting": {"running", "failed", "cancelled", "restarting", "queued", "suspended"},  # a lost attempt
-    "running": {"succeeded", "failed", "cancelled", "restarting", "queued", "suspended"},  # queued: preempted
-    "restarting": {"running", "failed", "cancelled", "queued", "suspended"},
-    "suspended": {"queued", "cancelled"},
+    "queued": {"starting", "cancelled", "suspended", "stopped_early"},
+    "starting": {
+        "running",
+        "failed",
+        "cancelled",
+        "restarting",
+        "queued",
+        "suspended",
+        "stopped_early",
+    },  # a lost attempt
+    "running": {
+        "succeeded",
+        "failed",
+        "cancelled",
+        "restarting",
+        "queued",
+        "suspended",
+        "stopped_early",
+    },  # queued: preempted
+    "restarting": {"running", "failed", "cancelled", "queued", "suspended", "stopped_early"},
+    "suspended": {"queued", "cancelled", "stopped_early"},
 }
+"""stopped_early: a sweep's early stopping (service/scheduling/early_stopping.py) ended it, from a stop at a step
+boundary with a checkpoint, or at once while it held no GPU."""
 
 
 def transition(session: Session, job: Job, to_status: str, reason: str) -> bool:
@@ -95,12 +113,13 @@ def cancel_job(session: Session, job_id: int) -> Job:
     raise ServiceError(f"job {job_id} is already {job.status}", status_code=409, error="conflict")
 
 
-def flag_active(session: Session, job: Job, flag: str) -> bool:
-    """Set `flag` (cancel_requested, suspend_requested) if the job is still active: a compare-and-set,
-    as it may have ended since it was read (then `job` is refreshed). Whether it was set."""
-    query = update(Job).where(Job.id == job.id, Job.status.in_(ACTIVE)).values({flag: True})
+def flag_active(session: Session, job: Job, flag: str, value: bool | str = True) -> bool:
+    """Set `flag` (cancel_requested, suspend_requested; stop_early, to its reason) if the job is still
+    active: a compare-and-set, as it may have ended since it was read (then `job` is refreshed). Whether
+    it was set."""
+    query = update(Job).where(Job.id == job.id, Job.status.in_(ACTIVE)).values({flag: value})
     if session.execute(query, execution_options={"synchronize_session": False}).rowcount != 1:
         session.refresh(job)
         return False
-    set_committed_value(job, flag, True)
+    set_committed_value(job, flag, value)
     return True

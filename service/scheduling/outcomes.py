@@ -114,6 +114,8 @@ class Outcomes:
     ) -> Settled | None:
         """The attempt is over: as `stop` asked (queued, smaller, suspended), else relaunched for `cause`."""
         tail = f"; {cause}" if stop is not None and how is not None else ""  # killed, or lost to a restart
+        if job.stop_early:  # its sweep's early stopping ended it: final, whatever else was asked
+            return self.end(session, job, "stopped_early", f"{job.stop_early}{tail}")
         if job.suspend_requested or (stop is not None and stop.kind == "suspend"):  # a suspend wins
             self.telemetry.preempted(how or "suspended")
             return self._wait_again(session, job, "suspended", cause="suspended by request", tail=tail)

@@ -285,8 +285,9 @@ class Scheduler:
             return
         if state.status == AttemptStatus.UNKNOWN:  # no answer in time: ask again next tick, never take it for dead
             return
-        if job.suspend_requested and job.id not in self.stops:
-            self.dispatcher.ask_stop(job, Stop(kind="suspend", attempt=job.attempt, asked_at=self.clock()))
+        if (job.stop_early or job.suspend_requested) and job.id not in self.stops:
+            kind = "stop_early" if job.stop_early else "suspend"
+            self.dispatcher.ask_stop(job, Stop(kind=kind, attempt=job.attempt, asked_at=self.clock()))
         if job.status == "running" and state.status == AttemptStatus.RUNNING and not (state.metrics or state.logs):
             return  # nothing new: no transaction
         if state.status == AttemptStatus.STARTING and self._start_overdue(job):

@@ -4,8 +4,10 @@ A sweep is planned whole before any trial starts: each trial's spec is validated
 memory model as POST /v1/jobs admits a job, and one that does not fit is a 422 naming the trial's
 values and the plan (or, with skip_unfit, a trial listed as skipped). Then the scheduler, at each
 tick, submits the next trials while fewer than max_concurrent of the sweep's jobs have not ended,
-each a job of the sweep's owner and priority tagged `sweep:<id>`; once every trial has ended the
-sweep has too, its best trial the succeeded one with the least metric.
+each a job of the sweep's owner and priority tagged `sweep:<id>`, and stops those its early stopping
+judges behind at a rung (service/scheduling/early_stopping.py); once every trial has ended the sweep
+has too, its best trial the succeeded one with the least metric. A suspended sweep submits none, its
+trials' jobs suspended with it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import logging
 import math
 import random
 from collections.abc import Callable
+from datetime import UTC
 from typing import Any
 
 from pydantic import ValidationError
@@ -23,12 +26,13 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from service.errors import ServiceError, describe_validation_errors
-from service.scheduling import job_states, submission
-from service.schemas.fields import TERMINAL
+from service.scheduling import controls, early_stopping, job_states, submission
+from service.scheduling.dispatch import Reasons
+from service.schemas.fields import ACTIVE, TERMINAL
 from service.schemas.requests import JobSpec
 from service.schemas.responses import PlanPublic
 from service.schemas.sweeps import IntUniform, LogUniform, SweepPublic, SweepSpec, TrialPublic, Uniform
-from service.store.tables import Job, Metric, Sweep, SweepTrial, utcnow
+from service.store.tables import Job, JobEvent, Metric, Sweep, SweepTrial, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +102,10 @@ def plan_trials(
     planned = []
     for index, values in enumerate(trial_values(spec)):
         job_spec = trial_spec(spec, index, values)
+        if spec.early_stopping is not None and spec.early_stopping.rungs[-1] >= job_spec.steps:
+            last = spec.early_stopping.rungs[-1]
+            why = f"early_stopping.rungs: its last rung ({last}) must be < steps ({job_spec.steps})"
+            raise _trial_error(index, values, why)
         try:
             planned.append((values, job_spec, admit(job_spec), None))
         except ServiceError as error:
@@ -128,11 +136,17 @@ def advance(session: Session) -> bool:
     ended; end it once every trial has. Called by the scheduler at each tick, before it admits;
     whether a sweep is still running."""
     running = False
-    for sweep in session.scalars(select(Sweep).where(Sweep.status == "running")).all():
+    for sweep in session.scalars(select(Sweep).where(Sweep.status.in_(("running", "suspended")))).all():
         spec = SweepSpec.model_validate(sweep.spec)
         trials = _trials(session, sweep.id)
-        statuses = _statuses(session, [t.job_id for t in trials if t.job_id is not None])
+        jobs = _jobs(session, trials)
+        if spec.early_stopping is not None:
+            early_stopping.decide(session, spec, trials, jobs)
+        statuses = {job_id: job.status for job_id, job in jobs.items()}
         live = sum(1 for t in trials if t.job_id is not None and statuses.get(t.job_id) not in TERMINAL)
+        if sweep.status == "suspended":
+            running = True
+            continue
         waiting = [t for t in trials if t.job_id is None and t.skipped is None]
         for trial in waiting[: max(0, spec.max_concurrent - live)]:
             try:
@@ -169,12 +183,40 @@ def _submit(session: Session, sweep: Sweep, spec: SweepSpec, trial: SweepTrial) 
     return job.id
 
 
+def suspend(session: Session, sweep: Sweep) -> None:
+    """No trial is submitted until it resumes; each trial's job that has not ended is suspended (a queued
+    one at once, an active one at its next step boundary, with a checkpoint)."""
+    _conflict_unless(sweep, "running", "suspended")
+    for job in _jobs(session, _trials(session, sweep.id)).values():
+        if job.status == "queued" or (job.status in ACTIVE and not job.stop_early):
+            controls.suspend_job(session, job.id)
+    sweep.status = "suspended"
+
+
+def resume(session: Session, sweep: Sweep) -> None:
+    """Its suspended trials' jobs go back to the queue, and its next trials are submitted again."""
+    _conflict_unless(sweep, "suspended", "resumed")
+    for job in _jobs(session, _trials(session, sweep.id)).values():
+        if job.status == "suspended":
+            controls.resume_job(session, job.id)
+    sweep.status = "running"
+
+
+def _conflict_unless(sweep: Sweep, status: str, what: str) -> None:
+    if sweep.status != status:
+        raise ServiceError(
+            f"sweep {sweep.id} is {sweep.status}: only a {status} sweep can be {what}",
+            status_code=409,
+            error="conflict",
+        )
+
+
 def cancel(session: Session, sweep: Sweep) -> None:
     """Cancel the sweep: its jobs that have not ended (as POST /v1/jobs/{id}/cancel does), and the
     trials not yet submitted, listed as skipped."""
-    if sweep.status != "running":
+    if sweep.status not in ("running", "suspended"):
         raise ServiceError(
-            f"sweep {sweep.id} is {sweep.status}: only a running sweep can be cancelled",
+            f"sweep {sweep.id} is {sweep.status}: only a running or suspended sweep can be cancelled",
             status_code=409,
             error="conflict",
         )
@@ -187,14 +229,14 @@ def cancel(session: Session, sweep: Sweep) -> None:
     sweep.finished_at = utcnow()
 
 
-def public(session: Session, sweep: Sweep) -> SweepPublic:
-    """The sweep as the API answers it: each trial with its job's status, steps and metric; the best."""
+def public(session: Session, sweep: Sweep, *, reasons: Reasons | None = None) -> SweepPublic:
+    """The sweep as the API answers it: each trial with its job's status, steps, metric and why it waits
+    (`reasons`: the scheduler's, by job id); the best; the GPU-seconds its trials held."""
     spec = SweepSpec.model_validate(sweep.spec)
     trials = _trials(session, sweep.id)
-    jobs = {
-        job.id: job for job in session.scalars(select(Job).where(Job.id.in_([t.job_id for t in trials if t.job_id])))
-    }
+    jobs = _jobs(session, trials)
     last_eval = _last_eval_losses(session, list(jobs)) if spec.metric == "eval_loss" else {}
+    live = sum(1 for job in jobs.values() if job.status not in TERMINAL)
     shown = []
     for trial in trials:
         job = jobs.get(trial.job_id)
@@ -206,7 +248,8 @@ def public(session: Session, sweep: Sweep) -> SweepPublic:
         shown.append(
             TrialPublic(
                 index=trial.index, values=trial.values, job_id=trial.job_id, status=status,
-                skipped=trial.skipped, steps_done=done, metric=metric,
+                skipped=trial.skipped, reason=_waits(sweep, spec, job, status, live, reasons), steps_done=done,
+                metric=metric, rungs=trial.rungs or {},
             )
         )  # fmt: skip
     ranked = [t for t in shown if t.status == "succeeded" and t.metric is not None and math.isfinite(t.metric)]
@@ -217,6 +260,8 @@ def public(session: Session, sweep: Sweep) -> SweepPublic:
         status=sweep.status,
         metric=spec.metric,
         max_concurrent=spec.max_concurrent,
+        early_stopping=spec.early_stopping,
+        gpu_seconds=round(gpu_seconds(session, list(jobs.values())), 3),
         created_at=sweep.created_at,
         finished_at=sweep.finished_at,
         trials=shown,
@@ -225,14 +270,53 @@ def public(session: Session, sweep: Sweep) -> SweepPublic:
     )
 
 
+def _waits(
+    sweep: Sweep, spec: SweepSpec, job: Job | None, status: str, live: int, reasons: Reasons | None
+) -> str | None:
+    """Why a trial waits: its turn in the sweep (not submitted yet), or its job's in the queue."""
+    if status == "pending":
+        if sweep.status == "suspended":
+            return "the sweep is suspended"
+        return f"waits its turn: {live} of the sweep's trials have not ended (max_concurrent {spec.max_concurrent})"
+    if status == "queued" and job is not None:
+        return reasons.of(job.id) if reasons is not None else "queued"
+    if status == "suspended":
+        return "suspended" + (" with the sweep" if sweep.status == "suspended" else "")
+    return None
+
+
+def gpu_seconds(session: Session, jobs: list[Job]) -> float:
+    """GPUs x seconds the jobs held them, from their events: each span from a move into an active status
+    (starting, running, restarting) to the next move out of one, an active job's up to now."""
+    if not jobs:
+        return 0.0
+    gpus = {job.id: job.world_size or job.num_gpus for job in jobs}
+    since: dict[int, Any] = {}
+    total = 0.0
+    events = session.execute(
+        select(JobEvent.job_id, JobEvent.to_status, JobEvent.at).where(JobEvent.job_id.in_(gpus)).order_by(JobEvent.id)
+    )
+    for job_id, to_status, at in events:
+        if to_status in ACTIVE:
+            since.setdefault(job_id, at)
+        elif job_id in since:
+            total += gpus[job_id] * (_aware(at) - _aware(since.pop(job_id))).total_seconds()
+    now = utcnow()
+    return total + sum(gpus[job_id] * (now - _aware(at)).total_seconds() for job_id, at in since.items())
+
+
+def _aware(at: Any) -> Any:
+    """SQLite gives back naive datetimes (stored as UTC)."""
+    return at if at.tzinfo is not None else at.replace(tzinfo=UTC)
+
+
+def _jobs(session: Session, trials: list[SweepTrial]) -> dict[int, Job]:
+    ids = [t.job_id for t in trials if t.job_id is not None]
+    return {job.id: job for job in session.scalars(select(Job).where(Job.id.in_(ids)))} if ids else {}
+
+
 def _trials(session: Session, sweep_id: int) -> list[SweepTrial]:
     return list(session.scalars(select(SweepTrial).where(SweepTrial.sweep_id == sweep_id).order_by(SweepTrial.index)))
-
-
-def _statuses(session: Session, job_ids: list[int]) -> dict[int, str]:
-    if not job_ids:
-        return {}
-    return dict(session.execute(select(Job.id, Job.status).where(Job.id.in_(job_ids))).all())
 
 
 def _last_eval_losses(session: Session, job_ids: list[int]) -> dict[int, float]:

@@ -15,11 +15,14 @@ from service.schemas.printable import escape, first_control
 
 Precision = Literal["fp16", "bf16", "fp32"]
 OptimizerName = Literal["adamw", "adam", "sgd_momentum", "sgd"]
-JobStatus = Literal["queued", "starting", "running", "restarting", "suspended", "succeeded", "failed", "cancelled"]
+JobStatus = Literal[
+    "queued", "starting", "running", "restarting", "suspended", "succeeded", "failed", "cancelled", "stopped_early"
+]
 ACTIVE = ("starting", "running", "restarting")
 """The statuses of a job that holds its GPUs."""
-TERMINAL = ("succeeded", "failed", "cancelled")
-"""The statuses a job ends in (a suspended job is neither: it holds no GPU and waits for a resume)."""
+TERMINAL = ("succeeded", "failed", "cancelled", "stopped_early")
+"""The statuses a job ends in (a suspended job is neither: it holds no GPU and waits for a resume);
+stopped_early: a sweep's early stopping ended it at a rung, with a checkpoint."""
 
 MAX_TEXT_DIGITS = 30
 """Digits a number typed as text (the planner's form, the CLI) may have: more than any field's bound needs

@@ -35,6 +35,33 @@ Dimension = list[Any] | Uniform | LogUniform | IntUniform
 """A searched field's values: a list (a grid, or a choice when the search is random), or a range."""
 
 
+class EarlyStopping(Body):
+    """ASHA: at each rung a trial goes on only within the best 1/eta of the trials that reached it before."""
+
+    kind: Literal["asha"] = "asha"
+    rungs: list[Int] = Field(
+        min_length=1, max_length=16, description="Steps done at which a trial is judged, increasing, each < steps."
+    )
+    eta: Int = Field(3, ge=2, le=16, description="The reduction factor: the best 1/eta at a rung go on.")
+    bootstrap_count: Int | None = Field(
+        None,
+        ge=0,
+        le=MAX_TRIALS,
+        description="The values earlier trials must have recorded at a rung before it stops any (Optuna's "
+        "bootstrap_count); default eta - 1: a cutoff at the best 1/eta of fewer means little.",
+    )
+
+    @property
+    def bootstrap(self) -> int:
+        return self.eta - 1 if self.bootstrap_count is None else self.bootstrap_count
+
+    @model_validator(mode="after")
+    def _increasing(self) -> EarlyStopping:
+        if self.rungs[0] < 1 or any(b <= a for a, b in zip(self.rungs, self.rungs[1:], strict=False)):
+            raise FieldError("early_stopping.rungs", f"give increasing step counts >= 1, not {self.rungs}")
+        return self
+
+
 class SweepSpec(Body):
     """POST /v1/sweeps: a job spec searched over some of its fields, one job per trial."""
 
@@ -55,6 +82,9 @@ class SweepSpec(Body):
     seed: Int = Field(0, ge=0, le=2**63 - 1, description="Of a random search's draws.")
     skip_unfit: Bool = Field(
         False, description="A trial whose plan does not fit is listed as skipped, not a 422 for the whole sweep."
+    )
+    early_stopping: EarlyStopping | None = Field(
+        None, description='{"kind": "asha", "rungs": [steps, ...], "eta": 3}: stop the trials behind at each rung.'
     )
 
     @model_validator(mode="after")
@@ -95,6 +125,10 @@ class TrialPublic(BaseModel):
     job_id: int | None = Field(description="Its job; null while it waits its turn, and for a skipped trial.")
     status: str = Field(description="Its job's status; pending before it has one; skipped.")
     skipped: str | None = Field(None, description="Why it does not run.")
+    reason: str | None = Field(None, description="Why it waits: its turn in the sweep, or its job's in the queue.")
+    rungs: dict[str, float | None] = Field(
+        default_factory=dict, description="Early stopping: each rung reached (steps) -> the metric there."
+    )
     steps_done: int = 0
     metric: float | None = Field(None, description="The sweep's metric, last value of the job (null before one).")
 
@@ -103,9 +137,11 @@ class SweepPublic(BaseModel):
     id: int
     name: str
     owner: str | None
-    status: Literal["running", "succeeded", "failed", "cancelled"]
+    status: Literal["running", "suspended", "succeeded", "failed", "cancelled"]
     metric: str
     max_concurrent: int
+    early_stopping: EarlyStopping | None
+    gpu_seconds: float = Field(description="Summed over its trials' jobs: GPUs held x seconds, start to end.")
     created_at: datetime
     finished_at: datetime | None
     trials: list[TrialPublic]

@@ -22,7 +22,7 @@ from service.store.tables import Job, LogLine
 from workers.records import OutputLine
 
 _TRIM_CHUNK = 1000
-_FINISHED = ("succeeded", "failed", "cancelled")
+_FINISHED = ("succeeded", "failed", "cancelled", "stopped_early")
 
 
 def log_acks(job: Job) -> dict[int, int]:

@@ -99,6 +99,9 @@ class Job(Base):
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
     suspend_requested: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     """Suspend asked while it ran: the scheduler stops it at a step boundary, with a checkpoint."""
+    stop_early: Mapped[str | None] = mapped_column(Text, default=None)
+    """Why a sweep's early stopping ends it (the rung, its metric, the cutoff): the scheduler stops it at
+    a step boundary, with a checkpoint, and it ends stopped_early."""
     priority: Mapped[int] = mapped_column(Integer, default=50, server_default="50")
     """0-100: the queue is ordered by it (highest first), then by id; a job may preempt lower ones."""
     borrowed: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
@@ -346,6 +349,8 @@ class SweepTrial(Base):
     """The plan it was admitted by when the sweep was planned, its job's; null for a skipped trial."""
     skipped: Mapped[str | None] = mapped_column(Text, default=None)
     """Why the trial does not run (its plan does not fit, with skip_unfit; the sweep was cancelled first)."""
+    rungs: Mapped[dict[str, Any] | None] = mapped_column(default=None)
+    """Early stopping's record: each rung (a step count, as text) its job reached -> its metric there."""
 
 
 class MlflowSweepRun(Base):

@@ -24,7 +24,7 @@ POINTS_PER_ROW = len(METRICS) + 1
 ANONYMOUS = "(anonymous)"
 """The experiment name's owner part for a job without an owner (auth off): no user is named so (a user
 name starts with a letter or digit)."""
-RUN_STATUS = {"succeeded": "FINISHED", "failed": "FAILED", "cancelled": "KILLED"}
+RUN_STATUS = {"succeeded": "FINISHED", "failed": "FAILED", "cancelled": "KILLED", "stopped_early": "KILLED"}
 """A terminal job status and its run's status; the exact status is the zero1.status tag."""
 
 

@@ -1,6 +1,6 @@
 """Sweeps: POST /v1/sweeps (a job spec searched over some of its fields, planned whole before any trial
-starts), GET /v1/sweeps and /v1/sweeps/{id} (the trials, their values, status and metric; the best),
-POST /v1/sweeps/{id}/cancel. The rules are service/scheduling/sweeps.py's."""
+starts), GET /v1/sweeps and /v1/sweeps/{id} (the trials, their values, status, metric and why each
+waits; the best), POST /v1/sweeps/{id}/cancel, /suspend and /resume. The rules are service/scheduling/sweeps.py's."""
 
 from __future__ import annotations
 
@@ -83,25 +83,45 @@ def _visible(session, sweep_id: int, principal: Principal) -> Sweep:
 
 
 @router.get("", response_model=SweepsPublic, responses=_ERRORS)
-def list_sweeps(session: SessionDep, principal: ReaderDep) -> Response:
+def list_sweeps(session: SessionDep, principal: ReaderDep, runtime: AppStateDep) -> Response:
     """The caller's sweeps (an admin: everyone's), newest first."""
     query = select(Sweep).order_by(Sweep.id.desc()).limit(500)
     if not principal.admin:
         query = query.where(Sweep.owner == principal.user) if principal.user is not None else query.where(False)
-    return json_response(SweepsPublic(data=[sweeps.public(session, sweep) for sweep in session.scalars(query)]))
+    reasons = runtime.scheduler.queue_reasons()
+    data = [sweeps.public(session, sweep, reasons=reasons) for sweep in session.scalars(query)]
+    return json_response(SweepsPublic(data=data))
 
 
 @router.get("/{sweep_id}", response_model=SweepPublic, responses=_ERRORS)
-def get_sweep(sweep_id: SweepId, session: SessionDep, principal: ReaderDep) -> Response:
-    """Its trials (values, job, status, steps, metric) and the best; its owner's and admins' only."""
-    return json_response(sweeps.public(session, _visible(session, sweep_id, principal)))
+def get_sweep(sweep_id: SweepId, session: SessionDep, principal: ReaderDep, runtime: AppStateDep) -> Response:
+    """Its trials (values, job, status, steps, metric, why each waits) and the best; its owner's and admins'."""
+    sweep = _visible(session, sweep_id, principal)
+    return json_response(sweeps.public(session, sweep, reasons=runtime.scheduler.queue_reasons()))
+
+
+def _steer(session, sweep_id: int, principal: Principal, action) -> Response:
+    sweep = _visible(session, sweep_id, principal)
+    check_can_steer(principal, job_id=sweep.id, owner=sweep.owner)
+    action(session, sweep)
+    session.flush()
+    return json_response(sweeps.public(session, sweep), status_code=202)
 
 
 @router.post("/{sweep_id}/cancel", status_code=202, response_model=SweepPublic, responses=_ERRORS)
 def cancel_sweep(sweep_id: SweepId, session: SessionDep, principal: PrincipalDep) -> Response:
     """Cancel every trial's job that has not ended, and the trials not yet submitted; 409 once it ended."""
-    sweep = _visible(session, sweep_id, principal)
-    check_can_steer(principal, job_id=sweep.id, owner=sweep.owner)
-    sweeps.cancel(session, sweep)
-    session.flush()
-    return json_response(sweeps.public(session, sweep), status_code=202)
+    return _steer(session, sweep_id, principal, sweeps.cancel)
+
+
+@router.post("/{sweep_id}/suspend", status_code=202, response_model=SweepPublic, responses=_ERRORS)
+def suspend_sweep(sweep_id: SweepId, session: SessionDep, principal: PrincipalDep) -> Response:
+    """Submit no further trial, and suspend each trial's job that has not ended (a running one at its next
+    step, with a checkpoint); 409 unless it is running."""
+    return _steer(session, sweep_id, principal, sweeps.suspend)
+
+
+@router.post("/{sweep_id}/resume", status_code=202, response_model=SweepPublic, responses=_ERRORS)
+def resume_sweep(sweep_id: SweepId, session: SessionDep, principal: PrincipalDep) -> Response:
+    """Its suspended trials' jobs back to the queue, and its next trials submitted again; 409 unless suspended."""
+    return _steer(session, sweep_id, principal, sweeps.resume)
