@@ -1,6 +1,7 @@
 """A sweep trained for real: a 6-trial grid over optimizer.lr x warmup_steps on the tiny GPT, on the
 session's Ray cluster (4 logical GPUs), through the API and through the client; each trial's rows
-train at its lr, and the best is the trial whose last eval loss is least, read back from the rows.
+train at its lr, and the best is the trial whose last eval loss is least, read back from the rows; with
+ASHA, a clearly bad trial stops at its rung with a checkpoint and ends stopped_early.
 
 Packages: service.scheduling, service.api, service.client, workers.training.
 """
@@ -59,3 +60,29 @@ def test_a_six_trial_grid_trains_each_trial_at_its_lr_and_names_the_trial_least_
         assert sweep.info.best is not None and sweep.info.best.index == best
         assert sweep.best().id == trials[best].job_id
         assert sweep.info.gpu_seconds > 0
+
+
+def test_asha_stops_a_clearly_bad_trial_at_its_rung_with_a_checkpoint_and_the_sweep_still_finds_the_best(client):
+    body = spec() | {
+        "name": "real-asha",
+        "space": {"optimizer.lr": [0.01, 0.003, 1e-7]},
+        "max_concurrent": 1,  # the bad trial is judged once both others have recorded the rung (bootstrap_count 2)
+        "early_stopping": {"kind": "asha", "rungs": [10], "eta": 3},
+    }
+    body["base"] = body["base"] | {"steps": 40, "eval_every": 5}
+    created = client.post("/v1/sweeps", json=body)
+    assert created.status_code == 201, created.text
+    with client_on(client) as zero1:
+        sweep = zero1.get_sweep(created.json()["id"]).wait(timeout=600, interval=0.2)
+        good, other, bad = sweep.info.trials
+        assert (sweep.status, good.status, other.status, bad.status) == (
+            "succeeded", "succeeded", "succeeded", "stopped_early"
+        ), sweep.info  # fmt: skip
+        assert set(bad.rungs) == {"10"} and bad.rungs["10"] > max(good.rungs["10"], other.rungs["10"])
+        job = zero1.job(bad.job_id)
+        assert job.events()[-1].reason.startswith("stopped early by ASHA at the rung of 10 steps: eval_loss")
+        assert job.info.num_retries == 0
+        rows = job.metrics()
+        assert 10 <= len(rows) < 40 and [row.step for row in rows] == list(range(len(rows)))
+        assert max(c.step for c in job.checkpoints()) == rows[-1].step  # stopped with a checkpoint at its last row
+        assert sweep.info.best is not None and sweep.info.best.index in (good.index, other.index)
