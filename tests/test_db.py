@@ -32,6 +32,7 @@ TABLES = {
     "sweeps",
     "sweep_trials",
     "mlflow_sweep_runs",
+    "sweep_events",
     "alembic_version",
 }
 GIB = 2**30
@@ -76,7 +77,7 @@ def _schema(url: str) -> tuple[set[str], str | None]:
         engine.dispose()
 
 
-HEAD = "0021"
+HEAD = "0022"
 
 
 def _count(database: Database, model: type[Base], job_id: int) -> int:
@@ -91,6 +92,7 @@ def test_one_linear_history(database_url):
     assert (
         revisions
         == [
+            "0022",
             "0021",
             "0020",
             "0019",

@@ -17,11 +17,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import select
 
 from service.scheduling.job_states import transition
+from service.store.metric_rows import store_metrics
 from service.store.tables import Job, WebhookCursor
 from service.tracking.webhooks import Unreachable, Webhooks
+from workers.records import AttemptPoll, AttemptStatus, MetricRow
 
 import helpers
 from conftest import make_settings, serve_on_fakes
@@ -171,7 +172,8 @@ def test_while_the_receiver_is_down_the_events_wait_and_arrive_after_it_returns(
     assert restarted.run_once() is False and restarted.run_once() is False
     assert [b["job"]["id"] for b in receiver.bodies()] == [first, second, refused]
     with api.app.state.runtime.db.session() as session:
-        assert session.scalars(select(WebhookCursor.event_id)).one() == receiver.bodies()[-1]["delivery"]
+        key = sender(api).key  # the job events' cursor of this URL
+        assert session.get(WebhookCursor, key).event_id == receiver.bodies()[-1]["delivery"]
 
 
 def test_a_receiver_that_never_answers_holds_up_no_scheduler_tick(tmp_path, receiver):
@@ -194,3 +196,52 @@ def test_a_receiver_that_never_answers_holds_up_no_scheduler_tick(tmp_path, rece
         wait_for(receiver.bodies, lambda bodies: len(bodies) == 1, what="the held event")
         assert receiver.bodies()[0]["job"]["id"] == first
         assert "X-Zero1-Signature" not in receiver.received[0][0]  # no ZERO1_WEBHOOK_SECRET: unsigned
+
+
+def test_a_sweeps_end_arrives_once_signed_with_its_trials_and_best(api, receiver):
+    hook = sender(api)
+    body = {
+        "name": "lr <!here>",
+        "base": helpers.job_body(num_gpus=1, steps=100, eval_every=10),
+        "space": {"optimizer.lr": [0.001, 0.003]},
+    }
+    sweep = api.post("/v1/sweeps", json=body).json()
+    runtime = api.app.state.runtime
+    runtime.scheduler.tick()
+    trials = api.get(f"/v1/sweeps/{sweep['id']}").json()["trials"]
+    for trial, eval_loss in zip(trials, (2.5, 2.25), strict=True):  # each trial's attempt ends, evaluated
+        with runtime.db.session() as session:
+            job = session.get(Job, trial["job_id"])
+            row = MetricRow(
+                step=9, loss=3.0, grad_norm=1.0, loss_scale=1.0, skipped=False, step_time_s=0.1,
+                tokens_per_s=1.0, mem_peak_bytes=(1,), mem_planned_bytes=1, eval_loss=eval_loss,
+            )  # fmt: skip
+            store_metrics(session, job, [row])
+            attempt = job.attempt
+        runtime.launcher.attempts[(job.id, attempt)].ended = AttemptPoll(status=AttemptStatus.SUCCEEDED, nodes=("n",))
+    runtime.scheduler.tick()
+    runtime.scheduler.tick()
+    assert api.get(f"/v1/sweeps/{sweep['id']}").json()["status"] == "succeeded"
+    cancelled = api.post("/v1/sweeps", json=body | {"name": "other"}).json()
+    assert api.post(f"/v1/sweeps/{cancelled['id']}/cancel").status_code == 202
+
+    assert hook.run_once() is False
+    assert hook.run_once() is False  # nothing sent twice
+    received = [(headers, raw, json.loads(raw)) for headers, raw in receiver.received]
+    assert [b["event"] for _, _, b in received[:2]] == ["job.succeeded", "job.succeeded"]  # the trials' ends
+    ends = [(headers, body) for headers, raw, body in received if body["event"].startswith("sweep.")]
+    assert [(b["sweep"]["id"], b["event"]) for _, b in ends] == [
+        (sweep["id"], "sweep.succeeded"),
+        (cancelled["id"], "sweep.cancelled"),
+    ]
+    assert all(verified(headers, raw) for headers, raw, _ in received)
+    assert [headers["X-Zero1-Delivery"] for headers, _ in ends] == [b["delivery"] for _, b in ends]
+    assert all(headers["X-Zero1-Event"] == b["event"] for headers, b in ends)
+    first = ends[0][1]
+    assert first["sweep"]["trials"] == {"succeeded": 2} and first["sweep"]["best"]["job_id"] == trials[1]["job_id"]
+    assert first["reason"] == "every trial has ended: 2 of 2 succeeded"
+    assert first["text"].startswith(
+        f"zero1: sweep #{sweep['id']} “lr &lt;!here&gt;” succeeded (2 succeeded); best trial 1 "
+        f"(job #{trials[1]['job_id']}, eval_loss 2.25): optimizer.lr=0.003"
+    )
+    assert ends[1][1]["sweep"]["best"] is None and ends[1][1]["reason"] == "cancelled by request"

@@ -3,13 +3,14 @@ decided by the service from the metric rows it already stores.
 
 A rung is a number of steps. Once a trial's job has done a rung's steps, its value there is recorded:
 the sweep's metric at the last row at or before that step (of the surviving curve). It goes on if that
-value is within the best 1/eta of the values the trials before it recorded at that rung (once they
-have recorded bootstrap_count, by default eta - 1), else it is stopped: at its next step boundary, with a checkpoint, and it ends `stopped_early` (no retry spent);
-the tick that ends it submits the sweep's next trial and admits it onto the GPUs it held. The cutoff
-is Ray Tune's AsyncHyperBandScheduler's: the (100/eta)-th percentile of the values recorded there,
-interpolated linearly; a value that is not finite is past any cutoff. Ray Tune judges from the second
-trial at a rung on (bootstrap_count 0): with a few trials two at a time, the second is judged against
-the first alone, and a slower starter that would end best is stopped (benchmarks/sweeps.py).
+value is within the best 1/eta of the values the trials before it recorded at that rung (once they have
+recorded bootstrap_count, by default eta - 1), else it is stopped: at its next step boundary, with a
+checkpoint, and it ends `stopped_early` (no retry spent); the tick that ends it submits the sweep's next
+trial and admits it onto the GPUs it held. The cutoff is Ray Tune's AsyncHyperBandScheduler's: the
+(100/eta)-th percentile of the values recorded there, interpolated linearly; a value that is not finite
+is past any cutoff. Ray Tune judges from the second trial at a rung on (bootstrap_count 0): with a few
+trials two at a time, the second is judged against the first alone, and a slower starter that would end
+best is stopped (benchmarks/sweeps.py).
 """
 
 from __future__ import annotations

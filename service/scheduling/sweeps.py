@@ -32,7 +32,7 @@ from service.schemas.fields import ACTIVE, TERMINAL
 from service.schemas.requests import JobSpec
 from service.schemas.responses import PlanPublic
 from service.schemas.sweeps import IntUniform, LogUniform, SweepPublic, SweepSpec, TrialPublic, Uniform
-from service.store.tables import Job, JobEvent, Metric, Sweep, SweepTrial, utcnow
+from service.store.tables import Job, JobEvent, Metric, Sweep, SweepEvent, SweepTrial, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -159,9 +159,9 @@ def advance(session: Session) -> bool:
                 trial.skipped = f"could not be submitted: {why}"[:2000]
         waiting = [t for t in waiting if t.job_id is None and t.skipped is None]
         if not waiting and live == 0:
-            succeeded = any(statuses.get(t.job_id) == "succeeded" for t in trials if t.job_id is not None)
-            sweep.status = "succeeded" if succeeded else "failed"
-            sweep.finished_at = utcnow()
+            succeeded = sum(1 for t in trials if t.job_id is not None and statuses.get(t.job_id) == "succeeded")
+            why = f"every trial has ended: {succeeded} of {len(trials)} succeeded"
+            _end(session, sweep, "succeeded" if succeeded else "failed", why)
         else:
             running = True
     return running
@@ -181,6 +181,13 @@ def _submit(session: Session, sweep: Sweep, spec: SweepSpec, trial: SweepTrial) 
         priority=job_spec.priority if job_spec.priority is not None else 50,
     )
     return job.id
+
+
+def _end(session: Session, sweep: Sweep, status: str, reason: str) -> None:
+    """The sweep ends, its event stored for the webhook."""
+    sweep.status = status
+    sweep.finished_at = utcnow()
+    session.add(SweepEvent(sweep_id=sweep.id, to_status=status, reason=reason))
 
 
 def suspend(session: Session, sweep: Sweep) -> None:
@@ -225,8 +232,7 @@ def cancel(session: Session, sweep: Sweep) -> None:
             trial.skipped = "the sweep was cancelled first"
         elif trial.job_id is not None and (job := session.get(Job, trial.job_id)).status not in TERMINAL:
             job_states.cancel_job(session, job.id)
-    sweep.status = "cancelled"
-    sweep.finished_at = utcnow()
+    _end(session, sweep, "cancelled", "cancelled by request")
 
 
 def public(session: Session, sweep: Sweep, *, reasons: Reasons | None = None) -> SweepPublic:

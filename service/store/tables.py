@@ -307,14 +307,15 @@ class OwnerUid(Base):
 
 
 class WebhookCursor(Base):
-    """How far the service has sent the job events to a webhook (service.tracking.webhooks): the last
-    event delivered, by the URL's digest, so a restart sends none twice and skips none."""
+    """How far the service has sent the job events, or the sweep events, to a webhook
+    (service.tracking.webhooks): the last event delivered, by the URL's digest (the sweep events' by
+    that of "sweeps <url>"), so a restart sends none twice and skips none."""
 
     __tablename__ = "webhook_cursors"
 
     url_sha256: Mapped[str] = mapped_column(String(64), primary_key=True)
     event_id: Mapped[int] = mapped_column(BigInteger)
-    """The last job event handled (delivered, or refused with a 4xx); the next sent is the first after it."""
+    """The last event handled (delivered, or refused with a 4xx); the next sent is the first after it."""
 
 
 class Sweep(Base):
@@ -327,11 +328,24 @@ class Sweep(Base):
     name: Mapped[str] = mapped_column(String(200))
     owner: Mapped[str | None] = mapped_column(String(200), default=None)
     status: Mapped[str] = mapped_column(String(16), index=True)
-    """running, then succeeded (a trial succeeded), failed (none did) or cancelled."""
+    """running (or suspended), then succeeded (a trial succeeded), failed (none did) or cancelled."""
     spec: Mapped[dict[str, Any]]
     """The request as validated (service.schemas.sweeps.SweepSpec)."""
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(default=None)
+
+
+class SweepEvent(Base):
+    """A sweep's end (succeeded, failed, cancelled), with its reason: what the webhook sends of sweeps, in
+    this order (service.tracking.webhooks), as JobEvent is of jobs."""
+
+    __tablename__ = "sweep_events"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    sweep_id: Mapped[int] = mapped_column(ForeignKey("sweeps.id", ondelete="CASCADE"), index=True)
+    at: Mapped[datetime] = mapped_column(default=utcnow)
+    to_status: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[str] = mapped_column(Text)
 
 
 class SweepTrial(Base):

@@ -1,6 +1,7 @@
-"""The webhook: a thread of the service that POSTs each job's end (succeeded, failed, cancelled) to
-ZERO1_WEBHOOK_URL as JSON, in the order the events were stored, each once, resuming from its cursor
-(service.store.tables.WebhookCursor) after a restart.
+"""The webhook: a thread of the service that POSTs each job's end (succeeded, failed, cancelled,
+stopped_early) and each sweep's end to ZERO1_WEBHOOK_URL as JSON, in the order the events were stored,
+each once, resuming from its cursors (service.store.tables.WebhookCursor: one for the job events, one
+for the sweep events) after a restart.
 
 It reads the events in short transactions and POSTs with none open, from its own thread: a slow or
 absent receiver never holds up the scheduler. While the receiver does not answer (no connection, a
@@ -9,8 +10,9 @@ same event again; the events wait in the database meanwhile. An event the receiv
 another 4xx is logged and passed over: sending it again would not change the answer.
 
 Each body is signed with ZERO1_WEBHOOK_SECRET (`X-Zero1-Signature: sha256=<HMAC-SHA256 of the body,
-hex>`), and names its event (`X-Zero1-Delivery`, the event's id: a receiver that gets one twice, when
-the service stopped between a delivery and its record, drops the second). Its `text` is a line a
+hex>`), and names its event (`X-Zero1-Delivery`: a job event's id, `sweep-<id>` for a sweep event's; a
+receiver that gets one twice, when the service stopped between a delivery and its record, drops the
+second). Its `text` is a line a
 Slack incoming webhook posts as it is.
 """
 
@@ -25,10 +27,11 @@ import threading
 import httpx
 from sqlalchemy import func, select
 
+from service.scheduling import sweeps
 from service.schemas.fields import TERMINAL
 from service.settings import Settings
 from service.store.db import Database
-from service.store.tables import Job, JobEvent, WebhookCursor
+from service.store.tables import Job, JobEvent, Sweep, SweepEvent, WebhookCursor
 from service.tracking.backoff import Unreachable, run_until_stopped
 from service.tracking.runs import job_url
 
@@ -78,6 +81,42 @@ def payload(event: JobEvent, job: Job, *, settings: Settings) -> dict:
     }
 
 
+def sweep_payload(event: SweepEvent, sweep: Sweep, session, *, settings: Settings) -> dict:
+    """What the webhook is sent of a sweep's end: its trials' count by status and its best."""
+    shown = sweeps.public(session, sweep)
+    counts: dict[str, int] = {}
+    for trial in shown.trials:
+        counts[trial.status] = counts.get(trial.status, 0) + 1
+    base = settings.public_url or f"http://{settings.host}:{settings.port}"
+    url = f"{base.rstrip('/')}/sweeps/{sweep.id}"
+    best = shown.best
+    if best is None:
+        said = "no trial succeeded"
+    else:
+        values = ", ".join(f"{path}={value}" for path, value in best.values.items())
+        said = f"best trial {best.index} (job #{best.job_id}, {shown.metric} {best.metric:.4g}): {values}"
+    trials = ", ".join(f"{count} {status}" for status, count in sorted(counts.items()))
+    return {
+        "event": f"sweep.{event.to_status}",
+        "delivery": f"sweep-{event.id}",
+        "at": event.at.isoformat(),
+        "reason": event.reason,
+        "sweep": {
+            "id": sweep.id,
+            "name": sweep.name,
+            "owner": sweep.owner,
+            "status": event.to_status,
+            "trials": counts,
+            "metric": shown.metric,
+            "best": None if best is None else best.model_dump(mode="json"),
+            "gpu_seconds": shown.gpu_seconds,
+            "url": url,
+        },
+        "text": slack_escaped(f"zero1: sweep #{sweep.id} “{sweep.name}” {event.to_status} ({trials}); {said}")
+        + f" <{url}|open>",
+    }
+
+
 class Webhooks:
     def __init__(self, *, db: Database, settings: Settings, http: httpx.Client | None = None) -> None:
         assert settings.webhook_url is not None
@@ -85,13 +124,16 @@ class Webhooks:
         self.settings = settings
         self.url = settings.webhook_url
         self.key = hashlib.sha256(self.url.encode()).hexdigest()
+        self.sweeps_key = hashlib.sha256(f"sweeps {self.url}".encode()).hexdigest()
+        """The cursor of the sweep events sent to the same URL."""
         self.secret = None if settings.webhook_secret is None else settings.webhook_secret.get_secret_value()
         self.http = http or httpx.Client(timeout=TIMEOUT_S)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        self._cursor()  # from the events after now, for a URL new to this database
+        self._cursor(self.key, JobEvent)  # from the events after now, for a URL new to this database
+        self._cursor(self.sweeps_key, SweepEvent)
         self._thread = threading.Thread(target=self._loop, name="zero1-webhook", daemon=True)
         self._thread.start()
 
@@ -108,9 +150,10 @@ class Webhooks:
         )
 
     def run_once(self) -> bool:
-        """Send the job ends after the cursor, in order, each recorded once the receiver took it (or
-        refused it for good); whether more wait. Unreachable when the receiver did not answer."""
-        after = self._cursor()
+        """Send the job ends after their cursor, then the sweep ends after theirs, each in order and
+        recorded once the receiver took it (or refused it for good); whether more wait. Unreachable
+        when the receiver did not answer."""
+        after = self._cursor(self.key, JobEvent)
         with self.db.session() as session:
             rows = session.execute(
                 select(JobEvent, Job)
@@ -119,20 +162,37 @@ class Webhooks:
                 .order_by(JobEvent.id)
                 .limit(EVENTS_PER_PASS)
             ).all()
-            bodies = [(event.id, event.to_status, payload(event, job, settings=self.settings)) for event, job in rows]
-        for event_id, status, body in bodies:
+            jobs = [(event.id, payload(event, job, settings=self.settings)) for event, job in rows]
+        more = self._deliver(self.key, jobs)
+        after = self._cursor(self.sweeps_key, SweepEvent)
+        with self.db.session() as session:
+            rows = session.execute(
+                select(SweepEvent, Sweep)
+                .join(Sweep, Sweep.id == SweepEvent.sweep_id)
+                .where(SweepEvent.id > after)
+                .order_by(SweepEvent.id)
+                .limit(EVENTS_PER_PASS)
+            ).all()
+            ends = [(event.id, sweep_payload(event, sweep, session, settings=self.settings)) for event, sweep in rows]
+        return self._deliver(self.sweeps_key, ends) or more
+
+    def _deliver(self, key: str, bodies: list[tuple[int, dict]]) -> bool:
+        """POST each body in order, its event recorded under the cursor `key` once handled; whether a
+        full page was sent (more may wait)."""
+        for event_id, body in bodies:
             if self._stop.is_set():
                 return False
-            self._send(event_id, status, body)
+            self._send(body)
             with self.db.session() as session:
-                session.get(WebhookCursor, self.key).event_id = event_id
+                session.get(WebhookCursor, key).event_id = event_id
         return len(bodies) == EVENTS_PER_PASS
 
-    def _send(self, event_id: int, status: str, body: dict) -> None:
+    def _send(self, body: dict) -> None:
         content = json.dumps(body, separators=(",", ":")).encode()
+        event_id = body["delivery"]
         headers = {
             "Content-Type": "application/json",
-            "X-Zero1-Event": f"job.{status}",
+            "X-Zero1-Event": body["event"],
             "X-Zero1-Delivery": str(event_id),
         }
         if self.secret is not None:
@@ -146,13 +206,13 @@ class Webhooks:
         if response.status_code >= 400:
             log.warning("webhook: event %s refused with HTTP %s; passed over", event_id, response.status_code)
 
-    def _cursor(self) -> int:
-        """The last event handled; for a URL new to this database, the newest event now (the ends before
-        it configured are not sent)."""
+    def _cursor(self, key: str, events: type[JobEvent] | type[SweepEvent]) -> int:
+        """The last event of `events` handled; for a URL new to this database, the newest event now (the
+        ends before it was configured are not sent)."""
         with self.db.session() as session:
-            cursor = session.get(WebhookCursor, self.key)
+            cursor = session.get(WebhookCursor, key)
             if cursor is None:
-                newest = session.scalar(select(func.coalesce(func.max(JobEvent.id), 0)))
-                cursor = WebhookCursor(url_sha256=self.key, event_id=newest)
+                newest = session.scalar(select(func.coalesce(func.max(events.id), 0)))
+                cursor = WebhookCursor(url_sha256=key, event_id=newest)
                 session.add(cursor)
             return cursor.event_id
