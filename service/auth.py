@@ -8,7 +8,7 @@ tokens, a request names its user by `Authorization: Bearer <token>`, or by the d
 client in the app's one lockout (service/lockout.py), as a wrong one at /login does; a locked-out
 client's valid token passes only if it already succeeded from that address.
 
-May import: service.settings, service.errors, service.lockout.
+May import: service.settings, service.placeholders, service.errors, service.lockout.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from fastapi import Request
 
 from service.errors import ServiceError
 from service.lockout import LoginLockout, client_key
-from service.settings import PLACEHOLDER_RULE, Settings, is_placeholder
+from service.placeholders import PLACEHOLDER_RULE, is_placeholder
+from service.settings import Settings
 
 TOKEN_COOKIE = "zero1_token"
 CSRF_HEADER = "X-Zero1-CSRF"

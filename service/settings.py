@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import re
 from functools import lru_cache
 from typing import Annotated, Literal
 
@@ -16,16 +15,6 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from service.run_as import RunAsTable, parse_run_as
 from workers.uris import is_remote, parse_uri
-
-PLACEHOLDER = re.compile(r"change[-_]?me", re.IGNORECASE)
-"""The mark of .env.example's values: a secret that has it is known to everyone who read the example."""
-PLACEHOLDER_RULE = (
-    "it contains change-me (or change_me, changeme, in any case), the mark of .env.example's placeholders"
-)
-
-
-def is_placeholder(secret: str) -> bool:
-    return PLACEHOLDER.search(secret) is not None
 
 
 def located(uri: str) -> str:

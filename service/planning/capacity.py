@@ -14,7 +14,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from service.settings import PLACEHOLDER_RULE, Settings, is_placeholder
+from service.placeholders import PLACEHOLDER_RULE, is_placeholder
+from service.settings import Settings
 from workers.memory.model import gpu_memory_bytes_from_gb
 from workers.runtime.sandbox import is_secret_name
 

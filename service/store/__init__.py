@@ -7,5 +7,6 @@ the scheduler, the exporter and the routes); the uid each owner's children run u
 (ZERO1_RUN_AS), allocated once and kept; and the code bundles (code: their checks, their stores
 and who uploaded which).
 
-May import: service.settings, service.run_as, service.errors, service.auth, service.schemas, workers.
+May import: service.settings, service.placeholders, service.run_as, service.errors, service.auth, service.schemas,
+workers.
 """

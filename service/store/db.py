@@ -13,7 +13,7 @@ from alembic.config import Config
 from sqlalchemy import Engine, create_engine, event, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.settings import PLACEHOLDER_RULE, is_placeholder
+from service.placeholders import PLACEHOLDER_RULE, is_placeholder
 
 # the top-level migrations/ folder, installed as the package zero1_migrations (pyproject.toml)
 MIGRATIONS_DIR = Path(str(resources.files("zero1_migrations")))
