@@ -23,7 +23,7 @@ from service.store.job_storage import JobStorage
 from service.store.owner_uids import OwnerUids
 from service.telemetry import Telemetry
 from service.tracking.exporter import Exporter
-from service.tracking.webhooks import Webhooks
+from service.tracking.webhooks import Notifier, Webhooks
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,8 @@ class AppState:
         """Each job's MLflow run, exported in the background (ZERO1_MLFLOW_TRACKING_URI); None when unset."""
         self.webhooks = None if settings.webhook_url is None else Webhooks(db=self.db, settings=settings)
         """Each job's end POSTed in the background (ZERO1_WEBHOOK_URL); None when unset."""
+        self.notifier = Notifier(db=self.db, settings=settings) if settings.webhook_notify_hosts else None
+        """A job's end POSTed to its own notify URL (ZERO1_WEBHOOK_NOTIFY_HOSTS); None when no host is allowed."""
 
     def start(self) -> None:
         """Migrate the database, connect to (or start) Ray, start scheduling."""
@@ -96,6 +98,8 @@ class AppState:
             self.exporter.start()
         if self.webhooks is not None:
             self.webhooks.start()
+        if self.notifier is not None:
+            self.notifier.start()
         log.info("zero1 is up: %s", self.cluster.capacity())
 
     def stop(self) -> None:
@@ -104,6 +108,8 @@ class AppState:
             self.exporter.stop()
         if self.webhooks is not None:
             self.webhooks.stop()
+        if self.notifier is not None:
+            self.notifier.stop()
         self.housekeeper.stop()
         self.scheduler.stop()
         self.cluster.disconnect()

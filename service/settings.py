@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 from functools import lru_cache
 from typing import Annotated, Literal
 
@@ -14,20 +15,7 @@ from pydantic import Field, InstanceOf, SecretStr, ValidationInfo, field_validat
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from service.run_as import RunAsTable, parse_run_as
-from workers.uris import is_remote, parse_uri
-
-
-def located(uri: str) -> str:
-    """A directory or s3://bucket/prefix as the service reaches it: a directory resolved (symlinks followed)."""
-    scheme, where = parse_uri(uri)
-    return where if scheme == "file" else f"{scheme}://{where}"
-
-
-def overlap(first: str, second: str) -> bool:
-    """Whether two storage locations (directories, s3://bucket/prefix) are the same or one holds the other."""
-    one = located(first).rstrip("/")
-    other = located(second).rstrip("/")
-    return one == other or one.startswith(other + "/") or other.startswith(one + "/")
+from workers.uris import is_remote, located, overlap, parse_uri
 
 
 def sqlite_file(url: str) -> str | None:
@@ -248,6 +236,10 @@ class Settings(BaseSettings):
     """The key of the HMAC-SHA256 of each webhook body, sent as `X-Zero1-Signature: sha256=<hex>`; unset: unsigned."""
     webhook_max_backoff_s: float = Field(60.0, gt=0, le=86_400)
     """The longest wait between tries while the webhook does not answer (doubling from 1 s)."""
+    webhook_notify_hosts: Annotated[list[str], NoDecode] = []
+    """The hosts a job's own `notify` URL may name, comma-separated, each a name or name:port (e.g.
+    `hooks.slack.com,ci.example.com:8443`): the service POSTs to no other (a user's URL could reach what
+    only the service can). Unset: a job's `notify` is refused."""
 
     @model_validator(mode="after")
     def _start_after_placement(self) -> Settings:
@@ -365,7 +357,16 @@ class Settings(BaseSettings):
                 raise ValueError(f"ZERO1_TRUSTED_PROXIES: {entry!r} is not an IP address or network") from None
         return value
 
-    @field_validator("data_roots", "model_roots", "trusted_proxies", mode="before")
+    @field_validator("webhook_notify_hosts")
+    @classmethod
+    def _check_hosts(cls, value: list[str]) -> list[str]:
+        """Each a host name or address, with a port or not; in lower case."""
+        for entry in value:
+            if not re.fullmatch(r"[A-Za-z0-9.-]+(:[0-9]{1,5})?|\[[0-9A-Fa-f:.]+\](:[0-9]{1,5})?", entry):
+                raise ValueError(f"ZERO1_WEBHOOK_NOTIFY_HOSTS: {entry!r} is not a host or host:port")
+        return [entry.lower() for entry in value]
+
+    @field_validator("data_roots", "model_roots", "trusted_proxies", "webhook_notify_hosts", mode="before")
     @classmethod
     def _split_roots(cls, value: object) -> object:
         """'a,b' or '["a", "b"]' -> ["a", "b"] (an environment variable is one string)."""

@@ -245,3 +245,63 @@ def test_a_sweeps_end_arrives_once_signed_with_its_trials_and_best(api, receiver
         f"(job #{trials[1]['job_id']}, eval_loss 2.25): optimizer.lr=0.003"
     )
     assert ends[1][1]["sweep"]["best"] is None and ends[1][1]["reason"] == "cancelled by request"
+
+
+@pytest.fixture
+def notify_api(tmp_path, database_url, receiver) -> Iterator[TestClient]:
+    """The app whose jobs may name a notify URL on the receiver's host:port or on `dead` (a port no one
+    listens on); no ZERO1_WEBHOOK_URL; its notifier not started: the test drives it."""
+    dead = free_port()
+    hosts = [f"127.0.0.1:{receiver.port}", f"127.0.0.1:{dead}"]
+    settings = make_settings(tmp_path, database_url=database_url, webhook_notify_hosts=hosts, webhook_secret=SECRET)
+    with serve_on_fakes(settings) as client:
+        client.app.state.runtime.scheduler.stop()
+        client.app.state.runtime.notifier.stop()
+        client.dead = f"http://127.0.0.1:{dead}/hook"
+        yield client
+
+
+def test_a_jobs_notify_url_must_name_a_host_the_service_allows(tmp_path, notify_api, receiver):
+    other = f"http://127.0.0.1:{free_port()}/hook"
+    for url, says in [
+        (other, f"notify: 127.0.0.1:{other.split(':')[2].split('/')[0]} is not one of the hosts allowed"),
+        (f"http://me:secret@127.0.0.1:{receiver.port}/hook", "notify: a notify URL carries no user or password"),
+        (f"http://localhost:{receiver.port}/hook", "is not one of the hosts allowed (ZERO1_WEBHOOK_NOTIFY_HOSTS: "),
+        ("file:///etc/passwd", "notify: String should match pattern"),
+    ]:
+        refused = notify_api.post("/v1/jobs", json=helpers.job_body(notify=url))
+        assert refused.status_code == 422 and says in refused.json()["message"], refused.text
+        assert refused.json()["detail"][0]["field"] == "notify"
+    assert notify_api.post("/v1/jobs", json=helpers.job_body(notify=receiver.url)).status_code == 201
+
+    settings = make_settings(tmp_path / "off")
+    with serve_on_fakes(settings) as off:
+        refused = off.post("/v1/jobs", json=helpers.job_body(notify=receiver.url))
+        assert refused.status_code == 422
+        assert "this service sends no job's own notifications (ZERO1_WEBHOOK_NOTIFY_HOSTS is unset)" in refused.text
+        assert off.app.state.runtime.notifier is None
+
+
+def test_each_jobs_own_url_gets_its_end_once_and_a_dead_one_is_passed_over_after_max_tries(notify_api, receiver):
+    from service.tracking.webhooks import MAX_TRIES, Notifier
+
+    runtime = notify_api.app.state.runtime
+    notifier = Notifier(db=runtime.db, settings=runtime.settings)
+    first = submit(notify_api, notify=receiver.url)
+    dead = submit(notify_api, notify=notify_api.dead)
+    silent = submit(notify_api)
+    for job_id in (first, dead, silent):
+        end(notify_api, job_id, "succeeded")
+    for _ in range(MAX_TRIES - 1):  # the dead URL holds the cursor, backing off between passes
+        with pytest.raises(Unreachable, match="ConnectError"):
+            notifier.run_once()
+    assert [b["job"]["id"] for b in receiver.bodies()] == [first]  # sent once, not at each try
+    assert notifier.run_once() is False  # its last try: passed over, and the rest go on
+    last = submit(notify_api, notify=receiver.url)
+    end(notify_api, last, "cancelled")
+    assert notifier.run_once() is False
+    assert [(b["job"]["id"], b["event"]) for b in receiver.bodies()] == [
+        (first, "job.succeeded"),
+        (last, "job.cancelled"),
+    ]
+    assert all(verified(headers, body) for headers, body in receiver.received)

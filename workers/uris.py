@@ -47,3 +47,16 @@ def join_uri(uri: str, *names: str) -> str:
     scheme, root = parse_uri(uri)
     joined = str(PurePosixPath(root, *names))
     return joined if scheme == "file" else f"{scheme}://{joined}"
+
+
+def located(uri: str) -> str:
+    """A directory or s3://bucket/prefix as the service reaches it: a directory resolved (symlinks followed)."""
+    scheme, where = parse_uri(uri)
+    return where if scheme == "file" else f"{scheme}://{where}"
+
+
+def overlap(first: str, second: str) -> bool:
+    """Whether two storage locations (directories, s3://bucket/prefix) are the same or one holds the other."""
+    one = located(first).rstrip("/")
+    other = located(second).rstrip("/")
+    return one == other or one.startswith(other + "/") or other.startswith(one + "/")

@@ -5,6 +5,8 @@ asked. Functions take the request's session and only flush; the caller commits."
 
 from __future__ import annotations
 
+from urllib.parse import urlsplit
+
 from sqlalchemy import and_, case, func, select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
@@ -61,6 +63,34 @@ def check_quota(spec: JobSpec, *, settings: Settings, owner: str | None) -> None
             gpus=fewest,
             quota=quota,
         )
+
+
+def check_notify(spec: JobSpec, *, settings: Settings) -> None:
+    """A job's `notify` URL names one of ZERO1_WEBHOOK_NOTIFY_HOSTS (its host, or host:port where the
+    entry has a port), and no user or password: a 422 naming the field and the hosts allowed."""
+    if spec.notify is None:
+        return
+    url = urlsplit(spec.notify)
+    allowed = settings.webhook_notify_hosts
+    host = (url.hostname or "").lower()
+    where = f"[{host}]" if ":" in host else host
+    try:
+        port = url.port
+    except ValueError:
+        port = None
+        why = "its port is not a number from 0 to 65535"
+    else:
+        named = {where} if port is None else {where, f"{where}:{port}"}
+        if url.username is not None or url.password is not None:
+            why = "a notify URL carries no user or password (sign with ZERO1_WEBHOOK_SECRET)"
+        elif not allowed:
+            why = "this service sends no job's own notifications (ZERO1_WEBHOOK_NOTIFY_HOSTS is unset)"
+        elif not named & set(allowed):
+            why = f"{url.netloc} is not one of the hosts allowed (ZERO1_WEBHOOK_NOTIFY_HOSTS: {', '.join(allowed)})"
+        else:
+            return
+    detail = [{"field": "notify", "message": why, "type": "value_error"}]
+    raise ServiceError(f"notify: {why}", status_code=422, error="invalid_request", detail=detail)
 
 
 def _conflict(job: Job, what: str) -> ServiceError:

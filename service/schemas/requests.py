@@ -151,6 +151,13 @@ class JobSpec(Body):
         description="Labels to find it by (GET /v1/jobs?tag=); PATCH /v1/jobs/{id} replaces them.",
     )
     notes: Notes | None = Field(None, description="Free text for its owner; PATCH /v1/jobs/{id} replaces it.")
+    notify: str | None = Field(
+        None,
+        max_length=2000,
+        pattern=r"^https?://[^\s]+$",
+        description="A URL that is POSTed the job's end, as ZERO1_WEBHOOK_URL is; its host must be one of "
+        "ZERO1_WEBHOOK_NOTIFY_HOSTS.",
+    )
     depends_on: JobIds = Field(
         [],
         max_length=MAX_DEPENDENCIES,

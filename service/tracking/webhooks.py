@@ -14,6 +14,10 @@ hex>`), and names its event (`X-Zero1-Delivery`: a job event's id, `sweep-<id>` 
 receiver that gets one twice, when the service stopped between a delivery and its record, drops the
 second). Its `text` is a line a
 Slack incoming webhook posts as it is.
+
+A job's own `notify` URL (Notifier) is sent its end alone, the same body, signed the same way, while
+ZERO1_WEBHOOK_NOTIFY_HOSTS names the hosts such a URL may name (checked at submit and again as it is
+sent); it backs off as the webhook does, but passes an event over after MAX_TRIES.
 """
 
 from __future__ import annotations
@@ -25,10 +29,13 @@ import logging
 import threading
 
 import httpx
+from pydantic import ValidationError
 from sqlalchemy import func, select
 
-from service.scheduling import sweeps
+from service.errors import ServiceError
+from service.scheduling import controls, sweeps
 from service.schemas.fields import TERMINAL
+from service.schemas.requests import JobSpec
 from service.settings import Settings
 from service.store.db import Database
 from service.store.tables import Job, JobEvent, Sweep, SweepEvent, WebhookCursor
@@ -40,6 +47,9 @@ log = logging.getLogger(__name__)
 EVENTS_PER_PASS = 100
 FIRST_WAIT_S = 1.0
 """Between passes, and the first wait of a backoff."""
+MAX_TRIES = 6
+"""A job's own URL that does not answer is tried so many times (backing off, up to about two minutes
+with ZERO1_WEBHOOK_MAX_BACKOFF_S at 60), then its event is passed over."""
 TIMEOUT_S = 10.0
 """How long one POST may take before it counts as not answered."""
 
@@ -117,24 +127,60 @@ def sweep_payload(event: SweepEvent, sweep: Sweep, session, *, settings: Setting
     }
 
 
-class Webhooks:
+def notify_url(job: Job, settings: Settings) -> str | None:
+    """The job's own notify URL if its host is still allowed; None for a job without one."""
+    if not settings.webhook_notify_hosts or job.spec.get("notify") is None:
+        return None
+    try:
+        spec = JobSpec.model_validate(job.spec)
+        controls.check_notify(spec, settings=settings)
+    except (ValidationError, ServiceError) as error:
+        log.warning("notify: job %s's URL is not sent to: %s", job.id, getattr(error, "message", error))
+        return None
+    return spec.notify
+
+
+def post(http: httpx.Client, url: str, body: dict, *, secret: str | None, what: str) -> None:
+    """POST `body` as JSON to `url`, signed with `secret` if given. Unreachable when the receiver did not
+    answer (no connection, a timeout, a 5xx, a 429); another 4xx is logged: sending again would not help."""
+    content = json.dumps(body, separators=(",", ":")).encode()
+    event_id = body["delivery"]
+    headers = {"Content-Type": "application/json", "X-Zero1-Event": body["event"], "X-Zero1-Delivery": str(event_id)}
+    if secret is not None:
+        headers["X-Zero1-Signature"] = signature(content, secret)
+    try:
+        response = http.post(url, content=content, headers=headers)
+    except httpx.TransportError as error:
+        raise Unreachable(f"event {event_id}: {type(error).__name__}") from error
+    if response.status_code >= 500 or response.status_code == 429:
+        raise Unreachable(f"event {event_id}: HTTP {response.status_code}")
+    if response.status_code >= 400:
+        log.warning("%s: event %s refused with HTTP %s; passed over", what, event_id, response.status_code)
+
+
+class _Sender:
+    """A thread that sends events after its cursors, and backs off while the receiver does not answer."""
+
+    what = "webhook"
+
     def __init__(self, *, db: Database, settings: Settings, http: httpx.Client | None = None) -> None:
-        assert settings.webhook_url is not None
         self.db = db
         self.settings = settings
-        self.url = settings.webhook_url
-        self.key = hashlib.sha256(self.url.encode()).hexdigest()
-        self.sweeps_key = hashlib.sha256(f"sweeps {self.url}".encode()).hexdigest()
-        """The cursor of the sweep events sent to the same URL."""
         self.secret = None if settings.webhook_secret is None else settings.webhook_secret.get_secret_value()
         self.http = http or httpx.Client(timeout=TIMEOUT_S)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    def cursors(self) -> list[tuple[str, type[JobEvent] | type[SweepEvent]]]:
+        raise NotImplementedError
+
+    def run_once(self) -> bool:
+        raise NotImplementedError
+
     def start(self) -> None:
-        self._cursor(self.key, JobEvent)  # from the events after now, for a URL new to this database
-        self._cursor(self.sweeps_key, SweepEvent)
-        self._thread = threading.Thread(target=self._loop, name="zero1-webhook", daemon=True)
+        for key, events in self.cursors():  # from the events after now, for a receiver new to this database
+            self._cursor(key, events)
+        self._thread = threading.Thread(target=self._loop, name=f"zero1-{self.what}", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -146,14 +192,12 @@ class Webhooks:
     def _loop(self) -> None:
         max_s = self.settings.webhook_max_backoff_s
         run_until_stopped(
-            self._stop, self.run_once, interval_s=FIRST_WAIT_S, max_backoff_s=max_s, log=log, what="webhook"
+            self._stop, self.run_once, interval_s=FIRST_WAIT_S, max_backoff_s=max_s, log=log, what=self.what
         )
 
-    def run_once(self) -> bool:
-        """Send the job ends after their cursor, then the sweep ends after theirs, each in order and
-        recorded once the receiver took it (or refused it for good); whether more wait. Unreachable
-        when the receiver did not answer."""
-        after = self._cursor(self.key, JobEvent)
+    def _job_ends(self, after: int) -> list[tuple[int, str | None, dict]]:
+        """Each job end after `after`, in order: its event's id, the job's own notify URL (None if it has
+        none, or names a host no longer allowed) and the body sent of it."""
         with self.db.session() as session:
             rows = session.execute(
                 select(JobEvent, Job)
@@ -162,8 +206,47 @@ class Webhooks:
                 .order_by(JobEvent.id)
                 .limit(EVENTS_PER_PASS)
             ).all()
-            jobs = [(event.id, payload(event, job, settings=self.settings)) for event, job in rows]
-        more = self._deliver(self.key, jobs)
+            return [
+                (event.id, notify_url(job, self.settings), payload(event, job, settings=self.settings))
+                for event, job in rows
+            ]
+
+    def _handled(self, key: str, event_id: int) -> None:
+        with self.db.session() as session:
+            session.get(WebhookCursor, key).event_id = event_id
+
+    def _cursor(self, key: str, events: type[JobEvent] | type[SweepEvent]) -> int:
+        """The last event of `events` handled; for a receiver new to this database, the newest event now
+        (the ends before it was configured are not sent)."""
+        with self.db.session() as session:
+            cursor = session.get(WebhookCursor, key)
+            if cursor is None:
+                newest = session.scalar(select(func.coalesce(func.max(events.id), 0)))
+                cursor = WebhookCursor(url_sha256=key, event_id=newest)
+                session.add(cursor)
+            return cursor.event_id
+
+
+class Webhooks(_Sender):
+    """ZERO1_WEBHOOK_URL: every job's end, and every sweep's."""
+
+    def __init__(self, *, db: Database, settings: Settings, http: httpx.Client | None = None) -> None:
+        assert settings.webhook_url is not None
+        super().__init__(db=db, settings=settings, http=http)
+        self.url = settings.webhook_url
+        self.key = hashlib.sha256(self.url.encode()).hexdigest()
+        self.sweeps_key = hashlib.sha256(f"sweeps {self.url}".encode()).hexdigest()
+        """The cursor of the sweep events sent to the same URL."""
+
+    def cursors(self) -> list[tuple[str, type[JobEvent] | type[SweepEvent]]]:
+        return [(self.key, JobEvent), (self.sweeps_key, SweepEvent)]
+
+    def run_once(self) -> bool:
+        """Send the job ends after their cursor, then the sweep ends after theirs, each in order and
+        recorded once the receiver took it (or refused it for good); whether more wait. Unreachable
+        when the receiver did not answer."""
+        ends = self._job_ends(self._cursor(self.key, JobEvent))
+        more = self._deliver(self.key, [(event_id, body) for event_id, _, body in ends])
         after = self._cursor(self.sweeps_key, SweepEvent)
         with self.db.session() as session:
             rows = session.execute(
@@ -182,37 +265,44 @@ class Webhooks:
         for event_id, body in bodies:
             if self._stop.is_set():
                 return False
-            self._send(body)
-            with self.db.session() as session:
-                session.get(WebhookCursor, key).event_id = event_id
+            post(self.http, self.url, body, secret=self.secret, what=self.what)
+            self._handled(key, event_id)
         return len(bodies) == EVENTS_PER_PASS
 
-    def _send(self, body: dict) -> None:
-        content = json.dumps(body, separators=(",", ":")).encode()
-        event_id = body["delivery"]
-        headers = {
-            "Content-Type": "application/json",
-            "X-Zero1-Event": body["event"],
-            "X-Zero1-Delivery": str(event_id),
-        }
-        if self.secret is not None:
-            headers["X-Zero1-Signature"] = signature(content, self.secret)
-        try:
-            response = self.http.post(self.url, content=content, headers=headers)
-        except httpx.TransportError as error:
-            raise Unreachable(f"event {event_id}: {type(error).__name__}") from error
-        if response.status_code >= 500 or response.status_code == 429:
-            raise Unreachable(f"event {event_id}: HTTP {response.status_code}")
-        if response.status_code >= 400:
-            log.warning("webhook: event %s refused with HTTP %s; passed over", event_id, response.status_code)
 
-    def _cursor(self, key: str, events: type[JobEvent] | type[SweepEvent]) -> int:
-        """The last event of `events` handled; for a URL new to this database, the newest event now (the
-        ends before it was configured are not sent)."""
-        with self.db.session() as session:
-            cursor = session.get(WebhookCursor, key)
-            if cursor is None:
-                newest = session.scalar(select(func.coalesce(func.max(events.id), 0)))
-                cursor = WebhookCursor(url_sha256=key, event_id=newest)
-                session.add(cursor)
-            return cursor.event_id
+class Notifier(_Sender):
+    """Each job's own `notify` URL, its end alone, while ZERO1_WEBHOOK_NOTIFY_HOSTS names hosts: one cursor
+    over the job events for every such URL. A URL that does not answer is tried MAX_TRIES times, backing
+    off between, then its event is passed over: one job's dead receiver holds up the others' for minutes,
+    not for ever. The URL's host is checked again as it is sent (the hosts allowed may have changed)."""
+
+    what = "notify"
+
+    def __init__(self, *, db: Database, settings: Settings, http: httpx.Client | None = None) -> None:
+        super().__init__(db=db, settings=settings, http=http)
+        self.key = hashlib.sha256(b"notify: each job's own URL").hexdigest()
+        self.tries: dict[int, int] = {}
+        """Event id -> the tries that found its receiver unreachable."""
+
+    def cursors(self) -> list[tuple[str, type[JobEvent] | type[SweepEvent]]]:
+        return [(self.key, JobEvent)]
+
+    def run_once(self) -> bool:
+        sends = self._job_ends(self._cursor(self.key, JobEvent))
+        for event_id, url, body in sends:
+            if self._stop.is_set():
+                return False
+            if url is not None:
+                self._send(event_id, url, body)
+            self._handled(self.key, event_id)
+        return len(sends) == EVENTS_PER_PASS
+
+    def _send(self, event_id: int, url: str, body: dict) -> None:
+        try:
+            post(self.http, url, body, secret=self.secret, what=self.what)
+        except Unreachable:
+            tries = self.tries[event_id] = self.tries.get(event_id, 0) + 1
+            if tries < MAX_TRIES:
+                raise
+            log.warning("notify: event %s: %s did not answer %s tries; passed over", event_id, url, tries)
+        self.tries.pop(event_id, None)

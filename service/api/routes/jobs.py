@@ -86,6 +86,7 @@ async def submit_job(
     and the owner's GPU quota are checked first, before any of it."""
     priority = controls.check_priority(spec, settings=settings, principal=principal)
     controls.check_quota(spec, settings=settings, owner=principal.user)
+    controls.check_notify(spec, settings=settings)
     spec = await run_in_threadpool(resolve_init_from, runtime.db, spec, principal=principal, storage=runtime.storage)
     spec = await offload.in_file_thread(check_model_path, spec, model_roots=settings.model_roots)
     if spec.code is not None:  # before its trace runs the bundle's code

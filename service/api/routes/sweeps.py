@@ -49,6 +49,7 @@ def _admitter(runtime, cluster, settings, principal: Principal):
             raise ServiceError(f"base: {why}", status_code=422, error="invalid_request", detail=detail)
         controls.check_priority(spec, settings=settings, principal=principal)
         controls.check_quota(spec, settings=settings, owner=principal.user)
+        controls.check_notify(spec, settings=settings)
         admission.check_data(spec, data_roots=settings.data_roots)
         overhead = round(settings.gpu_overhead_gb * GB)
         return admission.admit(spec, cluster=cluster, overhead_bytes=overhead, tracer=runtime.tracer)
