@@ -49,8 +49,8 @@ from pathlib import Path
 
 from sqlalchemy import func, insert, select
 
+from service.intake import admission, submission
 from service.planning.capacity import ClusterCapacity
-from service.scheduling import admission, submission
 from service.scheduling.scheduler import Scheduler
 from service.schemas.requests import JobSpec
 from service.schemas.responses import PlanPublic

@@ -2,7 +2,7 @@
 scheduler and code store.
 
 May import: service.settings, service.telemetry, service.concurrency, service.store, service.planning,
-service.scheduling, service.tracking.
+service.scheduling, service.experiments, service.tracking.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from service.concurrency import Slots, follower_limits, task_limits
+from service.experiments import sweeps
 from service.planning.capacity import RayCluster
 from service.planning.dataset_checks import DatasetChecker, token_store_of
 from service.planning.traces import Tracer
@@ -75,6 +76,7 @@ class AppState:
             grow_interval_s=settings.elastic_grow_interval_s,
             sweep_interval_s=settings.placement_sweep_interval_s,
             telemetry=telemetry,
+            advance_sweeps=sweeps.advance,
         )
         self.exporter = (
             None

@@ -33,10 +33,10 @@ from playwright.sync_api import Browser, Page, expect, sync_playwright
 from service.dashboard import charts
 from service.dashboard.format import duration, human_bytes, significant
 from service.dashboard.routes import LOG_KEEP, LOG_LINES, TABLE_LIMIT, _number, table_order
+from service.intake.admission import admit
+from service.intake.submission import submit_job
 from service.planning.capacity import ClusterCapacity
-from service.scheduling.admission import admit
 from service.scheduling.job_states import transition
-from service.scheduling.submission import submit_job
 from service.schemas.requests import JobSpec
 from service.store.db import Database, upgrade
 from service.store.metric_rows import store_metrics

@@ -23,9 +23,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from service.intake import admission
+from service.intake.submission import submit_job
 from service.planning.capacity import ClusterCapacity
-from service.scheduling import admission
-from service.scheduling.submission import submit_job
 from service.schemas.requests import JobSpec
 from service.settings import Settings
 from service.store.db import Database, upgrade

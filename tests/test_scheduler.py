@@ -4,7 +4,7 @@ dead supervisor, a start that never finishes, a reused job id, a scheduler that 
 Each test injects its fault for real (two sessions on one row, an I/O error raised where the
 checkpoint is read, a supervisor that does not answer) and checks one consistent outcome.
 
-Packages: service.scheduling.
+Packages: service.scheduling, service.intake.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from service.errors import ServiceError
+from service.intake import admission, submission
 from service.main import create_app
 from service.planning.capacity import ClusterCapacity
-from service.scheduling import admission, job_states, submission
+from service.scheduling import job_states
 from service.scheduling.ray_launcher import RayLauncher, _in_protocol, supervisor_name
 from service.scheduling.scheduler import Scheduler
 from service.schemas.fields import TERMINAL

@@ -26,11 +26,11 @@ from service.api.job_responses import job_public
 from service.auth import TOKEN_COOKIE, check_bind, is_loopback, load_tokens
 from service.cli import main
 from service.errors import ServiceError
+from service.intake.admission import admit
+from service.intake.submission import submit_job
 from service.lockout import MAX_FAILURES, WINDOW_S, LoginLockout, client_key
 from service.main import create_app
 from service.planning.capacity import ClusterCapacity, RayCluster
-from service.scheduling.admission import admit
-from service.scheduling.submission import submit_job
 from service.schemas.requests import JobSpec
 from service.store.db import Database, upgrade
 from service.store.tables import Job, JobEvent

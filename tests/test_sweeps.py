@@ -4,7 +4,8 @@ max_concurrent at once, the best the succeeded trial with the least metric; canc
 Through the API, the client and the CLI, and the real scheduler on stand-ins for Ray (tests/fakes.py),
 ticked by the test, whose attempts the test ends; on SQLite and PostgreSQL.
 
-Packages: service.scheduling, service.api, service.schemas, service.client, service.cli.
+Packages: service.experiments, service.scheduling, service.intake, service.api, service.schemas, service.client,
+service.cli.
 """
 
 from __future__ import annotations
@@ -327,7 +328,7 @@ def test_asha_stops_the_trials_behind_at_a_rung_saying_why_and_the_next_trial_ta
 def test_asha_cutoff_is_ray_tunes_percentile_once_bootstrap_count_values_are_recorded():
     import numpy as np
 
-    from service.scheduling.early_stopping import cutoff
+    from service.experiments.early_stopping import cutoff
 
     draw = np.random.default_rng(3)
     for eta in (2, 3, 4):

@@ -3,7 +3,7 @@ session's Ray cluster (4 logical GPUs), through the API and through the client; 
 train at its lr, and the best is the trial whose last eval loss is least, read back from the rows; with
 ASHA, a clearly bad trial stops at its rung with a checkpoint and ends stopped_early.
 
-Packages: service.scheduling, service.api, service.client, workers.training.
+Packages: service.experiments, service.api, service.client, workers.training.
 """
 
 from __future__ import annotations

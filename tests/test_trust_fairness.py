@@ -28,9 +28,10 @@ from sqlalchemy import select
 from test_mlflow import PASSWORD, MlflowServer, the_run
 
 from service.auth import credential
+from service.intake import admission, submission
 from service.lockout import KNOWN_S, MAX_FAILURES, LoginLockout
 from service.planning.capacity import ClusterCapacity
-from service.scheduling import admission, job_states, submission
+from service.scheduling import job_states
 from service.scheduling.scheduler import Scheduler
 from service.schemas.requests import JobSpec
 from service.settings import Settings

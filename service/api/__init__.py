@@ -5,8 +5,8 @@ Every /v1 route and /metrics is a read that needs a token while auth is on (unle
 ZERO1_PUBLIC_READ); the routes that change something ask for a writer too. /healthz stays open.
 
 May import: service.settings, service.errors, service.auth, service.telemetry, service.app_state,
-service.schemas, service.store, service.planning, service.scheduling, service.tracking,
-workers.memory, workers.records.
+service.schemas, service.store, service.planning, service.intake, service.scheduling, service.experiments,
+service.tracking, workers.memory, workers.records.
 """
 
 from fastapi import APIRouter, Depends

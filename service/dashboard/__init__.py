@@ -2,8 +2,8 @@
 side and the sweeps (experiments.py).
 
 May import: service.settings, service.errors, service.auth, service.lockout, service.api,
-service.schemas, service.store, service.planning, service.scheduling, service.tracking,
-workers.memory.
+service.schemas, service.store, service.planning, service.scheduling, service.experiments,
+service.tracking, workers.memory.
 """
 
 from fastapi import APIRouter

@@ -24,7 +24,7 @@ from service.auth import Principal
 from service.dashboard.curves import job_curves, series
 from service.dashboard.routes import page_job_id, templates
 from service.errors import ServiceError
-from service.scheduling import sweeps
+from service.experiments import sweeps
 from service.schemas.sweeps import SweepPublic, SweepSpec
 from service.store import job_repository
 from service.store.tables import Job, Sweep

@@ -39,7 +39,7 @@ _TRANSITIONS = {
     "restarting": {"running", "failed", "cancelled", "queued", "suspended", "stopped_early"},
     "suspended": {"queued", "cancelled", "stopped_early"},
 }
-"""stopped_early: a sweep's early stopping (service/scheduling/early_stopping.py) ended it, from a stop at a step
+"""stopped_early: a sweep's early stopping (service/experiments/early_stopping.py) ended it, from a stop at a step
 boundary with a checkpoint, or at once while it held no GPU."""
 
 

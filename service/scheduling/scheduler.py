@@ -29,7 +29,6 @@ from dataclasses import replace
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service.scheduling import sweeps
 from service.scheduling.dispatch import Dispatcher, Reasons, Settled, Stop
 from service.scheduling.job_states import still_active
 from service.scheduling.outcomes import Outcomes
@@ -61,6 +60,7 @@ class Scheduler:
         sweep_interval_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
         telemetry: Telemetry | None = None,
+        advance_sweeps: Callable[[Session], bool] | None = None,
     ) -> None:
         self.db = db
         self.launcher = launcher
@@ -97,6 +97,9 @@ class Scheduler:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._idle = False  # the last tick found no job active nor queued
+        self.advance_sweeps = advance_sweeps
+        """Each tick, before it admits: submit the running sweeps' next trials and stop those early stopping
+        judges behind (service.experiments.sweeps.advance); whether a sweep still runs. None: no sweeps."""
         self._sweeping = True  # a sweep may be running: the first tick looks (sweep_created() sets it again)
         self._thread: threading.Thread | None = None
 
@@ -163,8 +166,8 @@ class Scheduler:
         # queued there is nothing to start nor to preempt for, and with no elastic job running none
         # to grow: an idle service's tick is two queries, not seven (it ticks 5 times a second)
         with self.db.session() as session:
-            if self._sweeping:  # a running sweep's next trials, queued before this tick admits
-                self._sweeping = sweeps.advance(session)
+            if self._sweeping and self.advance_sweeps is not None:  # queued before this tick admits
+                self._sweeping = self.advance_sweeps(session)
             queued = any_queued(session)
         self._idle = not jobs and not queued  # nothing to watch nor to start: wait for wake() or idle_interval_s
         if queued:

@@ -53,7 +53,7 @@ def world_sizes(*, min_gpus: int, num_gpus: int, micro_batch_size: int, batch_si
 
 class InitFromSpec(Body):
     """A job's init_from: start from another succeeded job's final/ weights, with fresh optimizer state.
-    `job` is the user's; the rest the service fills in at submit (service/scheduling/init_from.py),
+    `job` is the user's; the rest the service fills in at submit (service/intake/init_from.py),
     replacing anything given."""
 
     job: Int = Field(ge=1, le=2**63 - 1, description="A succeeded job of the caller's own (any job, for an admin).")

@@ -1,5 +1,5 @@
 """POST /v1/sweeps and what the sweep routes answer: a base job spec, a space over its fields by path,
-and the trials that search it (service/scheduling/sweeps.py runs them)."""
+and the trials that search it (service/experiments/sweeps.py runs them)."""
 
 from __future__ import annotations
 

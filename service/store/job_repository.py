@@ -1,7 +1,7 @@
 """Reads of the jobs table: one job (or a 404), the job a principal may see, pages of jobs, the
 queue's order and a job's place in it, the GPUs the active jobs hold, a job's events, its metric rows,
 and what a poll says is stored. No writes: the state machine (service/scheduling/job_states.py) and
-submission (service/scheduling/submission.py) change rows.
+submission (service/intake/submission.py) change rows.
 """
 
 from __future__ import annotations

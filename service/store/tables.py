@@ -320,7 +320,7 @@ class WebhookCursor(Base):
 
 class Sweep(Base):
     """A search: a base job spec and a space over its fields, run as one job per trial (SweepTrial),
-    at most max_concurrent at once, by the scheduler (service.scheduling.sweeps)."""
+    at most max_concurrent at once, by the scheduler (service.experiments.sweeps)."""
 
     __tablename__ = "sweeps"
 

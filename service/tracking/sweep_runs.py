@@ -8,7 +8,7 @@ its first trial's run is, in that trial's experiment (the sweep's owner's), and 
 `zero1.sweep_key` tag after a crash between making it and recording it in its cursor
 (service.store.tables.MlflowSweepRun); it is ended once the sweep has and every trial's run is, by the
 exporter's pass (exporter.py), never by the scheduler. The best trial is the one the API names
-(service.scheduling.sweeps.public): one rule for both.
+(service.experiments.sweeps.public): one rule for both.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 from sqlalchemy import exists, or_, select
 
-from service.scheduling import sweeps
+from service.experiments import sweeps
 from service.store.db import Database
 from service.store.tables import Job, MlflowRun, MlflowSweepRun, Sweep, SweepTrial
 from service.tracking import runs

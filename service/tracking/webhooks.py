@@ -33,7 +33,8 @@ from pydantic import ValidationError
 from sqlalchemy import func, select
 
 from service.errors import ServiceError
-from service.scheduling import controls, sweeps
+from service.experiments import sweeps
+from service.scheduling import controls
 from service.schemas.fields import TERMINAL
 from service.schemas.requests import JobSpec
 from service.settings import Settings

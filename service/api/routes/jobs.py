@@ -28,9 +28,10 @@ from service.api.deps import (
     json_response,
 )
 from service.auth import Principal, check_can_steer
+from service.intake import admission, submission
+from service.intake.init_from import resolve_init_from
 from service.planning.hf_paths import check_model_path
-from service.scheduling import admission, controls, job_states, submission
-from service.scheduling.init_from import resolve_init_from
+from service.scheduling import controls, job_states
 from service.schemas.fields import MAX_TAGS, TERMINAL, JobStatus, Tag
 from service.schemas.requests import JobSpec
 from service.schemas.responses import (

@@ -1,6 +1,6 @@
 """Sweeps: POST /v1/sweeps (a job spec searched over some of its fields, planned whole before any trial
 starts), GET /v1/sweeps and /v1/sweeps/{id} (the trials, their values, status, metric and why each
-waits; the best), POST /v1/sweeps/{id}/cancel, /suspend and /resume. The rules are service/scheduling/sweeps.py's."""
+waits; the best), POST /v1/sweeps/{id}/cancel, /suspend and /resume. The rules are service/experiments/sweeps.py's."""
 
 from __future__ import annotations
 
@@ -23,7 +23,9 @@ from service.api.deps import (
 )
 from service.auth import Principal, check_can_steer
 from service.errors import ServiceError
-from service.scheduling import admission, controls, sweeps
+from service.experiments import sweeps
+from service.intake import admission
+from service.scheduling import controls
 from service.schemas.requests import JobSpec
 from service.schemas.responses import PlanPublic
 from service.schemas.sweeps import SweepPublic, SweepSpec, SweepsPublic

@@ -5,7 +5,7 @@ memory model as POST /v1/jobs admits a job, and one that does not fit is a 422 n
 values and the plan (or, with skip_unfit, a trial listed as skipped). Then the scheduler, at each
 tick, submits the next trials while fewer than max_concurrent of the sweep's jobs have not ended,
 each a job of the sweep's owner and priority tagged `sweep:<id>`, and stops those its early stopping
-judges behind at a rung (service/scheduling/early_stopping.py); once every trial has ended the sweep
+judges behind at a rung (service/experiments/early_stopping.py); once every trial has ended the sweep
 has too, its best trial the succeeded one with the least metric. A suspended sweep submits none, its
 trials' jobs suspended with it.
 """
@@ -26,7 +26,9 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from service.errors import ServiceError, describe_validation_errors
-from service.scheduling import controls, early_stopping, job_states, submission
+from service.experiments import early_stopping
+from service.intake import submission
+from service.scheduling import controls, job_states
 from service.scheduling.dispatch import Reasons
 from service.schemas.fields import ACTIVE, TERMINAL
 from service.schemas.requests import JobSpec

@@ -1,6 +1,6 @@
 """Storing a submitted job: queued with its first event, under its owner's limit of queued jobs, and
 idempotent by its Idempotency-Key (the same key and body return the job stored first; another body, or
-another user's key, a 409). Admission (service/scheduling/admission.py) checks the job before.
+another user's key, a 409). Admission (service/intake/admission.py) checks the job before.
 
 Functions take the request's session and only flush; the caller commits.
 """
