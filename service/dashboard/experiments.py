@@ -15,11 +15,9 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.api.deps import ReaderDep, SessionDep
-from service.api.routes.sweeps import _visible as visible_sweep
 from service.auth import Principal
 from service.dashboard.curves import job_curves, series
 from service.dashboard.routes import page_job_id, templates
@@ -27,7 +25,7 @@ from service.errors import ServiceError
 from service.experiments import sweeps
 from service.schemas.sweeps import SweepPublic, SweepSpec
 from service.store import job_repository
-from service.store.tables import Job, Sweep
+from service.store.tables import Job
 
 router = APIRouter(include_in_schema=False)
 
@@ -187,7 +185,7 @@ def sweep_page(request: Request, sweep_id: str, session: SessionDep, principal: 
     try:
         if (number := page_job_id(sweep_id)) is None:
             raise ServiceError(f"no sweep with id {sweep_id}", status_code=404, error="not_found")
-        sweep = visible_sweep(session, number, principal)
+        sweep = sweeps.get_visible_sweep(session, number, principal)
     except ServiceError as error:
         return templates.TemplateResponse(request, "not_found.html", {"message": error.message}, status_code=404)
     public = sweeps.public(session, sweep)
@@ -208,9 +206,6 @@ def sweep_page(request: Request, sweep_id: str, session: SessionDep, principal: 
 @router.get("/sweeps", response_class=HTMLResponse)
 def sweeps_page(request: Request, session: SessionDep, principal: ReaderDep):
     """The reader's sweeps (an admin's: everyone's), newest first, as GET /v1/sweeps lists them."""
-    query = select(Sweep).order_by(Sweep.id.desc()).limit(SWEEPS_LIMIT)
-    if not principal.admin:
-        query = query.where(Sweep.owner == principal.user) if principal.user is not None else query.where(False)
-    listed = [sweeps.public(session, sweep) for sweep in session.scalars(query)]
+    listed = [sweeps.public(session, sweep) for sweep in sweeps.visible_sweeps(session, principal, limit=SWEEPS_LIMIT)]
     context = {"page": "sweeps", "sweeps": listed, "limit": SWEEPS_LIMIT}
     return templates.TemplateResponse(request, "sweeps.html", context)

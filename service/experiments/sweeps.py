@@ -25,6 +25,7 @@ from pydantic import ValidationError
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from service.auth import Principal
 from service.errors import ServiceError, describe_validation_errors
 from service.experiments import early_stopping
 from service.intake import submission
@@ -190,6 +191,23 @@ def _end(session: Session, sweep: Sweep, status: str, reason: str) -> None:
     sweep.status = status
     sweep.finished_at = utcnow()
     session.add(SweepEvent(sweep_id=sweep.id, to_status=status, reason=reason))
+
+
+def get_visible_sweep(session: Session, sweep_id: int, principal: Principal) -> Sweep:
+    """The sweep, if the caller may see it (its owner, an admin); else a 404, as for a sweep that does not
+    exist: another user's sweeps are not confirmed to exist."""
+    sweep = session.get(Sweep, sweep_id)
+    if sweep is None or not (principal.admin or (principal.user is not None and principal.user == sweep.owner)):
+        raise ServiceError(f"no sweep with id {sweep_id}", status_code=404, error="not_found")
+    return sweep
+
+
+def visible_sweeps(session: Session, principal: Principal, *, limit: int) -> list[Sweep]:
+    """The caller's sweeps (an admin's: everyone's), newest first."""
+    query = select(Sweep).order_by(Sweep.id.desc()).limit(limit)
+    if not principal.admin:
+        query = query.where(Sweep.owner == principal.user) if principal.user is not None else query.where(False)
+    return list(session.scalars(query))
 
 
 def suspend(session: Session, sweep: Sweep) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Response
-from sqlalchemy import select
 from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import (
@@ -29,7 +28,6 @@ from service.scheduling import controls
 from service.schemas.requests import JobSpec
 from service.schemas.responses import PlanPublic
 from service.schemas.sweeps import SweepPublic, SweepSpec, SweepsPublic
-from service.store.tables import Sweep
 from workers.memory.model import GB
 
 router = APIRouter(prefix="/sweeps", tags=["sweeps"])
@@ -78,33 +76,25 @@ async def create_sweep(
     return json_response(created, status_code=201)
 
 
-def _visible(session, sweep_id: int, principal: Principal) -> Sweep:
-    sweep = session.get(Sweep, sweep_id)
-    if sweep is None or not (principal.admin or (principal.user is not None and principal.user == sweep.owner)):
-        raise ServiceError(f"no sweep with id {sweep_id}", status_code=404, error="not_found")
-    return sweep
-
-
 @router.get("", response_model=SweepsPublic, responses=_ERRORS)
 def list_sweeps(session: SessionDep, principal: ReaderDep, runtime: AppStateDep) -> Response:
     """The caller's sweeps (an admin: everyone's), newest first."""
-    query = select(Sweep).order_by(Sweep.id.desc()).limit(500)
-    if not principal.admin:
-        query = query.where(Sweep.owner == principal.user) if principal.user is not None else query.where(False)
     reasons = runtime.scheduler.queue_reasons()
-    data = [sweeps.public(session, sweep, reasons=reasons) for sweep in session.scalars(query)]
+    data = [
+        sweeps.public(session, sweep, reasons=reasons) for sweep in sweeps.visible_sweeps(session, principal, limit=500)
+    ]
     return json_response(SweepsPublic(data=data))
 
 
 @router.get("/{sweep_id}", response_model=SweepPublic, responses=_ERRORS)
 def get_sweep(sweep_id: SweepId, session: SessionDep, principal: ReaderDep, runtime: AppStateDep) -> Response:
     """Its trials (values, job, status, steps, metric, why each waits) and the best; its owner's and admins'."""
-    sweep = _visible(session, sweep_id, principal)
+    sweep = sweeps.get_visible_sweep(session, sweep_id, principal)
     return json_response(sweeps.public(session, sweep, reasons=runtime.scheduler.queue_reasons()))
 
 
 def _steer(session, sweep_id: int, principal: Principal, action) -> Response:
-    sweep = _visible(session, sweep_id, principal)
+    sweep = sweeps.get_visible_sweep(session, sweep_id, principal)
     check_can_steer(principal, job_id=sweep.id, owner=sweep.owner)
     action(session, sweep)
     session.flush()
