@@ -72,6 +72,7 @@ bench: install
 	$(BIN)/python benchmarks/throughput.py
 	$(BIN)/python benchmarks/scheduling.py
 	$(BIN)/python benchmarks/checkpoint.py
+	$(BIN)/python benchmarks/sweeps.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info
