@@ -25,10 +25,11 @@ from service.app_state import AppState
 from service.planning.capacity import ClusterCapacity
 from service.settings import Settings
 from service.store.job_storage import JobStorage
+from service.store.metric_rows import store_metrics
 from service.store.tables import Job
 from service.telemetry import Telemetry
 from workers.memory.model import gpu_memory_bytes_from_gb
-from workers.records import AttemptPoll, AttemptStatus, RankError
+from workers.records import AttemptPoll, AttemptStatus, MetricRow, RankError
 
 RUNS_UNTIL_STOPPED_S = math.inf
 """The work of a job whose duration the caller did not set: it runs until stopped, failed or lost."""
@@ -322,3 +323,22 @@ def state_on_fakes(settings: Settings, *, telemetry: Telemetry | None = None) ->
         storage=LocalStorage(settings),
         launcher=launcher,
     )
+
+
+def metric_row(step: int, *, loss: float = 3.0, eval_loss: float | None = None) -> MetricRow:
+    """A row as a rank would report it, at `step`, with `loss` and (if given) `eval_loss`."""
+    return MetricRow(
+        step=step, loss=loss, grad_norm=1.0, loss_scale=1.0, skipped=False, step_time_s=0.1, tokens_per_s=1.0,
+        mem_peak_bytes=(1,), mem_planned_bytes=1, eval_loss=eval_loss,
+    )  # fmt: skip
+
+
+def end_attempt(runtime: AppState, job_id: int, eval_loss: float | None) -> None:
+    """The job's attempt on the FakeLauncher ends succeeded (failed, for None), its last row at step 9
+    evaluated at `eval_loss`: the next tick settles it."""
+    with runtime.db.session() as session:
+        job = session.get(Job, job_id)
+        store_metrics(session, job, [metric_row(9, eval_loss=eval_loss)])
+        attempt = job.attempt
+    status = AttemptStatus.FAILED if eval_loss is None else AttemptStatus.SUCCEEDED
+    runtime.launcher.attempts[(job_id, attempt)].ended = AttemptPoll(status=status, nodes=("node-0",))

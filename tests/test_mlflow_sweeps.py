@@ -14,14 +14,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from fakes import FakeClock
+from fakes import FakeClock, end_attempt
 from fastapi.testclient import TestClient
 from test_mlflow import MlflowServer, mlflow_client
 
-from service.store.metric_rows import store_metrics
-from service.store.tables import Job, MlflowRun, MlflowSweepRun
+from service.store.tables import MlflowRun, MlflowSweepRun
 from service.tracking.exporter import Exporter
-from workers.records import AttemptPoll, AttemptStatus, MetricRow
 
 import helpers
 from conftest import make_settings, serve_on_fakes
@@ -62,16 +60,7 @@ def tick(api: TestClient, count: int = 2) -> None:
 
 def finish(api: TestClient, job_id: int, eval_loss: float) -> None:
     """The job's attempt ends succeeded, its last evaluated row at `eval_loss`."""
-    runtime = api.app.state.runtime
-    with runtime.db.session() as session:
-        job = session.get(Job, job_id)
-        row = MetricRow(
-            step=9, loss=3.0, grad_norm=1.0, loss_scale=1.0, skipped=False, step_time_s=0.1,
-            tokens_per_s=1.0, mem_peak_bytes=(1,), mem_planned_bytes=1, eval_loss=eval_loss,
-        )  # fmt: skip
-        store_metrics(session, job, [row])
-        attempt = job.attempt
-    runtime.launcher.attempts[(job_id, attempt)].ended = AttemptPoll(status=AttemptStatus.SUCCEEDED, nodes=("node-0",))
+    end_attempt(api.app.state.runtime, job_id, eval_loss)
 
 
 def sweep_body(**fields) -> dict:

@@ -16,13 +16,12 @@ import re
 from collections.abc import Iterator
 
 import pytest
-from fakes import FakeClock
+from fakes import FakeClock, end_attempt, metric_row
 from fastapi.testclient import TestClient
 
 from service.cli import main
 from service.store.metric_rows import store_metrics
 from service.store.tables import Job
-from workers.records import AttemptPoll, AttemptStatus, MetricRow
 
 import helpers
 from conftest import client_on, make_settings, serve_on_fakes
@@ -58,17 +57,7 @@ def grid(**fields) -> dict:
 
 def finish(api: TestClient, job_id: int, eval_loss: float | None) -> None:
     """The job's attempt ends succeeded (or failed, for None), its last evaluated row at `eval_loss`."""
-    runtime = api.app.state.runtime
-    with runtime.db.session() as session:
-        job = session.get(Job, job_id)
-        row = MetricRow(
-            step=9, loss=3.0, grad_norm=1.0, loss_scale=1.0, skipped=False, step_time_s=0.1,
-            tokens_per_s=1.0, mem_peak_bytes=(1,), mem_planned_bytes=1, eval_loss=eval_loss,
-        )  # fmt: skip
-        store_metrics(session, job, [row])
-        attempt = job.attempt
-    status = AttemptStatus.FAILED if eval_loss is None else AttemptStatus.SUCCEEDED
-    runtime.launcher.attempts[(job_id, attempt)].ended = AttemptPoll(status=status, nodes=("node-0",))
+    end_attempt(api.app.state.runtime, job_id, eval_loss)
 
 
 def live_jobs(sweep: dict) -> list[int]:
@@ -257,14 +246,8 @@ def train(api: TestClient, job_id: int, *, through: int, eval_loss: float, eval_
     runtime = api.app.state.runtime
     with runtime.db.session() as session:
         job = session.get(Job, job_id)
-        rows = [
-            MetricRow(
-                step=step, loss=3.0 - step / 100, grad_norm=1.0, loss_scale=1.0, skipped=False, step_time_s=0.1,
-                tokens_per_s=1.0, mem_peak_bytes=(1,), mem_planned_bytes=1,
-                eval_loss=eval_loss if step == eval_at else None,
-            )
-            for step in range((job.step or -1) + 1, through + 1)
-        ]  # fmt: skip
+        steps = range((job.step or -1) + 1, through + 1)
+        rows = [metric_row(s, loss=3.0 - s / 100, eval_loss=eval_loss if s == eval_at else None) for s in steps]
         store_metrics(session, job, rows)
 
 

@@ -16,13 +16,12 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from fakes import end_attempt
 from fastapi.testclient import TestClient
 
 from service.scheduling.job_states import transition
-from service.store.metric_rows import store_metrics
 from service.store.tables import Job, WebhookCursor
 from service.tracking.webhooks import Unreachable, Webhooks
-from workers.records import AttemptPoll, AttemptStatus, MetricRow
 
 import helpers
 from conftest import make_settings, serve_on_fakes
@@ -210,15 +209,7 @@ def test_a_sweeps_end_arrives_once_signed_with_its_trials_and_best(api, receiver
     runtime.scheduler.tick()
     trials = api.get(f"/v1/sweeps/{sweep['id']}").json()["trials"]
     for trial, eval_loss in zip(trials, (2.5, 2.25), strict=True):  # each trial's attempt ends, evaluated
-        with runtime.db.session() as session:
-            job = session.get(Job, trial["job_id"])
-            row = MetricRow(
-                step=9, loss=3.0, grad_norm=1.0, loss_scale=1.0, skipped=False, step_time_s=0.1,
-                tokens_per_s=1.0, mem_peak_bytes=(1,), mem_planned_bytes=1, eval_loss=eval_loss,
-            )  # fmt: skip
-            store_metrics(session, job, [row])
-            attempt = job.attempt
-        runtime.launcher.attempts[(job.id, attempt)].ended = AttemptPoll(status=AttemptStatus.SUCCEEDED, nodes=("n",))
+        end_attempt(runtime, trial["job_id"], eval_loss)
     runtime.scheduler.tick()
     runtime.scheduler.tick()
     assert api.get(f"/v1/sweeps/{sweep['id']}").json()["status"] == "succeeded"
