@@ -215,6 +215,40 @@ class InitSpec:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class HealthConfig:
+    """What the service does when training, not a process, goes wrong (a job's `health`): roll back
+    a diverged run to its last checkpoint before the event, and end an attempt whose rank stops
+    stepping. The workers detect; the service decides (docs/api.md, "Training health")."""
+
+    max_rollbacks: int = 0
+    """Rollbacks a job may take, none of them a retry; 0: a non-finite run fails as before and a
+    spike is only logged."""
+    spike_zscore: float | None = 6.0
+    """A step whose loss is this many standard deviations above the mean of the `spike_window`
+    steps before it is a spike; None: no spike detection."""
+    spike_window: int = 50
+    """Steps of loss the spike test's mean and standard deviation are taken over."""
+    lr_factor: float = 1.0
+    """The learning rate is multiplied by this at each rollback (1.0: unchanged)."""
+    skip_batches: bool = True
+    """A rollback skips the batches between its checkpoint and the event (the data that caused it)."""
+    hang_factor: float | None = 20.0
+    """A rank that makes no step for this many times its median step time (and at least hang_min_s)
+    is hung: its stacks go to its log and the attempt ends as a failure; None: no hang detection."""
+    hang_min_s: float = 300.0
+    """The least a rank waits for a step before it counts as hung."""
+
+    def __post_init__(self) -> None:
+        if self.max_rollbacks < 0 or self.spike_window < 2 or self.hang_min_s <= 0:
+            raise ValueError(
+                f"need max_rollbacks ({self.max_rollbacks}) >= 0, spike_window ({self.spike_window}) >= 2 "
+                f"and hang_min_s ({self.hang_min_s}) > 0"
+            )
+        if not 0 < self.lr_factor <= 1:
+            raise ValueError(f"need 0 < lr_factor ({self.lr_factor}) <= 1")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TrainConfig:
     """What one job trains; the same on every rank."""
 
@@ -259,6 +293,8 @@ class TrainConfig:
     max_nonfinite_steps: int = limits.DEFAULT_MAX_NONFINITE_STEPS
     """Steps in a row with a nan or inf global gradient norm (each skipped: it changes nothing)
     after which the run fails with NonFiniteError. Counted from 0 again after a resume."""
+    health: HealthConfig = field(default_factory=HealthConfig)
+    """Divergence rollback and hang detection (HealthConfig)."""
 
     def __post_init__(self) -> None:
         if self.precision not in memory.PRECISIONS:

@@ -13,6 +13,7 @@ from pydantic import Field, model_validator
 
 from service.schemas.data_specs import DataSpec, SyntheticDataSpec
 from service.schemas.fields import MAX_DEPENDENCIES, MAX_TAGS, Body, Bool, Int, JobIds, Notes, Precision, Tags, Text
+from service.schemas.health import HealthSpec
 from service.schemas.model_specs import (
     MLPModelSpec,
     ModelSpec,
@@ -145,6 +146,10 @@ class JobSpec(Body):
         description="Steps in a row with a nan or inf gradient norm (each skipped) after which the job fails; "
         "fp16's loss scaler may skip up to 16 in a row at the start.",
     )
+    health: HealthSpec = Field(
+        default_factory=HealthSpec,
+        description='Divergence rollback and hang detection (docs/api.md, "Training health").',
+    )
     tags: Tags = Field(
         [],
         max_length=MAX_TAGS,
@@ -258,6 +263,7 @@ class JobSpec(Body):
             async_checkpoints=async_checkpoints,
             activation_checkpointing=self.activation_checkpointing,
             max_nonfinite_steps=self.max_nonfinite_steps,
+            health=self.health.to_spec(),
             eval_every=self.eval_every,
             eval_batches=self.eval_batches,
             resume=resume,
