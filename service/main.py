@@ -22,7 +22,7 @@ from service.app_state import AppState
 from service.auth import Authenticator, TokenTable, load_tokens, lockout_of
 from service.dashboard.login import install_login, require_page_reader
 from service.errors import install_error_handlers
-from service.scheduling.gauges import JobGauges
+from service.scheduling.gauges import JobGauges, UsageCounters
 from service.settings import Settings, get_settings
 from service.telemetry import RequestTimer, Telemetry
 from workers.runtime.sandbox import check_runnable
@@ -64,6 +64,7 @@ def create_app(
         runtime.start()
         app.state.runtime = runtime
         telemetry.register(JobGauges(runtime.db, total_gpus=lambda: runtime.cluster.capacity().num_gpus))
+        telemetry.register(UsageCounters(runtime.db))
         try:
             yield
         finally:

@@ -81,6 +81,13 @@ class Telemetry:
         self._log_lines = Counter(
             "zero1_log_lines_ingested", "Log lines stored from the workers.", registry=self.registry
         )
+        self._training_s = Counter(
+            "zero1_gpu_seconds_training",
+            "GPU-seconds of the training steps stored from the workers (each step_time_s x its N), by the job's "
+            'owner (owner="" for jobs submitted while auth was off) and priority class (its priority).',
+            ["owner", "priority_class"],
+            registry=self.registry,
+        )
         self._tick_s = Histogram(
             "zero1_scheduler_tick_duration_seconds",
             "Scheduler ticks that completed.",
@@ -131,13 +138,25 @@ class Telemetry:
     def log_lines_ingested(self, num_lines: int) -> None:
         self._log_lines.inc(num_lines)
 
-    def ingested_on_commit(self, session: Session, *, num_rows: int, num_lines: int) -> None:
-        """Count metric rows and log lines stored in `session` once it commits: a transaction rolled
-        back is never counted (its poll is stored, and counted, again)."""
+    def ingested_on_commit(
+        self,
+        session: Session,
+        *,
+        num_rows: int,
+        num_lines: int,
+        owner: str | None = None,
+        priority_class: int = 0,
+        training_gpu_s: float = 0.0,
+    ) -> None:
+        """Count metric rows and log lines stored in `session` once it commits, and the GPU-seconds the
+        rows trained under the job's owner and priority class: a transaction rolled back is never
+        counted (its poll is stored, and counted, again)."""
 
         def count(_: Session) -> None:
             self.rows_ingested(num_rows)
             self.log_lines_ingested(num_lines)
+            if training_gpu_s > 0:
+                self._training_s.labels(owner or "", str(priority_class)).inc(training_gpu_s)
 
         event.listen(session, "after_commit", count, once=True)
 

@@ -12,7 +12,7 @@ service.tracking, workers.memory, workers.records.
 from fastapi import APIRouter, Depends
 
 from service.api.deps import require_reader
-from service.api.routes import checkpoints, cluster, code, health, jobs, plan, prometheus, queue, sweeps
+from service.api.routes import checkpoints, cluster, code, health, jobs, plan, prometheus, queue, sweeps, usage
 
 v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_reader)])
 v1.include_router(plan.router)
@@ -22,6 +22,7 @@ v1.include_router(queue.router)
 v1.include_router(cluster.router)
 v1.include_router(code.router)
 v1.include_router(sweeps.router)
+v1.include_router(usage.router)
 
 root = APIRouter()
 root.include_router(health.router)

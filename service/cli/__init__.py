@@ -1,5 +1,5 @@
 """The `zero1` command: `serve` runs the API; `plan` plans a model offline; `submit`,
-`jobs`, `status`, `watch`, `logs`, `cancel`, `download`, `queue`, `suspend`, `resume` and `priority`
+`jobs`, `status`, `watch`, `logs`, `cancel`, `download`, `queue`, `usage`, `suspend`, `resume` and `priority`
 talk to a running API through the Python client (`zero1`, service/client/); `db upgrade` migrates.
 
 May import: service.settings, service.errors, service.auth, service.main, service.schemas,
@@ -29,6 +29,7 @@ from service.cli.logs import cmd_logs
 from service.cli.plans import cmd_plan
 from service.cli.queue import cmd_priority, cmd_queue, cmd_resume, cmd_suspend
 from service.cli.server import cmd_db, cmd_serve
+from service.cli.usage import cmd_usage
 from service.schemas.fields import MAX_TEXT_DIGITS, too_many_digits
 from workers.memory.model import OPTIMIZERS, PRECISIONS, STAGES
 
@@ -163,6 +164,13 @@ def _parser() -> argparse.ArgumentParser:
     queue = commands.add_parser("queue", help="the queued jobs in the order they start, why each waits")
     queue.add_argument("--limit", type=int, default=100, help="the first N queued jobs (default 100)")
     queue.add_argument("--url", **url)
+    usage = commands.add_parser(
+        "usage", help="GPU-hours held and training by owner and priority class, and against the quotas"
+    )
+    usage.add_argument("--since", metavar="TIME", help="ISO 8601, UTC without a zone (default: this month's start)")
+    usage.add_argument("--until", metavar="TIME", help="ISO 8601, UTC without a zone (default: now)")
+    usage.add_argument("--json", action="store_true", help="print the API's JSON")
+    usage.add_argument("--url", **url)
     logs = commands.add_parser(
         "logs", help="a job's output lines, as [rank R] line", description="A job's output lines, oldest first."
     )
@@ -206,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         "cancel": cmd_cancel,
         "download": cmd_download,
         "queue": cmd_queue,
+        "usage": cmd_usage,
         "suspend": cmd_suspend,
         "resume": cmd_resume,
         "priority": cmd_priority,

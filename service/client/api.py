@@ -17,6 +17,7 @@ from service.schemas.responses import (
     RecommendationsPublic,
 )
 from service.schemas.sweeps import SweepPublic
+from service.schemas.usage import UsagePublic
 
 from .bundle import upload_chunks, zip_directory
 from .errors import raise_for
@@ -161,6 +162,12 @@ class Client:
     def queue(self, limit: int = 100) -> QueuePublic:
         """GET /v1/queue: the queued jobs in the order they start, why each waits, and who holds the GPUs."""
         return QueuePublic.model_validate(self._get("/v1/queue", params={"limit": limit}))
+
+    def usage(self, since: str | None = None, until: str | None = None) -> UsagePublic:
+        """GET /v1/usage: GPU-seconds held and spent training by owner and priority class over [since, until)
+        (ISO 8601 times; defaults: the start of this month, now), and each owner's against their quota."""
+        params = {key: value for key, value in (("since", since), ("until", until)) if value is not None}
+        return UsagePublic.model_validate(self._get("/v1/usage", params=params))
 
     def cluster(self) -> ClusterPublic:
         """GET /v1/cluster: the GPUs, free and in all, and their memory."""

@@ -18,7 +18,6 @@ import logging
 import math
 import random
 from collections.abc import Callable
-from datetime import UTC
 from typing import Any
 
 from pydantic import ValidationError
@@ -29,13 +28,13 @@ from service.auth import Principal
 from service.errors import ServiceError, describe_validation_errors
 from service.experiments import early_stopping
 from service.intake import submission
-from service.scheduling import controls, job_states
+from service.scheduling import controls, job_states, usage
 from service.scheduling.dispatch import Reasons
 from service.schemas.fields import ACTIVE, TERMINAL
 from service.schemas.requests import JobSpec
 from service.schemas.responses import PlanPublic
 from service.schemas.sweeps import IntUniform, LogUniform, SweepPublic, SweepSpec, TrialPublic, Uniform
-from service.store.tables import Job, JobEvent, Metric, Sweep, SweepEvent, SweepTrial, utcnow
+from service.store.tables import Job, Metric, Sweep, SweepEvent, SweepTrial, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -287,7 +286,7 @@ def public(session: Session, sweep: Sweep, *, reasons: Reasons | None = None) ->
         metric=spec.metric,
         max_concurrent=spec.max_concurrent,
         early_stopping=spec.early_stopping,
-        gpu_seconds=round(gpu_seconds(session, list(jobs.values())), 3),
+        gpu_seconds=round(usage.held_gpu_seconds(session, list(jobs.values())), 3),
         created_at=sweep.created_at,
         finished_at=sweep.finished_at,
         trials=shown,
@@ -309,31 +308,6 @@ def _waits(
     if status == "suspended":
         return "suspended" + (" with the sweep" if sweep.status == "suspended" else "")
     return None
-
-
-def gpu_seconds(session: Session, jobs: list[Job]) -> float:
-    """GPUs x seconds the jobs held them, from their events: each span from a move into an active status
-    (starting, running, restarting) to the next move out of one, an active job's up to now."""
-    if not jobs:
-        return 0.0
-    gpus = {job.id: job.world_size or job.num_gpus for job in jobs}
-    since: dict[int, Any] = {}
-    total = 0.0
-    events = session.execute(
-        select(JobEvent.job_id, JobEvent.to_status, JobEvent.at).where(JobEvent.job_id.in_(gpus)).order_by(JobEvent.id)
-    )
-    for job_id, to_status, at in events:
-        if to_status in ACTIVE:
-            since.setdefault(job_id, at)
-        elif job_id in since:
-            total += gpus[job_id] * (_aware(at) - _aware(since.pop(job_id))).total_seconds()
-    now = utcnow()
-    return total + sum(gpus[job_id] * (now - _aware(at)).total_seconds() for job_id, at in since.items())
-
-
-def _aware(at: Any) -> Any:
-    """SQLite gives back naive datetimes (stored as UTC)."""
-    return at if at.tzinfo is not None else at.replace(tzinfo=UTC)
 
 
 def _jobs(session: Session, trials: list[SweepTrial]) -> dict[int, Job]:

@@ -86,7 +86,9 @@ def submit_job(
             session.add(job)
             session.flush()
             session.add(
-                JobEvent(job_id=job.id, from_status=None, to_status="queued", reason=submitted_reason(spec, plan))
+                JobEvent(
+                    job_id=job.id, from_status=None, to_status="queued", reason=submitted_reason(spec, plan), gpus=0
+                )
             )
             session.flush()
     except IntegrityError:  # a concurrent request with the same key won the race

@@ -93,7 +93,9 @@ def commit_start(session: Session, start: Start, *, sizes_note: bool = True) -> 
     how = " as borrowed (past its owner's GPU quota, on idle GPUs)" if start.borrowed else ""
     if start.backfilled:
         how += " (backfilled: a job ahead of it waits for more GPUs and may take these back)"
-    if not transition(session, job, "starting", f"{start.n} GPUs free: placing {start.n} ranks{note}{how}"):
+    if not transition(
+        session, job, "starting", f"{start.n} GPUs free: placing {start.n} ranks{note}{how}", gpus=start.n
+    ):
         return None
     job.world_size = start.n
     job.borrowed = start.borrowed

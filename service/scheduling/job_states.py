@@ -43,8 +43,10 @@ _TRANSITIONS = {
 boundary with a checkpoint, or at once while it held no GPU."""
 
 
-def transition(session: Session, job: Job, to_status: str, reason: str) -> bool:
-    """Move `job` to `to_status` if it is still in the status this session read, recording the event.
+def transition(session: Session, job: Job, to_status: str, reason: str, *, gpus: int | None = None) -> bool:
+    """Move `job` to `to_status` if it is still in the status this session read, recording the event
+    with the GPUs the job holds from then on: `gpus` (a start's or a relaunch's N, set on the job after),
+    else its world_size (num_gpus) in an active status, 0 in any other (service/scheduling/usage.py).
 
     A compare-and-set: one UPDATE ... WHERE status = <the status read>. The API (cancelling a
     queued job) and the scheduler (starting it) race for the same row; the loser's UPDATE
@@ -67,7 +69,8 @@ def transition(session: Session, job: Job, to_status: str, reason: str) -> bool:
         return False
     for key, value in values.items():
         set_committed_value(job, key, value)
-    session.add(JobEvent(job_id=job.id, from_status=from_status, to_status=to_status, reason=reason))
+    held = (gpus or job.world_size or job.num_gpus) if to_status in ACTIVE else 0
+    session.add(JobEvent(job_id=job.id, from_status=from_status, to_status=to_status, reason=reason, gpus=held))
     return True
 
 

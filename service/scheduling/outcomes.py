@@ -21,6 +21,7 @@ from service.scheduling import elastic
 from service.scheduling.dispatch import Dispatcher, Settled, Stop, resume_point
 from service.scheduling.failure import AttemptFailure, FailureAction, FailurePolicy
 from service.scheduling.job_states import running_reason, stage_change, transition
+from service.scheduling.usage import row_gpu_seconds
 from service.schemas.requests import JobSpec
 from service.store.job_storage import JobStorage
 from service.store.log_lines import store_logs
@@ -63,7 +64,15 @@ class Outcomes:
         """Store a poll's metric rows and log lines; the number of rows."""
         num_lines = store_logs(session, job, list(state.logs), dropped=state.log_dropped, max_bytes=self.log_max_bytes)
         num_rows = store_metrics(session, job, list(state.metrics))
-        self.telemetry.ingested_on_commit(session, num_rows=num_rows, num_lines=num_lines)
+        trained = sum(row_gpu_seconds(row, job) for row in state.metrics)
+        self.telemetry.ingested_on_commit(
+            session,
+            num_rows=num_rows,
+            num_lines=num_lines,
+            owner=job.owner,
+            priority_class=job.priority,
+            training_gpu_s=trained,
+        )
         return num_rows
 
     def progress(self, session: Session, job: Job, state: AttemptPoll) -> Settled | None:
@@ -162,7 +171,7 @@ class Outcomes:
         if new != old:
             cause = f"resized {old} -> {new}{stage_change(job, old, new)}: {cause}"
         if job.status != "restarting" and not transition(
-            session, job, "restarting", f"{cause}: attempt {job.attempt + 1} resumes from {where}{tail}"
+            session, job, "restarting", f"{cause}: attempt {job.attempt + 1} resumes from {where}{tail}", gpus=new
         ):
             return None
         job.attempt += 1

@@ -254,6 +254,11 @@ class EventPublic(BaseModel):
     from_status: str | None
     to_status: str
     reason: str
+    gpus: int | None = Field(
+        None,
+        description="GPUs the job holds from this event until its next (its N while starting, running or "
+        "restarting; 0 otherwise), as GET /v1/usage counts them; null for events stored before it was kept.",
+    )
 
 
 class EventsPublic(BaseModel):

@@ -141,7 +141,10 @@ class SweepPublic(BaseModel):
     metric: str
     max_concurrent: int
     early_stopping: EarlyStopping | None
-    gpu_seconds: float = Field(description="Summed over its trials' jobs: GPUs held x seconds, start to end.")
+    gpu_seconds: float = Field(
+        description="Summed over its trials' jobs: GPUs held x seconds, start to end, each attempt at its N "
+        "(as GET /v1/usage counts them)."
+    )
     created_at: datetime
     finished_at: datetime | None
     trials: list[TrialPublic]

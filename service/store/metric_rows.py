@@ -7,16 +7,17 @@ from sqlalchemy import select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from service.store.tables import Job, Metric
+from service.store.tables import Job, Metric, utcnow
 from workers.records import STORED_FIELDS, MetricRow
 
 
 def store_metrics(session: Session, job: Job, rows: list[MetricRow]) -> int:
-    """Insert one attempt's rows (a row already stored is skipped), note the latest on the job;
-    the number of rows given."""
+    """Insert one attempt's rows (a row already stored is skipped), each with the time it was stored (what
+    GET /v1/usage counts its training at), note the latest on the job; the number of rows given."""
     if not rows:
         return 0
-    values = [{**row.stored(), "job_id": job.id, "attempt": job.attempt} for row in rows]
+    now = utcnow()
+    values = [{**row.stored(), "job_id": job.id, "attempt": job.attempt, "stored_at": now} for row in rows]
     dialect = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite
     statement = dialect.insert(Metric).on_conflict_do_nothing(index_elements=["job_id", "attempt", "step"])
     session.execute(statement, values)

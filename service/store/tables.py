@@ -175,6 +175,10 @@ class JobEvent(Base):
     from_status: Mapped[str | None] = mapped_column(String(16))
     to_status: Mapped[str] = mapped_column(String(16))
     reason: Mapped[str] = mapped_column(Text)
+    gpus: Mapped[int | None] = mapped_column(Integer, default=None)
+    """The GPUs the job holds from this event until its next (service.scheduling.usage): its attempt's N in
+    starting, running and restarting, 0 in any other status; null for events stored before it was kept
+    (read as the job's world_size, else num_gpus, in an active status)."""
 
 
 class Metric(Base):
@@ -210,6 +214,9 @@ class Metric(Base):
     """The learning rate the step used; null for rows stored before it was kept."""
     superseded: Mapped[bool] = mapped_column(Boolean, default=False)
     """True for rows of an attempt past the checkpoint a retry resumed from."""
+    stored_at: Mapped[datetime | None] = mapped_column(default=None)
+    """When the service stored the row (within a poll of its step's end; later for rows recovered from a
+    checkpoint): the time GET /v1/usage counts its training at. Null for rows stored before it was kept."""
 
 
 class LogLine(Base):
