@@ -601,9 +601,10 @@ def test_the_smoothing_slider_and_the_log_toggle_redraw_the_loss(ui, server, res
     ui.assert_no_console_errors()
 
 
-def test_each_new_attempt_is_marked_by_its_cause_a_restart_a_resize_or_a_preemption(ui, server, restarted):
+def test_each_new_attempt_is_marked_by_its_cause_a_restart_a_resize_a_preemption_or_a_rollback(ui, server, restarted):
     """charts.js's markersOf, on rows and events as the service writes them: a new attempt after a
-    preemption (running -> queued), after a resize (N changes) and after a rank's failure."""
+    preemption (running -> queued), after a resize (N changes), after a rank's failure and after a
+    diverged run's rollback."""
     page = ui.open(f"/jobs/{restarted}")
     page.wait_for_function("window.zero1Charts !== undefined")
     rows = [  # (step, attempt, N)
@@ -611,6 +612,7 @@ def test_each_new_attempt_is_marked_by_its_cause_a_restart_a_resize_or_a_preempt
         *((step, 1, 2) for step in range(8, 20)),  # preempted after step 9, resumed from its checkpoint at 7
         *((step, 2, 1) for step in range(20, 30)),
         *((step, 3, 1) for step in range(30, 40)),
+        *((step, 4, 1) for step in range(40, 50)),  # the spike at step 45 rolled back to the checkpoint at 39
     ]
     metrics = [{"step": step, "attempt": attempt, "world_size": n} for step, attempt, n in rows]
     reasons = [
@@ -618,10 +620,21 @@ def test_each_new_attempt_is_marked_by_its_cause_a_restart_a_resize_or_a_preempt
         ("queued", "starting", "2 GPUs free: placing 2 ranks"),
         ("running", "restarting", "resized 2 -> 1: rank 1 exited; retry 1 of 3: attempt 2 resumes from step 19"),
         ("running", "restarting", "rank 0 exited; retry 2 of 3: attempt 3 resumes from step 29"),
+        (
+            "running",
+            "restarting",
+            "loss spike 9.7σ at step 45: rolled back to step 39, skipping 6 batches (rollback 1 of 1): "
+            "attempt 4 resumes from checkpoint step 39",
+        ),
     ]
     events = [{"from_status": a, "to_status": b, "reason": reason} for a, b, reason in reasons]
     markers = page.evaluate("([m, e]) => window.zero1Charts.markersOf(m, e)", [metrics, events])
-    assert [(m["kind"], m["step"]) for m in markers] == [("preemption", 8), ("resize", 20), ("restart", 30)]
+    assert [(m["kind"], m["step"]) for m in markers] == [
+        ("preemption", 8),
+        ("resize", 20),
+        ("restart", 30),
+        ("rollback", 40),
+    ]
     assert markers[1]["reason"].startswith("resized 2 -> 1")
     ui.assert_no_console_errors()
 

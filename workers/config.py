@@ -249,6 +249,27 @@ class HealthConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class DataSkip:
+    """Batches a run never trains on: from training step `step` on, every step reads the batch of the
+    step `num_batches` further on (a rollback's window, or the same skip asked from the start)."""
+
+    step: int
+    num_batches: int
+
+    def __post_init__(self) -> None:
+        if self.step < 0 or self.num_batches < 1:
+            raise ValueError(f"need step ({self.step}) >= 0 and num_batches ({self.num_batches}) >= 1")
+
+
+def data_step(step: int, skips: tuple[DataSkip, ...]) -> int:
+    """The step whose batch training step `step` reads: `step` plus the batches of every skip at or
+    before it. A rollback from checkpoint C after an event at step E adds DataSkip(C + 1, E - C): step
+    C + 1 then reads the batch step E + 1 would have read, and a fresh run given the same skips reads the
+    same batches at every step."""
+    return step + sum(skip.num_batches for skip in skips if skip.step <= step)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TrainConfig:
     """What one job trains; the same on every rank."""
 
@@ -295,6 +316,10 @@ class TrainConfig:
     after which the run fails with NonFiniteError. Counted from 0 again after a resume."""
     health: HealthConfig = field(default_factory=HealthConfig)
     """Divergence rollback and hang detection (HealthConfig)."""
+    data_skips: tuple[DataSkip, ...] = ()
+    """Windows of batches never trained on (data_step): the job's own and its rollbacks'."""
+    lr_scale: float = 1.0
+    """The schedule's learning rates are multiplied by this: health.lr_factor once per rollback."""
 
     def __post_init__(self) -> None:
         if self.precision not in memory.PRECISIONS:
@@ -310,6 +335,8 @@ class TrainConfig:
             raise ValueError(f"need max_nonfinite_steps ({self.max_nonfinite_steps}) >= 1")
         if self.zero_stage not in (1, 2, 3):
             raise ValueError(f"zero_stage must be 1, 2 or 3, got {self.zero_stage!r}")
+        if not 0 <= self.lr_scale <= 1:  # 0 only where many rollbacks' small lr_factor underflowed
+            raise ValueError(f"need 0 <= lr_scale ({self.lr_scale}) <= 1")
 
     def global_batch(self, world_size: int) -> int:
         return self.global_batch_size or self.micro_batch_size * world_size

@@ -83,6 +83,69 @@ class NonFiniteError(RuntimeError):
     not finite where a checkpoint would save it: the run fails rather than train on, or save, nothing."""
 
 
+class DivergenceKind(str, Enum):
+    """What diverged (workers/health.py decides it, step by step)."""
+
+    SPIKE = "spike"
+    """A loss health.spike_zscore standard deviations above the mean of the health.spike_window before it."""
+    NONFINITE = "nonfinite"
+    """max_nonfinite_steps steps in a row with a nan or inf gradient norm, each skipped."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Divergence:
+    """A diverged run, as the rank that saw it reports it and the service rolls it back
+    (service/scheduling/health.py): its kind and the step it was seen at."""
+
+    kind: DivergenceKind
+    step: int
+    """A spike's step, or the last of the non-finite run: no checkpoint at or after it is used."""
+    loss: float | None = None
+    """The step's loss (None where it is not finite)."""
+    zscore: float | None = None
+    """A spike's standard deviations above the window's mean."""
+    num_steps: int = 1
+    """A non-finite run's steps in a row."""
+
+    def describe(self) -> str:
+        """The event's words: "loss spike 9.7σ at step 812", "loss not finite for 3 steps at step 14"."""
+        if self.kind == DivergenceKind.SPIKE:
+            return f"loss spike {self.zscore:.1f}σ at step {self.step}"
+        return f"loss not finite for {self.num_steps} steps at step {self.step}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "kind": self.kind.value}
+
+    @classmethod
+    def from_json(cls, value: Any) -> Divergence | None:
+        """From to_json's dict as a child sent it (untrusted); None for anything that is not one."""
+        if not isinstance(value, dict) or value.get("kind") not in {kind.value for kind in DivergenceKind}:
+            return None
+        step, num_steps = value.get("step"), value.get("num_steps", 1)
+        numbers = [value.get("loss"), value.get("zscore")]
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (step, num_steps)):
+            return None
+        if not all(n is None or (isinstance(n, (int, float)) and not isinstance(n, bool)) for n in numbers):
+            return None
+        loss, zscore = (None if n is None else finite_or_none(float(n)) for n in numbers)
+        kind = DivergenceKind(value["kind"])
+        if kind == DivergenceKind.SPIKE and zscore is None:
+            return None
+        return cls(kind=kind, step=step, loss=loss, zscore=zscore, num_steps=num_steps)
+
+
+class DivergenceError(RuntimeError):
+    """The run diverged and the job may roll back (health.max_rollbacks > 0): the attempt ends with
+    this, which the service turns into a rollback, not a failure."""
+
+    def __init__(self, divergence: Divergence) -> None:
+        super().__init__(f"{divergence.describe()}: the job rolls back to its last checkpoint before it")
+        self.divergence = divergence
+
+    def __reduce__(self):  # crosses a process as its record
+        return (type(self), (self.divergence,))
+
+
 PEER_LOSS_MARKERS = (
     "gloo/transport",
     "Connection closed by peer",
@@ -113,6 +176,8 @@ class RankError:
     traceback: tuple[str, ...] = ()
     """The last TRACEBACK_LINES lines of the failing rank's traceback (a code bundle's files named
     relative to it); empty where there is none."""
+    divergence: Divergence | None = None
+    """What diverged, where the rank ended the attempt for a rollback (DivergenceError); else None."""
 
     @classmethod
     def of(cls, exc: BaseException, *, rank: int | None = None, node_id: str | None = None) -> RankError:
@@ -130,6 +195,7 @@ class RankError:
             node_id=node_id,
             # an actor that failed to start (a rank's, unpacking its bundle) ends Ray's text with its traceback
             traceback=_traceback_tail(exc) if error is not exc or getattr(exc, "actor_init_failed", False) else (),
+            divergence=error.divergence if isinstance(error, DivergenceError) else None,
         )
 
     @property
@@ -143,7 +209,8 @@ class RankError:
 
     def to_json(self) -> dict[str, Any]:
         """As a job's `error` stores it."""
-        return {**asdict(self), "traceback": list(self.traceback)}
+        divergence = None if self.divergence is None else self.divergence.to_json()
+        return {**asdict(self), "traceback": list(self.traceback), "divergence": divergence}
 
     def reason(self) -> str:
         """The event text: where, then what."""

@@ -40,6 +40,7 @@ def job_public(job: Job, *, position: int | None, principal: Principal) -> JobPu
         error=job.error if mine else None,
         attempt=job.attempt,
         num_retries=job.num_retries,
+        num_rollbacks=len(job.rollbacks or ()),
         queue_position=position,
         owner=job.owner,
         priority=job.priority,

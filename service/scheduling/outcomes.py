@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from sqlalchemy.orm import Session
 
 from service.scheduling import elastic
+from service.scheduling import health as rollback_policy
 from service.scheduling.dispatch import Dispatcher, Settled, Stop, resume_point
 from service.scheduling.failure import AttemptFailure, FailureAction, FailurePolicy
 from service.scheduling.job_states import running_reason, stage_change, transition
@@ -28,7 +29,8 @@ from service.store.log_lines import store_logs
 from service.store.metric_rows import store_metrics
 from service.store.tables import Job
 from service.telemetry import Telemetry
-from workers.records import AttemptPoll, AttemptStatus, RankError
+from workers.config import HealthConfig
+from workers.records import AttemptPoll, AttemptStatus, Divergence, RankError
 
 if TYPE_CHECKING:
     from service.scheduling.ray_launcher import RayLauncher
@@ -137,7 +139,12 @@ class Outcomes:
 
     def _on_failure(self, session: Session, job: Job, error: RankError | None) -> Settled | None:
         """Carry out the failure policy's decision (service/scheduling/failure.py): retry from the
-        last checkpoint at the N it names, back to the queue past the owner's quota, or fail."""
+        last checkpoint at the N it names, back to the queue past the owner's quota, or fail. A diverged run
+        of a job with max_rollbacks is the rollback policy's instead (_roll_back)."""
+        if error is not None and error.divergence is not None:
+            health = JobSpec.model_validate(job.spec).health.to_spec()
+            if health.max_rollbacks:
+                return self._roll_back(session, job, error, divergence=error.divergence, health=health)
         policy = FailurePolicy(max_retries=JobSpec.model_validate(job.spec).max_retries)
         failure = AttemptFailure(
             error=error, num_retries=job.num_retries, relaunch_size=self._relaunch_size(session, job)
@@ -149,6 +156,24 @@ class Outcomes:
         if decision.action == FailureAction.REQUEUE:  # its owner's quota no longer holds its fewest GPUs
             return self._wait_again(session, job, "queued", cause=decision.reason)
         return self._record_relaunch(session, job, cause=decision.reason, tail=decision.tail, size=decision.size)
+
+    def _roll_back(
+        self, session: Session, job: Job, error: RankError, *, divergence: Divergence, health: HealthConfig
+    ) -> Settled | None:
+        """Carry out the rollback policy's decision (service/scheduling/health.py): relaunch from the
+        newest complete checkpoint before the event, its later ones deleted, past the batches that led
+        to it; no retry spent. Past max_rollbacks the job fails."""
+        decision = rollback_policy.decide(
+            divergence,
+            health=health,
+            num_rollbacks=len(job.rollbacks or []),
+            checkpoint_step=self.storage.checkpoint_before(job, step=divergence.step),
+        )
+        if decision.rollback is None:
+            return self.end(session, job, "failed", decision.reason, error=error)
+        self.storage.discard_checkpoints_from(job, step=divergence.step)
+        job.rollbacks = [*(job.rollbacks or []), decision.rollback.to_json()]
+        return self._record_relaunch(session, job, cause=decision.reason)
 
     def _relaunch_size(self, session: Session, job: Job, *, grown: bool = False) -> int | None:
         """The N the job's next attempt runs at (elastic.relaunch_size); None past its owner's quota."""

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from service.scheduling.health import relaunch_terms, rollbacks_of
 from service.schemas.requests import JobSpec
 from service.schemas.responses import PlanPublic
 from service.settings import Settings
@@ -89,6 +90,7 @@ class RayLauncher:
 
         job_dir, run_as = self.storage.prepare_job_dir(job)
         spec = JobSpec.model_validate(job.spec)
+        skips, lr_scale = relaunch_terms(rollbacks_of(job.rollbacks), lr_factor=spec.health.lr_factor)
         config = spec.to_config(
             checkpoint_dir=self.storage.checkpoint_uri(job),
             keep_last=self.settings.checkpoint_keep_last,
@@ -99,6 +101,8 @@ class RayLauncher:
             model_roots=self.settings.model_roots,
             plan=PlanPublic.model_validate(job.plan),
             world_size=job.world_size or job.num_gpus,
+            rollback_skips=skips,
+            lr_scale=lr_scale,
         )
         placement = Placement(
             num_workers=job.world_size or job.num_gpus,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from service.schemas.fields import Body, Bool, Float, Int
-from workers.config import HealthConfig, default_of
+from workers.config import DataSkip, HealthConfig, default_of
 
 
 def _health(name: str):
@@ -61,3 +61,15 @@ class HealthSpec(Body):
 
     def to_spec(self) -> HealthConfig:
         return HealthConfig(**self.model_dump())
+
+
+class DataSkipSpec(Body):
+    """Batches a job never trains on: from `step` on, each step reads the batch of the step num_batches
+    further on. A rollback adds one (its checkpoint's step + 1, the batches up to the event); a job
+    given the same from its start reads the same batch at every step."""
+
+    step: Int = Field(ge=0, le=100_000_000, description="The first step that reads past the skipped batches.")
+    num_batches: Int = Field(ge=1, le=100_000_000, description="Batches (whole steps' global batches) skipped.")
+
+    def to_spec(self) -> DataSkip:
+        return DataSkip(step=self.step, num_batches=self.num_batches)

@@ -13,7 +13,7 @@ from pydantic import Field, model_validator
 
 from service.schemas.data_specs import DataSpec, SyntheticDataSpec
 from service.schemas.fields import MAX_DEPENDENCIES, MAX_TAGS, Body, Bool, Int, JobIds, Notes, Precision, Tags, Text
-from service.schemas.health import HealthSpec
+from service.schemas.health import DataSkipSpec, HealthSpec
 from service.schemas.model_specs import (
     MLPModelSpec,
     ModelSpec,
@@ -29,7 +29,7 @@ from service.schemas.plan_requests import (
     check_code,
     code_field,
 )
-from workers.config import FieldError, InitSpec, ModelKind, TrainConfig, default_of
+from workers.config import DataSkip, FieldError, InitSpec, ModelKind, TrainConfig, default_of
 from workers.memory import model as memory
 
 if TYPE_CHECKING:
@@ -150,6 +150,12 @@ class JobSpec(Body):
         default_factory=HealthSpec,
         description='Divergence rollback and hang detection (docs/api.md, "Training health").',
     )
+    data_skips: list[DataSkipSpec] = Field(
+        [],
+        max_length=100,
+        description="Batches never trained on, as a rollback skips them: a run given its rollbacks' skips "
+        'from the start reads the same batches (docs/api.md, "Training health").',
+    )
     tags: Tags = Field(
         [],
         max_length=MAX_TAGS,
@@ -239,11 +245,14 @@ class JobSpec(Body):
         model_roots: Sequence[str] = (),
         plan: PlanPublic | None = None,
         world_size: int | None = None,
+        rollback_skips: Sequence[DataSkip] = (),
+        lr_scale: float = 1.0,
     ) -> TrainConfig:
         """The workers' view of this job: every field converted once, here. An hf or python model takes
         its vocab_size, block_size and planned bytes from the plan it was admitted by (its trace's).
         `keep_last` is the server's default (ZERO1_CHECKPOINT_KEEP_LAST); the spec's own wins. The ZeRO stage
-        is the plan's at `world_size` (an elastic auto job's may differ by N), the plan's own without one."""
+        is the plan's at `world_size` (an elastic auto job's may differ by N), the plan's own without one.
+        `rollback_skips` and `lr_scale` are the job's rollbacks' (service/scheduling/health.py)."""
         traced = isinstance(self.model, TracedModelSpec)
         return TrainConfig(
             model=self.model_spec(plan=plan, model_roots=model_roots),
@@ -264,6 +273,8 @@ class JobSpec(Body):
             activation_checkpointing=self.activation_checkpointing,
             max_nonfinite_steps=self.max_nonfinite_steps,
             health=self.health.to_spec(),
+            data_skips=(*(skip.to_spec() for skip in self.data_skips), *rollback_skips),
+            lr_scale=lr_scale,
             eval_every=self.eval_every,
             eval_batches=self.eval_batches,
             resume=resume,

@@ -139,6 +139,9 @@ class JobPublic(BaseModel):
         description="0 for the first launch, +1 for each relaunch (a retry, or a recovery after a service restart)."
     )
     num_retries: int = Field(0, description="Relaunches after a worker failure; at most spec.max_retries.")
+    num_rollbacks: int = Field(
+        0, description="Rollbacks after a diverged run (none a retry); at most spec.health.max_rollbacks."
+    )
     queue_position: int | None = Field(description="1 for the next job to start; null unless queued.")
     owner: str | None = Field(None, description="The user whose token submitted it; null while auth is off.")
     priority: int = Field(50, description="0-100: the queue runs the highest first; a job may preempt lower ones.")

@@ -97,6 +97,18 @@ class JobStorage:
         found = checkpoints.latest_checkpoint(self.job_store(job))
         return 0 if found is None else found[0] + 1
 
+    def checkpoint_before(self, job: Job, *, step: int) -> int | None:
+        """The step of the newest complete checkpoint before `step` (where a rollback resumes), else None."""
+        found = checkpoints.latest_checkpoint(self.job_store(job), before=step)
+        return None if found is None else found[0]
+
+    def discard_checkpoints_from(self, job: Job, *, step: int) -> None:
+        """Delete the job's checkpoints at `step` or later (a rollback's event): the next attempt, and
+        resume_step, then find the newest before it."""
+        discarded = checkpoints.discard_from(self.job_store(job), step=step)
+        if discarded:
+            log.info("job %s: discarded the checkpoints of steps %s (at or after step %s)", job.id, discarded, step)
+
     def checkpointed_metrics(self, job: Job, *, after_step: int) -> list[MetricRow]:
         """Rows saved with the job's checkpoints after `after_step` (see workers.training.checkpoints)."""
         return checkpoints.checkpointed_metrics(self.job_store(job), after_step=after_step)

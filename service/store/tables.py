@@ -95,6 +95,9 @@ class Job(Base):
     """0 for the first launch, +1 for every relaunch (a retry, or a recovery after a restart)."""
     num_retries: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     """Relaunches after a worker failure; bounded by the spec's max_retries."""
+    rollbacks: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, default=None)
+    """Its rollbacks after a divergence, oldest first (service.scheduling.health.Rollback, as JSON): none
+    a retry; bounded by the spec's health.max_rollbacks. Null: none."""
     error: Mapped[dict[str, Any] | None] = mapped_column(default=None)
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
     suspend_requested: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())

@@ -11,6 +11,8 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
+from workers.records import DivergenceError
+
 
 class ParentLink:
     """The child's end of the socket: pickled messages in, JSON out, one writer at a time."""
@@ -29,11 +31,12 @@ class ParentLink:
 
 
 def error_of(exc: BaseException) -> dict[str, Any]:
-    """An exception as the parent receives it: type, first line, the request field it names, and
-    the last lines of its traceback."""
+    """An exception as the parent receives it: type, first line, the request field it names, the
+    last lines of its traceback, and a DivergenceError's record."""
     lines = str(exc).strip().splitlines()
     reason = getattr(exc, "reason", None)
     return {
+        "divergence": exc.divergence.to_json() if isinstance(exc, DivergenceError) else None,
         "exception": type(exc).__name__,
         "message": (reason if isinstance(reason, str) else lines[0] if lines else type(exc).__name__)[:2000],
         "field": getattr(exc, "field", None) if isinstance(getattr(exc, "field", None), str) else None,

@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from workers.records import STREAMS, MetricRow, OutputLine, RankError, TrainResult
+from workers.records import STREAMS, Divergence, MetricRow, OutputLine, RankError, TrainResult
 from workers.runtime.capture import MAX_LINE_CHARS
 from workers.runtime.sandbox import Child, ChildExited, ChildSpec, ProtocolError
 from workers.runtime.spool import Spool, SpoolError
@@ -299,6 +299,7 @@ class RankProcess:
             exception=str(error.get("exception", "Exception"))[:200],
             message=str(error.get("message", ""))[:2000],
             traceback=tuple(RankError.tidy_traceback([str(line) for line in lines])),
+            divergence=Divergence.from_json(error.get("divergence")),
         )
 
 

@@ -166,17 +166,30 @@ def _markers(store: Store, name: str) -> list[str]:
     return [directory for directory in _step_dirs(store) if store.is_file(f"{directory}/{name}")]
 
 
-def latest_checkpoint(root: Path | Store) -> tuple[int, int] | None:
-    """(step, world_size) of the newest complete checkpoint under root (a directory or a store), or None."""
+def latest_checkpoint(root: Path | Store, *, before: int | None = None) -> tuple[int, int] | None:
+    """(step, world_size) of the newest complete checkpoint under root (a directory or a store), or None;
+    of those before step `before` where given (a rollback's)."""
     store = as_store(root)
     best = None
     for directory in _markers(store, COMPLETE):
         meta = _read_json(store, f"{directory}/{COMPLETE}")
         if not isinstance(meta, dict) or not all(isinstance(meta.get(key), int) for key in ("step", "world_size")):
             continue
-        if best is None or meta["step"] > best[0]:
+        if (before is None or meta["step"] < before) and (best is None or meta["step"] > best[0]):
             best = (meta["step"], meta["world_size"])
     return best
+
+
+def discard_from(root: Path | Store, *, step: int) -> list[int]:
+    """Delete every checkpoint directory at `step` or later, complete or not (a rollback's: written at or
+    after the event, none may be resumed from, and their rows are superseded); the steps."""
+    store = as_store(root)
+    discarded = []
+    for directory in _step_dirs(store):
+        if step_of_name(directory) >= step:
+            store.remove_tree(directory)
+            discarded.append(step_of_name(directory))
+    return sorted(discarded)
 
 
 def prune_checkpoints(root: Path | Store, *, keep_last: int, keep_newest_unfinished: bool = True) -> list[int]:

@@ -23,12 +23,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from workers.config import HFSpec, PythonSpec, TrainConfig
+from workers.config import HFSpec, PythonSpec, TrainConfig, data_step
 from workers.data.sources import Batches
+from workers.health import DivergenceWatch
 from workers.memory import model as memory
 from workers.models.builtin import DTYPES, build_model
 from workers.models.trace import loss_of, measure_step
-from workers.records import MetricRow, NonFiniteError, TrainResult
+from workers.records import Divergence, DivergenceError, DivergenceKind, MetricRow, NonFiniteError, TrainResult
 from workers.training.artifacts import write_final
 from workers.training.checkpointer import Checkpointer, first_step
 from workers.training.checkpoints import final_dir
@@ -99,6 +100,7 @@ def train(
     checkpointer = Checkpointer.for_run(config, opt=context.opt, io=io, decide_stop=_stop_decision(stop_at, context))
     last = first - 1
     skipped = 0  # steps skipped in a row (nan/inf norm); a resumed run counts from 0 again
+    watch = DivergenceWatch(config.health, max_nonfinite_steps=config.max_nonfinite_steps)
     with checkpointer:  # leaving it waits for the write in flight
         for step in range(first, config.steps):
             if should_stop():
@@ -107,7 +109,8 @@ def train(
             row = _train_step(config, context, step=step)
             last = step
             skipped = skipped + 1 if row.skipped else 0
-            row = checkpointer.maybe_save(row, skipped_in_a_row=skipped)
+            _check_divergence(watch.check(row, skipped_in_a_row=skipped), row, config, on_metrics)
+            row = checkpointer.maybe_save(row, skipped_in_a_row=skipped)  # after the test: none at a spike
             on_metrics(row)  # after the checkpoint: the row carries the seconds it held the step up
             if rank == 0:
                 log.info("%s", _step_line(row, steps=config.steps))
@@ -185,12 +188,13 @@ def _step_context(
 
 
 def _train_step(config: TrainConfig, context: _StepContext, *, step: int) -> MetricRow:
-    """One step at its scheduled learning rate, and its held-out loss when it evaluates."""
+    """One step at its scheduled learning rate (scaled by its rollbacks' lr_scale) on the batch its data
+    skips give it, and its held-out loss when it evaluates."""
     hyper = config.optimizer
-    lr = lr_at(step, lr=hyper.lr, steps=config.steps, schedule=hyper.schedule)
+    lr = lr_at(step, lr=hyper.lr, steps=config.steps, schedule=hyper.schedule) * config.lr_scale
     for group in context.opt.param_groups:  # a function of the step alone: a resumed run's is the same
         group["lr"] = lr
-    row = replace(context.run_step(step), lr=lr)
+    row = replace(context.run_step(step, data_step=data_step(step, config.data_skips)), lr=lr)
     if _evaluates(config, step):
         row = replace(row, eval_loss=context.evaluate(num_batches=config.eval_batches))
     return row
@@ -254,6 +258,20 @@ def _build(config: TrainConfig, *, device: torch.device, dtype: torch.dtype | No
         activation_checkpointing=config.activation_checkpointing,
         seed=config.seed,
     )
+
+
+def _check_divergence(
+    divergence: Divergence | None, row: MetricRow, config: TrainConfig, on_metrics: Callable[[MetricRow], None]
+) -> None:
+    """End the attempt with a DivergenceError (its row reported first) where the job may roll back;
+    else a spike is only logged, and a non-finite run fails as _check_skipped says."""
+    if divergence is None:
+        return
+    if config.health.max_rollbacks:
+        on_metrics(row)
+        raise DivergenceError(divergence)
+    if divergence.kind == DivergenceKind.SPIKE:
+        log.warning("%s (health.max_rollbacks is 0: training goes on)", divergence.describe())
 
 
 def _check_skipped(skipped: int, row: MetricRow, *, limit: int) -> None:
@@ -323,7 +341,8 @@ class _StepContext:
             total /= self.world_size
         return total.item()
 
-    def run_step(self, step: int) -> MetricRow:
+    def run_step(self, step: int, *, data_step: int | None = None) -> MetricRow:
+        """Step `step` on the batch of `data_step` (default: its own)."""
         start = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -332,7 +351,8 @@ class _StepContext:
         step_peak = 0
         count = self.device.type != "cuda" and self.cpu_peak_bytes is None
         for micro in range(accumulation):
-            inputs, targets = (t.to(self.device) for t in self.batches.micro_batch(step, micro))
+            batch = self.batches.micro_batch(step if data_step is None else data_step, micro)
+            inputs, targets = (t.to(self.device) for t in batch)
             # every micro-batch but the last accumulates locally; the last one's backward sends
             with self.opt.no_sync() if micro < accumulation - 1 else contextlib.nullcontext():
                 loss, used = self.micro_step(inputs, targets, accumulation=accumulation, count=count)

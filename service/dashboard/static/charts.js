@@ -8,7 +8,7 @@
   const FONT = "12px system-ui, -apple-system, 'Segoe UI', sans-serif";  // tick labels: >= 10 px
   const HEIGHT = 240;
   const COLOURS = { train: "#2563eb", raw: "rgba(37, 99, 235, 0.25)", eval: "#c2410c", second: "#0f766e" };
-  const MARKER_COLOURS = { restart: "#374151", resize: "#7c3aed", preemption: "#dc2626" };
+  const MARKER_COLOURS = { restart: "#374151", resize: "#7c3aed", preemption: "#dc2626", rollback: "#b45309" };
 
   const stripZeros = (s) => (s.includes(".") ? s.replace(/\.?0+$/, "") : s);
   function short(v) {  // 3 significant digits; an exponent only for the very small or large
@@ -67,7 +67,8 @@
   // ------------------------------------------------------------------ markers
 
   // The steps where the job's attempt started again, each with its cause from the events: a resize, a
-  // preemption (running -> queued) or a restart. `metrics` are the chart's rows, oldest step first.
+  // preemption (running -> queued), a rollback after a diverged run ("...: rolled back to step 799, ...",
+  // marked where the resumed attempt's rows begin) or a restart. `metrics` are the chart's rows, oldest first.
   function markersOf(metrics, events) {
     const causes = events.filter((e) => e.to_status === "restarting" ||
       (e.from_status === "running" && ["queued", "suspended"].includes(e.to_status)));
@@ -82,7 +83,7 @@
       if (cause && row.attempt !== before.attempt) used.add(cause);
       const reason = cause ? cause.reason : "";
       const kind = resized || reason.startsWith("resized") || reason.includes(" resized ") ? "resize"
-        : reason.startsWith("preempted") ? "preemption" : "restart";
+        : reason.startsWith("preempted") ? "preemption" : reason.includes(": rolled back to ") ? "rollback" : "restart";
       out.push({ step: row.step, kind, reason });
     }
     return out;
