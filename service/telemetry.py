@@ -2,9 +2,10 @@
 
 `Telemetry` holds them in a registry of its own, one per app (never prometheus_client's process-wide
 default: a test process builds many apps). HTTP latency is observed by `RequestTimer`, the scheduler's
-work by the scheduler through Telemetry's methods, and the jobs and GPUs gauges are read from the
-database at each scrape by the collector the app registers (service/scheduling/gauges.py's
-JobGauges), so a scrape shows the database as it is.
+work by the scheduler through Telemetry's methods (the GPU-seconds a poll's rows trained among them),
+and the jobs and GPUs gauges and the GPU-seconds held are read from the database at each scrape by the
+collectors the app registers (service/scheduling/gauges.py's JobGauges and UsageCounters), so a scrape
+shows the database as it is.
 
 The histograms' buckets, in seconds:
 

@@ -497,9 +497,9 @@ def test_in_chromium_the_usage_page_tables_each_owner_and_class_and_a_period_is_
         page.on("console", lambda m: m.type == "error" and errors.append(m.text))
         page.on("pageerror", lambda error: errors.append(str(error)))
         page.goto("/")
-        page.get_by_role("link", name="Usage").click()
+        page.get_by_role("link", name="Usage", exact=True).click()
         expect(page).to_have_url(f"{served}/usage")
-        expect(page.get_by_role("link", name="Usage")).to_have_attribute("aria-current", "page")
+        expect(page.get_by_role("link", name="Usage", exact=True)).to_have_attribute("aria-current", "page")
         body = api.get("/v1/usage", headers=bearer(ROOT)).json()
         table = page.locator("#usage tbody tr")
         expect(table).to_have_count(len(body["data"]))
@@ -532,7 +532,8 @@ def test_in_chromium_the_usage_page_tables_each_owner_and_class_and_a_period_is_
         page.screenshot(path=str(_shots(tmp_path_factory) / "usage.png"), full_page=True)
     finally:
         context.close()
-    assert elsewhere == [] and errors == [], (elsewhere, errors)
+    failed = [e for e in errors if "status of 422" not in e]  # the bad period's page is a 422, which Chromium logs
+    assert elsewhere == [] and failed == [] and len(errors) == 1, (elsewhere, errors)
 
 
 def _shots(tmp_path_factory) -> Path:
