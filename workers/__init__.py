@@ -5,6 +5,7 @@ each opened by what it holds and what it may import, from the bottom up:
     config, limits,      what a job asks of the workers and what its ranks report: the contract with
     records              the control plane (standard library only)
     reach                which directory stops a uid on its way to a file (standard library only)
+    phases               where a rank is in its step, and when its parent calls it hung (records only)
     health               a rank's test for a diverged run: a loss spike, a non-finite run (standard library only)
     zero/                ZeRO1AdamW: flat layout, sharded AdamW, collectives, loss scale, checkpoint formats
     data/                seeded sources, tokenized datasets, their files and digests

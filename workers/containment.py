@@ -14,7 +14,9 @@ ended (its exit code, or killed by the same signal), so whoever waits for the ke
 or Popen) learns what a wait for the child would have said. SIGTERM to the keeper (the parent's
 kill) ends the whole tree at once; the lifeline's end (the parent gone) ends it LIFELINE_GRACE_S
 later, once the child has had the time to exit on its own. Either way the keeper ends last,
-killed by SIGKILL.
+killed by SIGKILL. SIGUSR1 to the keeper (the parent asking a hung rank for its stacks) is passed on
+to the child, through the namespace's init where there is one; the child starts with SIGUSR1
+ignored, until it sets its own handler (workers/runtime/child.py: faulthandler's).
 
 `python -I -m workers.containment UID GID REPORT_FD LIFELINE_FD COMMAND...` keeps a fresh interpreter
 (the child starts COMMAND as UID:GID, "-" for this process's own); the zygote calls keep() itself.
@@ -60,7 +62,10 @@ def keep(
     signal.set_wakeup_fd(wake_write)  # SIGCHLD and SIGTERM wake the wait below
     for number in (signal.SIGCHLD, signal.SIGTERM):
         signal.signal(number, lambda *_: None)
+    forked: list[int] = []
+    _pass_on(signal.SIGUSR1, forked)
     pid, status_read, containment = _fork(start)
+    forked.append(pid)
     for fd in inherited:
         with contextlib.suppress(OSError):
             os.close(fd)
@@ -109,11 +114,14 @@ def _init(start: Callable[[], None], status_write: int) -> NoReturn:
     ends tells the keeper how and exits, which ends every process left in the namespace."""
     try:
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # pid 1 ignores what it has no handler for
+        forked: list[int] = []
+        _pass_on(signal.SIGUSR1, forked)
         _private_proc()
         pid = os.fork()
         if pid == 0:
             os.close(status_write)
             _run(start)
+        forked.append(pid)
         for fd in _open_fds():
             if fd != status_write:
                 with contextlib.suppress(OSError):
@@ -139,9 +147,21 @@ def _private_proc() -> None:
 
 def _run(start: Callable[[], None]) -> NoReturn:
     try:
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # until the child's own handler: never its death
         start()
     finally:
         os._exit(1)
+
+
+def _pass_on(number: int, forked: list[int]) -> None:
+    """Signal `number`, received here, is sent on to this process's child (forked's one pid, once forked)."""
+
+    def send(*_: Any) -> None:
+        for pid in forked:
+            with contextlib.suppress(OSError):
+                os.kill(pid, number)
+
+    signal.signal(number, send)
 
 
 def _wait(pid: int, *, lifeline_fd: int, wake: int) -> int | None:

@@ -156,11 +156,20 @@ PEER_LOSS_MARKERS = (
 """Text of a collective's error that says a peer is gone (RankError.is_peer_loss)."""
 
 
+COLLECTIVES = frozenset({"reduce_scatter", "all_reduce", "all_gather", "broadcast", "barrier"})
+"""The phases of a rank's work (workers/phases.py) in which it waits for its peers."""
+HANG_ERROR = "HangError"
+"""The exception of a rank its parent found hung (workers/runtime/rank_parent.py)."""
+
+
 def root_cause(errors: list[RankError]) -> RankError:
     """Of the errors that ended an attempt, in the order they arrived, the one that says why: the
-    first that is not a collective's error on a rank whose peer went away. When rank 1 dies, rank 0's
-    all-reduce fails at the same moment, and either report may reach the supervisor first."""
-    return next((error for error in errors if not error.is_peer_loss), errors[0])
+    first that is not a collective's error on a rank whose peer went away, nor a hang in a collective
+    (waiting for a peer), unless there is nothing else. When rank 1 dies, rank 0's all-reduce fails at
+    the same moment, and either report may reach the supervisor first; when rank 1 hangs in its
+    forward, rank 0 waits for it in a collective."""
+    causes = [error for error in errors if not error.is_peer_loss]
+    return next((error for error in causes if not error.is_peer_wait), causes[0] if causes else errors[0])
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -206,6 +215,12 @@ class RankError:
         return self.exception in {"RuntimeError", "DistBackendError", "DistNetworkError"} and any(
             marker in self.message for marker in PEER_LOSS_MARKERS
         )
+
+    @property
+    def is_peer_wait(self) -> bool:
+        """Whether this is a hang in a collective (its message ends with the phase, workers.phases.Hang):
+        the rank waited for a peer, which may have hung elsewhere."""
+        return self.exception == HANG_ERROR and self.message.rpartition(" in ")[2] in COLLECTIVES
 
     def to_json(self) -> dict[str, Any]:
         """As a job's `error` stores it."""

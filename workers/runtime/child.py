@@ -3,15 +3,19 @@
 It runs untrusted work and reports in JSON over its socket: `call` applies one function to one
 pickled argument (a plan's trace, a submit's dataset check); `rank` trains as one rank of a job
 (workers/runtime/rank_child.py). It holds no secret and never imports Ray. When the lifeline pipe breaks
-(its parent is gone, however it went) it exits at once.
+(its parent is gone, however it went) it exits at once. SIGUSR1 (its parent's, through its keeper:
+workers/containment.py) has faulthandler write the stacks of all its threads to its stderr, which its
+parent reads: how a hung rank's stacks reach its log (workers/runtime/rank_parent.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import importlib
 import os
 import shutil
+import signal
 import sys
 import threading
 
@@ -55,6 +59,7 @@ def main(argv: list[str]) -> None:
     conn_fd = int(argv[1])
     lifeline_fd = int(argv[2])
     staging = argv[3]
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # fd 2: the parent reads it
     _watch_lifeline(lifeline_fd, None if staging == "-" else staging)
     link = ParentLink(conn_fd)
     if mode == "call":

@@ -6,6 +6,7 @@ The conversation, parent -> child pickled, child -> parent JSON:
     child:  {"t": "store", "port"}                   rank 0: the rendezvous store it opened
     parent: {"config", "address", "port", "pg_timeout_s", "log_max_bytes"}   run()
     child:  {"t": "logs", "lines"} | {"t": "row", "row"}                           while training
+    child:  {"t": "at", "step", "phase"}             where it is (workers/phases.py), when that changed
     child:  {"t": "stop?", "step", "checkpointed"}   rank 0, after each step but the last (loop.train's stop_at)
     parent: {"stop": bool}                           the answer; rank 0 broadcasts it to the others
     child:  {"t": "latest"} | {"t": "fetch", ...} | {"t": "saved", ...}    checkpoints on an object store:
@@ -16,19 +17,28 @@ The child has torch and the training loop loaded when it starts (forked from the
 workers/runtime/zygote.py), or imports them at once, while the job's other ranks are being placed
 (a fresh interpreter); it opens rank 0's store itself, so the actor (trusted, connected to Ray)
 never loads torch.
+
+A thread of the child's tells its parent where the training thread is (workers/phases.py), at most
+every PHASE_REPORT_S and only when that changed: the parent's watchdog names the phase a hung rank
+sat in, and does not count time spent outside the steps against them (workers/runtime/rank_parent.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from workers import phases
 from workers.runtime.capture import OutputCapture
 from workers.runtime.link import ParentLink, error_of
 from workers.runtime.rendezvous import join_process_group, open_rendezvous_store, parent_gone
+
+PHASE_REPORT_S = 0.25
+"""How often the child looks at where its training thread is, and says so if that changed."""
 
 
 def run_rank(link: ParentLink) -> None:
@@ -67,6 +77,8 @@ def _train(link: ParentLink, start: dict[str, Any], rank: int, world_size: int, 
 
     from workers.training.loop import train
 
+    reporting = threading.Event()
+    threading.Thread(target=_report_phases, args=(link, reporting), daemon=True, name="zero1-phases").start()
     join_process_group(
         rank=rank,
         world_size=world_size,
@@ -93,10 +105,22 @@ def _train(link: ParentLink, start: dict[str, Any], rank: int, world_size: int, 
         )
         if result.cancelled:  # the actor is gone: no one to report to, no peer to wait for
             os._exit(1)
+        phases.enter("barrier")
         dist.barrier()  # leave together: gloo aborts a rank whose peer tears its pairs down first
         return result
     finally:
+        reporting.set()
         dist.destroy_process_group()
+
+
+def _report_phases(link: ParentLink, done: threading.Event) -> None:
+    """Tell the parent where the training thread is, when that changed, until `done`."""
+    said = None
+    while not done.wait(PHASE_REPORT_S):
+        at = phases.current()
+        if at != said:
+            link.send({"t": "at", "step": at[0], "phase": at[1]})
+            said = at
 
 
 def _spooled(link: ParentLink, spool: Path) -> Any:

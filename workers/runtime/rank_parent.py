@@ -6,6 +6,14 @@ says: metric rows to the supervisor in batches, log lines in order, rank 0's "st
 questions, and the end. Nothing the child sends is trusted: each message is JSON, checked field by
 field, and its rank is the parent's own. A child that dies without a word ends the attempt with how
 it died (`rank 1 exited: killed by signal 9 (out of memory?)`).
+
+The parent is the rank's watchdog too (a job's health.hang_factor): fed the child's rows and its
+reports of where it is, a HangWatch (workers/phases.py) is asked at least once a second whether the
+rank has made no progress for too long. A hung child is asked for its stacks (SIGUSR1 through its
+keeper; its faulthandler writes every thread's to its stderr, which this process reads into the
+rank's log), given DUMP_WAIT_S to write them, killed, and the attempt fails with a HangError that
+names the rank, the step and the phase, its training thread's stack as the traceback. The child is
+never trusted to report itself hung: it may be stuck in user code, holding the GIL.
 """
 
 from __future__ import annotations
@@ -18,7 +26,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from workers.records import STREAMS, Divergence, MetricRow, OutputLine, RankError, TrainResult
+from workers import phases
+from workers.records import HANG_ERROR, STREAMS, Divergence, MetricRow, OutputLine, RankError, TrainResult
 from workers.runtime.capture import MAX_LINE_CHARS
 from workers.runtime.sandbox import Child, ChildExited, ChildSpec, ProtocolError
 from workers.runtime.spool import Spool, SpoolError
@@ -26,6 +35,9 @@ from workers.runtime.spool import Spool, SpoolError
 _REPORT_EVERY_ROWS = 50
 _REPORT_EVERY_S = 0.25
 _FLUSH_WAIT_S = 30.0
+DUMP_WAIT_S = 2.0
+"""The longest a hung child is given to write its stacks: they are in once its stderr is quiet DUMP_QUIET_S."""
+DUMP_QUIET_S = 0.3
 
 
 class RankFailed(RuntimeError):
@@ -87,9 +99,12 @@ class PipedLines:
         self._lines: deque[tuple[float, str, str]] = deque()
         self._bytes = 0
         self.dropped = (0, 0)
+        self.received = 0
+        """Lines taken in so far, dropped or not."""
 
     def __call__(self, stream: str, line: str) -> None:
         with self._lock:
+            self.received += 1
             self._lines.append((time.time(), stream, line))
             self._bytes += len(line) + 1
             while self._bytes > self.MAX_BYTES and len(self._lines) > 1:
@@ -139,11 +154,18 @@ class RankProcess:
     ) -> TrainResult:
         """Hand the child its job and relay until it ends: its result, or RankFailed. Rank 0's child
         asks after each step (stop_requested(step, checkpointed)); the answer must come fast. With
-        a spool (checkpoints on an object store), the child's reads and saves go through it."""
+        a spool (checkpoints on an object store), the child's reads and saves go through it. A hung
+        child (its job's health.hang_factor) is asked for its stacks and killed: RankFailed, a HangError."""
+        health = getattr(start.get("config"), "health", None)
+        watch = None
+        if health is not None and health.hang_factor is not None:
+            watch = phases.HangWatch(hang_factor=health.hang_factor, hang_min_s=health.hang_min_s, now=time.monotonic())
         self.child.send(start)
         try:
             while True:
                 self._hand_on_piped(send_logs)
+                if watch is not None and (hang := watch.hung(time.monotonic())) is not None:
+                    self._hung(hang, send_logs)
                 if parent_gone():  # this node's Ray is gone: stop the child, and go
                     self.child.kill()
                     os._exit(1)
@@ -155,8 +177,16 @@ class RankProcess:
                 kind = message.get("t")
                 if spool is not None and kind in ("latest", "fetch", "saved"):
                     self._storage(spool, message)
+                    _served(watch)
                 elif kind == "row":
-                    sink(self._row(message))
+                    row = self._row(message)
+                    sink(row)
+                    if watch is not None:
+                        watch.stepped(step=row.step, step_time_s=row.step_time_s, now=time.monotonic())
+                elif kind == "at":
+                    step = _int(message, "step")
+                    if watch is not None:
+                        watch.at(step=step, phase=phases.phase_name(message.get("phase")), now=time.monotonic())
                 elif kind == "logs":
                     self._hand_on_piped(send_logs)
                     send_logs(self._lines(message))
@@ -164,6 +194,7 @@ class RankProcess:
                     step = _int(message, "step")
                     checkpointed = _bool(message, "checkpointed")
                     self.child.send({"stop": bool(stop_requested(step, checkpointed))})
+                    _served(watch)
                 elif kind == "result":
                     result = self._result(message)
                     if spool is not None:
@@ -180,6 +211,24 @@ class RankProcess:
 
     def close(self) -> None:
         self.child.close()
+
+    def _hung(self, hang: phases.Hang, send_logs: Callable[[list[OutputLine]], None]) -> None:
+        """The child's stacks into the log, then the child killed: RankFailed with a HangError."""
+        text = hang.message(self.rank)
+        self._piped("log", f"WARNING zero1: {text}: the stacks of its threads follow (faulthandler)")
+        before = self._piped.received
+        self.child.dump_stacks()
+        deadline = time.monotonic() + DUMP_WAIT_S
+        count, quiet_since = before, time.monotonic()
+        while time.monotonic() < deadline and (count == before or time.monotonic() - quiet_since < DUMP_QUIET_S):
+            time.sleep(0.05)
+            if self._piped.received != count:
+                count, quiet_since = self._piped.received, time.monotonic()
+        self.child.kill()
+        self.child.output.drain()
+        dumped = [line.line for line in self._hand_on_piped(send_logs) if line.stream == "stderr"]
+        stack = RankError.tidy_traceback(phases.training_stack(dumped))
+        raise RankFailed(RankError(exception=HANG_ERROR, message=text, traceback=stack))
 
     # ---------------------------------------------------------------- checkpoints on an object store
 
@@ -243,9 +292,9 @@ class RankProcess:
             raise RankFailed(error) from None
         return MetricRow.from_json({**row, "rank": self.rank})
 
-    def _hand_on_piped(self, send_logs: Callable[[list[OutputLine]], None]) -> None:
+    def _hand_on_piped(self, send_logs: Callable[[list[OutputLine]], None]) -> list[OutputLine]:
         """What the child wrote to its pipes since the last call, numbered after the lines before it;
-        a marker first, in the place of what was dropped, if anything was."""
+        a marker first, in the place of what was dropped, if anything was; the lines handed on."""
         piped, (dropped, size) = self._piped.take()
         lines = []
         if dropped:
@@ -256,6 +305,7 @@ class RankProcess:
             lines.append(OutputLine(rank=self.rank, n=self._next(), time=at, stream=stream, line=line))
         if lines:
             send_logs(lines)
+        return lines
 
     def _next(self) -> int:
         self._count += 1
@@ -301,6 +351,12 @@ class RankProcess:
             traceback=tuple(RankError.tidy_traceback([str(line) for line in lines])),
             divergence=Divergence.from_json(error.get("divergence")),
         )
+
+
+def _served(watch: phases.HangWatch | None) -> None:
+    """The parent answered the child: the child's wait for it was not the rank's."""
+    if watch is not None:
+        watch.served(now=time.monotonic())
 
 
 def _int(message: dict[str, Any], key: str) -> int:

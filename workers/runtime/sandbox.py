@@ -253,6 +253,13 @@ class Child:
             with contextlib.suppress(ProcessLookupError):  # a zygote's child may end before it says so
                 os.kill(self.process.pid, signal.SIGTERM)
 
+    def dump_stacks(self) -> None:
+        """Have the child write the stacks of all its threads to its stderr (its faulthandler's, even
+        while a thread holds the GIL): SIGUSR1 to its keeper, which passes it on (workers/containment.py)."""
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.process.pid, signal.SIGUSR1)
+
     def close(self) -> None:
         """Hang up: the child's lifeline breaks and it exits, if it has not, and all it started with it."""
         self.conn.close()

@@ -6,6 +6,6 @@ path inside a job's storage or a child's home (confined), a dataset's objects on
 child to read (staging), a job's code bundle unpacked for its child alone (bundles), and another job's
 final weights loaded to start from (init_weights).
 
-May import: workers.config, workers.limits, workers.records, workers.health, workers.uris, workers.memory, workers.zero,
-workers.models, workers.data.
+May import: workers.config, workers.limits, workers.records, workers.health, workers.phases, workers.uris,
+workers.memory, workers.zero, workers.models, workers.data.
 """

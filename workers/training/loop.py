@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from workers import phases
 from workers.config import HFSpec, PythonSpec, TrainConfig, data_step
 from workers.data.sources import Batches
 from workers.health import DivergenceWatch
@@ -103,6 +104,7 @@ def train(
     watch = DivergenceWatch(config.health, max_nonfinite_steps=config.max_nonfinite_steps)
     with checkpointer:  # leaving it waits for the write in flight
         for step in range(first, config.steps):
+            phases.begin_step(step)
             if should_stop():
                 checkpointer.abandon()  # the write in flight still finishes; its error is logged, not raised
                 return TrainResult(rank=rank, first_step=first, last_step=last, cancelled=True)
@@ -118,6 +120,7 @@ def train(
             if checkpointer.maybe_stop(row):
                 return TrainResult(rank=rank, first_step=first, last_step=last, cancelled=False, stopped=True)
     if config.checkpoint_dir:  # every step is done (a resume past the last one too): the model goes out
+        phases.enter("final")
         write_final(
             context.model,
             context.opt,
@@ -231,6 +234,7 @@ def _step_line(row: MetricRow, *, steps: int) -> str:
 
 def _agree(decision: bool, context: _StepContext) -> bool:
     """Rank 0's decision, on every rank (one broadcast)."""
+    phases.enter("broadcast")
     if context.world_size == 1:
         return decision
     flag = torch.tensor([int(decision)], device=context.device)
@@ -310,9 +314,11 @@ class _StepContext:
         the model states at its peak, counted as the plan counts them (workers/models/trace.py)."""
 
         def forward() -> torch.Tensor:
+            phases.enter("forward")
             return loss_of(self.model(inputs, targets)) / accumulation
 
         def backward(loss: torch.Tensor) -> None:
+            phases.enter("backward")
             self.opt.scale_loss(loss).backward()
 
         if not count:
@@ -326,6 +332,7 @@ class _StepContext:
     def evaluate(self, *, num_batches: int) -> float:
         """Mean loss of this rank's first `num_batches` held-out micro-batches, in eval mode, averaged
         over the ranks (each rank's mean has the same weight: every rank evaluates as many)."""
+        phases.enter("eval")
         was_training = self.model.training
         self.model.eval()
         total = torch.zeros((), dtype=torch.float32, device=self.device)

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from workers import phases
 from workers.records import MetricRow, NonFiniteError
 from workers.training.checkpoints import (
     COMPLETE,
@@ -122,6 +123,7 @@ class CheckpointWriter:
     def save(self, step: int, metrics: Sequence[MetricRow] = ()) -> float:
         """Checkpoint `step` with the rows since the previous checkpoint; the seconds the training
         thread was held up. Asynchronous, the row of `step` itself is saved with them."""
+        phases.enter("checkpoint")
         started = time.perf_counter()
         self.settle()  # one write in flight at most; the host copy is free again
         if self.io.publish is None:

@@ -4,5 +4,5 @@ buckets), fp16 loss scaling (loss_scale) and its checkpoint formats: the sharded
 world sizes (sharded_state), and the consolidated one (consolidated). Stages 2 (stage2) and 3 (stage3,
 on FSDP2, sharded by a model's units: workers.models.units).
 
-May import: workers.limits, workers.memory, workers.models.
+May import: workers.limits, workers.memory, workers.models, workers.phases.
 """

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from workers import phases
 from workers.limits import DEFAULT_BUCKET_CAP_MB, MIN_BUCKET_CAP_MB
 from workers.memory.model import SHARD_ALIGNMENT_NUMEL
 from workers.zero import sharded_state
@@ -291,7 +292,9 @@ class ZeRO1AdamW(sharded_state.CheckpointMethods, torch.optim.Optimizer):
                 loss = closure()
         scale = self.loss_scale
         clock = self._clock()
+        phases.enter("reduce_scatter")
         self._reduce_gradients()  # 1. reduce: each buffer's grad_shard (S,) sums the ranks' gradients
+        phases.enter("all_reduce")
         grad_norm, active = self._global_grad_stats(scale, also_sum)
         clock("reduce")
         # the norm comes from one all-reduce, so every rank holds the same value and skips, or
@@ -305,8 +308,10 @@ class ZeRO1AdamW(sharded_state.CheckpointMethods, torch.optim.Optimizer):
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow=overflow)
         if not self.skipped:
+            phases.enter("update")
             self._update(grad_norm=grad_norm, scale=scale, active=active)  # 2. update and 3. cast
             clock("update")
+            phases.enter("all_gather")
             self._comm.gather_updated()  # 4. gather: every rank receives every updated shard
             clock("gather")
         self._had_grad = [False] * len(self._slots)

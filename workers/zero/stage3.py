@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from workers import phases
 from workers.memory.model import SHARD_ALIGNMENT_NUMEL
 from workers.models.units import units_of
 from workers.zero.loss_scale import DynamicLossScaler
@@ -141,6 +142,7 @@ class ZeRO3AdamW(Stage3Checkpoints, torch.optim.AdamW):
         if also_sum is not None:
             stats[1:] = also_sum.reshape(-1)
         if self.world_size > 1:
+            phases.enter("all_reduce")
             dist.all_reduce(stats, group=self.process_group)
         if also_sum is not None:
             also_sum.copy_(stats[1:].view_as(also_sum))
@@ -156,6 +158,7 @@ class ZeRO3AdamW(Stage3Checkpoints, torch.optim.AdamW):
             clip = min(1.0, self.max_grad_norm / (self.grad_norm + _CLIP_EPS))
         if clip != 1.0 or scale != 1.0:
             torch._foreach_mul_([_local(g) for g in grads], clip / scale)
+        phases.enter("update")
         super().step()
         return loss
 
