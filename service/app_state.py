@@ -2,7 +2,7 @@
 scheduler and code store.
 
 May import: service.settings, service.telemetry, service.concurrency, service.store, service.planning,
-service.scheduling, service.experiments, service.tracking.
+service.intake, service.scheduling, service.experiments, service.tracking.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import logging
 
 from service.concurrency import Slots, follower_limits, task_limits
 from service.experiments import sweeps
+from service.intake.replans import Replanner
 from service.planning.capacity import RayCluster
 from service.planning.dataset_checks import DatasetChecker, token_store_of
 from service.planning.traces import Tracer
@@ -77,6 +78,7 @@ class AppState:
             sweep_interval_s=settings.placement_sweep_interval_s,
             telemetry=telemetry,
             advance_sweeps=sweeps.advance,
+            replan=Replanner(settings, capacity=lambda: self.cluster.capacity(), tracer=self.tracer),
         )
         self.exporter = (
             None

@@ -155,6 +155,16 @@ PEER_LOSS_MARKERS = (
 )
 """Text of a collective's error that says a peer is gone (RankError.is_peer_loss)."""
 
+OOM_EXCEPTIONS = frozenset({"OutOfMemoryError", "MemoryError"})
+"""Exceptions that say a rank ran out of memory: torch.OutOfMemoryError (torch.cuda's is the same
+class), Ray's memory monitor's, Python's MemoryError."""
+OOM_KILLED = "the kernel's OOM killer"
+"""What a child's end says when its SIGKILL came while the kernel's OOM killer was killing
+(workers/runtime/sandbox.py, exit_reason)."""
+OOM_MARKERS = ("CUDA out of memory", "HIP out of memory", "DefaultCPUAllocator: can't allocate memory", OOM_KILLED)
+"""Text of an error of another type that says the same: an older torch's RuntimeError, a CPU
+allocation refused, a child killed by the kernel for memory (RankError.is_oom)."""
+
 
 COLLECTIVES = frozenset({"reduce_scatter", "all_reduce", "all_gather", "broadcast", "barrier"})
 """The phases of a rank's work (workers/phases.py) in which it waits for its peers."""
@@ -221,6 +231,12 @@ class RankError:
         """Whether this is a hang in a collective (its message ends with the phase, workers.phases.Hang):
         the rank waited for a peer, which may have hung elsewhere."""
         return self.exception == HANG_ERROR and self.message.rpartition(" in ")[2] in COLLECTIVES
+
+    @property
+    def is_oom(self) -> bool:
+        """Whether the rank ran out of memory: an out-of-memory exception, or a child that the
+        kernel's OOM killer ended (service/intake/replans.py plans such a job again, smaller)."""
+        return self.exception in OOM_EXCEPTIONS or any(marker in self.message for marker in OOM_MARKERS)
 
     def to_json(self) -> dict[str, Any]:
         """As a job's `error` stores it."""

@@ -37,7 +37,7 @@ async def admit_async(
     spec: JobSpec, *, cluster: ClusterCapacity, overhead_bytes: int, tracer: Tracer, user: str | None
 ) -> PlanPublic:
     """admit, with the model's trace (if it is planned by one) awaited first in one of `user`'s slots."""
-    known = await trace_first(_plan_request(spec, cluster=cluster), tracer=tracer, user=user)
+    known = await trace_first(plan_request(spec, cluster=cluster), tracer=tracer, user=user)
     return admit(spec, cluster=cluster, overhead_bytes=overhead_bytes, tracer=known)
 
 
@@ -45,7 +45,7 @@ def admit(spec: JobSpec, *, cluster: ClusterCapacity, overhead_bytes: int, trace
     """The plan a job is admitted by (an hf model's traced by `tracer`): at its zero_stage, or (auto) at
     the first stage that runs and fits; or a 422 does_not_fit that says what would fit."""
     for stage in spec.stages():
-        request = _plan_request(spec, cluster=cluster, stage=stage)
+        request = plan_request(spec, cluster=cluster, stage=stage)
         plan = make_plan(request, cluster=cluster, overhead_bytes=overhead_bytes, tracer=tracer)
         if plan.fits:
             break
@@ -81,7 +81,8 @@ def _stage_at(spec: JobSpec, plan: fit.Plan, workload: memory.Workload) -> dict[
     }
 
 
-def _plan_request(spec: JobSpec, *, cluster: ClusterCapacity, stage: int | None = None) -> PlanRequest:
+def plan_request(spec: JobSpec, *, cluster: ClusterCapacity, stage: int | None = None) -> PlanRequest:
+    """The job's plan at `stage` (JobSpec.plan_request) against the cluster's GPU memory."""
     return spec.plan_request(stage=stage).model_copy(update={"gpu_memory_gb": cluster.gpu_memory_bytes / GB})
 
 

@@ -150,6 +150,12 @@ class Search:
     """The largest micro-batch a job takes."""
     stages: tuple[int, ...] = (1,)
     """The ZeRO stages searched, ascending: the ones a job trains at."""
+    num_gpus: int | None = None
+    """Only this N (an out-of-memory replan keeps its attempt's, service/planning/replans.py); None: each."""
+    micro_batch_divides: int | None = None
+    """Only the micro-batches that divide this one (a replan's: its accumulation then multiplies)."""
+    checkpointing_only: bool = False
+    """Only configurations with activation checkpointing (a replan never turns it off)."""
 
     def __post_init__(self) -> None:
         counts = {name: getattr(self, name) for name in ("global_batch_size", "num_tokens", "max_gpus")}
@@ -159,15 +165,24 @@ class Search:
             raise ValueError(f"{given} must be >= 1 and gpu_memory_bytes ({self.gpu_memory_bytes}) >= 0")
         if not self.stages or list(self.stages) != sorted(set(self.stages)) or not set(self.stages) <= {1, 2, 3}:
             raise ValueError(f"stages must be ascending, from (1, 2, 3), got {self.stages}")
+        if self.checkpointing_only and not self.checkpointing_applies:
+            raise ValueError("checkpointing_only needs a model with activation checkpointing (checkpointing_applies)")
 
     def num_gpus_allowed(self) -> list[int]:
-        """The world sizes that can run the global batch: N <= max_gpus that divide it."""
-        return [n for n in divisors(self.global_batch_size) if n <= self.max_gpus]
+        """The world sizes that can run the global batch: N <= max_gpus that divide it (num_gpus alone, if set)."""
+        return [n for n in divisors(self.global_batch_size) if n <= self.max_gpus and self.num_gpus in (None, n)]
 
     def micro_batch_sizes(self, *, num_gpus: int) -> list[int]:
         """The micro-batches N GPUs can run the global batch with (accumulating the rest), ascending."""
         per_gpu = self.global_batch_size // num_gpus
-        return [m for m in divisors(per_gpu) if m <= self.max_micro_batch_size]
+        divides = self.micro_batch_divides
+        return [m for m in divisors(per_gpu) if m <= self.max_micro_batch_size and (divides or m) % m == 0]
+
+    def checkpointing(self) -> tuple[bool, ...]:
+        """Activation checkpointing off and on, as the model and checkpointing_only allow."""
+        if self.checkpointing_only:
+            return (True,)
+        return (False, True) if self.checkpointing_applies else (False,)
 
 
 def _choices(planner: _Planner, *, search: Search, cost_of: Callable[..., StepCost]) -> list[_Choice]:
@@ -181,7 +196,7 @@ def _choices(planner: _Planner, *, search: Search, cost_of: Callable[..., StepCo
         earlier: dict[bool, _Fit] = {}  # by checkpointing: the largest micro-batch of the stages before
         for stage in search.stages:
             fits: dict[bool, _Fit] = {}
-            for checkpointing in (False, True) if search.checkpointing_applies else (False,):
+            for checkpointing in search.checkpointing():
                 fit = planner.largest_fit(
                     num_gpus=num_gpus, micro_batch_sizes=sizes, activation_checkpointing=checkpointing, stage=stage
                 )

@@ -232,12 +232,13 @@ class Tracer:
         self._cache: OrderedDict[str, TracedStep] = OrderedDict()
         self._lock = threading.Lock()
 
-    def trace(self, request: TraceRequest) -> TracedStep:
-        """The request's trace, waited for in this thread (the CLI's way; a route awaits trace_async)."""
+    def trace(self, request: TraceRequest, *, user: str | None = None) -> TracedStep:
+        """The request's trace, waited for in this thread (the CLI's way, and the scheduler's replan of a
+        job of `user`'s; a route awaits trace_async)."""
         cached = self._cached(request.digest)
         if cached is not None:
             return cached
-        return self._remember(request.digest, self._run(request))
+        return self._remember(request.digest, self._run(request, user=user))
 
     async def trace_async(self, request: TraceRequest, *, user: str | None) -> TracedStep:
         """The request's trace, awaited without a thread; one not cached takes one of `user`'s slots
@@ -266,12 +267,12 @@ class Tracer:
                 self._cache.popitem(last=False)
         return traced
 
-    def _run(self, request: TraceRequest) -> TracedStep:
+    def _run(self, request: TraceRequest, *, user: str | None) -> TracedStep:
         if self.in_process:
             if request.model.get("code") is not None:  # user code never runs in this process
                 raise invalid_model("model", "a python model is planned by the service (POST /v1/plan), not here")
             return _with_trace_errors(lambda: run_trace(request))
-        return run_task(run_trace, request, **self._task_options(request, user=None))
+        return run_task(run_trace, request, **self._task_options(request, user=user))
 
     def _task_options(self, request: TraceRequest, *, user: str | None) -> dict[str, Any]:
         """run_task's options for this request: a python model's stored bundle, for the task's child; a

@@ -4,7 +4,11 @@ from the latest checkpoint (at which N), send it back to the queue, or fail the 
 A failed or lost attempt is retried while the job's max_retries allows, each retry counted; a
 retry runs at the N the scheduler found free for it (service/scheduling/elastic.py, relaunch_size),
 and goes back to the queue, its retry spent, where its owner's quota no longer holds its fewest GPUs.
-Ray Train v2's FailurePolicy.make_decision is the model.
+An attempt that ran out of memory is relaunched at the smaller configuration its Replan names
+(service/intake/replans.py) with no retry spent, as DeepSpeed's and Determined's users expect of a
+job that only asked too much of a GPU; it is bounded, as each replan plans fewer bytes than the last.
+With no Replan, or none left, it is a failure as any other. Ray Train v2's FailurePolicy.make_decision
+is the model.
 
 No database, no Ray, no clock: service/scheduling/scheduler.py gathers the failure and
 service/scheduling/outcomes.py carries out the decision.
@@ -15,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from service.schemas.requests import JobSpec
+from service.schemas.responses import PlanPublic
 from workers.records import RankError
 
 
@@ -30,6 +36,17 @@ class FailureAction(str, Enum):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Replan:
+    """An out-of-memory attempt's job at its next configuration (the same global batch, fewer planned
+    bytes), or, without spec and plan, why there is none."""
+
+    reason: str
+    """The event's words: `out of memory at micro_batch_size 4 on rank 0: retrying at ...`, or why not."""
+    spec: JobSpec | None = None
+    plan: PlanPublic | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class AttemptFailure:
     """A failed (or lost) attempt, as the scheduler knows it."""
 
@@ -39,6 +56,8 @@ class AttemptFailure:
     """Retries the job has spent before this failure."""
     relaunch_size: int | None
     """The N a retry would run at now (elastic.relaunch_size); None past its owner's GPU quota."""
+    replan: Replan | None = None
+    """An out-of-memory failure's next configuration (or why none); None for any other failure."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -54,6 +73,8 @@ class FailureDecision:
     """RETRY's N; None otherwise."""
     tail: str = ""
     """The failing rank's last traceback lines, each after a newline ("" without them)."""
+    replan: Replan | None = None
+    """The configuration RETRY or REQUEUE relaunches at, its spec and plan (an out-of-memory replan)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -68,6 +89,21 @@ class FailurePolicy:
         error = failure.error
         cause = "failed" if error is None else error.reason()
         tail = "" if error is None else error.traceback_text()
+        replan = failure.replan if error is not None and error.is_oom else None
+        if replan is not None and replan.spec is not None:  # no retry spent: it plans fewer bytes each time
+            action = FailureAction.RETRY if failure.relaunch_size is not None else FailureAction.REQUEUE
+            quota = "" if failure.relaunch_size is not None else "; past its owner's GPU quota"
+            reason = f"{replan.reason}; no retry spent{quota}"
+            return FailureDecision(
+                action=action,
+                reason=reason,
+                num_retries=failure.num_retries,
+                size=failure.relaunch_size,
+                tail=tail,
+                replan=replan,
+            )
+        if replan is not None:
+            cause = f"{cause}; {replan.reason}"
         if failure.num_retries >= self.max_retries:
             spent = f" after {failure.num_retries} of max_retries {self.max_retries}" if self.max_retries else ""
             return FailureDecision(

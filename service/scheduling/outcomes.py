@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 from service.scheduling import elastic
 from service.scheduling import health as rollback_policy
 from service.scheduling.dispatch import Dispatcher, Settled, Stop, resume_point
-from service.scheduling.failure import AttemptFailure, FailureAction, FailurePolicy
+from service.scheduling.failure import AttemptFailure, FailureAction, FailurePolicy, Replan
 from service.scheduling.job_states import running_reason, stage_change, transition
 from service.scheduling.usage import row_gpu_seconds
 from service.schemas.requests import JobSpec
@@ -77,8 +77,11 @@ class Outcomes:
         )
         return num_rows
 
-    def progress(self, session: Session, job: Job, state: AttemptPoll) -> Settled | None:
-        """A poll's rows and lines stored, the move to running, and the end its status says, if any."""
+    def progress(
+        self, session: Session, job: Job, state: AttemptPoll, *, replan: Replan | None = None
+    ) -> Settled | None:
+        """A poll's rows and lines stored, the move to running, and the end its status says, if any
+        (an out-of-memory failure's `replan` from the scheduler's Replanner)."""
         before = job.step
         self.ingest(session, job, state)
         stored_through = None
@@ -97,7 +100,7 @@ class Outcomes:
                 session, job, "succeeded", f"all {job.world_size or job.num_gpus} ranks finished step {job.steps - 1}"
             )
         if status in (AttemptStatus.FAILED, AttemptStatus.LOST):
-            return self._on_failure(session, job, state.error)
+            return self._on_failure(session, job, state.error, replan=replan)
         return Settled(stored_through=stored_through)
 
     def end(
@@ -137,9 +140,12 @@ class Outcomes:
             return self._record_relaunch(session, job, cause=stop.cause() + tail, size=stop.preempt.to_n, grown=True)
         return self._wait_again(session, job, "queued", cause=stop.cause(), tail=tail)
 
-    def _on_failure(self, session: Session, job: Job, error: RankError | None) -> Settled | None:
+    def _on_failure(
+        self, session: Session, job: Job, error: RankError | None, *, replan: Replan | None = None
+    ) -> Settled | None:
         """Carry out the failure policy's decision (service/scheduling/failure.py): retry from the
-        last checkpoint at the N it names, back to the queue past the owner's quota, or fail. A diverged run
+        last checkpoint at the N it names (at an out-of-memory replan's configuration: its spec and
+        plan the job's from now on), back to the queue past the owner's quota, or fail. A diverged run
         of a job with max_rollbacks is the rollback policy's instead (_roll_back)."""
         if error is not None and error.divergence is not None:
             health = JobSpec.model_validate(job.spec).health.to_spec()
@@ -147,11 +153,14 @@ class Outcomes:
                 return self._roll_back(session, job, error, divergence=error.divergence, health=health)
         policy = FailurePolicy(max_retries=JobSpec.model_validate(job.spec).max_retries)
         failure = AttemptFailure(
-            error=error, num_retries=job.num_retries, relaunch_size=self._relaunch_size(session, job)
+            error=error, num_retries=job.num_retries, relaunch_size=self._relaunch_size(session, job), replan=replan
         )
         decision = policy.make_decision(failure)
         if decision.action == FailureAction.FAIL:
             return self.end(session, job, "failed", f"{decision.reason}{decision.tail}", error=error)
+        if decision.replan is not None:  # a smaller micro-batch (or more checkpointing, a later stage): same N
+            job.spec = decision.replan.spec.model_dump(mode="json")
+            job.plan = decision.replan.plan.model_dump(mode="json")
         job.num_retries = decision.num_retries
         if decision.action == FailureAction.REQUEUE:  # its owner's quota no longer holds its fewest GPUs
             return self._wait_again(session, job, "queued", cause=decision.reason)

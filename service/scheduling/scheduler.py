@@ -30,6 +30,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.scheduling.dispatch import Dispatcher, Reasons, Settled, Stop
+from service.scheduling.failure import Replan
 from service.scheduling.job_states import still_active
 from service.scheduling.outcomes import Outcomes
 from service.scheduling.ray_launcher import RayLauncher
@@ -61,6 +62,7 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         telemetry: Telemetry | None = None,
         advance_sweeps: Callable[[Session], bool] | None = None,
+        replan: Callable[[Job, RankError], Replan] | None = None,
     ) -> None:
         self.db = db
         self.launcher = launcher
@@ -101,6 +103,9 @@ class Scheduler:
         """Each tick, before it admits: submit the running sweeps' next trials and stop those early stopping
         judges behind (service.experiments.sweeps.advance); whether a sweep still runs. None: no sweeps."""
         self._sweeping = True  # a sweep may be running: the first tick looks (sweep_created() sets it again)
+        self.replan = replan
+        """An out-of-memory attempt's job at its next configuration, or why none (service.intake.replans's
+        Replanner); None: such a failure is retried as any other."""
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -297,7 +302,20 @@ class Scheduler:
             state = replace(state, status=AttemptStatus.FAILED, error=start_timeout(job, self.start_timeout_s))
         if state.status == AttemptStatus.SUCCEEDED:  # final/ read, checked and recorded before the job ends
             record_final(self.db, job, job_dir=self.storage.checkpoint_dir(job))
-        self._settle(job, lambda session, fresh: self.outcomes.progress(session, fresh, state))
+        replan = self._replan(job, state.error) if state.status in (AttemptStatus.FAILED, AttemptStatus.LOST) else None
+        self._settle(job, lambda session, fresh: self.outcomes.progress(session, fresh, state, replan=replan))
+
+    def _replan(self, job: Job, error: RankError | None) -> Replan | None:
+        """An out-of-memory failure's next configuration, planned before the job's transaction (its traces
+        are Ray tasks); None for any other failure, or where planning failed (logged: the failure policy
+        then decides as for any failure)."""
+        if self.replan is None or error is None or not error.is_oom:
+            return None
+        try:
+            return self.replan(job, error)
+        except Exception:
+            log.exception("job %s: could not plan it again after it ran out of memory", job.id)
+            return None
 
     def _start_overdue(self, job: Job) -> bool:
         """Whether this attempt has been starting for longer than start_timeout_s (counted from

@@ -111,7 +111,8 @@ class JobPublic(BaseModel):
     name: str
     status: JobStatus
     spec: dict | None = Field(
-        description="The JobSpec as submitted (data.path resolved); null unless the caller owns the job or is an admin."
+        description="The JobSpec as submitted (data.path resolved; after an out-of-memory replan, its configuration); "
+        "null unless the caller owns the job or is an admin."
     )
     plan: dict
     num_gpus: int = Field(description="The most GPUs it runs on (all of them unless elastic).")

@@ -38,7 +38,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from workers import containment
-from workers.records import RunAs
+from workers.records import OOM_KILLED, RunAs
 from workers.runtime import zygote
 from workers.runtime.capture import ChildOutput, LoggedOutput
 
@@ -141,9 +141,9 @@ def _own(path: str, run_as: RunAs | None) -> None:
         os.chown(path, run_as.uid, run_as.gid, follow_symlinks=False)
 
 
-def exit_reason(returncode: int | None) -> str:
+def exit_reason(returncode: int | None, *, oom_killed: bool = False) -> str:
     """How a process ended, in words: `exited with code 3`, `was killed by signal 9 (SIGKILL: out
-    of memory?)` (the kernel's OOM killer sends SIGKILL)."""
+    of memory?)` (the kernel's OOM killer sends SIGKILL); `oom_killed`: it was killing meanwhile."""
     if returncode is None:
         return "is still running"
     if returncode >= 0:
@@ -153,8 +153,16 @@ def exit_reason(returncode: int | None) -> str:
         name = signal.Signals(number).name
     except ValueError:
         name = "unknown"
-    hint = ": out of memory?" if number == signal.SIGKILL else ""
+    hint = (f": {OOM_KILLED}" if oom_killed else ": out of memory?") if number == signal.SIGKILL else ""
     return f"was killed by signal {number} ({name}{hint})"
+
+
+def oom_kills() -> int | None:
+    """Processes the kernel's OOM killer has killed on this machine (/proc/vmstat's oom_kill, Linux
+    4.13+: a cgroup's memory limit counts too); None where it cannot be read."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/vmstat") as file:
+        return next((int(line.split()[1]) for line in file if line.startswith("oom_kill ")), None)
+    return None
 
 
 class Child:
@@ -171,6 +179,7 @@ class Child:
         """`on_output(stream, line)`: each line the child writes to its stdout or stderr (from a
         thread of this process's); by default logged here, each line after a prefix."""
         prepare_home(spec)
+        self._oom_kills = oom_kills()  # a SIGKILL while this count grows is the OOM killer's
         code = self._staged = stage_code(spec.code_uri, spec.run_as) if spec.code_uri else None
         staging = os.path.dirname(os.path.dirname(code)) if code else "-"  # the child removes it if orphaned
         parent_end, child_end = socket.socketpair()
@@ -244,7 +253,7 @@ class Child:
         except subprocess.TimeoutExpired:
             self.kill()
             code = self.process.wait()
-        return exit_reason(code)
+        return exit_reason(code, oom_killed=self._oom_kills is not None and (oom_kills() or 0) > self._oom_kills)
 
     def kill(self) -> None:
         """End the child and every process it started: its keeper (workers/containment.py) kills
