@@ -176,7 +176,9 @@ class Search:
         """The micro-batches N GPUs can run the global batch with (accumulating the rest), ascending."""
         per_gpu = self.global_batch_size // num_gpus
         divides = self.micro_batch_divides
-        return [m for m in divisors(per_gpu) if m <= self.max_micro_batch_size and (divides or m) % m == 0]
+        return [
+            m for m in divisors(per_gpu) if m <= self.max_micro_batch_size and (divides is None or divides % m == 0)
+        ]
 
     def checkpointing(self) -> tuple[bool, ...]:
         """Activation checkpointing off and on, as the model and checkpointing_only allow."""
