@@ -124,6 +124,10 @@ class Settings(BaseSettings):
     preempt_grace_s: float = Field(60.0, gt=0, le=86_400)
     """Seconds a preempted or suspended job's ranks have to stop at a step with a checkpoint;
     past it they are killed and the job resumes from its last checkpoint."""
+    preempt_victims: Literal["least_loss", "lowest_priority"] = "least_loss"
+    """A waiting job's victims, borrowed GPUs first: `least_loss`, those whose stops lose the fewest GPU-seconds
+    (a checkpoint unless one is due, the relaunch's start-up), then the lowest priority; `lowest_priority` (as
+    before): elastic jobs shrunk first, then the lowest priority, then the most recently started."""
     queue_policy: Literal["priority", "fifo"] = "priority"
     """`priority`: by priority then submission, with backfill, quotas and preemption; `fifo`: one
     line by submission, the head waits for its GPUs (zero1 before priorities; no preemption)."""

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import zipfile
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
 
@@ -507,6 +508,57 @@ def test_jobs_on_a_terminal_is_a_table_with_the_status_coloured(on_a_terminal, m
         ["12", "running", "42/300", "2/4", "1.2346", "[bold]elastic[/]"],  # a name is text, never markup
         ["11", "succeeded", "300/300", "2", "-", "tiny"],
     ]
+
+
+def _queue_api(request: httpx.Request) -> httpx.Response:
+    """GET /v1/queue: a job estimated to start in 2 h 30 min, one unknown (it waits on a job of unknown length)."""
+    soon = (datetime.now(UTC) + timedelta(hours=2.5, seconds=30)).isoformat()
+    entry = {"name": "next", "owner": "alice", "priority": 50, "num_gpus": 2, "min_gpus": 2}
+    entry |= {"created_at": "2026-12-03T10:00:00Z", "reason": "waiting for 2 GPUs, 0 free"}
+    data = [
+        entry | {"position": 1, "id": 7, "estimated_start": soon},
+        entry | {"position": 2, "id": 8, "name": "later", "reason": "behind job 7", "estimated_start": None},
+    ]
+    return httpx.Response(200, json={"data": data, "count": 2, "owners": []})
+
+
+def test_the_queue_shows_each_jobs_estimated_start_from_now(on_a_terminal, monkeypatch, capsys):
+    from service.cli import jobs as cli_jobs
+    from service.cli import queue as cli_queue
+    from service.schemas.responses import starts_in
+
+    fake_api(monkeypatch, _queue_api)
+    monkeypatch.setattr(cli_queue, "_client", cli_jobs._client)  # the fake API's, as queue.py imported it
+    assert main(["queue"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["#", "id", "priority", "gpus", "owner", "name", "starts", "reason"]
+    assert lines[1].split() == [
+        "1",
+        "7",
+        "50",
+        "2",
+        "alice",
+        "next",
+        "in",
+        "2.5",
+        "h",
+        "waiting",
+        "for",
+        "2",
+        "GPUs,",
+        "0",
+        "free",
+    ]
+    assert lines[2].split() == ["2", "8", "50", "2", "alice", "later", "-", "behind", "job", "7"]
+    a_terminal = on_a_terminal()
+    assert main(["queue"]) == 0
+    table = re.sub(r"\x1b\[[0-9;]*m", "", a_terminal.getvalue()).splitlines()
+    assert any(line.split()[:9] == ["1", "7", "next", "alice", "50", "2", "in", "2.5", "h"] for line in table)
+    now = datetime(2026, 12, 3, 10, 0, tzinfo=UTC)
+    assert [starts_in(now + timedelta(seconds=s), now=now) for s in (-5, 59, 61, 3599, 3600, 2 * 86_400)] == [
+        "<1 min", "<1 min", "in 1 min", "in 59 min", "in 1.0 h", "in 2.0 d"
+    ]  # fmt: skip
+    assert starts_in(None, now=now) == "-" and starts_in(None, now=now, unknown="—") == "—"
 
 
 def test_the_watch_line():

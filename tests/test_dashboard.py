@@ -320,6 +320,9 @@ def test_watch_a_job_wait_run_and_succeed_cancelling_the_job_ahead_of_it(ui, ser
     waiting = dashboard.locator(f'#queue tbody tr[data-id="{job["id"]}"]')
     expect(waiting.locator("td.why")).to_have_text("waiting for 2 GPUs, 1 free")
     expect(waiting.locator("td").first).to_have_text("#1")
+    # when it starts: once the hog's rows give its step time, its 100,000 steps left x that (estimates.py)
+    expect(waiting.locator("td.c-start")).to_have_text(re.compile(r"^in \d+(\.\d)? (min|h|d)$"))
+    expect(waiting.locator("td.c-start")).to_have_attribute("title", re.compile(r"^estimated \d{4}-\d\d-\d\d .* UTC$"))
     ui.screenshot(dashboard, "dashboard-queued", full_page=False)
 
     _cancel_through_its_page(ui, server, hog["id"])

@@ -12,8 +12,11 @@ import json
 import re
 import secrets
 from collections.abc import Iterator
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
 
 import pytest
+from fakes import metric_row
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import select
@@ -22,6 +25,7 @@ from service.cli import main
 from service.scheduling import controls
 from service.scheduling.dispatch import Reasons
 from service.scheduling.job_states import transition
+from service.store.metric_rows import store_metrics
 from service.store.tables import Job
 
 import helpers
@@ -243,7 +247,7 @@ def test_the_queue_is_by_priority_then_submission_with_why_each_waits(api, monke
     ]
     assert queue["count"] == 4 and all(e["reason"] == WAITING_REASON for e in queue["data"])  # no tick yet
     assert set(queue["data"][0]) == {
-        "position", "id", "name", "owner", "priority", "num_gpus", "min_gpus", "created_at", "reason"
+        "position", "id", "name", "owner", "priority", "num_gpus", "min_gpus", "created_at", "reason", "estimated_start"
     }  # fmt: skip
     assert [(o["owner"], o["gpus_in_use"], o["quota"], o["borrowed_gpus"]) for o in queue["owners"]] == [
         ("alice", 2, None, 0),
@@ -278,9 +282,43 @@ def test_the_dashboard_lists_the_queue_and_each_owners_gpus(api, monkeypatch):
     assert "waiting for 2 GPUs, 0 free" in panel and WAITING_REASON.replace("'", "&#39;") in panel
     assert "later-&lt;b&gt;" in panel and "<b>" not in panel  # a name is text
     assert '<td class="num" data-label="Priority">40</td>' in panel
+    assert panel.count('<td class="num c-start" data-label="Starts" title="estimated ') == 2  # nothing holds a GPU
+    assert panel.count(">&lt;1 min</td>") == 2
     assert re.search(r'data-label="Owner">intern</th><td[^>]*>0</td><td[^>]*>2</td>', panel)  # 0 of quota 2
     assert '<dd data-field="queued">2</dd>' in page.text
     assert "cdn" not in page.text.lower() and "https://" not in page.text
+
+
+def test_each_queued_job_has_an_estimated_start_from_the_steps_left_of_the_jobs_holding_its_gpus(api):
+    """GET /v1/queue's estimated_start: the policy replayed forward on the database (service/scheduling/
+    estimates.py). A running job without a step time yet holds its GPUs for an unknown time: null."""
+    held = submit(api, ALICE, name="held", num_gpus=4)  # all 4 GPUs, 1,000,000 steps
+    waiting = submit(api, ALICE, name="next")  # 2 GPUs: once the held job ends
+    behind = submit(api, ALICE, name="behind", num_gpus=4)  # behind it, once it ends (it never trained)
+    start_by_hand(api, held["id"], world_size=4)
+    with api.app.state.runtime.db.session() as session:
+        job = session.get(Job, held["id"])
+        assert transition(session, job, "running", "4 ranks placed on 1 node(s) and training")
+
+    def starts() -> dict[int, str | None]:
+        data = api.get("/v1/queue", headers=bearer(ALICE)).json()["data"]
+        return {e["id"]: e["estimated_start"] for e in data}
+
+    assert starts() == {waiting["id"]: None, behind["id"]: None}  # no row yet: no step time
+    with api.app.state.runtime.db.session() as session:
+        job = session.get(Job, held["id"])
+        store_metrics(session, job, [replace(metric_row(9), step_time_s=0.5, world_size=4)])
+    before = datetime.now(UTC)
+    estimated = starts()
+    after = datetime.now(UTC)
+    left_s = (1_000_000 - 10) * 0.5  # its steps left x its step time
+    start = datetime.fromisoformat(estimated[waiting["id"]])
+    assert before + timedelta(seconds=left_s) <= start <= after + timedelta(seconds=left_s)
+    assert estimated[behind["id"]] is None  # it waits on the next job's end, which nobody knows yet
+    page = api.get("/", headers=bearer(ALICE)).text  # the dashboard's queue panel: in 5.8 d
+    assert re.search(
+        rf'<tr data-id="{waiting["id"]}">.*?data-label="Starts" title="estimated [^"]+">in 5\.8 d</td>', page
+    )
 
 
 def test_a_jobs_page_shows_its_priority_and_a_preemption_event_marked(api):
@@ -392,9 +430,11 @@ def test_the_cli_submits_with_a_priority_changes_it_suspends_resumes_and_lists_t
     assert capsys.readouterr().out == f"job {job_id}: priority 80 (queued, queue position 1)\n"
     assert main(["queue"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["#", "id", "priority", "gpus", "owner", "name", "reason"]
-    assert lines[1].split(maxsplit=6) == ["1", str(job_id), "80", "2", "alice", "cli-job", WAITING_REASON]
-    assert lines[2].split(maxsplit=6) == ["2", str(other["id"]), "50", "2", "intern", "intern-job", WAITING_REASON]
+    assert lines[0].split() == ["#", "id", "priority", "gpus", "owner", "name", "starts", "reason"]
+    # both fit on the 4 idle GPUs: each would start at the scheduler's next tick
+    reason = WAITING_REASON.split()
+    assert lines[1].split() == ["1", str(job_id), "80", "2", "alice", "cli-job", "<1", "min", *reason]
+    assert lines[2].split() == ["2", str(other["id"]), "50", "2", "intern", "intern-job", "<1", "min", *reason]
     assert [line.split() for line in lines[3:]] == [
         [],
         ["owner", "gpus", "in", "use", "quota"],

@@ -1,6 +1,8 @@
 """The queue's policy on snapshots (service/scheduling/queue_policy.py): order by priority then submission,
-backfill, quotas with borrowing, and which jobs a waiting one preempts (shrinks first, then whole
-jobs; borrowed first, then the lowest priority, then the most recently started; never a young one).
+backfill, quotas with borrowing, and which jobs a waiting one preempts: borrowed first; by least loss
+(the fewest GPU-seconds lost, a due checkpoint counting nothing, then the lowest priority) or, as
+before it, shrinks first, then whole jobs, the lowest priority, then the most recently started; never
+a young one. And the facts least loss reads, as dispatch.py fills them from the database.
 
 Pure functions: each case states the cluster and checks the decision.
 
@@ -9,7 +11,20 @@ Packages: service.scheduling.
 
 from __future__ import annotations
 
-from service.scheduling.queue_policy import Holding, Preempt, Start, Waiting, decide, decide_fifo
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from service.scheduling.queue_policy import (
+    Holding,
+    Preempt,
+    Start,
+    Waiting,
+    checkpoint_due,
+    decide,
+    decide_fifo,
+    stop_loss_gpu_s,
+)
 
 
 def waiting(job_id: int, priority: int, *sizes: int, owner: str | None = None) -> Waiting:
@@ -43,11 +58,11 @@ def test_an_elastic_victim_shrinks_to_the_largest_n_that_frees_enough():
     assert [(p.victim, p.to_n) for p in d.preempts] == [(1, 1)]
 
 
-def test_shrinks_come_before_stops_and_stops_go_lowest_priority_then_newest_first():
+def test_before_least_loss_shrinks_came_first_and_stops_went_lowest_priority_then_newest_first():
     jobs = [holding(1, 20, 2), holding(2, 30, 4, sizes=(2, 4)), holding(3, 10, 2, age_s=500), holding(4, 10, 2)]
-    d = decide([waiting(9, 90, 2)], jobs, total=10)
+    d = decide([waiting(9, 90, 2)], jobs, total=10, victims="lowest_priority")
     assert [(p.victim, p.to_n) for p in d.preempts] == [(2, 2)]  # a shrink frees enough: no stop
-    d = decide([waiting(9, 90, 4)], jobs, total=10)
+    d = decide([waiting(9, 90, 4)], jobs, total=10, victims="lowest_priority")
     # the shrink frees 2, then whole jobs: priority 10 first, the most recently started (job 3) of those
     assert [(p.victim, p.to_n) for p in d.preempts] == [(2, 2), (3, None)]
 
@@ -159,3 +174,134 @@ def test_the_queue_is_read_in_its_order_with_each_jobs_sizes_on_both_databases(d
         fifo = [w.sizes for w in dispatch.waiting(session, fifo=True)]
     assert read == [(90, (1, 2, 4)), (90, (3,)), (50, (2, 3, 6)), (10, (2,))]
     assert fifo == [(2,), (1, 2, 4), (3,), (2, 3, 6)]
+
+
+# --------------------------------------------------------------------------- least loss (issue 44)
+
+
+def measured(job_id: int, priority: int, gpus: int, **facts) -> Holding:
+    """A running job whose rows say how it goes: a step of 1 s on its N, a checkpoint every 100 steps
+    that holds it up 5 s, 30 s to start; at step 149 unless told (its next stop, step 150, is no checkpoint's)."""
+    values = {"step": 149, "steps": 10_000, "step_gpu_s": 1.0 * gpus, "checkpoint_every": 100, "checkpoint_step": 99}
+    return holding(job_id, priority, gpus, **{**values, "checkpoint_s": 5.0, "restart_s": 30.0, **facts})
+
+
+def test_a_stop_loses_its_checkpoint_and_its_relaunch_on_each_gpu_and_a_due_checkpoint_counts_nothing():
+    job = measured(1, 10, 4)
+    assert not checkpoint_due(job)
+    assert stop_loss_gpu_s(job) == 4 * 5.0 + 4 * 30.0  # its checkpoint, then its start-up at its 4 GPUs
+    due = measured(1, 10, 4, step=198)  # it stops after step 199: the checkpoint after every 100th step
+    assert checkpoint_due(due) and stop_loss_gpu_s(due) == 4 * 30.0
+    elastic = measured(1, 10, 4, sizes=(2, 4))
+    assert stop_loss_gpu_s(elastic, to_n=2) == 4 * 5.0 + 2 * 30.0  # every rank stops; 2 start again
+    assert stop_loss_gpu_s(holding(1, 10, 4)) == 0.0  # nothing known of it: nothing counted
+
+
+def test_a_stop_past_the_grace_is_a_kill_that_loses_the_steps_since_the_last_checkpoint():
+    # a step of 50 s and a checkpoint of 20 s do not end within a grace of 60 s: killed at it
+    slow = measured(1, 10, 2, step_gpu_s=2 * 50.0, checkpoint_s=20.0, step=130, checkpoint_step=99)
+    assert stop_loss_gpu_s(slow, grace_s=60.0) == 2 * (31 * 50.0 + 60.0) + 2 * 30.0
+    assert stop_loss_gpu_s(slow, grace_s=100.0) == 2 * 20.0 + 2 * 30.0  # within a longer grace: a stop
+
+
+def test_least_loss_takes_the_victims_that_lose_the_fewest_gpu_seconds():
+    # a quick restart beats a slow one, whatever the priorities (both may be preempted)
+    jobs = [measured(1, 10, 2, restart_s=300.0), measured(2, 40, 2, restart_s=20.0)]
+    d = decide([waiting(9, 90, 2)], jobs, total=4)
+    assert d.preempts == [Preempt(victim=2, to_n=None, by=9, by_priority=90, frees=2)]
+    assert decide([waiting(9, 90, 2)], jobs, total=4, victims="lowest_priority").preempts[0].victim == 1
+    # one job of 2 GPUs loses less than the 8 of the lowest priority: the fewest GPUs that free enough
+    jobs = [measured(1, 10, 8), measured(2, 40, 2), measured(3, 40, 1), measured(4, 40, 1)]
+    d = decide([waiting(9, 90, 2)], jobs, total=12)
+    assert [(p.victim, p.to_n) for p in d.preempts] == [(2, None)]  # 2 x 35 GPU-seconds, not 8 x 35
+    # a stop that coincides with a checkpoint loses no checkpoint
+    jobs = [measured(1, 10, 2), measured(2, 40, 2, step=98)]
+    assert [p.victim for p in decide([waiting(9, 90, 2)], jobs, total=4).preempts] == [2]
+
+
+def test_least_loss_on_a_tie_takes_the_lowest_priority_then_a_shrink_then_the_newest():
+    jobs = [measured(1, 40, 2), measured(2, 10, 2), measured(3, 20, 2)]
+    assert [p.victim for p in decide([waiting(9, 90, 2)], jobs, total=6).preempts] == [2]
+    young, old = measured(1, 10, 2, age_s=200.0), measured(2, 10, 2, age_s=900.0)
+    assert [p.victim for p in decide([waiting(9, 90, 2)], [old, young], total=4).preempts] == [1]
+    # nothing known of either: no loss to tell them apart; the lowest priority's 2 GPUs
+    jobs = [holding(1, 20, 2), holding(2, 30, 4, sizes=(2, 4)), holding(3, 10, 2, age_s=500), holding(4, 10, 2)]
+    assert [(p.victim, p.to_n) for p in decide([waiting(9, 90, 2)], jobs, total=10).preempts] == [(3, None)]
+    # an elastic job shrunk 4 -> 2 loses its checkpoint on 4 GPUs and starts again on 2: a stop of the
+    # 2-GPU job of its priority loses less; of a shrink and a stop that lose alike, the shrink
+    jobs = [measured(1, 10, 4, sizes=(2, 4)), measured(2, 10, 2)]
+    assert [(p.victim, p.to_n) for p in decide([waiting(9, 90, 2)], jobs, total=6).preempts] == [(2, None)]
+    jobs = [measured(1, 10, 4, sizes=(2, 4), checkpoint_s=0.0), measured(2, 10, 2, checkpoint_s=0.0)]
+    assert [(p.victim, p.to_n) for p in decide([waiting(9, 90, 2)], jobs, total=6).preempts] == [(1, 2)]
+
+
+def test_least_loss_takes_borrowed_gpus_first_and_all_of_them_before_any_within_a_quota():
+    quota = {"intern": 2}.get
+    borrowed = measured(1, 90, 4, owner="intern", borrowed=True, restart_s=600.0)
+    cheap = measured(2, 10, 2, owner="research")
+    d = decide([waiting(9, 50, 2, owner="research")], [borrowed, cheap], total=6, quota=quota)
+    assert [(p.victim, p.to_n) for p in d.preempts] == [(1, None)]  # dearer, but borrowed
+    # 4 borrowed GPUs are not enough for 6: all of them, then the least loss of the others for the rest
+    others = [measured(2, 10, 4, owner="research"), measured(3, 10, 2, owner="research")]
+    d = decide([waiting(9, 50, 6, owner="research")], [borrowed, *others], total=10, quota=quota)
+    assert [(p.victim, p.to_n) for p in d.preempts] == [(1, None), (3, None)]
+
+
+def test_least_loss_takes_nothing_when_all_that_may_be_taken_is_not_enough():
+    d = decide([waiting(2, 90, 4)], [measured(1, 10, 2), measured(3, 95, 2)], total=4)
+    assert d.preempts == []
+
+
+# --------------------------------------------------------------------------- the facts, from the database
+
+
+@pytest.mark.parametrize("attempt_rows", [(100, 160), ()], ids=["resumed-with-rows", "no-row-yet"])
+def test_the_snapshot_reads_each_running_jobs_step_time_checkpoints_and_start_up(database, attempt_rows):
+    """dispatch.holding and with_loss_facts: a step's GPU-seconds from the latest row (its step time x
+    the N it ran at), the newest checkpoint (the last periodic one, or the one its attempt resumed
+    from), the periodic checkpoint's blocked seconds, and the last start's seconds from the events."""
+    from service.scheduling import dispatch
+    from service.store.metric_rows import store_metrics
+    from service.store.tables import Job, JobEvent
+    from workers.records import MetricRow
+
+    def row(step: int) -> MetricRow:
+        blocked_s = 3.0 if step == 149 else None  # the periodic checkpoint after step 149 (every 50)
+        return MetricRow(
+            step=step, loss=1.0, grad_norm=1.0, loss_scale=1.0, skipped=False, step_time_s=0.5, tokens_per_s=1.0,
+            mem_peak_bytes=(1,), mem_planned_bytes=1, world_size=2, checkpoint_blocked_s=blocked_s,
+        )  # fmt: skip
+
+    began = datetime(2026, 1, 1, tzinfo=UTC)
+    with database.session() as session:
+        job = Job(
+            name="measured",
+            status="running",
+            spec={"checkpoint_every": 50, "micro_batch_size": 1, "global_batch_size": 4},
+            plan={},
+            num_gpus=4,
+            world_size=4,
+            steps=1000,
+            priority=10,
+            attempt=1,
+        )
+        session.add(job)
+        session.flush()
+        starting = JobEvent(job_id=job.id, at=began, from_status="queued", to_status="starting", reason="placing")
+        running = JobEvent(job_id=job.id, at=began + timedelta(seconds=42), to_status="running", reason="training")
+        session.add_all([starting, running])
+        if attempt_rows:
+            store_metrics(session, job, [row(step) for step in range(*attempt_rows)])  # attempt 1 resumed at 100
+        else:
+            job.step = 99  # its resume kept the rows up to its checkpoint; none of this attempt yet
+        job_id = job.id
+    with database.session() as session:
+        [fresh] = dispatch.holding(session, age_s=lambda _: 500.0)
+        [facts] = dispatch.with_loss_facts(session, [fresh])
+    assert (facts.id, facts.gpus, facts.steps, facts.checkpoint_every, facts.age_s) == (job_id, 4, 1000, 50, 500.0)
+    assert facts.restart_s == 42.0
+    if attempt_rows:
+        assert (facts.step, facts.step_gpu_s, facts.step_time_s) == (159, 0.5 * 2, 0.25)  # ran at 2, now at 4
+        assert (facts.checkpoint_step, facts.checkpoint_s) == (149, 3.0)
+    else:
+        assert (facts.step, facts.step_gpu_s, facts.checkpoint_step, facts.checkpoint_s) == (99, None, 99, 0.0)

@@ -1,21 +1,24 @@
-"""The commands that steer the queue: `zero1 queue` (the waiting jobs in the order they start, why each
-waits, and each owner's GPUs against their quota), `suspend`, `resume` and `priority`. `queue` draws a
-rich table on a terminal and prints plain text otherwise (service/client/output.py)."""
+"""The commands that steer the queue: `zero1 queue` (the waiting jobs in the order they start, when
+each is estimated to start, why it waits, and each owner's GPUs against their quota), `suspend`,
+`resume` and `priority`. `queue` draws a rich table on a terminal and prints plain text otherwise
+(service/client/output.py)."""
 
 from __future__ import annotations
 
 import argparse
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from service.cli.jobs import _client
 from service.schemas.printable import escape
+from service.schemas.responses import starts_in
 from zero1 import Job
 from zero1.output import terminal
 
 if TYPE_CHECKING:
     from rich.console import Group
 
-_COLUMNS = ("#", "id", "name", "owner", "priority", "gpus", "reason")
+_COLUMNS = ("#", "id", "name", "owner", "priority", "gpus", "starts", "reason")
 
 
 def _entry_cells(entry: dict) -> dict[str, str]:
@@ -29,8 +32,13 @@ def _entry_cells(entry: dict) -> dict[str, str]:
         "owner": escape(entry["owner"] or "-"),
         "priority": str(entry["priority"]),
         "gpus": str(num_gpus) if min_gpus == num_gpus else f"{min_gpus}-{num_gpus}",
+        "starts": starts_in(_instant(entry.get("estimated_start")), now=datetime.now(UTC)),
         "reason": escape(entry["reason"]),
     }
+
+
+def _instant(iso: str | None) -> datetime | None:
+    return None if iso is None else datetime.fromisoformat(iso)
 
 
 def _owner_cells(usage: dict) -> dict[str, str]:
@@ -45,12 +53,12 @@ def _owner_cells(usage: dict) -> dict[str, str]:
 
 def queue_lines(queue: dict) -> list[str]:
     """`zero1 queue` as plain text: the queue, then each owner's GPUs against their quota."""
-    lines = [f"{'#':>4}  {'id':>6}  {'priority':>8}  {'gpus':>5}  {'owner':<12}  {'name':<20}  reason"]
+    lines = [f"{'#':>4}  {'id':>6}  {'priority':>8}  {'gpus':>5}  {'owner':<12}  {'name':<20}  {'starts':<10}  reason"]
     for entry in queue["data"]:
         c = _entry_cells(entry)
         lines.append(
             f"{c['#']:>4}  {c['id']:>6}  {c['priority']:>8}  {c['gpus']:>5}  {c['owner']:<12}  {c['name']:<20}  "
-            f"{c['reason']}"
+            f"{c['starts']:<10}  {c['reason']}"
         )
     if queue["count"] > len(queue["data"]):
         lines.append(f"... and {queue['count'] - len(queue['data'])} more queued")
@@ -71,7 +79,7 @@ def _queue_tables(queue: dict) -> Group:
 
     jobs = Table(box=None, header_style="bold", pad_edge=False, title="queue", title_justify="left")
     for name in _COLUMNS:
-        jobs.add_column(name, justify="right" if name in ("#", "id", "priority", "gpus") else "left")
+        jobs.add_column(name, justify="right" if name in ("#", "id", "priority", "gpus", "starts") else "left")
     for entry in queue["data"]:
         cells = _entry_cells(entry)
         jobs.add_row(*(Text(cells[name], style="dim" if name == "reason" else "") for name in _COLUMNS))

@@ -37,7 +37,7 @@ from service.scheduling import controls
 from service.schemas.fields import ACTIVE, TAG_PATTERN, JobStatus, resolved_roots, too_many_digits
 from service.schemas.plan_requests import PlanRequest, RecommendRequest
 from service.schemas.printable import MULTILINE, escape
-from service.schemas.responses import JobPublic
+from service.schemas.responses import JobPublic, starts_in
 from service.store import job_repository
 from service.store.checkpoint_files import stored_checkpoints
 from service.store.job_storage import JobStorage
@@ -82,7 +82,7 @@ def visible(value: object) -> object:
 templates = Jinja2Templates(directory=HERE / "templates")
 templates.env.finalize = visible  # read when a template is compiled: set before the first is loaded
 templates.env.filters.update(FILTERS)
-templates.env.globals.update(asset_version=asset_version(), parts=charts.PARTS, geo=charts)
+templates.env.globals.update(asset_version=asset_version(), parts=charts.PARTS, geo=charts, starts_in=starts_in)
 
 router = APIRouter(include_in_schema=False)
 
@@ -146,7 +146,11 @@ def jobs_page(
     status = status if status in STATUSES else None
     tag = tag if tag is not None and re.fullmatch(TAG_PATTERN, tag) else None
     queue = controls.queue_view(
-        session, reasons=runtime.scheduler.queue_reasons(), settings=settings, limit=QUEUE_LIMIT
+        session,
+        reasons=runtime.scheduler.queue_reasons(),
+        settings=settings,
+        limit=QUEUE_LIMIT,
+        starts=runtime.scheduler.estimated_starts(session, limit=QUEUE_LIMIT),
     )
     context = {
         "page": "jobs",

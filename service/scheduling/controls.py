@@ -5,6 +5,8 @@ asked. Functions take the request's session and only flush; the caller commits."
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from datetime import datetime
 from urllib.parse import urlsplit
 
 from sqlalchemy import and_, case, func, select, update
@@ -134,10 +136,19 @@ def resume_job(session: Session, job_id: int) -> Job:
     return job
 
 
-def queue_view(session: Session, *, reasons: Reasons, settings: Settings, limit: int = 500) -> QueuePublic:
+def queue_view(
+    session: Session,
+    *,
+    reasons: Reasons,
+    settings: Settings,
+    limit: int = 500,
+    starts: Mapping[int, datetime | None] | None = None,
+) -> QueuePublic:
     """The first `limit` queued jobs in the order the scheduler takes them (by submission only under
-    ZERO1_QUEUE_POLICY=fifo), each with why it waits (`reasons`, the scheduler's, by job id), and each
+    ZERO1_QUEUE_POLICY=fifo), each with why it waits (`reasons`, the scheduler's, by job id) and when it
+    is estimated to start (`starts`, the scheduler's, by job id: Scheduler.estimated_starts), and each
     owner's GPUs against their quota."""
+    starts = starts or {}
     order = queue_order(fifo=settings.queue_policy == "fifo")
     queued = session.scalars(select(Job).where(Job.status == "queued").order_by(*order).limit(limit))
     data = [
@@ -151,6 +162,7 @@ def queue_view(session: Session, *, reasons: Reasons, settings: Settings, limit:
             min_gpus=job.min_gpus or job.num_gpus,
             created_at=job.created_at,
             reason=reasons.of(job.id),
+            estimated_start=starts.get(job.id),
         )
         for position, job in enumerate(queued, start=1)
     ]

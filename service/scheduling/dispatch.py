@@ -11,24 +11,28 @@ that a restart meanwhile carries it out: a victim back to the queue, never relau
 from __future__ import annotations
 
 import logging
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime
+from functools import partial
+from itertools import islice
 from typing import TYPE_CHECKING, Literal
 
-from sqlalchemy import select, update
+from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from service.scheduling import dependencies
+from service.scheduling import dependencies, estimates
 from service.scheduling.elastic import growable
 from service.scheduling.job_states import transition
-from service.scheduling.queue_policy import Holding, Preempt, Start, Waiting, decide, decide_fifo
+from service.scheduling.queue_policy import Decision, Holding, Preempt, Start, Waiting, decide, decide_fifo
 from service.schemas.fields import ACTIVE
 from service.schemas.requests import world_sizes
 from service.store.db import Database
 from service.store.job_repository import job_world_sizes, queue_order, stored_step
 from service.store.job_storage import JobStorage
 from service.store.metric_rows import store_metrics, supersede_after
-from service.store.tables import Job
+from service.store.tables import Job, JobEvent, Metric
 from service.telemetry import Telemetry
 
 if TYPE_CHECKING:
@@ -43,13 +47,16 @@ _QUEUE_BATCH = 256
 def waiting(session: Session, *, fifo: bool = False) -> Iterator[Waiting]:
     """The queued jobs in the queue's order (submission order for `fifo`), read lazily; those whose
     dependencies have not all succeeded left out."""
-    # the two numbers of the spec the sizes need, read by the database: not every row's whole spec decoded
+    # the numbers of the spec and the latest row the policy needs, read by the database: not every
+    # row's whole spec decoded
     micro = Job.spec["micro_batch_size"].as_integer()
     batch = Job.spec["global_batch_size"].as_integer()
-    columns = (Job.id, Job.priority, Job.owner, Job.num_gpus, Job.min_gpus, micro, batch)
-    queued = select(*columns).where(Job.status == "queued", dependencies.all_succeeded())
+    step_time_s = Job.latest["step_time_s"].as_float()
+    ran_at = Job.latest["world_size"].as_integer()
+    columns = (Job.id, Job.priority, Job.owner, Job.num_gpus, Job.min_gpus, micro, batch, Job.steps, Job.step)
+    queued = select(*columns, step_time_s, ran_at).where(Job.status == "queued", dependencies.all_succeeded())
     query = queued.order_by(*queue_order(fifo=fifo))
-    for job_id, priority, owner, num_gpus, min_gpus, micro, batch in session.execute(
+    for job_id, priority, owner, num_gpus, min_gpus, micro, batch, steps, step, step_time_s, ran_at in session.execute(
         query.execution_options(yield_per=_QUEUE_BATCH)
     ):
         if min_gpus is None or min_gpus == num_gpus:
@@ -59,7 +66,20 @@ def waiting(session: Session, *, fifo: bool = False) -> Iterator[Waiting]:
             sizes = world_sizes(
                 min_gpus=min_gpus, num_gpus=num_gpus, micro_batch_size=micro, batch_size=batch or micro * num_gpus
             )
-        yield Waiting(id=job_id, priority=priority, owner=owner, sizes=tuple(sizes))
+        yield Waiting(
+            id=job_id,
+            priority=priority,
+            owner=owner,
+            sizes=tuple(sizes),
+            steps_left=steps - (-1 if step is None else step) - 1,
+            step_gpu_s=_step_gpu_s(step_time_s, ran_at=ran_at, default_n=num_gpus),
+        )
+
+
+def _step_gpu_s(step_time_s: float | None, *, ran_at: int | None, default_n: int) -> float | None:
+    """A step's GPU-seconds from a row's step time and the N it ran at (rows stored before world_size
+    was kept: `default_n`)."""
+    return None if step_time_s is None else step_time_s * (ran_at or default_n)
 
 
 def holding(session: Session, *, age_s: Callable[[int], float]) -> list[Holding]:
@@ -77,9 +97,86 @@ def holding(session: Session, *, age_s: Callable[[int], float]) -> list[Holding]
             borrowed=job.borrowed,
             backfilled=job.backfilled,
             step=job.step,
+            steps=job.steps,
+            step_gpu_s=_step_gpu_s(
+                (job.latest or {}).get("step_time_s"),
+                ran_at=(job.latest or {}).get("world_size"),
+                default_n=job.world_size or job.num_gpus,
+            ),
+            checkpoint_every=job.spec.get("checkpoint_every") or 0,
+            ending=bool(job.cancel_requested or job.suspend_requested or job.stop_early),
         )
         for job in jobs
     ]
+
+
+def with_loss_facts(session: Session, held: list[Holding]) -> list[Holding]:
+    """`held` with what a stop of each would lose (queue_policy.stop_loss_gpu_s), from what the database
+    stores: its newest checkpoint's step (the last periodic one by its steps, or the one its attempt
+    resumed from, the step before its first row), the seconds its last periodic checkpoint held it up
+    (that row's checkpoint_blocked_s) and its last start's (its last starting or restarting event to
+    the running one after it). Three queries, read only when victims are to be chosen or starts
+    estimated."""
+    if not held:
+        return held
+    ids = [h.id for h in held]
+    attempt_first = dict(
+        session.execute(
+            select(Metric.job_id, func.min(Metric.step))
+            .join(Job, (Job.id == Metric.job_id) & (Job.attempt == Metric.attempt))
+            .where(Metric.job_id.in_(ids))
+            .group_by(Metric.job_id)
+        ).all()
+    )
+    periodic = {h.id: _periodic_step(h) for h in held}
+    at_steps = [and_(Metric.job_id == i, Metric.step == step) for i, step in periodic.items() if step is not None]
+    blocked = {}
+    if at_steps:
+        rows = session.execute(
+            select(Metric.job_id, Metric.checkpoint_blocked_s).where(or_(*at_steps), Metric.superseded.is_(False))
+        )
+        blocked = {job_id: seconds for job_id, seconds in rows if seconds is not None}
+    starts: dict[int, dict[str, datetime]] = defaultdict(dict)
+    for job_id, to_status, at in session.execute(
+        select(JobEvent.job_id, JobEvent.to_status, func.max(JobEvent.at))
+        .where(JobEvent.job_id.in_(ids), JobEvent.to_status.in_(("starting", "restarting", "running")))
+        .group_by(JobEvent.job_id, JobEvent.to_status)
+    ):
+        starts[job_id][to_status] = at
+    return [
+        replace(
+            h,
+            checkpoint_step=_newest_checkpoint(h, periodic=periodic[h.id], first=attempt_first.get(h.id)),
+            checkpoint_s=blocked.get(h.id, 0.0),
+            restart_s=_restart_s(starts.get(h.id, {})),
+        )
+        for h in held
+    ]
+
+
+def _periodic_step(h: Holding) -> int | None:
+    """The last step through `h.step` after which a periodic checkpoint falls (None: none yet)."""
+    if not h.checkpoint_every or h.step is None or h.step + 1 < h.checkpoint_every:
+        return None
+    return (h.step + 1) // h.checkpoint_every * h.checkpoint_every - 1
+
+
+def _newest_checkpoint(h: Holding, *, periodic: int | None, first: int | None) -> int | None:
+    """The later of its last periodic checkpoint and the one its attempt resumed from (the step before
+    the attempt's first row; before that row, its last stored step: a resume keeps the rows up to its
+    checkpoint)."""
+    resumed = first - 1 if first is not None else h.step
+    found = [step for step in (periodic, resumed) if step is not None and step >= 0]
+    return max(found, default=None)
+
+
+def _restart_s(events: dict[str, datetime]) -> float:
+    """Seconds from its last start (starting or restarting) to the running after it; 0 when unknown."""
+    running = events.get("running")
+    began = max((events[k] for k in ("starting", "restarting") if k in events), default=None)
+    if running is None or began is None or running < began:
+        return 0.0
+    return (running - began).total_seconds()
 
 
 def commit_start(session: Session, start: Start, *, sizes_note: bool = True) -> Job | None:
@@ -101,6 +198,10 @@ def commit_start(session: Session, start: Start, *, sizes_note: bool = True) -> 
     job.borrowed = start.borrowed
     job.backfilled = start.backfilled
     return job
+
+
+def _decide(queue: Iterable[Waiting], held: list[Holding], in_flight: dict[int, Preempt], **rules: object) -> Decision:
+    return decide(queue, held, in_flight=in_flight, **rules)
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,21 +366,12 @@ class Dispatcher:
         with self.db.session() as session:
             for job_id in dependencies.cancel_unreachable(session):
                 log.info("job %s: cancelled, a job it depends on failed or was cancelled", job_id)
+        policy = self.policy()
         with self.db.session() as session:
             held = holding(session, age_s=self.age_s)
-            queue = waiting(session, fifo=fifo)
-            if fifo:
-                decision = decide_fifo(queue, held, total=self.total_gpus())
-            else:
-                decision = decide(
-                    queue,
-                    held,
-                    total=self.total_gpus(),
-                    quota=settings.gpu_quota,
-                    borrowing=settings.quota_borrowing,
-                    min_runtime_s=settings.preempt_min_runtime_s,
-                    in_flight=self.stops.preemptions(),
-                )
+            decision = policy(waiting(session, fifo=fifo), held, self.stops.preemptions())
+            if decision.preempts and settings.preempt_victims == "least_loss":  # chosen again, knowing their losses
+                decision = policy(waiting(session, fifo=fifo), with_loss_facts(session, held), self.stops.preemptions())
         for start in decision.starts:
             with self.db.session() as session:
                 job = commit_start(session, start)
@@ -297,6 +389,38 @@ class Dispatcher:
             for preempt in decision.preempts:
                 if (victim := victims.get(preempt.victim)) is not None:
                     self.ask_stop(victim, Stop(kind="preempt", attempt=victim.attempt, asked_at=now, preempt=preempt))
+
+    def policy(self) -> estimates.Policy:
+        """The queue's policy as the settings configure it: (queue, holding, preemptions in flight) -> Decision."""
+        settings = self.launcher.settings
+        if settings.queue_policy == "fifo":
+            return lambda queue, held, in_flight: decide_fifo(queue, held, total=self.total_gpus())
+        return partial(
+            _decide,
+            total=self.total_gpus(),
+            quota=settings.gpu_quota,
+            borrowing=settings.quota_borrowing,
+            min_runtime_s=settings.preempt_min_runtime_s,
+            victims=settings.preempt_victims,
+            grace_s=settings.preempt_grace_s,
+        )
+
+    def estimate_starts(self, session: Session, *, limit: int) -> dict[int, float | None]:
+        """Seconds from now until each of the first `limit` queued jobs starts, as the policy replayed on
+        the snapshot estimates it (service/scheduling/estimates.py); None where unknown. Jobs waiting on
+        dependencies are not in the queue the policy reads: they have none."""
+        settings = self.launcher.settings
+        fifo = settings.queue_policy == "fifo"
+        held = with_loss_facts(session, holding(session, age_s=self.age_s))
+        queue = list(islice(waiting(session, fifo=fifo), limit))
+        return estimates.starts(
+            queue,
+            held,
+            policy=self.policy(),
+            in_flight=self.stops.preemptions(),
+            min_runtime_s=0.0 if fifo else settings.preempt_min_runtime_s,
+            order=(lambda w: (w.id,)) if fifo else (lambda w: (-w.priority, w.id)),
+        )
 
     def ask_stop(self, job: Job, stop: Stop) -> None:
         """Ask the attempt's ranks to stop at their next step with a checkpoint; remembered (and

@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from datetime import datetime, timedelta
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -39,7 +40,7 @@ from service.store.artifacts import record_final
 from service.store.db import Database
 from service.store.job_repository import any_queued, poll_acks
 from service.store.job_storage import JobStorage
-from service.store.tables import Job
+from service.store.tables import Job, utcnow
 from service.telemetry import Telemetry
 from workers.records import AttemptPoll, AttemptStatus, RankError
 
@@ -128,6 +129,13 @@ class Scheduler:
     def queue_reasons(self) -> Reasons:
         """Why the queued jobs wait, as of the last tick."""
         return self.dispatcher.reasons
+
+    def estimated_starts(self, session: Session, *, limit: int) -> dict[int, datetime | None]:
+        """When each of the first `limit` queued jobs is estimated to start, the policy replayed forward
+        on the database as it is now (Dispatcher.estimate_starts); None where unknown."""
+        now = utcnow()
+        seconds = self.dispatcher.estimate_starts(session, limit=limit)
+        return {job_id: None if s is None else now + timedelta(seconds=s) for job_id, s in seconds.items()}
 
     def tick_age_s(self) -> float | None:
         """Seconds since the last tick completed (or since start, before the first); None if never started."""

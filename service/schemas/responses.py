@@ -356,6 +356,28 @@ class QueueEntryPublic(BaseModel):
         description="Why it waits, as of the scheduler's last tick: e.g. `waiting for 4 GPUs, 2 free`, "
         "`quota: intern holds 2 of 2 GPUs`, `behind job 7 (priority 90)`."
     )
+    estimated_start: datetime | None = Field(
+        None,
+        description="When it is estimated to start: the queue's policy replayed forward from now on the jobs "
+        "holding GPUs (each ending after its steps left x its step time) and the queue ahead of it. Null where "
+        "unknown: it waits for GPUs that a job of unknown length holds (one with no step time yet, or a queued "
+        "job that never trained), or for a dependency. Jobs submitted later are not foreseen.",
+    )
+
+
+def starts_in(estimated_start: datetime | None, *, now: datetime, unknown: str = "-") -> str:
+    """A QueueEntryPublic's estimated_start as `zero1 queue` and the dashboard's queue panel write it, from
+    `now`: '<1 min', 'in 12 min', 'in 3.4 h', 'in 2.1 d'; `unknown` for none (dashboard.js: startsIn)."""
+    if estimated_start is None:
+        return unknown
+    seconds = (estimated_start - now).total_seconds()
+    if seconds < 60:
+        return "<1 min"
+    if seconds < 3600:
+        return f"in {seconds // 60:.0f} min"
+    if seconds < 2 * 86_400:
+        return f"in {seconds / 3600:.1f} h"
+    return f"in {seconds / 86_400:.1f} d"
 
 
 class OwnerUsagePublic(BaseModel):

@@ -29,10 +29,11 @@ def queue(
     limit: Annotated[int, Query(ge=1, le=1000)] = 500,
 ) -> Response:
     """The first `limit` queued jobs by priority, then submission, each with the reason it waits as of the
-    scheduler's last tick, and each owner's GPUs in use against their quota. Everyone's: names, owners,
-    priorities and GPUs, never a spec (as GET /v1/jobs shows them)."""
+    scheduler's last tick and when it is estimated to start, and each owner's GPUs in use against their
+    quota. Everyone's: names, owners, priorities and GPUs, never a spec (as GET /v1/jobs shows them)."""
     reasons = runtime.scheduler.queue_reasons()
-    return json_response(controls.queue_view(session, reasons=reasons, settings=settings, limit=limit))
+    starts = runtime.scheduler.estimated_starts(session, limit=limit)
+    return json_response(controls.queue_view(session, reasons=reasons, settings=settings, limit=limit, starts=starts))
 
 
 @router.patch("/jobs/{job_id}", response_model=JobPublic, responses=_ERRORS)

@@ -81,6 +81,15 @@
   const clock = (iso) => new Date(iso).toISOString().replace("T", " ").replace(/\.\d+Z$/, " UTC");
   const timeOfDay = (iso) => new Date(iso).toISOString().slice(11, 19);
 
+  function startsIn(iso) {  // format.starts_in
+    if (iso == null) return "—";
+    const seconds = (Date.parse(iso) - Date.now()) / 1000;
+    if (seconds < 60) return "<1 min";
+    if (seconds < 3600) return `in ${Math.floor(seconds / 60)} min`;
+    if (seconds < 2 * 86400) return `in ${(seconds / 3600).toFixed(1)} h`;
+    return `in ${(seconds / 86400).toFixed(1)} d`;
+  }
+
   const doneSteps = (job) => (job.step == null ? 0 : job.step + 1);
   const queueText = (job) => (job.queue_position ? `#${job.queue_position}` : "—");
 
@@ -303,8 +312,16 @@
     const gpus = entry.min_gpus === entry.num_gpus ? entry.num_gpus : `${entry.min_gpus}–${entry.num_gpus}`;
     tr.append(cell("td", "Position", `#${entry.position}`, "num"), job, cell("td", "Owner", entry.owner || "—"),
       cell("td", "Priority", entry.priority, "num"), cell("td", "GPUs", gpus, "num"),
-      cell("td", "Waiting for", entry.reason, "why"));
+      cell("td", "Starts", startsIn(entry.estimated_start), "num c-start"), cell("td", "Waiting for", entry.reason, "why"));
+    setStart(tr, entry);
     return tr;
+  }
+
+  function setStart(tr, entry) {  // an estimate moves every second: its cell is set in place, never redrawn
+    const td = $(".c-start", tr);
+    setText(td, startsIn(entry.estimated_start));
+    const title = entry.estimated_start ? `estimated ${clock(entry.estimated_start)}` : "";
+    if (td.title !== title) td.title = title;
   }
 
   function ownerRow(usage) {  // macros.owner_row
@@ -361,7 +378,9 @@
     let queueShown = null;
 
     function renderQueue(queue) {  // redrawn only when it changed: a link in it keeps its focus
-      const shown = JSON.stringify([queue.data, queue.owners]);
+      const rows = $("#queue").tBodies[0].rows;
+      queue.data.forEach((entry, i) => rows[i] && rows[i].dataset.id === String(entry.id) && setStart(rows[i], entry));
+      const shown = JSON.stringify([queue.data.map(({ estimated_start, ...rest }) => rest), queue.owners]);
       if (shown === queueShown) return;
       queueShown = shown;
       $("#queue").tBodies[0].replaceChildren(...queue.data.map(queueRow));
