@@ -305,3 +305,21 @@ def test_the_snapshot_reads_each_running_jobs_step_time_checkpoints_and_start_up
         assert (facts.checkpoint_step, facts.checkpoint_s) == (149, 3.0)
     else:
         assert (facts.step, facts.step_gpu_s, facts.checkpoint_step, facts.checkpoint_s) == (99, None, 99, 0.0)
+
+
+def test_the_queue_read_for_estimates_says_what_each_job_has_left_and_how_fast_it_went(database):
+    """dispatch.waiting(paced=True): a job preempted at step 199 of 1000, whose rows ran at 0.5 s a step on
+    2 GPUs, has 800 steps left of 1 GPU-second each; a job that never trained, its steps and no pace."""
+    from service.scheduling import dispatch
+    from service.store.tables import Job
+
+    with database.session() as session:
+        for name, step, latest in (("preempted", 199, {"step_time_s": 0.5, "world_size": 2}), ("new", None, None)):
+            spec = {"micro_batch_size": 1}
+            job = Job(name=name, status="queued", spec=spec, plan={}, num_gpus=2, steps=1000, step=step, latest=latest)
+            session.add(job)
+    with database.session() as session:
+        paced = [(w.steps_left, w.step_gpu_s) for w in dispatch.waiting(session, paced=True)]
+        plain = [(w.steps_left, w.step_gpu_s) for w in dispatch.waiting(session)]
+    assert paced == [(800, 1.0), (1000, None)]
+    assert plain == [(None, None), (None, None)]  # a tick's policy reads neither

@@ -44,19 +44,19 @@ _QUEUE_BATCH = 256
 """Queued jobs read at a time: a tick reads the queue only as far as its policy looks."""
 
 
-def waiting(session: Session, *, fifo: bool = False) -> Iterator[Waiting]:
+def waiting(session: Session, *, fifo: bool = False, paced: bool = False) -> Iterator[Waiting]:
     """The queued jobs in the queue's order (submission order for `fifo`), read lazily; those whose
-    dependencies have not all succeeded left out."""
-    # the numbers of the spec and the latest row the policy needs, read by the database: not every
-    # row's whole spec decoded
+    dependencies have not all succeeded left out. `paced`: with the steps each has left and its step's
+    GPU-seconds (for estimates; a tick's policy needs neither)."""
+    # the numbers of the spec and the latest row needed, read by the database: not every row's whole spec decoded
     micro = Job.spec["micro_batch_size"].as_integer()
     batch = Job.spec["global_batch_size"].as_integer()
-    step_time_s = Job.latest["step_time_s"].as_float()
-    ran_at = Job.latest["world_size"].as_integer()
-    columns = (Job.id, Job.priority, Job.owner, Job.num_gpus, Job.min_gpus, micro, batch, Job.steps, Job.step)
-    queued = select(*columns, step_time_s, ran_at).where(Job.status == "queued", dependencies.all_succeeded())
+    columns = [Job.id, Job.priority, Job.owner, Job.num_gpus, Job.min_gpus, micro, batch]
+    if paced:
+        columns += [Job.steps, Job.step, Job.latest["step_time_s"].as_float(), Job.latest["world_size"].as_integer()]
+    queued = select(*columns).where(Job.status == "queued", dependencies.all_succeeded())
     query = queued.order_by(*queue_order(fifo=fifo))
-    for job_id, priority, owner, num_gpus, min_gpus, micro, batch, steps, step, step_time_s, ran_at in session.execute(
+    for job_id, priority, owner, num_gpus, min_gpus, micro, batch, *pace in session.execute(
         query.execution_options(yield_per=_QUEUE_BATCH)
     ):
         if min_gpus is None or min_gpus == num_gpus:
@@ -66,14 +66,13 @@ def waiting(session: Session, *, fifo: bool = False) -> Iterator[Waiting]:
             sizes = world_sizes(
                 min_gpus=min_gpus, num_gpus=num_gpus, micro_batch_size=micro, batch_size=batch or micro * num_gpus
             )
-        yield Waiting(
-            id=job_id,
-            priority=priority,
-            owner=owner,
-            sizes=tuple(sizes),
-            steps_left=steps - (-1 if step is None else step) - 1,
-            step_gpu_s=_step_gpu_s(step_time_s, ran_at=ran_at, default_n=num_gpus),
-        )
+        job = Waiting(id=job_id, priority=priority, owner=owner, sizes=tuple(sizes))
+        if pace:
+            steps, step, step_time_s, ran_at = pace
+            steps_left = steps - (-1 if step is None else step) - 1
+            step_gpu_s = _step_gpu_s(step_time_s, ran_at=ran_at, default_n=num_gpus)
+            job = replace(job, steps_left=steps_left, step_gpu_s=step_gpu_s)
+        yield job
 
 
 def _step_gpu_s(step_time_s: float | None, *, ran_at: int | None, default_n: int) -> float | None:
@@ -412,7 +411,7 @@ class Dispatcher:
         settings = self.launcher.settings
         fifo = settings.queue_policy == "fifo"
         held = with_loss_facts(session, holding(session, age_s=self.age_s))
-        queue = list(islice(waiting(session, fifo=fifo), limit))
+        queue = list(islice(waiting(session, fifo=fifo, paced=True), limit))
         return estimates.starts(
             queue,
             held,
