@@ -1,11 +1,14 @@
-"""The queue's policies side by side: strict FIFO against priority + backfill + preemption.
+"""The queue's policies side by side: strict FIFO against priority + backfill + preemption, the
+preemption's victims chosen as before issue 44 (the lowest priority) and by least loss, and how far
+the queue's estimated starts were from the real ones.
 
     .venv/bin/python benchmarks/scheduling.py   # --jobs 500 --seed 29 --load 0.9 --queued 10000
 
 Replays one workload through the real scheduler (service.scheduling.scheduler.Scheduler, its
-database on SQLite, its policy in service/scheduling/queue_policy.py) twice, once under
-ZERO1_QUEUE_POLICY=fifo and once under priority, with a simulated launcher and clock in place
-of Ray: no job trains, each attempt's progress is a function of the simulated time.
+database on SQLite, its policy in service/scheduling/queue_policy.py) three times, under
+ZERO1_QUEUE_POLICY=fifo, and under priority with ZERO1_PREEMPT_VICTIMS=lowest_priority and
+least_loss, with a simulated launcher and clock in place of Ray: no job trains, each attempt's
+progress is a function of the simulated time. Writes benchmarks/results/scheduling.json.
 
 The workload (seeded): --jobs jobs on a 64-GPU cluster, arriving as a Poisson process whose rate
 makes the offered load (the jobs' GPU-seconds over 64 GPUs x the arrival span) --load. Sizes
@@ -19,9 +22,18 @@ benchmark's own choice in that shape, not numbers fitted to either trace.
 A simulated attempt needs the job's run time at its full num_gpus and progresses at N/num_gpus
 of that rate at N GPUs (elastic); it holds its GPUs from its launch, starts training
 START_DELAY_S later, and writes a checkpoint every CHECKPOINT_EVERY_S of progress. Asked to stop
-(a preemption) it stops STOP_DELAY_S later at its next step with a checkpoint there, well within
-ZERO1_PREEMPT_GRACE_S, and keeps all its progress; killed (cancel) it keeps only its last
-periodic checkpoint, and the progress since is counted as GPU-seconds lost. A relaunch resumes.
+(a preemption) it trains to its next step (STOP_DELAY_S later), then holds its GPUs
+STOP_CHECKPOINT_S more for the checkpoint its exit waits for, well within ZERO1_PREEMPT_GRACE_S, and
+keeps all its progress; killed (cancel) it keeps only its last periodic checkpoint, and the progress
+since is counted as GPU-seconds lost. A relaunch resumes. Its polls bring the newest step's metric
+row (a step is a second of work at full size), so the database holds each job's step, step time and
+checkpoints as a real run's would: what least loss and the estimates read.
+
+GPU-seconds lost to preemption: the stops' checkpoints (STOP_CHECKPOINT_S on each GPU of each attempt
+stopped for now: a preemption, a shrink), the start-up of the attempts relaunched after them
+(START_DELAY_S on each of their GPUs), and the work of attempts killed. Estimated starts: when a job
+arrives and waits, GET /v1/queue's estimate for it (the scheduler's, Scheduler.estimated_starts, in
+simulated seconds), against its first launch in the replay.
 
 The clock is event-driven: it jumps to the next arrival, start, finish or stop, or to the moment
 a job becomes old enough to preempt or to grow, and the scheduler ticks there until a tick
@@ -35,8 +47,10 @@ p95 of Scheduler.tick() over --ticks ticks, for each policy.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
+import os
 import platform
 import random
 import statistics
@@ -45,12 +59,14 @@ import tempfile
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from sqlalchemy import func, insert, select
 
 from service.intake import admission, submission
 from service.planning.capacity import ClusterCapacity
+from service.scheduling import job_states
 from service.scheduling.scheduler import Scheduler
 from service.schemas.requests import JobSpec
 from service.schemas.responses import PlanPublic
@@ -78,8 +94,14 @@ ELASTIC_SHARE = 0.20
 
 START_DELAY_S = 30.0
 """From a launch to training: placing the ranks, rendezvous, loading a checkpoint."""
-STOP_DELAY_S = 5.0
-"""From a stop request to the ranks' exit with a checkpoint at their next step."""
+STOP_DELAY_S = 1.0
+"""From a stop request to the end of the ranks' step (a step is a second at full size)."""
+STOP_CHECKPOINT_S = 10.0
+"""From the end of that step to the ranks' exit: the checkpoint's write, which the exit waits for (asynchronous
+checkpoints: a periodic one due there as well as the stop's own). benchmarks/checkpoint.py wrote a GPT-2-small
+shard (747 MB) to a local directory in 3.2 s and to an S3 server in 25 s."""
+CHECKPOINT_BLOCKED_S = 0.3
+"""What a periodic checkpoint's row says it held training up: the copy to host memory (0.23-0.29 s there)."""
 CHECKPOINT_EVERY_S = 600.0
 """Periodic checkpoints, in seconds of progress at full size (a step is one such second)."""
 MIN_RUNTIME_S = 120.0
@@ -88,6 +110,7 @@ GROW_INTERVAL_S = 300.0
 _EPSILON_S = 1e-3
 _MAX_SETTLE_TICKS = 8
 
+RESULTS = Path(__file__).resolve().parent / "results" / "scheduling.json"
 CLUSTER = ClusterCapacity(num_gpus=TOTAL_GPUS, num_gpus_free=TOTAL_GPUS, gpu_memory_bytes=80 * GB, simulated=True)
 MODEL = {"kind": "mlp", "sizes": [64, 64]}
 
@@ -198,7 +221,14 @@ class Plans:
 def fake_cluster(settings: Settings, *, clock: FakeClock) -> FakeLauncher:
     """The launcher the scheduler calls, on a simulated cluster of TOTAL_GPUS (tests/fakes.py): each
     attempt progresses by the replay's clock, no process runs."""
-    timing = Timing(start_delay_s=START_DELAY_S, stop_delay_s=STOP_DELAY_S, checkpoint_every_s=CHECKPOINT_EVERY_S)
+    timing = Timing(
+        start_delay_s=START_DELAY_S,
+        stop_delay_s=STOP_DELAY_S,
+        checkpoint_every_s=CHECKPOINT_EVERY_S,
+        stop_checkpoint_s=STOP_CHECKPOINT_S,
+        rows=True,
+        checkpoint_blocked_s=CHECKPOINT_BLOCKED_S,
+    )
     return FakeLauncher(settings, total_gpus=TOTAL_GPUS, clock=clock, timing=timing)
 
 
@@ -213,6 +243,8 @@ def next_event(launcher: FakeLauncher, after: float) -> float | None:
         times.extend(found.events())
         if launcher.settings.queue_policy == "priority":
             times.append(found.launched_at + MIN_RUNTIME_S + _EPSILON_S)
+        if found.trains_until < math.inf:  # a stop's step ends: what its rows say changes
+            times.append(found.trains_until)
         if found.n < found.num_gpus:
             times.append(found.launched_at + GROW_INTERVAL_S + _EPSILON_S)
         if found.stop_asked_at is not None:
@@ -229,13 +261,23 @@ class Replay:
     """One policy's run of the workload."""
 
     policy: str
+    """fifo, or priority (victims the lowest priority first), or least_loss (priority, victims by least loss)."""
     makespan_s: float = 0.0
     held_gpu_s: float = 0.0
     held_until_last_arrival_gpu_s: float = 0.0
     restart_gpu_s: float = 0.0
+    stopped_restart_gpu_s: float = 0.0
+    """Of restart_gpu_s, the start-ups after a stop asked for now (a preemption)."""
+    stop_checkpoint_gpu_s: float = 0.0
     lost_gpu_s: float = 0.0
+    estimates: list[tuple[int, float, float | None]] = field(default_factory=list)
+    """(job id, when it waited, its estimated start or None), for each job that waited on arrival."""
+    started_at: dict[int, float] = field(default_factory=dict)
+    """Job id -> its first launch, in simulated seconds."""
     preemptions: dict[str, int] = field(default_factory=dict)
     preempted_jobs: int = 0
+    preempted_by_class: dict[str, int] = field(default_factory=dict)
+    """Jobs preempted at least once, by class."""
     most_preemptions: int = 0
     """Of one job."""
     waits_s: dict[str, list[float]] = field(default_factory=dict)
@@ -245,14 +287,22 @@ class Replay:
     problems: list[str] = field(default_factory=list)
 
 
+_SETTINGS = {
+    "fifo": {"queue_policy": "fifo"},
+    "priority": {"queue_policy": "priority", "preempt_victims": "lowest_priority"},
+    "least_loss": {"queue_policy": "priority", "preempt_victims": "least_loss"},
+}
+"""Each replay's ZERO1_QUEUE_POLICY and ZERO1_PREEMPT_VICTIMS."""
+
+
 def simulated(root: Path, *, policy: str) -> tuple[Database, FakeLauncher, FakeStorage, Scheduler, FakeClock]:
-    """A scheduler on a fresh SQLite database and the simulated cluster, under `policy`."""
+    """A scheduler on a fresh SQLite database and the simulated cluster, under `policy` (_SETTINGS)."""
     root.mkdir(parents=True)
     (root / "checkpoints").mkdir()
     settings = Settings(
         database_url=f"sqlite:///{root / 'zero1.db'}",
         checkpoint_uri=str(root / "checkpoints"),
-        queue_policy=policy,
+        **_SETTINGS[policy],
         preempt_min_runtime_s=MIN_RUNTIME_S,
         preempt_grace_s=GRACE_S,
         elastic_grow_interval_s=GROW_INTERVAL_S,
@@ -260,6 +310,7 @@ def simulated(root: Path, *, policy: str) -> tuple[Database, FakeLauncher, FakeS
     upgrade(settings.database_url)
     db = Database(settings.database_url)
     clock = FakeClock()
+    _database_time(clock)
     launcher = fake_cluster(settings, clock=clock)
     storage = FakeStorage(launcher)
     scheduler = Scheduler(
@@ -276,6 +327,19 @@ def simulated(root: Path, *, policy: str) -> tuple[Database, FakeLauncher, FakeS
     return db, launcher, storage, scheduler, clock
 
 
+SIMULATED_EPOCH = datetime(2026, 1, 1, tzinfo=UTC)
+"""The database's time at the replay's 0 s."""
+
+
+def _database_time(clock: FakeClock) -> None:
+    """The times the database records (events, a job's submission, start and end) are the replay's
+    simulated ones, as they would be a real cluster's: least loss reads a victim's start-up from its events."""
+    now = lambda: SIMULATED_EPOCH + timedelta(seconds=clock.now)
+    for column in (JobEvent.__table__.c.at, Job.__table__.c.created_at):
+        column.default.arg = lambda context: now()
+    job_states.utcnow = now
+
+
 def replay(policy: str, workload: list[SimJob], *, root: Path, plans: Plans) -> Replay:
     """`workload` through the scheduler under `policy`, event by event, to the last job's end."""
     db, launcher, storage, scheduler, clock = simulated(root, policy=policy)
@@ -284,12 +348,16 @@ def replay(policy: str, workload: list[SimJob], *, root: Path, plans: Plans) -> 
     pending = deque(workload)
     started = time.perf_counter()
     while True:
+        arrived = []
         while pending and pending[0].arrival_s <= clock.now:
             sim = pending.popleft()
             job_id = _submit(db, sim, name=f"sim-{len(sims)}", plans=plans)
             sims[job_id] = sim
             launcher.durations_s[job_id] = sim.duration_s
+            arrived.append(job_id)
         result.num_ticks += _settle(scheduler, launcher)
+        if waited := [job_id for job_id in arrived if job_id not in launcher.first_launch_at]:
+            result.estimates += _estimate(db, scheduler, waited, now=clock.now)
         if not pending and len(storage.retired) == len(workload):
             break
         next_arrival_s = pending[0].arrival_s if pending else None
@@ -324,6 +392,14 @@ def _settle(scheduler: Scheduler, launcher: FakeLauncher) -> int:
     return _MAX_SETTLE_TICKS
 
 
+def _estimate(db: Database, scheduler: Scheduler, job_ids: list[int], *, now: float) -> list[tuple]:
+    """(job id, now, its estimated start in simulated seconds or None) for `job_ids`, as GET /v1/queue
+    would give them now (the whole queue read)."""
+    with db.session() as session:
+        seconds = scheduler.dispatcher.estimate_starts(session, limit=1_000_000)
+    return [(job_id, now, None if seconds.get(job_id) is None else now + seconds[job_id]) for job_id in job_ids]
+
+
 def _held_until(launcher: FakeLauncher, t: float) -> float:
     """GPU-seconds held from 0 to `t`."""
     return sum(
@@ -350,12 +426,16 @@ def _collect(result: Replay, *, db: Database, launcher: FakeLauncher, scheduler:
         ).all()
     result.statuses = dict(Counter(status for _, status in rows))
     result.preempted_jobs = len(preempted)
+    result.preempted_by_class = dict(Counter(sims[job_id].klass for job_id, _ in preempted))
     result.most_preemptions = max((n for _, n in preempted), default=0)
     result.problems += launcher.problems + [f"job {job_id} failed: {reason}" for job_id, reason in failed[-3:]]
     result.makespan_s = max((a.released_at or 0.0) for a in launcher.attempts.values())
     result.held_gpu_s = launcher.held_gpu_s
     result.restart_gpu_s = launcher.restart_gpu_s
+    result.stopped_restart_gpu_s = launcher.stopped_restart_gpu_s
+    result.stop_checkpoint_gpu_s = launcher.stop_checkpoint_gpu_s
     result.lost_gpu_s = launcher.lost_gpu_s
+    result.started_at = dict(launcher.first_launch_at)
     registry = scheduler.telemetry.registry
     for outcome in ("checkpointed", "shrunk", "killed"):
         result.preemptions[outcome] = int(registry.get_sample_value("zero1_preemptions_total", {"outcome": outcome}))
@@ -470,7 +550,7 @@ def _ms(values: list[float], q: float) -> str:
 def table(
     results: list[Replay], ticks: dict[tuple[str, bool], list[float]], *, last_arrival_s: float, num_queued: int
 ) -> str:
-    """Both policies side by side, a markdown table."""
+    """The policies side by side, a markdown table."""
     rows: list[tuple[str, ...]] = [("measurement", *(_TITLES[r.policy] for r in results))]
     total = TOTAL_GPUS
 
@@ -494,9 +574,24 @@ def table(
     row("preemptions: shrunk (elastic)", lambda r: str(r.preemptions["shrunk"]))
     row("preemptions: killed past the grace", lambda r: str(r.preemptions["killed"]))
     row("jobs preempted at least once", lambda r: str(r.preempted_jobs))
+    row(
+        "of those: deadline / normal / best-effort",
+        lambda r: " / ".join(str(r.preempted_by_class.get(name, 0)) for name, _, _ in CLASSES),
+    )
     row("most preemptions of one job", lambda r: str(r.most_preemptions))
-    row("GPU-seconds of work lost", lambda r: f"{r.lost_gpu_s:,.0f}")
-    row(f"GPU-seconds of relaunch start-up ({START_DELAY_S:g} s each)", lambda r: f"{r.restart_gpu_s:,.0f}")
+    row(
+        f"GPU-seconds lost to preemption: the stops' checkpoints ({STOP_CHECKPOINT_S:g} s)", lambda r: _gpu_s(r, "stop")
+    )
+    row(f"GPU-seconds lost to preemption: relaunch start-up ({START_DELAY_S:g} s)", lambda r: _gpu_s(r, "restart"))
+    row("GPU-seconds lost to preemption: work lost by kills", lambda r: _gpu_s(r, "killed"))
+    row("GPU-seconds lost to preemption, in all", lambda r: _gpu_s(r, "all"))
+    row("GPU-seconds of every relaunch's start-up (growths too)", lambda r: f"{r.restart_gpu_s:,.0f}")
+    row("estimated starts: jobs that waited on arrival, with an estimate", lambda r: _coverage(r))
+    for label, q in (("p50", 0.5), ("p90", 0.9)):
+        row(f"estimated start: abs(estimated - actual), {label}", lambda r, q=q: _hours(_quantile(_errors(r), q)))
+    for label, q in (("p50", 0.5), ("p90", 0.9)):
+        row(f"their actual wait, {label}", lambda r, q=q: _hours(_quantile(_waited(r), q)))
+    row("estimated start too early (the job started later)", lambda r: _early(r))
     row("scheduler ticks in the replay", lambda r: f"{r.num_ticks:,}")
     row("wall time of the replay", lambda r: f"{r.wall_s:.1f} s")
     for idle, what in ((False, "cluster full"), (True, "1 GPU idle, no 1-GPU job queued")):
@@ -514,7 +609,73 @@ def table(
     return "\n".join(lines)
 
 
-_TITLES = {"fifo": "FIFO (queue_policy=fifo)", "priority": "priority + backfill + preemption"}
+_TITLES = {
+    "fifo": "FIFO (queue_policy=fifo)",
+    "priority": "priority, victims: lowest priority",
+    "least_loss": "priority, victims: least loss",
+}
+
+
+def lost_gpu_s(r: Replay) -> dict[str, float]:
+    """GPU-seconds lost to preemption, by what: the stops' checkpoints, the relaunches' start-up after
+    them, the work of attempts killed; and their sum."""
+    parts = {"stop": r.stop_checkpoint_gpu_s, "restart": r.stopped_restart_gpu_s, "killed": r.lost_gpu_s}
+    return {**parts, "all": sum(parts.values())}
+
+
+def _gpu_s(r: Replay, part: str) -> str:
+    return f"{lost_gpu_s(r)[part]:,.0f}"
+
+
+def _estimated(r: Replay) -> list[tuple[float, float, float]]:
+    """(when it waited, its estimated start, its first launch) of each job that waited and had an estimate."""
+    return [(at, est, r.started_at[job_id]) for job_id, at, est in r.estimates if est is not None]
+
+
+def _errors(r: Replay) -> list[float]:
+    return [abs(est - started) for _, est, started in _estimated(r)]
+
+
+def _waited(r: Replay) -> list[float]:
+    return [started - at for at, _, started in _estimated(r)]
+
+
+def _coverage(r: Replay) -> str:
+    return f"{len(r.estimates)}, {len(_estimated(r))}"
+
+
+def _early(r: Replay) -> str:
+    estimated = _estimated(r)
+    early = sum(est < started for _, est, started in estimated)
+    return f"{early} of {len(estimated)}" if estimated else "-"
+
+
+def summary(r: Replay) -> dict:
+    """A replay's figures, as benchmarks/results/scheduling.json keeps them."""
+    return {
+        "policy": r.policy,
+        "title": _TITLES[r.policy],
+        "statuses": r.statuses,
+        "makespan_s": round(r.makespan_s, 1),
+        "held_gpu_s": round(r.held_gpu_s),
+        "waits_s": {k: {"p50": _quantile(v, 0.5), "p95": _quantile(v, 0.95)} for k, v in r.waits_s.items()},
+        "preemptions": r.preemptions,
+        "preempted_jobs": r.preempted_jobs,
+        "preempted_by_class": r.preempted_by_class,
+        "most_preemptions": r.most_preemptions,
+        "lost_to_preemption_gpu_s": {k: round(v) for k, v in lost_gpu_s(r).items()},
+        "restart_gpu_s": round(r.restart_gpu_s),
+        "estimates": {
+            "waited": len(r.estimates),
+            "estimated": len(_estimated(r)),
+            "abs_error_s": {"p50": _quantile(_errors(r), 0.5), "p90": _quantile(_errors(r), 0.9)},
+            "waited_s": {"p50": _quantile(_waited(r), 0.5), "p90": _quantile(_waited(r), 0.9)},
+            "too_early": sum(est < started for _, est, started in _estimated(r)),
+        },
+        "num_ticks": r.num_ticks,
+        "wall_s": round(r.wall_s, 1),
+        "problems": r.problems,
+    }
 
 
 # --------------------------------------------------------------------------- main
@@ -543,6 +704,8 @@ def main() -> None:
     )
     parser.add_argument("--queued", type=int, default=10_000, help="queued jobs for the tick's time")
     parser.add_argument("--ticks", type=int, default=20)
+    parser.add_argument("--policies", nargs="+", default=list(_SETTINGS), choices=list(_SETTINGS))
+    parser.add_argument("--out", type=Path, default=RESULTS, help="the figures as JSON")
     args = parser.parse_args()
     errors = ErrorLog()
     logging.getLogger().addHandler(errors)  # the scheduler's own info lines stay quiet
@@ -553,7 +716,7 @@ def main() -> None:
     ticks = {}
     with tempfile.TemporaryDirectory(prefix="zero1-scheduling-") as tmp:
         root = Path(tmp)
-        for policy in ("fifo", "priority"):
+        for policy in args.policies:
             results.append(replay(policy, workload, root=root / f"replay-{policy}", plans=plans))
             for idle in (False, True):
                 ticks[(policy, idle)] = tick_times(
@@ -576,6 +739,23 @@ def main() -> None:
         print(f"logged: {record}")
     if errors.records:
         print(f"{len(errors.records)} warnings and errors logged in all")
+    args.out.parent.mkdir(exist_ok=True)
+    figures = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, SQLite",
+        "command": f"benchmarks/scheduling.py --jobs {args.jobs} --seed {args.seed} --load {args.load} "
+        f"--queued {args.queued} --ticks {args.ticks} --policies {' '.join(args.policies)}",
+        "workload": workload_line(workload),
+        "replays": [summary(r) for r in results],
+        "ticks_ms": {
+            f"{policy} {'1 GPU idle' if idle else 'full'}": _tick_ms(t) for (policy, idle), t in ticks.items()
+        },
+    }
+    args.out.write_text(json.dumps(figures, indent=1) + "\n")
+    print(f"figures written to {args.out}")
+
+
+def _tick_ms(times: list[float]) -> dict[str, float]:
+    return {"p50": round(_quantile(times, 0.5) * 1e3, 1), "p95": round(_quantile(times, 0.95) * 1e3, 1)}
 
 
 if __name__ == "__main__":

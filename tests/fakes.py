@@ -6,9 +6,11 @@ scheduler calls it) on a cluster of logical GPUs where no process runs: an attem
 from its launch, trains from `start_delay_s` later, and ends when its work is done, by a clock the
 caller moves (FakeClock) or the wall's. Work is counted in seconds at the job's full num_gpus (one
 step a second); an attempt at N GPUs does N/num_gpus of it a second. Asked to stop now it stops
-`stop_delay_s` later at its next step with a checkpoint there; asked to stop at its next checkpoint
-(a growth) it stops there; killed it keeps its last periodic checkpoint. A test ends an attempt
-itself with fail() or lose().
+`stop_delay_s` later at its next step with a checkpoint there (held `stop_checkpoint_s` more, not
+training, while it writes it); asked to stop at its next checkpoint (a growth) it stops there; killed
+it keeps its last periodic checkpoint. With `rows`, a poll brings the newest step's metric row (and
+the last periodic checkpoint's, since the last poll), as a supervisor would bring every step's. A
+test ends an attempt itself with fail() or lose().
 
 Packages: service (the launcher's and the storage's interfaces, AppState).
 """
@@ -18,7 +20,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from service.app_state import AppState
@@ -55,6 +57,14 @@ class Timing:
     """From a stop asked now to the ranks' exit with a checkpoint at their next step."""
     checkpoint_every_s: float = 1.0
     """Periodic checkpoints, in seconds of work at full size."""
+    stop_checkpoint_s: float = 0.0
+    """After a stop's step, the seconds its ranks hold their GPUs writing its checkpoint (asynchronous
+    checkpoints: the exit waits for the write, a periodic one or the stop's own), training no more."""
+    rows: bool = False
+    """Polls bring metric rows: the newest step's, and the last periodic checkpoint's since the last poll
+    (its checkpoint_blocked_s `checkpoint_blocked_s`); step_time_s is a step's at the attempt's N."""
+    checkpoint_blocked_s: float = 0.0
+    """What the periodic checkpoints' rows report they held training up (the copy to host memory)."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -69,7 +79,14 @@ class FakeAttempt:
     start_progress_s: float
     start_delay_s: float
     stop_at: float = math.inf
+    """When a stop asked of it ends: its ranks exit."""
+    trains_until: float = math.inf
+    """When a stop asked of it has it stop training (its step; stop_at once its checkpoint is written)."""
     stop_asked_at: float | None = None
+    stop_now: bool = False
+    """The stop asked was for now (a preemption, a suspend), not at a checkpoint (a growth)."""
+    after_stop: bool = False
+    """Its job's previous attempt ended by a stop asked for now: this one's start-up is that stop's."""
     killed: bool = False
     ended: AttemptPoll | None = None
     """How a test ended it (fail(), lose()); None while its clock decides."""
@@ -88,6 +105,7 @@ class FakeAttempt:
         return self.running_at + (self.duration_s - self.start_progress_s) / self.rate
 
     def progress_s(self, t: float) -> float:
+        t = min(t, self.trains_until)
         return min(self.duration_s, self.start_progress_s + max(0.0, t - self.running_at) * self.rate)
 
     def time_at(self, progress_s: float) -> float:
@@ -96,7 +114,7 @@ class FakeAttempt:
     def status(self, t: float) -> AttemptStatus:
         if self.ended is not None:
             return self.ended.status
-        if self.killed or (self.stop_at < self.finish_at and t >= self.stop_at):
+        if self.killed or (self.trains_until < self.finish_at and t >= self.stop_at):
             return AttemptStatus.STOPPED
         if t >= self.finish_at:
             return AttemptStatus.SUCCEEDED
@@ -105,7 +123,7 @@ class FakeAttempt:
     def events(self) -> Iterable[float]:
         """The times at which this attempt changes what a poll says."""
         yield self.running_at
-        yield min(self.finish_at, self.stop_at)
+        yield self.stop_at if self.trains_until < self.finish_at else self.finish_at
 
 
 class FakeLauncher:
@@ -141,6 +159,13 @@ class FakeLauncher:
         """GPU-seconds of relaunched attempts' start-up (held, not training)."""
         self.lost_gpu_s = 0.0
         """GPU-seconds of work since the last checkpoint of attempts killed."""
+        self.stop_checkpoint_gpu_s = 0.0
+        """GPU-seconds of the exits of attempts stopped for now (a preemption, a suspend): held after their
+        last step, writing its checkpoint."""
+        self.stopped_restart_gpu_s = 0.0
+        """Of restart_gpu_s, the start-ups of attempts after a stop asked for now (a preemption, a suspend)."""
+        self.reported: dict[tuple[int, int], int] = {}
+        """(job id, attempt) -> the last step a poll brought a row of (with Timing.rows)."""
         self.problems: list[str] = []
 
     # what the scheduler calls
@@ -159,6 +184,7 @@ class FakeLauncher:
             launched_at=now,
             start_progress_s=self.saved_s.get(job.id, 0.0),
             start_delay_s=self.timing.start_delay_s,
+            after_stop=(before := self.attempts.get((job.id, job.attempt - 1))) is not None and before.stop_now,
         )
         self.launched.append((job.id, job.attempt, n))
         self.first_launch_at.setdefault(job.id, now)
@@ -184,8 +210,10 @@ class FakeLauncher:
         else:
             every_s = self.timing.checkpoint_every_s
             at = found.time_at((found.progress_s(t) // every_s + 1) * every_s)
-        found.stop_at = min(found.stop_at, at)
+        found.trains_until = min(found.trains_until, at)
+        found.stop_at = found.trains_until + self.timing.stop_checkpoint_s
         found.stop_asked_at = t if found.stop_asked_at is None else found.stop_asked_at
+        found.stop_now = found.stop_now or now
         self.num_actions += 1
         return True
 
@@ -209,8 +237,12 @@ class FakeLauncher:
         now = found.released_at = self.clock()
         self.held_gpus -= found.n
         self.held_gpu_s += (now - found.launched_at) * found.n
+        if found.stop_now and not found.killed and found.trains_until < found.finish_at and now >= found.stop_at:
+            self.stop_checkpoint_gpu_s += (found.stop_at - found.trains_until) * found.n
         if found.start_progress_s > 0 or attempt > 0:
-            self.restart_gpu_s += (min(now, found.running_at) - found.launched_at) * found.n
+            start_up_gpu_s = (min(now, found.running_at) - found.launched_at) * found.n
+            self.restart_gpu_s += start_up_gpu_s
+            self.stopped_restart_gpu_s += start_up_gpu_s if found.after_stop else 0.0
         self.num_actions += 1
 
     def gpus_free_to(self, job_id: int, attempt: int) -> int | None:
@@ -248,7 +280,31 @@ class FakeLauncher:
         status = found.status(self.clock())
         if status == AttemptStatus.STOPPED and not found.killed:  # its checkpoint at the step it stopped at
             self.saved_s[job_id] = found.progress_s(found.stop_at)
-        return AttemptPoll(status=status, nodes=("node-0",) * found.n)
+        rows = self._rows(found, key=(job_id, attempt)) if self.timing.rows and status != AttemptStatus.STARTING else ()
+        return AttemptPoll(status=status, nodes=("node-0",) * found.n, metrics=rows)
+
+    def _rows(self, found: FakeAttempt, *, key: tuple[int, int]) -> tuple[MetricRow, ...]:
+        """The newest step's row, and the last periodic checkpoint's since the last poll (a step a second
+        of work at full size: step k ends at k + 1 s of it)."""
+        newest = math.ceil(found.progress_s(self.clock()) - 1e-9) - 1
+        after = self.reported.get(key, math.floor(found.start_progress_s + 1e-9) - 1)
+        if newest <= after:
+            return ()
+        self.reported[key] = newest
+        step_time_s = found.num_gpus / found.n
+        every = max(1, round(self.timing.checkpoint_every_s))
+        checkpoint = (newest + 1) // every * every - 1
+        rows = []
+        if after < checkpoint < newest:
+            rows.append(self._row(checkpoint, found, step_time_s, blocked_s=self.timing.checkpoint_blocked_s))
+        blocked_s = self.timing.checkpoint_blocked_s if checkpoint == newest else None
+        rows.append(self._row(newest, found, step_time_s, blocked_s=blocked_s))
+        return tuple(rows)
+
+    @staticmethod
+    def _row(step: int, found: FakeAttempt, step_time_s: float, *, blocked_s: float | None) -> MetricRow:
+        row = metric_row(step)
+        return replace(row, step_time_s=step_time_s, world_size=found.n, checkpoint_blocked_s=blocked_s)
 
 
 _ALIVE = (AttemptStatus.STARTING, AttemptStatus.RUNNING)
