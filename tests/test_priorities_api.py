@@ -321,6 +321,18 @@ def test_each_queued_job_has_an_estimated_start_from_the_steps_left_of_the_jobs_
     )
 
 
+def test_a_failed_estimate_leaves_the_queue_listed_with_no_estimated_start(api, monkeypatch):
+    job = submit(api, ALICE, name="waits")
+
+    def fails(session, *, limit):
+        raise RuntimeError("a bug in the replay")
+
+    monkeypatch.setattr(api.app.state.runtime.scheduler.dispatcher, "estimate_starts", fails)
+    response = api.get("/v1/queue", headers=bearer(ALICE))
+    assert response.status_code == 200
+    assert [(e["id"], e["estimated_start"]) for e in response.json()["data"]] == [(job["id"], None)]
+
+
 def test_a_jobs_page_shows_its_priority_and_a_preemption_event_marked(api):
     job = submit(api, ALICE, priority=70)
     start_by_hand(api, job["id"])

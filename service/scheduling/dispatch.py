@@ -309,7 +309,8 @@ class Stops:
 
     def preemptions(self) -> dict[int, Preempt]:
         """Victim id -> the preemption in flight (for the policy: GPUs that are coming)."""
-        return {k: s.preempt for k, s in self._stops.items() if s.preempt is not None}
+        # a copy first: the API's estimates read it from a thread of their own while the tick asks stops
+        return {k: s.preempt for k, s in list(self._stops.items()) if s.preempt is not None}
 
     def pop_overdue(self, job_id: int, attempt: int, *, now: float, grace_s: float) -> Stop | None:
         """The stop asked of this attempt more than `grace_s` ago, forgotten; None if there is none."""

@@ -132,9 +132,14 @@ class Scheduler:
 
     def estimated_starts(self, session: Session, *, limit: int) -> dict[int, datetime | None]:
         """When each of the first `limit` queued jobs is estimated to start, the policy replayed forward
-        on the database as it is now (Dispatcher.estimate_starts); None where unknown."""
+        on the database as it is now (Dispatcher.estimate_starts); None where unknown, and for every job
+        if the estimate fails (logged: the queue is still listed)."""
         now = utcnow()
-        seconds = self.dispatcher.estimate_starts(session, limit=limit)
+        try:
+            seconds = self.dispatcher.estimate_starts(session, limit=limit)
+        except Exception:
+            log.exception("could not estimate the queued jobs' starts")
+            return {}
         return {job_id: None if s is None else now + timedelta(seconds=s) for job_id, s in seconds.items()}
 
     def tick_age_s(self) -> float | None:
