@@ -77,7 +77,7 @@ def _schema(url: str) -> tuple[set[str], str | None]:
         engine.dispose()
 
 
-HEAD = "0027"
+HEAD = "0024"
 
 
 def _count(database: Database, model: type[Base], job_id: int) -> int:
@@ -92,7 +92,7 @@ def test_one_linear_history(database_url):
     assert (
         revisions
         == [
-            "0027",
+            "0024",
             "0023",
             "0022",
             "0021",

@@ -114,7 +114,7 @@ def ledger(database) -> dict[str, int]:
     - alice, priority 30, 1 GPU, 90- still running.
     - bob, priority 50, elastic: 4 GPUs 30-60, resized to 2 at 60, 2 GPUs to 100, preempted (queued) then.
     - carol, priority 50, 3 GPUs 0-10: ended before any period below.
-    - old, priority 50: events and rows stored before migration 0027 (gpus and stored_at null), 2 GPUs 40-80.
+    - old, priority 50: events and rows stored before migration 0024 (gpus and stored_at null), 2 GPUs 40-80.
     """
     with database.session() as session:
         jobs = {

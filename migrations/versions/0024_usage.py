@@ -1,7 +1,7 @@
 """usage: job_events.gpus, the GPUs a job holds from each event on; metrics.stored_at, when a row was stored
 (both null for what was stored before them)
 
-Revision ID: 0027
+Revision ID: 0024
 Revises: 0023
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0027"
+revision: str = "0024"
 down_revision: str | Sequence[str] | None = "0023"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
