@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from service.app_state import AppState
 from service.planning.capacity import ClusterCapacity
@@ -32,6 +33,9 @@ from service.store.tables import Job
 from service.telemetry import Telemetry
 from workers.memory.model import gpu_memory_bytes_from_gb
 from workers.records import AttemptPoll, AttemptStatus, MetricRow, RankError
+
+if TYPE_CHECKING:
+    from fastapi.testclient import TestClient
 
 RUNS_UNTIL_STOPPED_S = math.inf
 """The work of a job whose duration the caller did not set: it runs until stopped, failed or lost."""
@@ -398,3 +402,9 @@ def end_attempt(runtime: AppState, job_id: int, eval_loss: float | None) -> None
         attempt = job.attempt
     status = AttemptStatus.FAILED if eval_loss is None else AttemptStatus.SUCCEEDED
     runtime.launcher.attempts[(job_id, attempt)].ended = AttemptPoll(status=status, nodes=("node-0",))
+
+
+def tick(api: TestClient, count: int = 1) -> None:
+    """`count` ticks of the scheduler of an app served on these stand-ins (its own loop stopped)."""
+    for _ in range(count):
+        api.app.state.runtime.scheduler.tick()

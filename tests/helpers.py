@@ -66,6 +66,11 @@ def job_body(**overrides) -> dict:
 T = TypeVar("T")
 
 
+def bearer(token: str) -> dict[str, str]:
+    """The Authorization header of an API token."""
+    return {"Authorization": f"Bearer {token}"}
+
+
 def wait_for(
     read: Callable[[], T],
     predicate: Callable[[T], bool],

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fakes import FakeClock
+from fakes import FakeClock, tick
 from fastapi.testclient import TestClient
 from playwright.sync_api import expect, sync_playwright
 from sqlalchemy import update
@@ -34,6 +34,7 @@ from workers.records import AttemptPoll, AttemptStatus, MetricRow
 
 import helpers
 from conftest import make_settings, serve_on_fakes
+from helpers import bearer
 from marks import starts
 
 ALICE = "alice-token-of-the-compare-tests-0123456789"
@@ -62,15 +63,6 @@ def api(tmp_path_factory) -> Iterator[TestClient]:
         yield client
 
 
-def bearer(token: str) -> dict:
-    return {"Authorization": f"Bearer {token}"}
-
-
-def tick(api: TestClient, count: int = 2) -> None:
-    for _ in range(count):
-        api.app.state.runtime.scheduler.tick()
-
-
 def row(step: int, *, scale: float) -> MetricRow:
     return MetricRow(
         step=step, loss=scale * 4.0 / (1 + step), grad_norm=1.0, loss_scale=1.0, skipped=False, step_time_s=0.1,
@@ -89,7 +81,7 @@ def train(api: TestClient, job_id: int, *, scale: float, end: AttemptStatus | No
         attempt = job.attempt
     if end is not None:
         runtime.launcher.attempts[(job_id, attempt)].ended = AttemptPoll(status=end, nodes=("node-0",))
-    tick(api)
+    tick(api, 2)
 
 
 def submit(api: TestClient, token: str, **overrides) -> dict:
@@ -103,7 +95,7 @@ def end_all(api: TestClient) -> None:
     for job in api.get("/v1/jobs", params={"limit": 500}, headers=bearer(ROOT)).json()["data"]:
         if job["status"] in ("starting", "running"):
             api.post(f"/v1/jobs/{job['id']}/cancel", headers=bearer(ROOT))
-    tick(api)
+    tick(api, 2)
 
 
 def chart_data(page_html: str) -> dict:
@@ -120,7 +112,7 @@ def compared(api) -> dict:
     first = submit(api, ALICE, name="lr-small", optimizer={**helpers.FAST, "lr": 0.001})
     second = submit(api, ALICE, name="lr-large", optimizer={**helpers.FAST, "lr": 0.01})
     hidden = submit(api, BOB, name="bobs-secret-run")
-    tick(api)
+    tick(api, 2)
     train(api, first["id"], scale=1.0)
     train(api, second["id"], scale=1.5)
     train(api, hidden["id"], scale=2.0)
@@ -193,7 +185,7 @@ def sweep(api, compared) -> dict:
     body = {"name": "lr-grid", "base": helpers.job_body(num_gpus=1), "space": SPACE, "max_concurrent": 4}
     created = api.post("/v1/sweeps", json=body)
     assert created.status_code == 201, created.text
-    tick(api)
+    tick(api, 2)
     trials = api.get(f"/v1/sweeps/{created.json()['id']}").json()["trials"]
     assert all(t["job_id"] for t in trials), trials
     for trial in trials:
@@ -388,7 +380,7 @@ def test_in_chromium_a_job_stopped_early_wears_its_own_badge_and_is_final(pages,
     """stopped_early (a sweep's trial that early stopping ended) is drawn in its own muted amber, not as
     cancelled; once the service knows it as terminal, its job page offers no Cancel."""
     job = submit(api, ALICE, name="stopped-at-a-rung")
-    tick(api)
+    tick(api, 2)
     train(api, job["id"], scale=1.0)
     with api.app.state.runtime.db.session() as session:  # as early stopping leaves it
         session.get(Job, job["id"]).status = "stopped_early"

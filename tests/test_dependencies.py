@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterator
 
 import pytest
-from fakes import FakeClock
+from fakes import FakeClock, tick
 from fastapi.testclient import TestClient
 
 from service.cli import main
@@ -30,11 +30,6 @@ def api(tmp_path, database_url) -> Iterator[TestClient]:
         client.app.state.runtime.scheduler.stop()
         client.app.state.runtime.launcher.clock = FakeClock()
         yield client
-
-
-def tick(api: TestClient, count: int = 1) -> None:
-    for _ in range(count):
-        api.app.state.runtime.scheduler.tick()
 
 
 def submit(api: TestClient, **fields) -> int:

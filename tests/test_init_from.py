@@ -31,16 +31,13 @@ from workers.training.staging import fetch_weights
 
 import helpers
 from conftest import make_settings, serve
+from helpers import bearer
 from test_artifacts import LLAMA
 
 ALICE, BOB, ROOT = (f"{user}-{secrets.token_urlsafe(24)}" for user in ("alice", "bob", "root"))
 TOKENS = f"alice:{ALICE},bob:{BOB},root:{ROOT}:admin"
 TINY = GPTSpec(**{k: v for k, v in helpers.TINY.items() if k != "kind"})
 FAST = OptimizerSpec(lr=0.003, betas=(0.9, 0.95), weight_decay=0.0, max_grad_norm=1.0)
-
-
-def bearer(token: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
 
 
 # --------------------------------------------------------------------------- through the API, on Ray

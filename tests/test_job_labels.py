@@ -21,13 +21,10 @@ from service.store.tables import JobTag
 
 import helpers
 from conftest import client_on, make_settings, serve_on_fakes
+from helpers import bearer
 
 ALICE, BOB, ROOT = (f"{user}-{secrets.token_urlsafe(24)}" for user in ("alice", "bob", "root"))
 TOKENS = f"alice:{ALICE},bob:{BOB},root:{ROOT}:admin"
-
-
-def bearer(token: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
 
 
 @pytest.fixture

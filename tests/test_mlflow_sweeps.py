@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from fakes import FakeClock, end_attempt
+from fakes import FakeClock, end_attempt, tick
 from fastapi.testclient import TestClient
 from test_mlflow import MlflowServer, mlflow_client
 
@@ -53,11 +53,6 @@ def experiment_of(api: TestClient) -> str:
     return f"{api.app.state.runtime.settings.mlflow_experiment}/alice"
 
 
-def tick(api: TestClient, count: int = 2) -> None:
-    for _ in range(count):
-        api.app.state.runtime.scheduler.tick()
-
-
 def finish(api: TestClient, job_id: int, eval_loss: float) -> None:
     """The job's attempt ends succeeded, its last evaluated row at `eval_loss`."""
     end_attempt(api.app.state.runtime, job_id, eval_loss)
@@ -90,7 +85,7 @@ def test_a_sweep_is_a_parent_run_its_trials_nested_and_it_ends_with_the_best_tri
     created = api.post("/v1/sweeps", json=sweep_body())
     assert created.status_code == 201, created.text
     sweep_id = created.json()["id"]
-    tick(api)  # trials 0 and 1 start: the parent is made with the first trial's run
+    tick(api, 2)  # trials 0 and 1 start: the parent is made with the first trial's run
     parents, trials = helpers.wait_for(
         lambda: runs_of(mlflow_server, experiment, sweep_id),
         lambda found: len(found[1]) == 2,
@@ -112,7 +107,7 @@ def test_a_sweep_is_a_parent_run_its_trials_nested_and_it_ends_with_the_best_tri
             if trial["status"] == "running" and trial["index"] not in ended:
                 finish(api, trial["job_id"], EVAL_LOSSES[trial["index"]])
                 ended.add(trial["index"])
-        tick(api)
+        tick(api, 2)
     assert sweep["status"] == "succeeded" and sweep["best"]["index"] == 1
     jobs = [trial["job_id"] for trial in sweep["trials"]]
 
@@ -162,7 +157,7 @@ def test_a_sweep_is_a_parent_run_its_trials_nested_and_it_ends_with_the_best_tri
 def test_a_cancelled_sweeps_parent_ends_killed_with_no_best(api, mlflow_server):
     experiment = experiment_of(api)
     sweep_id = api.post("/v1/sweeps", json=sweep_body()).json()["id"]
-    tick(api)
+    tick(api, 2)
     helpers.wait_for(
         lambda: runs_of(mlflow_server, experiment, sweep_id),
         lambda found: len(found[0]) == 1 and len(found[1]) == 2,
@@ -171,7 +166,7 @@ def test_a_cancelled_sweeps_parent_ends_killed_with_no_best(api, mlflow_server):
         interval_s=0.2,
     )
     assert api.post(f"/v1/sweeps/{sweep_id}/cancel").status_code == 202
-    tick(api)
+    tick(api, 2)
     parents, trials = helpers.wait_for(
         lambda: runs_of(mlflow_server, experiment, sweep_id),
         lambda found: len(found[0]) == 1 and found[0][0].info.status != "RUNNING",

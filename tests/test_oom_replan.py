@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from fakes import FakeClock
+from fakes import FakeClock, tick
 from fastapi.testclient import TestClient
 
 from service.planning import replans, step_costs
@@ -224,11 +224,6 @@ def api(tmp_path) -> Iterator[TestClient]:
         client.app.state.runtime.scheduler.stop()
         client.app.state.runtime.launcher.clock = FakeClock()
         yield client
-
-
-def tick(api: TestClient, count: int = 1) -> None:
-    for _ in range(count):
-        api.app.state.runtime.scheduler.tick()
 
 
 def events(api: TestClient, job_id: int) -> list[str]:

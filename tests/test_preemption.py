@@ -22,7 +22,7 @@ from workers.memory.specs import GPTSpec
 
 from conftest import make_settings, serve
 from figures import record
-from helpers import COSINE, TERMINAL, job_body, job_checkpoint_dir, wait_for, wait_job
+from helpers import COSINE, TERMINAL, bearer, job_body, job_checkpoint_dir, wait_for, wait_job
 from test_elastic import _gated_bundle, _set_gate
 from test_faults import assert_same_state, final_shards, transitions
 from test_python_jobs import EXAMPLE_DIR, example, upload
@@ -31,10 +31,6 @@ STEPS = 40
 EVERY = 8
 
 ALICE, BOB = (f"{user}-{secrets.token_urlsafe(24)}" for user in ("alice", "bob"))
-
-
-def bearer(token: str) -> dict:
-    return {"Authorization": f"Bearer {token}"}
 
 
 @pytest.fixture(scope="module")

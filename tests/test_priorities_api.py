@@ -30,13 +30,10 @@ from service.store.tables import Job
 
 import helpers
 from conftest import make_settings, serve_on_fakes
+from helpers import bearer
 
 ALICE, INTERN, ROOT = (f"{user}-{secrets.token_urlsafe(24)}" for user in ("alice", "intern", "root"))
 TOKENS = f"alice:{ALICE},intern:{INTERN},root:{ROOT}:admin"
-
-
-def bearer(token: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
 
 
 WAITING_REASON = Reasons().of(0)  # before the scheduler's first tick

@@ -37,16 +37,12 @@ from service.store.tables import Job, JobEvent
 from workers.memory.model import GB
 
 from conftest import make_settings, serve_on_fakes
-from helpers import TERMINAL, TINY, wait_job
+from helpers import TERMINAL, TINY, bearer, wait_job
 
 ZERO1 = str(Path(sys.executable).with_name("zero1"))
 ALICE, BOB, ROOT = (f"{user}-{secrets.token_urlsafe(24)}" for user in ("alice", "bob", "root"))
 TOKENS = f"alice:{ALICE}, bob:{BOB},root:{ROOT}:admin"
 MAX_QUEUED = 2
-
-
-def bearer(token: str) -> dict:
-    return {"Authorization": f"Bearer {token}"}
 
 
 def job_body(**overrides) -> dict:

@@ -16,7 +16,7 @@ import re
 from collections.abc import Iterator
 
 import pytest
-from fakes import FakeClock, end_attempt, metric_row
+from fakes import FakeClock, end_attempt, metric_row, tick
 from fastapi.testclient import TestClient
 
 from service.cli import main
@@ -38,11 +38,6 @@ def api(tmp_path, database_url) -> Iterator[TestClient]:
         client.app.state.runtime.launcher.clock = FakeClock()
         client.headers["Authorization"] = f"Bearer {ALICE}"
         yield client
-
-
-def tick(api: TestClient, count: int = 1) -> None:
-    for _ in range(count):
-        api.app.state.runtime.scheduler.tick()
 
 
 def grid(**fields) -> dict:

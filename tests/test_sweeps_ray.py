@@ -21,6 +21,8 @@ from conftest import client_on
 STEPS = 6
 LRS = (0.001, 0.003, 0.01)
 WARMUPS = (0, 2)
+STOPPED_STEPS = 200
+"""The ASHA test's trials' steps: many more than its rung's 10."""
 
 
 def spec() -> dict:
@@ -69,7 +71,9 @@ def test_asha_stops_a_clearly_bad_trial_at_its_rung_with_a_checkpoint_and_the_sw
         "max_concurrent": 1,  # the bad trial is judged once both others have recorded the rung (bootstrap_count 2)
         "early_stopping": {"kind": "asha", "rungs": [10], "eta": 3},
     }
-    body["base"] = body["base"] | {"steps": 40, "eval_every": 5}
+    # 200 steps: the bad trial's stop is asked at the tick after its rung's row is stored, and lands at its
+    # next step; the steps it trains meanwhile must not reach its end
+    body["base"] = body["base"] | {"steps": STOPPED_STEPS, "eval_every": 5}
     created = client.post("/v1/sweeps", json=body)
     assert created.status_code == 201, created.text
     with client_on(client) as zero1:
@@ -83,6 +87,6 @@ def test_asha_stops_a_clearly_bad_trial_at_its_rung_with_a_checkpoint_and_the_sw
         assert job.events()[-1].reason.startswith("stopped early by ASHA at the rung of 10 steps: eval_loss")
         assert job.info.num_retries == 0
         rows = job.metrics()
-        assert 10 <= len(rows) < 40 and [row.step for row in rows] == list(range(len(rows)))
+        assert 10 <= len(rows) < STOPPED_STEPS and [row.step for row in rows] == list(range(len(rows)))
         assert max(c.step for c in job.checkpoints()) == rows[-1].step  # stopped with a checkpoint at its last row
         assert sweep.info.best is not None and sweep.info.best.index in (good.index, other.index)

@@ -28,7 +28,7 @@ from zero1 import Client
 
 from conftest import make_settings, serve, serve_on_fakes
 from figures import record
-from helpers import TERMINAL, job_body, wait_job
+from helpers import TERMINAL, bearer, job_body, wait_job
 
 ALICE, ROOT = (f"{user}-{secrets.token_urlsafe(24)}" for user in ("alice", "root"))
 TOKENS = f"alice:{ALICE},root:{ROOT}:admin"
@@ -36,10 +36,6 @@ OWNED = "\x1b]0;OWNED-TITLE\x07\x1b[2J\x1b[Hpwned\x9b31m\x7f"
 """What a user may try to send another's terminal: a new title, a cleared screen, a C1 CSI, a DEL."""
 SHOWN = "\\x1b]0;OWNED-TITLE\\x07\\x1b[2J\\x1b[Hpwned\\x9b31m\\x7f"
 """The same, as the CLI and the dashboard print it."""
-
-
-def bearer(token: str) -> dict:
-    return {"Authorization": f"Bearer {token}"}
 
 
 @pytest.fixture(scope="module")

@@ -27,16 +27,12 @@ from workers.data.datasets import ByteTokenizer, prepare_tokens
 
 from conftest import end_supervisors, make_settings
 from figures import record
-from helpers import TERMINAL, job_body, wait_for, wait_job, zip_of
+from helpers import TERMINAL, bearer, job_body, wait_for, wait_job, zip_of
 
 ALICE, BOB, ROOT = (f"{user}-{secrets.token_urlsafe(24)}" for user in ("alice", "bob", "root"))
 TOKENS = f"alice:{ALICE},bob:{BOB},root:{ROOT}:admin"
 QUOTA = 4000
 ZIP = {"Content-Type": "application/zip"}
-
-
-def bearer(token: str) -> dict:
-    return {"Authorization": f"Bearer {token}"}
 
 
 @pytest.fixture(scope="module")

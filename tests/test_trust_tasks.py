@@ -31,7 +31,7 @@ from workers.data.digests import DigestError, directory_digest, tokenizer_digest
 
 from conftest import make_settings, serve
 from figures import record
-from helpers import TINY, stored_bundle, wait_for, zip_of
+from helpers import TINY, bearer, stored_bundle, wait_for, zip_of
 
 ROOT = Path(__file__).resolve().parents[1]
 ALICE, BOB = (f"{user}-{secrets.token_urlsafe(24)}" for user in ("alice", "bob"))
@@ -76,10 +76,6 @@ def build(gate="", vocab=16):
         time.sleep(0.05)
     return Tiny(vocab)
 """
-
-
-def bearer(token: str) -> dict:
-    return {"Authorization": f"Bearer {token}"}
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
-from fakes import FakeClock
+from fakes import FakeClock, tick
 from fastapi.testclient import TestClient
 from playwright.sync_api import expect, sync_playwright
 from prometheus_client.parser import text_string_to_metric_families
@@ -34,6 +34,7 @@ from workers.records import AttemptPoll, AttemptStatus, MetricRow
 
 import helpers
 from conftest import make_settings, serve_on_fakes
+from helpers import bearer
 from marks import starts
 
 ALICE = "alice-token-of-the-usage-tests-0123456789"
@@ -272,15 +273,6 @@ def api(tmp_path_factory) -> Iterator[TestClient]:
         yield client
 
 
-def bearer(token: str) -> dict:
-    return {"Authorization": f"Bearer {token}"}
-
-
-def tick(api: TestClient, count: int = 2) -> None:
-    for _ in range(count):
-        api.app.state.runtime.scheduler.tick()
-
-
 def row(step: int, *, world_size: int, blocked: float | None = None) -> MetricRow:
     return MetricRow(
         step=step, loss=1.0, grad_norm=1.0, loss_scale=1.0, skipped=False, step_time_s=0.25 + step / 100,
@@ -302,7 +294,7 @@ def end(api: TestClient, job_id: int, *, rows: list[MetricRow], status=AttemptSt
         attempt = session.get(Job, job_id).attempt
     poll = AttemptPoll(status=status, nodes=("node-0",), metrics=tuple(rows))
     runtime.launcher.attempts[(job_id, attempt)].ended = poll
-    tick(api)
+    tick(api, 2)
 
 
 def from_events(api: TestClient, job_id: int) -> float:
@@ -343,7 +335,7 @@ def ran(api) -> dict[str, int]:
     assert [e["gpus"] for e in api.get(f"/v1/jobs/{elastic['id']}/events").json()["data"]] == [0, 4, 4, 2, 2]
     end(api, elastic["id"], rows=[row(s, world_size=2, blocked=0.5 if s == 3 else None) for s in range(4)])
     end(api, waiting["id"], rows=[row(s, world_size=2) for s in range(3)])
-    tick(api)
+    tick(api, 2)
     end(api, small["id"], rows=[row(s, world_size=1) for s in range(5)])
     for job_id in (elastic["id"], waiting["id"], small["id"]):
         assert api.get(f"/v1/jobs/{job_id}").json()["status"] == "succeeded"
