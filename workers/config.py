@@ -235,7 +235,7 @@ class HealthConfig:
     hang_factor: float | None = 20.0
     """A rank that makes no step for this many times its median step time (and at least hang_min_s)
     is hung: its stacks go to its log and the attempt ends as a failure; None: no hang detection."""
-    hang_min_s: float = 300.0
+    hang_min_s: float = 600.0
     """The least a rank waits for a step before it counts as hung."""
 
     def __post_init__(self) -> None:
