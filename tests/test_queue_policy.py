@@ -144,8 +144,8 @@ def test_fifo_starts_in_submission_order_and_the_head_waits():
 
 
 def test_the_queue_is_read_in_its_order_with_each_jobs_sizes_on_both_databases(database):
-    """dispatch.waiting has the database extract the two numbers of a spec the sizes need."""
-    from service.scheduling import dispatch
+    """snapshot.waiting has the database extract the two numbers of a spec the sizes need."""
+    from service.scheduling import snapshot
     from service.store.tables import Job
 
     def job(name: str, priority: int, num_gpus: int, **spec) -> Job:
@@ -170,8 +170,8 @@ def test_the_queue_is_read_in_its_order_with_each_jobs_sizes_on_both_databases(d
             ]
         )
     with database.session() as session:
-        read = [(w.priority, w.sizes) for w in dispatch.waiting(session)]
-        fifo = [w.sizes for w in dispatch.waiting(session, fifo=True)]
+        read = [(w.priority, w.sizes) for w in snapshot.waiting(session)]
+        fifo = [w.sizes for w in snapshot.waiting(session, fifo=True)]
     assert read == [(90, (1, 2, 4)), (90, (3,)), (50, (2, 3, 6)), (10, (2,))]
     assert fifo == [(2,), (1, 2, 4), (3,), (2, 3, 6)]
 
@@ -257,10 +257,10 @@ def test_least_loss_takes_nothing_when_all_that_may_be_taken_is_not_enough():
 
 @pytest.mark.parametrize("attempt_rows", [(100, 160), ()], ids=["resumed-with-rows", "no-row-yet"])
 def test_the_snapshot_reads_each_running_jobs_step_time_checkpoints_and_start_up(database, attempt_rows):
-    """dispatch.holding and with_loss_facts: a step's GPU-seconds from the latest row (its step time x
+    """snapshot.holding and with_loss_facts: a step's GPU-seconds from the latest row (its step time x
     the N it ran at), the newest checkpoint (the last periodic one, or the one its attempt resumed
     from), the periodic checkpoint's blocked seconds, and the last start's seconds from the events."""
-    from service.scheduling import dispatch
+    from service.scheduling import snapshot
     from service.store.metric_rows import store_metrics
     from service.store.tables import Job, JobEvent
     from workers.records import MetricRow
@@ -296,8 +296,8 @@ def test_the_snapshot_reads_each_running_jobs_step_time_checkpoints_and_start_up
             job.step = 99  # its resume kept the rows up to its checkpoint; none of this attempt yet
         job_id = job.id
     with database.session() as session:
-        [fresh] = dispatch.holding(session, age_s=lambda _: 500.0)
-        [facts] = dispatch.with_loss_facts(session, [fresh])
+        [fresh] = snapshot.holding(session, age_s=lambda _: 500.0)
+        [facts] = snapshot.with_loss_facts(session, [fresh])
     assert (facts.id, facts.gpus, facts.steps, facts.checkpoint_every, facts.age_s) == (job_id, 4, 1000, 50, 500.0)
     assert facts.restart_s == 42.0
     if attempt_rows:
@@ -308,9 +308,9 @@ def test_the_snapshot_reads_each_running_jobs_step_time_checkpoints_and_start_up
 
 
 def test_the_queue_read_for_estimates_says_what_each_job_has_left_and_how_fast_it_went(database):
-    """dispatch.waiting(paced=True): a job preempted at step 199 of 1000, whose rows ran at 0.5 s a step on
+    """snapshot.waiting(paced=True): a job preempted at step 199 of 1000, whose rows ran at 0.5 s a step on
     2 GPUs, has 800 steps left of 1 GPU-second each; a job that never trained, its steps and no pace."""
-    from service.scheduling import dispatch
+    from service.scheduling import snapshot
     from service.store.tables import Job
 
     with database.session() as session:
@@ -319,7 +319,7 @@ def test_the_queue_read_for_estimates_says_what_each_job_has_left_and_how_fast_i
             job = Job(name=name, status="queued", spec=spec, plan={}, num_gpus=2, steps=1000, step=step, latest=latest)
             session.add(job)
     with database.session() as session:
-        paced = [(w.steps_left, w.step_gpu_s) for w in dispatch.waiting(session, paced=True)]
-        plain = [(w.steps_left, w.step_gpu_s) for w in dispatch.waiting(session)]
+        paced = [(w.steps_left, w.step_gpu_s) for w in snapshot.waiting(session, paced=True)]
+        plain = [(w.steps_left, w.step_gpu_s) for w in snapshot.waiting(session)]
     assert paced == [(800, 1.0), (1000, None)]
     assert plain == [(None, None), (None, None)]  # a tick's policy reads neither

@@ -30,7 +30,7 @@ unstopped run would have spent, is time its GPUs are held without training:
   loses its work since its last checkpoint, steps since it x step time x N (issue 44's formula), and
   the grace it trained through in vain, in place of the checkpoint.
 
-Each fact is the victim's own, as stored (dispatch.py `with_loss_facts`): an unknown one counts 0. A
+Each fact is the victim's own, as stored (snapshot.py `with_loss_facts`): an unknown one counts 0. A
 shrunk job grows back later only on GPUs nothing waits for, so its growth is not counted as lost.
 
 No database, no Ray, no clock: service/scheduling/dispatch.py reads the snapshot and carries out
